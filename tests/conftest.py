@@ -1,0 +1,93 @@
+"""Shared fixtures: tiny random Llama-family checkpoints and a tiny BPE tokenizer, built in seconds."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_VOCAB = 384
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="run opt-in tests on real checkpoints")
+    parser.addoption("--target-model", default=os.environ.get("VLLM_SPEC_TEST_TARGET"),
+                     help="target model for the e2e tests (default: a tiny random model)")
+    parser.addoption("--draft-model", default=os.environ.get("VLLM_SPEC_TEST_DRAFT"),
+                     help="draft model for the e2e tests (default: a tiny random model)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--run-slow"):
+        skip = pytest.mark.skip(reason="opt-in: pass --run-slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+    if not torch.cuda.is_available():
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+
+
+def _train_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = (Path(os.__file__).parent / "textwrap.py").read_text().splitlines() * 2
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+
+
+def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a tiny random HF checkpoint (+ tokenizer) of the given family into folder."""
+    import transformers as tf
+
+    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                bos_token_id=0, eos_token_id=0, rms_norm_eps=1e-6)
+    base.update(overrides)
+    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+           "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[arch]
+    torch.manual_seed(seed)
+    model = cls[1](cls[0](**base)).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # larger weights than HF's init: peaked, varied distributions
+            p.normal_(0.0, 0.1 if p.dim() > 1 else 0.5)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    _train_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", tie_word_embeddings=False, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=2, sliding_window=None)

@@ -1,0 +1,70 @@
+"""Reference attention over the paged KV cache in plain torch (CPU, and the oracle for GPU kernels).
+
+Any query length per sequence: each sequence's queries are its last q_len
+positions and attend causally to everything before them. Vectorised over the
+batch: K/V are gathered into a padded [B, max_seq_len] layout once per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vllm_spec.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class _Layout:
+    """Per-forward index tensors, shared by all layers."""
+
+    key_slots: torch.Tensor    # [B, S] cache slot of each key position
+    key_valid: torch.Tensor    # [B, Q, S] attention mask (causal and length)
+    tok_req: torch.Tensor      # [T] sequence of each query token
+    tok_off: torch.Tensor      # [T] offset of each token inside its query block
+
+
+def _layout(md: AttentionMetadata, sliding_window: int | None) -> _Layout:
+    cache = md.__dict__.setdefault("_torch_layouts", {})
+    if sliding_window in cache:
+        return cache[sliding_window]
+    device = md.seq_lens.device
+    B, S, Q = md.num_seqs, md.max_seq_len, md.max_query_len
+    q_lens = md.query_lens
+    key_pos = torch.arange(S, device=device)
+    blocks = md.block_tables[:, (key_pos // md.block_size).clamp(max=md.block_tables.shape[1] - 1)]
+    key_slots = blocks * md.block_size + key_pos % md.block_size
+    q_pos = (md.seq_lens - q_lens).unsqueeze(1) + torch.arange(Q, device=device)   # [B, Q]
+    valid = (key_pos.view(1, 1, S) <= q_pos.unsqueeze(2)) & (key_pos.view(1, 1, S) < md.seq_lens.view(B, 1, 1))
+    if sliding_window is not None:
+        valid &= (q_pos.unsqueeze(2) - key_pos.view(1, 1, S)) < sliding_window
+    T = int(md.query_start_loc[-1])
+    tok_req = torch.repeat_interleave(torch.arange(B, device=device), q_lens, output_size=T)
+    tok_off = torch.arange(T, device=device) - md.query_start_loc[tok_req]
+    cache[sliding_window] = _Layout(key_slots, valid, tok_req, tok_off)
+    return cache[sliding_window]
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([T, KVH, D]) at their slots of the [blocks, block_size, KVH, D] caches."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """q: [T, H, D] -> [T, H, D], attending to keys already written into the cache."""
+    lay = _layout(md, sliding_window)
+    H, D = q.shape[1], q.shape[2]
+    kvh = k_cache.shape[2]
+    keys = k_cache.view(-1, kvh, D)[lay.key_slots].transpose(1, 2)     # [B, KVH, S, D]
+    values = v_cache.view(-1, kvh, D)[lay.key_slots].transpose(1, 2)
+    q_pad = q.new_zeros(md.num_seqs, md.max_query_len, H, D)
+    q_pad[lay.tok_req, lay.tok_off] = q
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+        attn_mask=lay.key_valid.unsqueeze(1), scale=scale, enable_gqa=H != kvh,
+    )
+    return out.transpose(1, 2)[lay.tok_req, lay.tok_off]

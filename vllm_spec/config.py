@@ -1,0 +1,156 @@
+"""Resolved engine configuration: typed dataclasses built once by EngineArgs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vllm_spec.model.arch_config import ArchConfig
+
+_DTYPES = {
+    "half": torch.float16, "float16": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float": torch.float32, "float32": torch.float32, "fp32": torch.float32,
+}
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be one of 'auto', 'cpu', 'cuda', got {device!r}.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA device is available.")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """'auto' is float32 on CPU (exactness first) and the checkpoint's half type, else bfloat16, on GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(str(checkpoint_dtype), torch.bfloat16) if checkpoint_dtype in ("float16", "bfloat16") \
+            else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}.")
+    return _DTYPES[dtype]
+
+
+def find_model_source(model: str, load_format: str) -> tuple[str, Path]:
+    """Classify a model path: ('hf', folder) or ('gguf', file)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}.")
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf", path
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return "hf", path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return "gguf", ggufs[0]
+    raise FileNotFoundError(
+        f"model {model!r} not found: expected a folder with config.json (HF format) or a .gguf file. "
+        "Weights are never downloaded from a model hub."
+    )
+
+
+@dataclass
+class ModelConfig:
+    """The model to run and how: architecture, dtype, context length."""
+
+    model: str
+    arch: ArchConfig
+    source: str                      # "hf" or "gguf"
+    path: Path
+    tokenizer: str | None
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    load_format: str = "auto"
+    seed: int = 0
+
+    @classmethod
+    def create(cls, model: str, tokenizer: str | None, dtype: str | torch.dtype, device: str,
+               max_model_len: int | None, load_format: str, seed: int) -> "ModelConfig":
+        source, path = find_model_source(model, load_format)
+        if source == "gguf":
+            from vllm_spec.model.gguf_loader import read_gguf_config
+            hf_cfg = read_gguf_config(path)
+        else:
+            hf_cfg = json.loads((path / "config.json").read_text())
+        arch = ArchConfig.from_hf_dict(hf_cfg)
+        dev = resolve_device(device)
+        limit = arch.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = limit
+        elif not (isinstance(max_model_len, int) and 1 <= max_model_len):
+            raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}.")
+        elif max_model_len > limit and not (arch.rope_scaling and arch.rope_scaling.get("rope_type") != "default"):
+            raise ValueError(
+                f"max_model_len ({max_model_len}) must be <= the model's max_position_embeddings ({limit})."
+            )
+        return cls(model=model, arch=arch, source=source, path=path, tokenizer=tokenizer,
+                   dtype=resolve_dtype(dtype, arch.torch_dtype, dev), device=dev,
+                   max_model_len=max_model_len, load_format=load_format, seed=seed)
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache sizing (vLLM names). On CPU `kv_cache_memory_bytes` defaults to 4 GiB."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size!r}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes!r}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override!r}.")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits; prompts longer than the token budget are prefilled in chunks."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}.")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}.")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, resolved and validated."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    enforce_eager: bool = False

@@ -1,0 +1,116 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step feeds every scheduled sequence tokens[num_computed:num_computed+n].
+Sequences in decode go first (one token, plus lookahead slots for drafts), so a
+long prompt never stalls them; prompts then take what is left of the token
+budget, in chunks. When blocks run out the newest running sequence is
+preempted: its blocks are freed and it is recomputed later from its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from vllm_spec.config import SchedulerConfig
+from vllm_spec.core.block_manager import BlockManager
+from vllm_spec.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so the step produces a token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_lookahead_slots: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Picks the sequences of each engine step under max_num_seqs and max_num_batched_tokens."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead_slots: int = 0):
+        self.config = config
+        self.block_manager = block_manager
+        self.num_lookahead_slots = num_lookahead_slots
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Mark a sequence finished (or aborted) and return its blocks, wherever it is."""
+        seq.status = status
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(num_lookahead_slots=self.num_lookahead_slots)
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+        # Decodes first, then partially prefilled sequences, oldest first within each.
+        order = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            lookahead = self.num_lookahead_slots if n == seq.num_uncomputed_tokens else 0
+            while not bm.can_append_slots(seq, n, lookahead):
+                # Newest first, never one already scheduled this step; last resort: seq itself.
+                scheduled = {id(s.seq) for s in out.scheduled}
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled and s is not seq), seq)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                bm.append_slots(seq, n, lookahead)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            lookahead = self.num_lookahead_slots if n == seq.num_uncomputed_tokens else 0
+            if not bm.can_allocate(seq, n, lookahead):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, n, lookahead)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out

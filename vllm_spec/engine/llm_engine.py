@@ -1,0 +1,198 @@
+"""LLMEngine: requests in, one scheduled step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from vllm_spec.config import EngineConfig
+from vllm_spec.core.block_manager import BlockManager
+from vllm_spec.core.scheduler import Scheduler, SchedulerOutput
+from vllm_spec.core.sequence import Request, Sequence, SequenceStatus
+from vllm_spec.engine.arg_utils import EngineArgs
+from vllm_spec.engine.output_processor import OutputProcessor
+from vllm_spec.engine.stats import EngineStats
+from vllm_spec.executor.uniproc_executor import UniProcExecutor
+from vllm_spec.metrics import Metric
+from vllm_spec.outputs import CompletionOutput, RequestOutput
+from vllm_spec.sampling_params import SamplingParams
+from vllm_spec.tokenizer import get_tokenizer
+from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput
+
+# A prompt: text, {"prompt": text} / {"prompt_token_ids": ids}, or a list of token ids.
+PromptType = str | dict[str, Any] | list[int]
+
+
+class LLMEngine:
+    """Continuous-batching engine over one executor. Not thread-safe: drive it from one thread."""
+
+    def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False):
+        self.config = config
+        self.tokenizer = None if skip_tokenizer_init else get_tokenizer(config.model)
+        self.executor = UniProcExecutor(config)
+        self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.output_processor = OutputProcessor(self.tokenizer, self._eos_token_ids(), config.model.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._released: list[int] = []
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config(), skip_tokenizer_init=args.skip_tokenizer_init)
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set(self.config.model.arch.eos_token_ids)
+        gen_cfg = self.config.model.path / "generation_config.json"
+        if self.config.model.source == "hf" and gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # Requests -------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'.")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; this engine was built with skip_tokenizer_init=True.")
+        return prompt, self.tokenizer(prompt).input_ids
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+        """Validate and queue a request; a bad request raises ValueError and changes nothing."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        text, ids = self.tokenize_prompt(prompt)
+        vocab, max_len = self.config.model.arch.vocab_size, self.config.model.max_model_len
+        if not ids:
+            raise ValueError("The prompt cannot be empty (prompt_token_ids has length 0).")
+        if len(ids) > max_len:
+            raise ValueError(
+                f"The prompt (length {len(ids)}) is longer than the maximum model length of {max_len} "
+                "(max_model_len). Make the prompt shorter or raise max_model_len."
+            )
+        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is out of the vocabulary range [0, {vocab}).")
+        params = params.clone()
+        params.all_stop_token_ids |= self.output_processor.eos_token_ids if not params.ignore_eos else set()
+        max_tokens = max_len - len(ids) if params.max_tokens is None else params.max_tokens
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(request_id, i, ids, params.for_child(i) if params.n > 1 else params, max(1, max_tokens))
+            self.output_processor.start(seq)
+            seqs.append(seq)
+        request = Request(request_id, text, ids, params, seqs)
+        self.requests[request_id] = request
+        for seq in seqs:
+            self._seqs[seq.seq_id] = seq
+            self.scheduler.add(seq)
+        self.stats.on_new_request(len(ids))
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.scheduler.finish(seq, status)
+        self._seqs.pop(seq.seq_id, None)
+        self._released.append(seq.seq_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # Steps --------------------------------------------------------------------------
+    def _model_request(self, sched: SchedulerOutput) -> ExecuteModelRequest:
+        seqs = []
+        for item in sched.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            sample = item.samples
+            seqs.append(SeqInput(
+                seq_id=seq.seq_id,
+                token_ids=seq.token_slice(start, start + item.num_new_tokens),
+                start_pos=start,
+                block_table=seq.block_table,
+                sample=sample,
+                sampling_params=seq.sampling_params if sample else None,
+                prompt_token_ids=seq.prompt_token_ids,
+                output_token_ids=seq.output_token_ids,
+            ))
+        released, self._released = self._released, []
+        return ExecuteModelRequest(seqs, released, sched.num_lookahead_slots)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the outputs of every request that advanced."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.executor.execute_model(self._model_request(sched))
+        touched: dict[str, Request] = {}
+        for item in sched.scheduled:
+            if not item.samples:
+                item.seq.num_computed_tokens += item.num_new_tokens
+        now = time.monotonic()
+        for out in result.outputs:
+            seq = self._seqs[out.seq_id]
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                self.stats.on_first_token(now - seq.arrival_time)
+            kept = self.output_processor.append(seq, out.token_ids, out.logprobs)
+            self.stats.on_generated(kept)
+            # Every token but the newest now has its K/V in the cache.
+            seq.num_computed_tokens = seq.num_tokens - 1
+            if seq.is_finished:
+                self._finish(seq, seq.status)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = [self._request_output(r) for r in touched.values()]
+        for output in outputs:
+            if output.finished:
+                request = self.requests.pop(output.request_id)
+                self.stats.on_finished(request, now)
+        self.stats.on_step(time.perf_counter() - t0)
+        return outputs
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.output_text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if seq.sampling_params.logprobs is not None else None,
+                logprobs=list(seq.output_logprobs) if seq.sampling_params.logprobs is not None else None,
+                finish_reason=seq.status.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in request.seqs
+        ]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             request.is_finished)
+
+    # Metrics ------------------------------------------------------------------------
+    def get_metrics(self) -> list[Metric]:
+        return self.stats.snapshot(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_usage=self.block_manager.usage, num_preemptions=self.scheduler.num_preemptions,
+        )

@@ -1,0 +1,80 @@
+"""Appending new tokens to sequences: incremental detokenization and stop conditions."""
+
+from __future__ import annotations
+
+from vllm_spec.core.sequence import Sequence, SequenceStatus
+from vllm_spec.outputs import Logprob
+
+# Tokens decoded together with the new ones, so word-piece spacing comes out right.
+_CONTEXT_TOKENS = 5
+
+
+class OutputProcessor:
+    """Applies one step's new tokens to a sequence and decides whether it has finished."""
+
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def start(self, seq: Sequence) -> None:
+        seq.read_offset = seq.num_prompt_tokens
+        seq.prefix_offset = max(0, seq.read_offset - _CONTEXT_TOKENS)
+
+    def append(self, seq: Sequence, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None) -> int:
+        """Append tokens one by one until a stop condition; returns how many were kept."""
+        for i, token in enumerate(token_ids):
+            seq.output_token_ids.append(token)
+            if logprobs is not None:
+                entry = logprobs[i]
+                seq.output_logprobs.append(entry)
+                seq.cumulative_logprob += entry[token].logprob
+                self._decode_logprobs(entry)
+            status = self._check_stop(seq, token)
+            if status is not None:
+                seq.status = status
+                return i + 1
+        return len(token_ids)
+
+    def _decode_logprobs(self, entry: dict[int, Logprob]) -> None:
+        if self.tokenizer is None:
+            return
+        for tid, lp in entry.items():
+            lp.decoded_token = self.tokenizer.decode([tid])
+
+    def _detokenize(self, seq: Sequence) -> str:
+        params = seq.sampling_params
+        if self.tokenizer is None or not params.detokenize:
+            return ""
+        ids = seq.token_slice(seq.prefix_offset, seq.num_tokens)
+        skip = params.skip_special_tokens
+        prefix = self.tokenizer.decode(ids[: seq.read_offset - seq.prefix_offset], skip_special_tokens=skip)
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip)
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        seq.prefix_offset, seq.read_offset = seq.read_offset, seq.num_tokens
+        delta = text[len(prefix):]
+        seq.output_text += delta
+        return delta
+
+    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        params = seq.sampling_params
+        delta = self._detokenize(seq)
+        # As vLLM: stop strings count only once more than min_tokens tokens exist.
+        if delta and params.stop and not (params.min_tokens and seq.num_output_tokens <= params.min_tokens):
+            text = seq.output_text
+            for stop in params.stop:
+                idx = text.find(stop, max(0, len(text) - len(delta) - len(stop) + 1))
+                if idx >= 0:
+                    seq.output_text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
+                    seq.stop_reason = stop
+                    return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
+                return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,53 @@
+"""Engine counters and latency histograms, reported with vLLM's metric names."""
+
+from __future__ import annotations
+
+from collections import Counter as TallyCounter
+
+from vllm_spec.core.sequence import Request
+from vllm_spec.metrics import Counter, Gauge, HistogramRecorder, Metric
+
+
+class EngineStats:
+    """Accumulates what the engine observes; snapshot() renders vLLM-style metric objects."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_steps = 0
+        self.step_time = 0.0
+        self.finished: TallyCounter[str] = TallyCounter()
+        self.ttft = HistogramRecorder("vllm:time_to_first_token_seconds")
+        self.e2e = HistogramRecorder("vllm:e2e_request_latency_seconds")
+
+    def on_new_request(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens += num_prompt_tokens
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def on_generated(self, num_tokens: int) -> None:
+        self.generation_tokens += num_tokens
+
+    def on_finished(self, request: Request, now: float) -> None:
+        self.e2e.observe(now - request.arrival_time)
+        for seq in request.seqs:
+            self.finished[seq.status.finish_reason or "abort"] += 1
+
+    def on_step(self, seconds: float) -> None:
+        self.num_steps += 1
+        self.step_time += seconds
+
+    def snapshot(self, running: int, waiting: int, kv_usage: float, num_preemptions: int) -> list[Metric]:
+        metrics: list[Metric] = [
+            Gauge("vllm:num_requests_running", value=running),
+            Gauge("vllm:num_requests_waiting", value=waiting),
+            Gauge("vllm:kv_cache_usage_perc", value=kv_usage),
+            Counter("vllm:num_preemptions", value=num_preemptions),
+            Counter("vllm:prompt_tokens", value=self.prompt_tokens),
+            Counter("vllm:generation_tokens", value=self.generation_tokens),
+            Counter("vllm:engine_steps", value=self.num_steps),
+        ]
+        metrics += [Counter("vllm:request_success", {"finished_reason": r}, v) for r, v in sorted(self.finished.items())]
+        metrics += [self.ttft.snapshot(), self.e2e.snapshot()]
+        return metrics

@@ -1,0 +1,106 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)` as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from tqdm import tqdm
+
+from vllm_spec.engine.arg_utils import EngineArgs
+from vllm_spec.engine.llm_engine import LLMEngine, PromptType
+from vllm_spec.metrics import Metric
+from vllm_spec.outputs import RequestOutput
+from vllm_spec.sampling_params import SamplingParams
+
+
+class LLM:
+    """Batch generation over an LLMEngine. Keyword arguments are EngineArgs fields."""
+
+    def __init__(self, model: str, **kwargs: Any):
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for all prompts; outputs come back in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        if not prompt_list:
+            raise ValueError("prompts must not be empty.")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries but there are {len(prompt_list)} prompts."
+                )
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while len(done) < len(ids):
+                for out in self.llm_engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            self.llm_engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat() needs a tokenizer; this LLM was built with skip_tokenizer_init=True.")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template)
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_metrics(self) -> list[Metric]:
+        return self.llm_engine.get_metrics()
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return prompts

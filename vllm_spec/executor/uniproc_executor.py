@@ -1,0 +1,47 @@
+"""Executor for one process: builds the worker, sizes the KV cache, runs steps."""
+
+from __future__ import annotations
+
+from vllm_spec.config import EngineConfig
+from vllm_spec.worker.batch import ExecuteModelRequest, StepOutput
+from vllm_spec.worker.worker import Worker
+
+
+def num_kv_blocks(config: EngineConfig, available_bytes: int, bytes_per_block: int, lookahead: int) -> int:
+    """Blocks for the cache: the override, else what fits in memory, capped at what max_num_seqs
+    full-length sequences could ever use. Fails if one max_model_len sequence cannot fit."""
+    cache, sched = config.cache, config.scheduler
+    per_seq = -(-(sched.max_model_len + lookahead) // cache.block_size)
+    if cache.num_gpu_blocks_override is not None:
+        blocks = cache.num_gpu_blocks_override
+    else:
+        blocks = min(available_bytes // bytes_per_block, sched.max_num_seqs * per_seq + 1)
+    if blocks - 1 < per_seq:
+        raise ValueError(
+            f"The KV cache holds {(blocks - 1) * cache.block_size} tokens ({blocks} blocks of {cache.block_size}), "
+            f"fewer than max_model_len ({sched.max_model_len}) + {lookahead} lookahead slots. Increase "
+            "kv_cache_memory_bytes / gpu_memory_utilization or decrease max_model_len."
+        )
+    return blocks
+
+
+class UniProcExecutor:
+    """Runs the worker in the engine's own process."""
+
+    def __init__(self, config: EngineConfig):
+        if config.parallel.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={config.parallel.tensor_parallel_size} needs a multi-process executor; "
+                "this build supports tensor_parallel_size=1."
+            )
+        self.config = config
+        self.worker = Worker(config)
+        self.num_blocks = num_kv_blocks(config, self.worker.available_kv_bytes(),
+                                        self.worker.kv_bytes_per_block(), 0)
+        self.worker.init_kv_cache(self.num_blocks)
+
+    def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
+        return self.worker.execute_model(req)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,217 @@
+"""Read llama.cpp GGUF checkpoints (``llama`` and ``qwen2``) as HF-style configs and weights.
+
+GGUF stores hyper-parameters under ``{arch}.*`` keys and tensors under llama.cpp names
+(``blk.N.attn_q.weight``). This module maps both back to the Hugging Face layout so the
+rest of the engine never has to know the checkpoint came from a GGUF file.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+# GGUF architecture -> HF architecture name.
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_PER_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors that carry configuration, not parameters: rope_freqs becomes config["rope_scaling"].
+_NOT_PARAMETERS = {"rope_freqs.weight"}
+
+
+def _open(path: str | Path) -> tuple[GGUFReader, str]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    reader = GGUFReader(path)
+    arch = _value(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r} in {path}; "
+            f"supported GGUF architectures: {sorted(GGUF_ARCHITECTURES)}."
+        )
+    return reader, arch
+
+
+def _value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _f32(x: float) -> float:
+    # GGUF stores floats as float32 (1e-5 reads back as 9.999999747e-06); the shortest
+    # float32 repr gives back the value the original HF config.json held.
+    return float(str(np.float32(x)))
+
+
+def read_gguf_config(path: str | Path) -> dict[str, Any]:
+    """Return an HF-style config dict (for ``ArchConfig.from_hf_dict``) read from a GGUF file.
+
+    Raises ``FileNotFoundError`` if the file is missing and ``ValueError`` for a GGUF
+    architecture other than ``llama`` / ``qwen2``.
+    """
+    reader, arch = _open(path)
+    return _config(reader, arch)
+
+
+def _config(reader: GGUFReader, arch: str) -> dict[str, Any]:
+    def kv(key: str, default: Any = None) -> Any:
+        return _value(reader, f"{arch}.{key}", default)
+
+    tensors = {t.name: t for t in reader.tensors}
+    heads = kv("attention.head_count")
+    hidden = kv("embedding_length")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    embed_rows = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes are [in, out]
+    # llama.cpp pads the token list to the embedding size; if a file disagrees, the weights win.
+    vocab_size = len(tokens.data) if tokens is not None else embed_rows
+    if vocab_size != embed_rows:
+        vocab_size = embed_rows
+    cfg: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": kv("feed_forward_length"),
+        "num_hidden_layers": kv("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv("attention.head_count_kv", heads),
+        "rms_norm_eps": _f32(kv("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(kv("rope.freq_base", 10000.0)),
+        "max_position_embeddings": kv("context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "hidden_act": "silu",
+    }
+    # key_length is head_dim when it is not hidden/heads; llama's rotary dims always equal head_dim.
+    head_dim = kv("attention.key_length") or (kv("rope.dimension_count") if arch == "llama" else None)
+    if head_dim:
+        cfg["head_dim"] = head_dim
+    bos = _value(reader, "tokenizer.ggml.bos_token_id")
+    if bos is not None:
+        cfg["bos_token_id"] = bos
+    # Chat models end a turn with EOT (e.g. Llama-3's <|eot_id|>), so it stops generation too.
+    eos = [_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = list(dict.fromkeys(e for e in eos if e is not None))
+    if eos:
+        cfg["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    rope_scaling = _rope_scaling(reader, arch, tensors, cfg)
+    if rope_scaling:
+        cfg["rope_scaling"] = rope_scaling
+    return cfg
+
+
+def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict, cfg: dict) -> dict | None:
+    kind = _value(reader, f"{arch}.rope.scaling.type")
+    factor = _value(reader, f"{arch}.rope.scaling.factor") or _value(reader, f"{arch}.rope.scale_linear")
+    if kind == "linear" or (kind is None and factor):
+        return {"rope_type": "linear", "factor": _f32(factor)}
+    if kind == "yarn":
+        orig = _value(reader, f"{arch}.rope.scaling.original_context_length")
+        return {"rope_type": "yarn", "factor": _f32(factor), "original_max_position_embeddings": orig}
+    if kind not in (None, "none"):
+        raise ValueError(f"Unsupported GGUF rope scaling type {kind!r}")
+    if "rope_freqs.weight" in tensors:
+        freqs = np.array(dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type))
+        dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        return _llama3_from_rope_freqs(freqs.reshape(-1).astype(np.float64), cfg["rope_theta"], dim)
+    return None
+
+
+def _llama3_from_rope_freqs(f: np.ndarray, theta: float, dim: int) -> dict[str, Any]:
+    """Recover HF's llama3 rope parameters from llama.cpp's per-frequency divisors.
+
+    llama.cpp writes no llama3 keys, only ``rope_freqs`` = 1 (short wavelengths), ``factor``
+    (long ones) and 1/((1-s)/factor + s) in between, with s = L/wavelen/(hi-lo) - lo/(hi-lo).
+    Only a = L/(hi-lo) and b = lo/(hi-lo) are determined, and any (L, lo, hi) with those
+    ratios yields the same frequencies, so we fix low_freq_factor = 1 (Meta's value).
+    """
+    factor = float(f.max())
+    inv_wavelen = theta ** (-np.arange(0, dim, 2) / dim) / (2 * math.pi)
+    mid = (f > 1 + 1e-4) & (f < factor * (1 - 1e-4))
+    if mid.sum() < 2:
+        raise ValueError("Cannot recover llama3 rope scaling from rope_freqs: too few transition frequencies")
+    smooth = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+    a, minus_b = np.polyfit(inv_wavelen[mid], smooth, 1)
+    b = -minus_b
+    out = {
+        "rope_type": "llama3",
+        "factor": _f32(factor),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": round(1 + 1 / b, 4),
+        "original_max_position_embeddings": int(round(a / b)),
+    }
+    s = np.clip(a * inv_wavelen - b, 0.0, 1.0)
+    if not np.allclose(1 / ((1 - s) / factor + s), f, rtol=1e-3):
+        raise ValueError("rope_freqs in GGUF do not follow the llama3 rope scaling formula")
+    return out
+
+
+def _hf_name(gguf_name: str) -> str:
+    base, _, kind = gguf_name.rpartition(".")  # kind: "weight" or "bias"
+    if base in _TOP_LEVEL:
+        return f"{_TOP_LEVEL[base]}.{kind}"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _PER_LAYER:
+        return f"model.layers.{m.group(1)}.{_PER_LAYER[m.group(2)]}.{kind}"
+    raise ValueError(f"Unexpected tensor {gguf_name!r} in GGUF file")
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # convert_hf_to_gguf.py reorders each head's rows from HF's rotate-half layout
+    # (first half | second half) to llama.cpp's interleaved pairs via
+    # reshape(n_head, 2, d/2, ...).swapaxes(1, 2); this is its inverse.
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every parameter of a GGUF checkpoint.
+
+    Tensors are dequantized one at a time (the file is memory-mapped), returned in HF
+    layout (``[out, in]``), with llama.cpp's rotary permutation of Q/K undone for ``llama``.
+    ``lm_head.weight`` is only yielded when the file has an untied ``output.weight``.
+    The file is opened and checked here, so a bad path fails at the call, not at first use.
+    """
+    reader, arch = _open(path)
+    cfg = _config(reader, arch)
+    return _iter_weights(reader, arch, cfg["num_attention_heads"], cfg["num_key_value_heads"])
+
+
+def _iter_weights(reader: GGUFReader, arch: str, n_head: int, n_kv_head: int) -> Iterator[tuple[str, torch.Tensor]]:
+    for t in reader.tensors:
+        if t.name in _NOT_PARAMETERS:
+            continue
+        name = _hf_name(t.name)
+        # np.array copies: the result must not alias the read-only memory map.
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)])
+        if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+            w = _unpermute(w, n_head if ".attn_q." in t.name else n_kv_head)
+        yield name, torch.from_numpy(np.ascontiguousarray(w))
+
+
+def load_gguf_tokenizer(path: str | Path):
+    """Build a transformers fast tokenizer (with the chat template) from a local GGUF file."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)

@@ -1,0 +1,150 @@
+"""Tensor-parallel building blocks: sharded linears, embedding, LM head, RMSNorm.
+
+Each parameter carries a `weight_loader(param, full_weight, shard_id)` that copies
+only this rank's slice, so checkpoints load shard by shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_spec.distributed.parallel_state import GroupCoordinator
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) must be divisible by tensor_parallel_size ({d}).")
+    return n // d
+
+
+def _default_loader(param: nn.Parameter, weight: torch.Tensor, shard_id=None) -> None:
+    if param.shape != weight.shape:
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match parameter {tuple(param.shape)}")
+    param.data.copy_(weight)
+
+
+def _param(*shape: int, dtype: torch.dtype, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = xA^T + b with A's output rows split across ranks; output stays sharded.
+
+    `output_sizes` lists the fused sub-matrices (e.g. gate and up) so each is
+    split on its own and a checkpoint's separate tensors land in their slots.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp: GroupCoordinator, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.shard_sizes = [_divide(s, tp.world_size, "linear output size") for s in output_sizes]
+        out = sum(self.shard_sizes)
+        self.weight = _param(out, input_size, dtype=dtype, loader=self._load)
+        self.bias = _param(out, dtype=dtype, loader=self._load) if bias else None
+
+    def _offsets(self, shard_id: int) -> tuple[int, int]:
+        return sum(self.shard_sizes[:shard_id]), self.shard_sizes[shard_id]
+
+    def _load(self, param: nn.Parameter, weight: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None:
+            assert len(self.shard_sizes) == 1
+            shard_id = 0
+        offset, size = self._offsets(shard_id)
+        src = weight.narrow(0, self.tp.rank * size, size)
+        param.data.narrow(0, offset, size).copy_(src)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; KV heads are replicated when tp > num_kv_heads."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 tp: GroupCoordinator, dtype: torch.dtype):
+        self.num_heads = _divide(num_heads, tp.world_size, "num_attention_heads")
+        if num_kv_heads >= tp.world_size:
+            self.num_kv_heads = _divide(num_kv_heads, tp.world_size, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = _divide(tp.world_size, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
+        self.head_dim = head_dim
+        q, kv = self.num_heads * head_dim * tp.world_size, self.num_kv_heads * head_dim * tp.world_size
+        super().__init__(hidden, [q, kv, kv], bias, tp, dtype)
+
+    def _load(self, param: nn.Parameter, weight: torch.Tensor, shard_id: str | None = None) -> None:
+        idx = {"q": 0, "k": 1, "v": 2}[shard_id]
+        offset, size = self._offsets(idx)
+        rank = self.tp.rank if idx == 0 else self.tp.rank // self.kv_replicas
+        param.data.narrow(0, offset, size).copy_(weight.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = xA^T + b with A's input columns split across ranks; the partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: GroupCoordinator, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.in_shard = _divide(input_size, tp.world_size, "linear input size")
+        self.weight = _param(output_size, self.in_shard, dtype=dtype, loader=self._load)
+        self.bias = _param(output_size, dtype=dtype, loader=_default_loader) if bias else None
+
+    def _load(self, param: nn.Parameter, weight: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(weight.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split across ranks (padded to a multiple of tp)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: GroupCoordinator, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.shard = -(-vocab_size // tp.world_size)
+        self.start = tp.rank * self.shard
+        self.weight = _param(self.shard, hidden, dtype=dtype, loader=self._load)
+
+    def _load(self, param: nn.Parameter, weight: torch.Tensor, shard_id=None) -> None:
+        rows = weight[self.start: self.start + self.shard]
+        param.data.zero_()
+        param.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection sharded over the vocabulary; logits are gathered across ranks."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather(F.linear(hidden, self.weight), dim=-1)
+        return logits[..., : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, then scaled in the model dtype (as HF Llama does)."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(hidden, dtype=dtype, loader=_default_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)

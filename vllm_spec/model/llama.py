@@ -1,0 +1,130 @@
+"""One Llama-family decoder (Llama 1-3, Mistral, Qwen2, SmolLM2) over a flat token batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_spec.attention import Attention, AttentionMetadata
+from vllm_spec.distributed.parallel_state import GroupCoordinator
+from vllm_spec.model.arch_config import ArchConfig
+from vllm_spec.model.layers import (
+    ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
+)
+from vllm_spec.model.rotary import RotaryEmbedding
+
+# Checkpoint sub-name -> (our fused parameter, shard id).
+_FUSED = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, cfg.attention_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, False, tp, dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
+                              cfg.sliding_window)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                md: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), md)
+        return self.o_proj(out.reshape(-1, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp, dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, tp, dtype)
+        self.mlp = LlamaMLP(cfg, tp, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                md: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. forward() maps a flat batch of tokens to hidden states;
+    compute_logits() is applied only to the rows that are sampled or verified."""
+
+    def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg.head_dim, max(max_positions, cfg.max_position_embeddings),
+                                    cfg.rope_theta, cfg.rope_scaling)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, md)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; each parameter's loader keeps only this rank's shard."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            shard = None
+            for old, (new, shard_id) in _FUSED.items():
+                if old in name:
+                    name, shard = name.replace(old, new), shard_id
+                    break
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"Unexpected weight {name!r} in checkpoint for {self.config.architecture}.")
+            param = params[name]
+            with torch.no_grad():
+                param.weight_loader(param, tensor.to(param.dtype), shard)
+            loaded.add(name)
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = [n for n in params if n not in loaded and not n.startswith("rope.")]
+        if missing:
+            raise ValueError(f"Checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

@@ -1,0 +1,117 @@
+"""Logits processing and sampling, vectorised over the batch.
+
+process_logits() turns raw logits into the distribution the request asks for
+(penalties, min_tokens, temperature, top-k, top-p, min-p); the speculative
+verifier uses the very same function, which is what keeps speculation lossless.
+Random rows sample by the exponential race argmax(p / E), E ~ Exp(1), drawing E
+from the row's own generator when it has a seed, so a seeded row's tokens do
+not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_spec.sample.metadata import SamplingMetadata
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor                   # [N] token ids
+    logprob_token_ids: torch.Tensor | None  # [N, 1 + K]: sampled token, then the top-K
+    logprobs: torch.Tensor | None           # [N, 1 + K]
+    sampled_ranks: torch.Tensor | None      # [N] 1-based rank of the sampled token
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    pen = md.penalties
+    if pen is not None:
+        rep = pen.repetition.unsqueeze(1)
+        scaled = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(pen.seen, scaled, logits)
+        logits = logits - pen.frequency.unsqueeze(1) * pen.output_counts
+        logits = logits - pen.presence.unsqueeze(1) * (pen.output_counts > 0).to(logits.dtype)
+    if md.banned_rows is not None:
+        logits = logits.index_put((md.banned_rows, md.banned_tokens), torch.tensor(float("-inf"), device=logits.device))
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Mask to -inf everything outside each row's top-k, nucleus (top-p) and min-p sets."""
+    if md.top_k is None and md.top_p is None and md.min_p is None:
+        return logits
+    neg_inf = torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype)
+    if md.top_k is not None or md.top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if md.top_k is not None:
+            ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+            remove |= ranks >= md.top_k.unsqueeze(1)
+        if md.top_p is not None:
+            probs = sorted_logits.masked_fill(remove, neg_inf).softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p: drop a token when
+            # the mass strictly before it already does. The first token always stays.
+            mass_before = probs.cumsum(dim=-1) - probs
+            remove |= mass_before >= md.top_p.unsqueeze(1)
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(remove, neg_inf))
+    if md.min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = md.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, neg_inf)
+    return logits
+
+
+def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Raw logits [N, V] (float32) -> the logits each row samples from (greedy rows: argmax of these)."""
+    logits = apply_penalties(logits, md)
+    if not md.all_greedy:
+        logits = logits / md.temperature.unsqueeze(1)
+        logits = apply_top_k_top_p_min_p(logits, md)
+    return logits
+
+
+def exponential_noise(shape: tuple[int, ...], md: SamplingMetadata, device: torch.device,
+                      generator: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) noise [N, ...]; seeded rows draw from their own generators."""
+    noise = torch.empty(shape, device=device).exponential_(generator=generator)
+    for row, gen in md.generators.items():
+        noise[row].exponential_(generator=gen)
+    return noise
+
+
+def sample_from_logits(logits: torch.Tensor, md: SamplingMetadata,
+                       generator: torch.Generator | None) -> torch.Tensor:
+    greedy_tokens = logits.argmax(dim=-1)
+    if md.all_greedy:
+        return greedy_tokens
+    probs = logits.softmax(dim=-1)
+    noise = exponential_noise(tuple(probs.shape), md, probs.device, generator)
+    random_tokens = (probs / noise).argmax(dim=-1)
+    return torch.where(md.greedy, greedy_tokens, random_tokens)
+
+
+def gather_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the raw model distribution: the chosen tokens, their ranks, and the top-k."""
+    logprobs = raw_logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, tokens.unsqueeze(-1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens.new_empty(tokens.shape[0], 0))
+    return torch.cat([tokens.unsqueeze(-1), top_ids], dim=-1), torch.cat([chosen, top_lp], dim=-1), ranks
+
+
+class Sampler:
+    """Samples one token per row. `generator` serves the rows without a seed."""
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        raw = logits.float()
+        tokens = sample_from_logits(process_logits(raw, md), md, self.generator)
+        if md.max_num_logprobs is None:
+            return SamplerOutput(tokens, None, None, None)
+        ids, lps, ranks = gather_logprobs(raw, tokens, md.max_num_logprobs)
+        return SamplerOutput(tokens, ids, lps, ranks)

@@ -1,0 +1,115 @@
+"""Sampling parameters for one request, with vLLM's names and semantics."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+# Temperatures below this are treated as greedy, as in vLLM.
+SAMPLING_EPS = 1e-5
+
+
+def _check(ok: bool, name: str, allowed: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}.")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one request.
+
+    temperature 0 means greedy. top_k 0 or -1 disables top-k. The penalties
+    follow vLLM: presence/frequency penalties count output tokens only,
+    repetition_penalty counts prompt and output tokens.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+    # Filled by the engine: the model's EOS ids, so min_tokens can mask them.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        if self.is_greedy:
+            # Greedy ignores the truncation knobs; normalising them lets the
+            # sampler skip work for mixed batches.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        _check(is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]", self.presence_penalty)
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "in (0, 2]", self.repetition_penalty)
+        _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(is_int(self.top_k) and self.top_k >= 0, "top_k", "0 or -1 (disabled) or a positive integer", self.top_k)
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        _check(self.seed is None or is_int(self.seed), "seed", "an integer or None", self.seed)
+        _check(
+            self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens", "an integer >= 1 or None", self.max_tokens,
+        )
+        _check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        _check(
+            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+            "logprobs", "None or an integer in [0, 20]", self.logprobs,
+        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them", self.stop)
+        _check(
+            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids", "a list of non-negative integers", self.stop_token_ids,
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
+
+    def for_child(self, index: int) -> "SamplingParams":
+        """Parameters for the index-th of n parallel samples (vLLM: seed + index)."""
+        child = self.clone()
+        child.n = 1
+        if child.seed is not None:
+            child.seed = self.seed + index
+        return child

@@ -1,0 +1,53 @@
+"""What crosses the engine/worker boundary each step: batches, not requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_spec.outputs import Logprob
+from vllm_spec.sampling_params import SamplingParams
+
+
+@dataclass
+class SeqInput:
+    """One sequence's slice of a step: feed `token_ids` at positions start_pos, start_pos+1, ...
+
+    When `sample` is set the chunk ends the sequence and the step returns new
+    token(s) for it, sampled with `sampling_params` (prompt/output ids feed the
+    penalties and min_tokens).
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    sampling_params: SamplingParams | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def seq_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class ExecuteModelRequest:
+    seqs: list[SeqInput]
+    # Sequences that ended since the last step: the worker drops their state.
+    finished_seq_ids: list[int] = field(default_factory=list)
+    num_lookahead_slots: int = 0
+
+
+@dataclass
+class SeqOutput:
+    """New tokens of one sampled sequence (one, or several when drafts were accepted)."""
+
+    seq_id: int
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None = None
+
+
+@dataclass
+class StepOutput:
+    outputs: list[SeqOutput]

@@ -1,0 +1,75 @@
+"""Runs one model over a flat batch of sequences against its paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata, compute_slot_mapping
+from vllm_spec.model.llama import LlamaForCausalLM
+from vllm_spec.worker.batch import SeqInput
+
+
+@dataclass
+class PreparedBatch:
+    input_ids: torch.Tensor    # [T]
+    positions: torch.Tensor    # [T]
+    md: AttentionMetadata
+
+
+class ModelRunner:
+    """Owns a model and its KV cache; knows batches and blocks, not requests."""
+
+    def __init__(self, model: LlamaForCausalLM, device: torch.device, block_size: int):
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = 0
+
+    def kv_bytes_per_block(self, dtype: torch.dtype) -> int:
+        attn = self.model.attention_layers()
+        per_layer = 2 * self.block_size * attn[0].num_kv_heads * attn[0].head_dim
+        return per_layer * len(attn) * torch.empty(0, dtype=dtype).element_size()
+
+    def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
+        # Zeroed so that never-written slots (masked out) cannot hold NaN bit patterns.
+        self.num_blocks = num_blocks
+        for attn in self.model.attention_layers():
+            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def prepare(self, seqs: list[SeqInput]) -> PreparedBatch:
+        """Flatten the sequences' new tokens and build the attention metadata."""
+        q_lens = [len(s.token_ids) for s in seqs]
+        tokens = [t for s in seqs for t in s.token_ids]
+        positions = [p for s in seqs for p in range(s.start_pos, s.seq_len)]
+        width = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [NULL_BLOCK] * (width - len(s.block_table)) for s in seqs]
+        dev = self.device
+        as_long = dict(dtype=torch.long, device=dev)
+        q_lens_t = torch.tensor(q_lens, **as_long)
+        query_start_loc = torch.zeros(len(seqs) + 1, **as_long)
+        torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])
+        pos_t = torch.tensor(positions, **as_long)
+        tables_t = torch.tensor(tables, **as_long)
+        req_idx = torch.repeat_interleave(torch.arange(len(seqs), device=dev), q_lens_t, output_size=len(tokens))
+        md = AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=torch.tensor([s.seq_len for s in seqs], **as_long),
+            block_tables=tables_t,
+            slot_mapping=compute_slot_mapping(tables_t, req_idx, pos_t, self.block_size),
+            max_query_len=max(q_lens),
+            max_seq_len=max(s.seq_len for s in seqs),
+            block_size=self.block_size,
+        )
+        return PreparedBatch(torch.tensor(tokens, **as_long), pos_t, md)
+
+    @torch.inference_mode()
+    def forward(self, batch: PreparedBatch) -> torch.Tensor:
+        return self.model(batch.input_ids, batch.positions, batch.md)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden[rows]).float()
