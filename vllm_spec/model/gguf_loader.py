@@ -7,6 +7,7 @@ rest of the engine never has to know the checkpoint came from a GGUF file.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
@@ -40,7 +41,8 @@ def _open(path: str | Path) -> tuple[GGUFReader, str]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader = GGUFReader(path)
+    st = path.stat()
+    reader = _reader(str(path.resolve()), st.st_mtime_ns, st.st_size)
     arch = _value(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -48,6 +50,14 @@ def _open(path: str | Path) -> tuple[GGUFReader, str]:
             f"supported GGUF architectures: {sorted(GGUF_ARCHITECTURES)}."
         )
     return reader, arch
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
+    # Parsing the metadata (~100k tokenizer strings) takes seconds; the engine reads the
+    # config and then the weights of the same file, so keep the last readers. They are
+    # memory maps: no tensor data is held. mtime/size in the key catch a replaced file.
+    return GGUFReader(path)
 
 
 def _value(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -78,12 +88,9 @@ def _config(reader: GGUFReader, arch: str) -> dict[str, Any]:
     tensors = {t.name: t for t in reader.tensors}
     heads = kv("attention.head_count")
     hidden = kv("embedding_length")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    embed_rows = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes are [in, out]
-    # llama.cpp pads the token list to the embedding size; if a file disagrees, the weights win.
-    vocab_size = len(tokens.data) if tokens is not None else embed_rows
-    if vocab_size != embed_rows:
-        vocab_size = embed_rows
+    # This equals len(tokenizer.ggml.tokens) (llama.cpp pads the token list to the embedding,
+    # e.g. Qwen2.5's 151,936 rows); the embedding is what the weights must fit. GGUF shapes are [in, out].
+    vocab_size = int(tensors["token_embd.weight"].shape[-1])
     cfg: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -199,8 +206,9 @@ def _iter_weights(reader: GGUFReader, arch: str, n_head: int, n_kv_head: int) ->
         if t.name in _NOT_PARAMETERS:
             continue
         name = _hf_name(t.name)
-        # np.array copies: the result must not alias the read-only memory map.
-        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if np.may_share_memory(w, t.data):  # F32 tensors come back as views of the read-only map
+            w = w.copy()
         w = w.reshape([int(d) for d in reversed(t.shape)])
         if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
             w = _unpermute(w, n_head if ".attn_q." in t.name else n_kv_head)
