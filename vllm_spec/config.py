@@ -145,6 +145,67 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}.")
 
 
+SPEC_METHODS = ("draft_model", "ngram")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: the proposer, k, and (for a draft model) its resolved ModelConfig."""
+
+    method: str
+    num_speculative_tokens: int
+    draft: ModelConfig | None = None
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 2
+    draft_tensor_parallel_size: int = 1
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def create(cls, target: ModelConfig, model: str | None, num_speculative_tokens: int | None,
+               method: str | None = None, prompt_lookup_max: int | None = None,
+               prompt_lookup_min: int | None = None, draft_tensor_parallel_size: int | None = None,
+               disable_by_batch_size: int | None = None) -> "SpeculativeConfig":
+        if model == "[ngram]" or method == "ngram":
+            method = "ngram"
+        elif method in (None, "draft_model"):
+            method = "draft_model"
+            if not model:
+                raise ValueError("speculative_model (speculative_config['model']) is required for a draft model.")
+        else:
+            raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {method!r}.")
+        k = num_speculative_tokens
+        if not (isinstance(k, int) and 1 <= k <= 16):
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}.")
+        if disable_by_batch_size is not None and disable_by_batch_size < 1:
+            raise ValueError(f"speculative_disable_by_batch_size must be >= 1, got {disable_by_batch_size!r}.")
+        cfg = cls(method, k, draft_tensor_parallel_size=draft_tensor_parallel_size or 1,
+                  disable_by_batch_size=disable_by_batch_size)
+        if method == "ngram":
+            hi = prompt_lookup_max or prompt_lookup_min or 5
+            lo = prompt_lookup_min or min(2, hi)
+            if not 1 <= lo <= hi:
+                raise ValueError(
+                    f"ngram_prompt_lookup_min ({lo}) must be >= 1 and <= ngram_prompt_lookup_max ({hi})."
+                )
+            cfg.prompt_lookup_max, cfg.prompt_lookup_min = hi, lo
+            return cfg
+        draft = ModelConfig.create(model, None, target.dtype, target.device.type, None, "auto"
+                                   if target.load_format != "dummy" else "dummy", target.seed)
+        if draft.arch.vocab_size != target.arch.vocab_size:
+            raise ValueError(
+                f"The draft model's vocabulary ({draft.arch.vocab_size} tokens) differs from the target's "
+                f"({target.arch.vocab_size}); speculative decoding needs the same tokenizer."
+            )
+        if draft.max_model_len < target.max_model_len:
+            raise ValueError(
+                f"The draft model supports {draft.max_model_len} positions, fewer than the target's "
+                f"max_model_len ({target.max_model_len}): lower max_model_len or pick another draft."
+            )
+        draft.max_model_len = target.max_model_len
+        cfg.draft = draft
+        return cfg
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs, resolved and validated."""
@@ -153,4 +214,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
     enforce_eager: bool = False
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots reserved past each decoding sequence for its draft tokens."""
+        return self.speculative.num_speculative_tokens if self.speculative else 0

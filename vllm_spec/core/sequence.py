@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from vllm_spec.outputs import Logprob
 from vllm_spec.sampling_params import SamplingParams
+from vllm_spec.utils import concat_slice
 
 
 class SequenceStatus(enum.Enum):
@@ -86,13 +87,8 @@ class Sequence:
         return self.status.finished
 
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """Tokens [start, stop) of prompt + output, without concatenating the whole history."""
-        p = len(self.prompt_token_ids)
-        if stop <= p:
-            return self.prompt_token_ids[start:stop]
-        if start >= p:
-            return self.output_token_ids[start - p: stop - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+        """Tokens [start, stop) of prompt + output."""
+        return concat_slice(self.prompt_token_ids, self.output_token_ids, start, stop)
 
     @property
     def all_token_ids(self) -> list[int]:

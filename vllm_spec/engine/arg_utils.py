@@ -9,7 +9,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_spec.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from vllm_spec.config import (
+    CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
+)
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -36,6 +38,16 @@ class EngineArgs:
     max_num_seqs: int = _opt(256, "Maximum number of sequences per step.")
     max_num_batched_tokens: int | None = _opt(None, "Token budget per step (default 2048; prompts are chunked).")
     enforce_eager: bool = _opt(False, "Disable CUDA graphs.")
+    speculative_model: str | None = _opt(None, "Draft model (folder or .gguf), or '[ngram]' for prompt lookup.")
+    num_speculative_tokens: int | None = _opt(None, "Draft tokens per step, k in [1, 16].")
+    speculative_config: dict | None = _opt(
+        None, "vLLM V1 form as JSON: {model, num_speculative_tokens, method, prompt_lookup_max, "
+              "prompt_lookup_min, draft_tensor_parallel_size, disable_by_batch_size}.")
+    ngram_prompt_lookup_max: int | None = _opt(None, "Longest n-gram the [ngram] proposer matches.")
+    ngram_prompt_lookup_min: int | None = _opt(None, "Shortest n-gram the [ngram] proposer matches.")
+    speculative_draft_tensor_parallel_size: int | None = _opt(None, "Tensor-parallel size of the draft.")
+    speculative_disable_by_batch_size: int | None = _opt(
+        None, "No speculation while this many or more requests are running.")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
@@ -68,8 +80,33 @@ class EngineArgs:
                               self.num_gpu_blocks_override),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens or 2048, model.max_model_len),
             parallel=ParallelConfig(self.tensor_parallel_size),
+            speculative=self._speculative_config(model),
             enforce_eager=self.enforce_eager,
         )
+
+    def _speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
+        """Merge the V0-style flags and the V1 `speculative_config` dict (the dict wins)."""
+        opts = {
+            "model": self.speculative_model,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "prompt_lookup_max": self.ngram_prompt_lookup_max,
+            "prompt_lookup_min": self.ngram_prompt_lookup_min,
+            "draft_tensor_parallel_size": self.speculative_draft_tensor_parallel_size,
+            "disable_by_batch_size": self.speculative_disable_by_batch_size,
+            "method": None,
+        }
+        if self.speculative_config is not None:
+            if not isinstance(self.speculative_config, dict):
+                raise ValueError("speculative_config must be a dict (JSON object).")
+            unknown = set(self.speculative_config) - set(opts)
+            if unknown:
+                raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; allowed: {sorted(opts)}.")
+            opts.update({k: v for k, v in self.speculative_config.items() if v is not None})
+        if opts["model"] is None and opts["method"] is None:
+            if opts["num_speculative_tokens"] is not None:
+                raise ValueError("num_speculative_tokens needs speculative_model (or speculative_config).")
+            return None
+        return SpeculativeConfig.create(target, **opts)
 
 
 def _parser_for(kind: Any):

@@ -17,6 +17,7 @@ from vllm_spec.executor.uniproc_executor import UniProcExecutor
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import CompletionOutput, RequestOutput
 from vllm_spec.sampling_params import SamplingParams
+from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
 from vllm_spec.tokenizer import get_tokenizer
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput
 
@@ -32,12 +33,13 @@ class LLMEngine:
         self.tokenizer = None if skip_tokenizer_init else get_tokenizer(config.model)
         self.executor = UniProcExecutor(config)
         self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.num_lookahead_slots)
         self.output_processor = OutputProcessor(self.tokenizer, self._eos_token_ids(), config.model.max_model_len)
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._released: list[int] = []
         self.stats = EngineStats()
+        self.spec_metrics = SpecDecodeMetrics() if config.speculative else None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -149,6 +151,8 @@ class LLMEngine:
         if sched.is_empty:
             return []
         result = self.executor.execute_model(self._model_request(sched))
+        if result.spec is not None:
+            self.spec_metrics.add(result.spec)
         touched: dict[str, Request] = {}
         for item in sched.scheduled:
             if not item.samples:
@@ -192,7 +196,8 @@ class LLMEngine:
 
     # Metrics ------------------------------------------------------------------------
     def get_metrics(self) -> list[Metric]:
-        return self.stats.snapshot(
+        metrics = self.stats.snapshot(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             kv_usage=self.block_manager.usage, num_preemptions=self.scheduler.num_preemptions,
         )
+        return metrics + (self.spec_metrics.snapshot() if self.spec_metrics else [])

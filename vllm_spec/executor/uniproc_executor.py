@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vllm_spec.config import EngineConfig
+from vllm_spec.spec_decode.spec_decode_worker import SpecDecodeWorker
 from vllm_spec.worker.batch import ExecuteModelRequest, StepOutput
 from vllm_spec.worker.worker import Worker
 
@@ -35,9 +36,9 @@ class UniProcExecutor:
                 "this build supports tensor_parallel_size=1."
             )
         self.config = config
-        self.worker = Worker(config)
+        self.worker = SpecDecodeWorker(config) if config.speculative else Worker(config)
         self.num_blocks = num_kv_blocks(config, self.worker.available_kv_bytes(),
-                                        self.worker.kv_bytes_per_block(), 0)
+                                        self.worker.kv_bytes_per_block(), config.num_lookahead_slots)
         self.worker.init_kv_cache(self.num_blocks)
 
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:

@@ -36,6 +36,8 @@ class ArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
+    # A draft shipped without an embedding matrix borrows its target's (same hidden size).
+    embeddings_from_target: bool = False
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ArchConfig":
@@ -82,4 +84,5 @@ class ArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            embeddings_from_target=bool(cfg.get("vllm_spec_embeddings_from_target", False)),
         )

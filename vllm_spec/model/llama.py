@@ -102,6 +102,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def share_embeddings(self, target: "LlamaForCausalLM") -> None:
+        """Use the target's embedding (and tied LM head) instead of a copy of our own."""
+        if target.config.hidden_size != self.config.hidden_size:
+            raise ValueError(
+                f"a draft that borrows the target's embeddings needs the same hidden_size "
+                f"({self.config.hidden_size} vs {target.config.hidden_size})."
+            )
+        self.embed_tokens.weight = target.embed_tokens.weight
+        self.lm_head.weight = target.embed_tokens.weight if self.config.tie_word_embeddings \
+            else target.lm_head.weight
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; each parameter's loader keeps only this rank's shard."""
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -125,6 +136,8 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
+        if self.config.embeddings_from_target:
+            loaded |= {"embed_tokens.weight", "lm_head.weight"}
         missing = [n for n in params if n not in loaded and not n.startswith("rope.")]
         if missing:
             raise ValueError(f"Checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

@@ -17,6 +17,9 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+    # Speculative positions: tokens that follow output_token_ids but are not in it
+    # (they count towards min_tokens; penalties need them in output_token_ids).
+    num_pending: int = 0
 
 
 @dataclass
@@ -45,7 +48,10 @@ class SamplingMetadata:
     max_num_logprobs: int | None
 
     @classmethod
-    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingMetadata":
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device,
+              for_draft: bool = False) -> "SamplingMetadata":
+        """`for_draft` keeps only what shapes a proposal distribution (temperature and truncation):
+        the verifier corrects for any draft distribution, so penalties are not worth their cost there."""
         ps = [r.params for r in rows]
         f32 = dict(dtype=torch.float32, device=device)
         greedy = [p.is_greedy for p in ps]
@@ -60,7 +66,7 @@ class SamplingMetadata:
             min_p = torch.tensor([p.min_p for p in ps], **f32)
         banned_r, banned_t = [], []
         for i, r in enumerate(rows):
-            if len(r.output_token_ids) < r.params.min_tokens:
+            if not for_draft and len(r.output_token_ids) + r.num_pending < r.params.min_tokens:
                 ids = sorted(t for t in r.params.all_stop_token_ids if t < vocab_size)
                 banned_r += [i] * len(ids)
                 banned_t += ids
@@ -70,7 +76,8 @@ class SamplingMetadata:
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             all_greedy=all(greedy),
             top_k=top_k, top_p=top_p, min_p=min_p,
-            penalties=_penalties(rows, vocab_size, device) if any(p.has_penalties for p in ps) else None,
+            penalties=(_penalties(rows, vocab_size, device)
+                       if not for_draft and any(p.has_penalties for p in ps) else None),
             banned_rows=torch.tensor(banned_r, dtype=torch.long, device=device) if banned_r else None,
             banned_tokens=torch.tensor(banned_t, dtype=torch.long, device=device) if banned_t else None,
             generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None},

@@ -49,5 +49,18 @@ class SeqOutput:
 
 
 @dataclass
+class SpecStepStats:
+    """What one speculative step proposed and kept."""
+
+    num_drafts: int                  # sequences that got >= 1 draft token
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]      # [k] sequences whose j-th draft was accepted
+    draft_time: float                # seconds
+    verify_time: float
+
+
+@dataclass
 class StepOutput:
     outputs: list[SeqOutput]
+    spec: SpecStepStats | None = None

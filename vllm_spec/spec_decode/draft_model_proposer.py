@@ -1,0 +1,112 @@
+"""Draft-model proposer: a small model with its own KV cache on the target's block tables.
+
+One call proposes k tokens for the whole batch. The first forward feeds every
+token the draft has not seen yet (prefill chunks, and for decoding sequences the
+1-2 tokens the last verification added: no special case); the next k-1 forwards
+feed one draft token per sequence, with positions, lengths and slots advanced
+on the device. Nothing goes back to the host in between.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_spec.attention.metadata import AttentionMetadata, compute_slot_mapping
+from vllm_spec.sample.metadata import SamplingMetadata
+from vllm_spec.sample.sampler import apply_top_k_top_p_min_p, exponential_noise
+from vllm_spec.spec_decode.proposer import Proposals, tokens_from
+from vllm_spec.worker.batch import SeqInput
+from vllm_spec.worker.model_runner import ModelRunner
+
+
+class DraftModelProposer:
+    """Proposes with a draft model; tracks how much of each sequence its cache holds."""
+
+    def __init__(self, runner: ModelRunner, generator: torch.Generator | None):
+        self.runner = runner
+        self.generator = generator
+        self._computed: dict[int, int] = {}   # seq_id -> leading positions with valid draft K/V
+        self._fed: dict[int, int] = {}        # seq_id -> draft tokens fed back in the last proposal
+
+    def release(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self._computed.pop(sid, None)
+            self._fed.pop(sid, None)
+
+    def _start(self, seq: SeqInput) -> int:
+        # After preemption the target restarts from 0 on new blocks: so must the draft.
+        return min(self._computed.get(seq.seq_id, 0), seq.start_pos)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[SeqInput], num_drafts: list[int], md: SamplingMetadata) -> Proposals:
+        spec = [i for i, n in enumerate(num_drafts) if n > 0]
+        fed = [i for i, s in enumerate(seqs) if num_drafts[i] > 0 or not s.sample or len(s.token_ids) > 1]
+        k = max(num_drafts, default=0)
+        catch_up = [SeqInput(seqs[i].seq_id, tokens_from(seqs[i], self._start(seqs[i])), self._start(seqs[i]),
+                             seqs[i].block_table, sample=False) for i in fed]
+        for s in catch_up:
+            self._computed[s.seq_id] = s.seq_len
+        if not spec:
+            if catch_up:
+                self.runner.forward(self.runner.prepare(catch_up))
+            return Proposals(torch.empty(0, 0, dtype=torch.long), None, [])
+        batch = self.runner.prepare(catch_up)
+        hidden = self.runner.forward(batch)
+        spec_rows = [fed.index(i) for i in spec]
+        dev = self.runner.device
+        ends = batch.md.query_start_loc[1:][torch.tensor(spec_rows, device=dev)] - 1
+        tokens, probs = self._sample(self.runner.logits(hidden, ends), md)
+        all_tokens, all_probs = [tokens], [probs]
+        if k > 1:
+            lens = [catch_up[r].seq_len for r in spec_rows]
+            # A row asking fewer than k drafts keeps rewriting its last legal slot (a
+            # position the target overwrites when verifying), never past its reservation.
+            limits = torch.tensor([n + num_drafts[i] - 1 for n, i in zip(lens, spec)], device=dev)
+            positions = torch.tensor(lens, device=dev)
+            md_step = self._decode_metadata(batch.md.block_tables[torch.tensor(spec_rows, device=dev)],
+                                            positions, max(lens) + 1, batch.md.block_size)
+            for _ in range(k - 1):
+                hidden = self.runner.model(tokens, positions, md_step)
+                tokens, probs = self._sample(self.runner.model.compute_logits(hidden).float(), md)
+                all_tokens.append(tokens)
+                all_probs.append(probs)
+                positions = torch.minimum(positions + 1, limits)
+                md_step = self._decode_metadata(md_step.block_tables, positions, md_step.max_seq_len + 1,
+                                                md_step.block_size)
+        for i in spec:
+            self._fed[seqs[i].seq_id] = num_drafts[i] - 1
+            self._computed[seqs[i].seq_id] += num_drafts[i] - 1
+        token_ids = torch.stack(all_tokens, dim=1)
+        stacked = None if md.all_greedy else torch.stack(all_probs, dim=1)
+        return Proposals(token_ids, stacked, [num_drafts[i] for i in spec])
+
+    def on_verified(self, seq_ids: list[int], num_drafts: list[int], num_accepted: list[int]) -> None:
+        for sid, accepted in zip(seq_ids, num_accepted):
+            # Of the drafts fed back into the model, only the accepted ones hold valid K/V.
+            fed = self._fed.pop(sid, 0)
+            if sid in self._computed:
+                self._computed[sid] -= fed - min(accepted, fed)
+
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if md.all_greedy:
+            return logits.argmax(dim=-1), None
+        logits = apply_top_k_top_p_min_p(logits / md.temperature.unsqueeze(1), md)
+        probs = logits.softmax(dim=-1)
+        noise = exponential_noise(tuple(probs.shape), md, probs.device, self.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(md.greedy, logits.argmax(dim=-1), sampled), probs
+
+    @staticmethod
+    def _decode_metadata(block_tables: torch.Tensor, positions: torch.Tensor, max_seq_len: int,
+                         block_size: int) -> AttentionMetadata:
+        """One token per speculating sequence at `positions`, slots derived on the device."""
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        return AttentionMetadata(
+            query_start_loc=torch.arange(positions.shape[0] + 1, device=positions.device),
+            seq_lens=positions + 1,
+            block_tables=block_tables,
+            slot_mapping=compute_slot_mapping(block_tables, rows, positions, block_size),
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            block_size=block_size,
+        )

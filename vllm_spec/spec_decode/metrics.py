@@ -1,0 +1,55 @@
+"""Speculative-decoding counters with vLLM's metric names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_spec.metrics import Counter, Gauge, Metric, Vector
+from vllm_spec.worker.batch import SpecStepStats
+
+
+@dataclass
+class SpecDecodeMetrics:
+    """Running totals over all speculative steps."""
+
+    num_steps: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+
+    def add(self, s: SpecStepStats) -> None:
+        self.num_steps += 1
+        self.num_drafts += s.num_drafts
+        self.num_draft_tokens += s.num_draft_tokens
+        self.num_accepted_tokens += s.num_accepted_tokens
+        if len(self.accepted_per_pos) < len(s.accepted_per_pos):
+            self.accepted_per_pos += [0] * (len(s.accepted_per_pos) - len(self.accepted_per_pos))
+        for j, n in enumerate(s.accepted_per_pos):
+            self.accepted_per_pos[j] += n
+        self.draft_time += s.draft_time
+        self.verify_time += s.verify_time
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per speculating sequence and step: accepted drafts + the bonus/recovered one."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def snapshot(self) -> list[Metric]:
+        steps = max(self.num_steps, 1)
+        return [
+            Counter("vllm:spec_decode_num_drafts", value=self.num_drafts),
+            Counter("vllm:spec_decode_num_draft_tokens", value=self.num_draft_tokens),
+            Counter("vllm:spec_decode_num_accepted_tokens", value=self.num_accepted_tokens),
+            Vector("vllm:spec_decode_num_accepted_tokens_per_pos", values=list(self.accepted_per_pos)),
+            Gauge("vllm:spec_decode_acceptance_rate", value=self.acceptance_rate),
+            Gauge("vllm:spec_decode_mean_accepted_length", value=self.mean_accepted_length),
+            Gauge("vllm:spec_decode_draft_time_per_step_seconds", value=self.draft_time / steps),
+            Gauge("vllm:spec_decode_verify_time_per_step_seconds", value=self.verify_time / steps),
+        ]

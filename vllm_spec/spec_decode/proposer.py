@@ -1,0 +1,49 @@
+"""The proposer interface: k draft tokens for each speculating sequence of a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from vllm_spec.sample.metadata import SamplingMetadata
+from vllm_spec.utils import concat_slice
+from vllm_spec.worker.batch import SeqInput
+
+
+@dataclass
+class Proposals:
+    """Drafts for the speculating rows of a step (row i = i-th sequence with drafts asked for).
+
+    token_ids: [R, k] on the device. probs: [R, k, V] distributions the drafts were
+    sampled from, or None when the proposer is deterministic (one-hot q).
+    num_drafts: drafts actually proposed per row (<= asked; the n-gram proposer may find none).
+    """
+
+    token_ids: torch.Tensor
+    probs: torch.Tensor | None
+    num_drafts: list[int]
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: list[SeqInput], num_drafts: list[int], md: SamplingMetadata) -> Proposals:
+        """Propose num_drafts[i] tokens after seqs[i] for every i with num_drafts[i] > 0.
+
+        `seqs` is the whole step (prefill chunks too, so a model-based proposer keeps its
+        cache in step); md has one row per speculating sequence.
+        """
+        ...
+
+    def on_verified(self, seq_ids: list[int], num_drafts: list[int], num_accepted: list[int]) -> None:
+        """Learn how many drafts of each speculating sequence the target kept."""
+        ...
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Forget finished sequences."""
+        ...
+
+
+def tokens_from(seq: SeqInput, start: int) -> list[int]:
+    """The sequence's tokens from `start` up to the end of this step's chunk."""
+    return concat_slice(seq.prompt_token_ids, seq.output_token_ids, start, seq.start_pos) + seq.token_ids

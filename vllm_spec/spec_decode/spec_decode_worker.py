@@ -1,0 +1,177 @@
+"""SpecDecodeWorker: propose -> score -> verify -> commit, in the place of a plain Worker.
+
+Every sampled sequence of a step goes through the same verification path: a
+sequence with drafts scores k+1 query tokens (its last token and the drafts)
+in the target's ONE forward pass; a sequence without drafts (still in prefill,
+or not speculating this step) is the k = 0 case of the same thing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vllm_spec.config import EngineConfig
+from vllm_spec.model.loader import load_model
+from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
+from vllm_spec.sample.sampler import SamplerOutput, gather_logprobs, process_logits
+from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer
+from vllm_spec.spec_decode.ngram_proposer import NgramProposer
+from vllm_spec.spec_decode.proposer import Proposals, Proposer
+from vllm_spec.spec_decode.rejection_sampler import rejection_sample
+from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, SpecStepStats, StepOutput
+from vllm_spec.worker.model_runner import ModelRunner
+from vllm_spec.worker.worker import Worker, logprob_dicts
+
+
+class SpecDecodeWorker:
+    """Wraps the target Worker and a proposer; one engine step = one call of execute_model."""
+
+    def __init__(self, config: EngineConfig):
+        spec = config.speculative
+        assert spec is not None
+        self.config = config
+        self.target = Worker(config)
+        self.device = self.target.device
+        self.vocab_size = self.target.vocab_size
+        self.draft_runner: ModelRunner | None = None
+        self.proposer: Proposer
+        if spec.method == "ngram":
+            self.proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min, self.device)
+        else:
+            draft = load_model(spec.draft, self.target.tp)
+            if spec.draft.arch.embeddings_from_target:
+                draft.share_embeddings(self.target.runner.model)
+            self.draft_runner = ModelRunner(draft, self.device, config.cache.block_size)
+            self.proposer = DraftModelProposer(self.draft_runner, self.target.sampler.generator)
+
+    # KV cache: one block manager, two caches of the same number of blocks ----------------
+    def kv_bytes_per_block(self) -> int:
+        draft = self.draft_runner.kv_bytes_per_block(self.config.model.dtype) if self.draft_runner else 0
+        return self.target.kv_bytes_per_block() + draft
+
+    def available_kv_bytes(self) -> int:
+        return self.target.available_kv_bytes()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.target.init_kv_cache(num_blocks)
+        if self.draft_runner is not None:
+            self.draft_runner.allocate_kv_cache(num_blocks, self.config.model.dtype)
+
+    # Steps ------------------------------------------------------------------------------
+    def num_drafts(self, req: ExecuteModelRequest) -> list[int]:
+        """k per sequence: decoding sequences speculate, never past max_model_len."""
+        spec = self.config.speculative
+        k = req.num_lookahead_slots
+        if k == 0 or (spec.disable_by_batch_size is not None and len(req.seqs) >= spec.disable_by_batch_size):
+            return [0] * len(req.seqs)
+        max_len = self.config.model.max_model_len
+        return [min(k, max_len - s.seq_len) if s.sample and len(s.token_ids) == 1 else 0 for s in req.seqs]
+
+    @torch.inference_mode()
+    def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
+        self.target.release(req.finished_seq_ids)
+        self.proposer.release(req.finished_seq_ids)
+        if not req.seqs:
+            return StepOutput([])
+        asked = self.num_drafts(req)
+        spec_idx = [i for i, n in enumerate(asked) if n > 0]
+        t0 = time.perf_counter()
+        draft_md = self._metadata([self.target.sampling_row(req.seqs[i]) for i in spec_idx], for_draft=True)
+        proposals = self.proposer.propose(req.seqs, asked, draft_md)
+        if not spec_idx:
+            return self.target.execute_model(req)
+        t1 = time.perf_counter()
+        outputs, stats = self._score_and_verify(req, spec_idx, proposals)
+        stats.draft_time, stats.verify_time = t1 - t0, time.perf_counter() - t1
+        return StepOutput(outputs, stats)
+
+    def _metadata(self, rows: list[SamplingRow], for_draft: bool = False) -> SamplingMetadata | None:
+        return SamplingMetadata.build(rows, self.vocab_size, self.device, for_draft) if rows else None
+
+    def _score_and_verify(self, req: ExecuteModelRequest, spec_idx: list[int],
+                          proposals: Proposals) -> tuple[list[SeqOutput], SpecStepStats]:
+        dev = self.device
+        found = dict(zip(spec_idx, proposals.num_drafts))            # seq index -> drafts proposed
+        spec_row = {i: r for r, i in enumerate(spec_idx)}             # seq index -> row in proposals
+        # Score: each speculating sequence feeds [last token, draft_1..draft_n] in one target pass.
+        verify = [SeqInput(s.seq_id, s.token_ids + [0] * found.get(i, 0), s.start_pos, s.block_table, s.sample,
+                           s.sampling_params, s.prompt_token_ids, s.output_token_ids)
+                  for i, s in enumerate(req.seqs)]
+        batch = self.target.runner.prepare(verify)
+        starts = [0]
+        for s in verify:
+            starts.append(starts[-1] + len(s.token_ids))
+        dst, src_row, src_pos = [], [], []
+        for i, n in found.items():
+            dst += range(starts[i] + 1, starts[i] + 1 + n)
+            src_row += [spec_row[i]] * n
+            src_pos += range(n)
+        if dst:
+            batch.input_ids[torch.tensor(dst, device=dev)] = proposals.token_ids[
+                torch.tensor(src_row, device=dev), torch.tensor(src_pos, device=dev)]
+        hidden = self.target.runner.forward(batch)
+
+        sampled = [i for i, s in enumerate(req.seqs) if s.sample]
+        k = max(found.values(), default=0)
+        drafts_host = proposals.token_ids.tolist() if any(
+            req.seqs[i].sampling_params.has_penalties for i in spec_idx) else None
+        logit_rows, grid_r, grid_j, exp_rows = [], [], [], []
+        for r, i in enumerate(sampled):
+            seq, n = req.seqs[i], found.get(i, 0)
+            first = starts[i + 1] - 1 - n
+            gen = self.target.generator_for(seq)
+            for j in range(n + 1):
+                logit_rows.append(first + j)
+                grid_r.append(r)
+                grid_j.append(j)
+                if drafts_host is not None and seq.sampling_params.has_penalties:
+                    history = seq.output_token_ids + drafts_host[spec_row[i]][:j]
+                    exp_rows.append(SamplingRow(seq.sampling_params, seq.prompt_token_ids, history, gen))
+                else:
+                    exp_rows.append(SamplingRow(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids,
+                                                gen, num_pending=j))
+        raw = self.target.runner.logits(hidden, torch.tensor(logit_rows, device=dev))
+        probs = process_logits(raw, self._metadata(exp_rows)).softmax(dim=-1)
+        R = len(sampled)
+        grid = (torch.tensor(grid_r, device=dev), torch.tensor(grid_j, device=dev))
+        target_probs = probs.new_zeros(R, k + 1, self.vocab_size)
+        target_probs[grid] = probs
+        draft_tokens = torch.zeros(R, k, dtype=torch.long, device=dev)
+        draft_probs = None if proposals.probs is None else probs.new_zeros(R, k, self.vocab_size)
+        rows_of_spec = torch.tensor([sampled.index(i) for i in spec_idx], device=dev)
+        draft_tokens[rows_of_spec] = proposals.token_ids[:, :k]
+        if draft_probs is not None:
+            draft_probs[rows_of_spec] = proposals.probs[:, :k]
+        num_drafts = torch.tensor([found.get(i, 0) for i in sampled], device=dev)
+        row_md = self._metadata([self.target.sampling_row(req.seqs[i]) for i in sampled], for_draft=True)
+        result = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, row_md,
+                                  self.target.sampler.generator)
+        emitted = [[t for t in row if t >= 0] for row in result.tokens.tolist()]   # the step's one D2H copy
+
+        logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
+        outputs = [SeqOutput(req.seqs[i].seq_id, toks, lps) for i, toks, lps in zip(sampled, emitted, logprobs)]
+        accepted = [len(emitted[sampled.index(i)]) - 1 for i in spec_idx]
+        self.proposer.on_verified([req.seqs[i].seq_id for i in spec_idx], proposals.num_drafts, accepted)
+        per_pos = [sum(1 for a in accepted if a > j) for j in range(k)]
+        stats = SpecStepStats(sum(1 for n in proposals.num_drafts if n > 0), sum(proposals.num_drafts),
+                              sum(accepted), per_pos, 0.0, 0.0)
+        return outputs, stats
+
+    def _logprobs(self, raw: torch.Tensor, emitted: list[list[int]], seqs: list[SeqInput],
+                  grid_r: list[int], grid_j: list[int]) -> list[list | None]:
+        """Raw-logit logprobs of each emitted token, at the position that emitted it."""
+        wanted = [s.sampling_params.logprobs for s in seqs]
+        if all(w is None for w in wanted):
+            return [None] * len(seqs)
+        keep = [n for n, (r, j) in enumerate(zip(grid_r, grid_j)) if j < len(emitted[r])]
+        tokens = torch.tensor([emitted[grid_r[n]][grid_j[n]] for n in keep], device=raw.device)
+        ids, lps, ranks = gather_logprobs(raw[torch.tensor(keep, device=raw.device)], tokens,
+                                          max(w for w in wanted if w is not None))
+        dicts = logprob_dicts(SamplerOutput(tokens, ids, lps, ranks), [wanted[grid_r[n]] for n in keep])
+        per_seq: list[list | None] = [[] if w is not None else None for w in wanted]
+        for n, d in zip(keep, dicts):
+            if d is not None:
+                per_seq[grid_r[n]].append(d)
+        return per_seq
