@@ -91,3 +91,37 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=2, sliding_window=None)
+
+
+def make_noisy_draft(target: Path, folder: Path, noise: float, seed: int = 0) -> Path:
+    """A draft = the target's weights plus Gaussian noise: partial acceptance, same tokenizer."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in target.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, folder / f.name)
+    gen = torch.Generator().manual_seed(seed)
+    weights = load_file(str(target / "model.safetensors"))
+    noisy = {k: (v + noise * torch.randn(v.shape, generator=gen) * v.std()).contiguous() if v.dim() > 1 else v
+             for k, v in weights.items()}
+    save_file(noisy, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="session")
+def spec_pair(request, tmp_path_factory, tiny_llama) -> tuple[str, str]:
+    """(target, draft) for the e2e tests: --target-model/--draft-model, else a tiny target and a noisy copy."""
+    target = request.config.getoption("--target-model")
+    draft = request.config.getoption("--draft-model")
+    if target and draft:
+        return target, draft
+    return str(tiny_llama), str(make_noisy_draft(tiny_llama, tmp_path_factory.mktemp("noisy_draft"), 0.04))
+
+
+@pytest.fixture(scope="session")
+def random_draft(tmp_path_factory) -> Path:
+    """An unrelated random model with the tiny vocabulary: acceptance near 0."""
+    return make_tiny_model(tmp_path_factory.mktemp("random_draft"), "llama", seed=9, num_hidden_layers=1)

@@ -1,0 +1,218 @@
+"""End-to-end correctness of speculative decoding: greedy equality, distribution, seeds, bookkeeping.
+
+The model pair comes from --target-model/--draft-model (or VLLM_SPEC_TEST_TARGET/_DRAFT); by
+default a tiny random target and a noisy copy of it as draft (partial acceptance).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from scipy import stats
+
+from vllm_spec import LLM, SamplingParams
+
+KV = dict(kv_cache_memory_bytes=1 << 25)
+
+
+def _prompts(n: int, seed: int = 0, vocab: int = 300) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))]} for _ in range(n)]
+
+
+def _ids(outputs) -> list[list[int]]:
+    return [c.token_ids for o in outputs for c in o.outputs]
+
+
+def _metrics(llm: LLM) -> dict:
+    return {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def baseline(spec_pair):
+    return LLM(spec_pair[0], **KV)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(baseline):
+    return _ids(baseline.generate(_prompts(16), GREEDY, use_tqdm=False))
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_equality_draft_model(spec_pair, greedy_reference, k):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=k, **KV)
+    for batch in (1, 5, 16):
+        out = _ids(llm.generate(_prompts(16)[:batch], GREEDY, use_tqdm=False))
+        assert out == greedy_reference[:batch]
+    m = _metrics(llm)
+    assert m["vllm:spec_decode_num_draft_tokens"] > 0
+    assert len(m["vllm:spec_decode_num_accepted_tokens_per_pos"]) == k
+    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_usable_blocks
+
+
+def test_greedy_equality_with_preemption(spec_pair, greedy_reference):
+    # 40 usable blocks of 4 tokens: 16 sequences of up to ~64 tokens cannot all fit.
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3,
+              block_size=4, num_gpu_blocks_override=41, max_model_len=128)
+    out = _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False))
+    assert _metrics(llm)["vllm:num_preemptions"] > 0
+    assert out == greedy_reference
+
+
+def test_greedy_equality_chunked_prefill(spec_pair, greedy_reference):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4,
+              max_num_batched_tokens=16, **KV)
+    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+
+
+def test_greedy_equality_ngram(spec_pair, baseline):
+    # Repetitive prompts so that prompt lookup finds matches.
+    prompts = [{"prompt_token_ids": ([5, 6, 7, 8, 9] * 6)[: 10 + i]} for i in range(8)]
+    ref = _ids(baseline.generate(prompts, GREEDY, use_tqdm=False))
+    llm = LLM(spec_pair[0], speculative_model="[ngram]", num_speculative_tokens=4,
+              ngram_prompt_lookup_max=3, ngram_prompt_lookup_min=1, **KV)
+    assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == ref
+    assert _metrics(llm)["vllm:spec_decode_num_draft_tokens"] > 0
+
+
+def test_random_draft_accepts_almost_nothing(spec_pair, random_draft, greedy_reference):
+    llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=4, **KV)
+    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    assert _metrics(llm)["vllm:spec_decode_acceptance_rate"] < 0.2
+
+
+def test_draft_equal_to_target_accepts_everything(spec_pair, greedy_reference):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=4, **KV)
+    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    m = _metrics(llm)
+    assert m["vllm:spec_decode_acceptance_rate"] == 1.0
+    assert m["vllm:spec_decode_mean_accepted_length"] == 5.0
+
+
+def test_greedy_equality_with_penalties_and_min_tokens(spec_pair, baseline):
+    params = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.5,
+                            presence_penalty=0.2, min_tokens=5, stop_token_ids=[7, 11])
+    prompts = _prompts(6, seed=3)
+    ref = _ids(baseline.generate(prompts, params, use_tqdm=False))
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **KV)
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+
+
+def test_logprobs_match_non_speculative(spec_pair, baseline):
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    prompts = _prompts(4, seed=4)
+    ref = baseline.generate(prompts, params, use_tqdm=False)
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **KV)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(out, ref):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids
+        assert len(ca.logprobs) == len(ca.token_ids)
+        for la, lb in zip(ca.logprobs, cb.logprobs):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
+                assert la[t].rank == lb[t].rank
+        assert ca.cumulative_logprob == pytest.approx(cb.cumulative_logprob, abs=1e-3)
+
+
+def _token_histogram(llm: LLM, position: int, runs: int, params: SamplingParams, vocab: int) -> torch.Tensor:
+    prompt = {"prompt_token_ids": [3, 17, 42, 99, 5]}
+    outs = llm.generate([prompt] * runs, params, use_tqdm=False)
+    tokens = torch.tensor([o.outputs[0].token_ids[position] for o in outs])
+    return torch.bincount(tokens, minlength=vocab)
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_k": 20, "top_p": 0.9}])
+def test_sampled_distribution_matches_non_speculative(spec_pair, baseline, random_draft, extra):
+    """The 3rd generated token over 1500 unseeded runs, with and without speculation.
+
+    The draft is an unrelated random model, so a sampler that kept its drafts (or mixed
+    up p and q) would emit the draft's distribution, far from the target's.
+    Bound: a chi-square two-sample (contingency) test on tokens with enough counts gives
+    p-value > 1e-3 at this fixed engine seed.
+    """
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, **extra)
+    vocab = baseline.llm_engine.config.model.arch.vocab_size
+    ref = _token_histogram(baseline, 2, 1500, params, vocab)
+    llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=2, seed=123, **KV)
+    got = _token_histogram(llm, 2, 1500, params, vocab)
+    assert _metrics(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
+    keep = (ref + got) >= 10
+    table = torch.stack([torch.cat([ref[keep], ref[~keep].sum().view(1)]),
+                         torch.cat([got[keep], got[~keep].sum().view(1)])]).numpy()
+    table = table[:, table.sum(0) > 0]
+    assert stats.chi2_contingency(table).pvalue > 1e-3
+
+
+def test_seeded_sampling_is_independent_of_batch(spec_pair):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **KV)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True)
+    prompt = _prompts(1, seed=8)
+    alone = _ids(llm.generate(prompt, seeded, use_tqdm=False))[0]
+    mixed = llm.generate(prompt + _prompts(6, seed=9), [seeded] + [other] * 6, use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone
+    again = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, seed=77, **KV)
+    assert _ids(again.generate(prompt, seeded, use_tqdm=False))[0] == alone
+
+
+def test_abort_mid_speculation_frees_blocks(spec_pair):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **KV)
+    engine = llm.llm_engine
+    for i, p in enumerate(_prompts(4, seed=5)):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_usable_blocks
+    engine.abort_request(["0", "1", "2", "3"])
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    # The engine keeps working after the abort.
+    assert len(llm.generate(_prompts(2), GREEDY, use_tqdm=False)) == 2
+
+
+def test_speculative_config_dict_form(spec_pair, greedy_reference):
+    llm = LLM(spec_pair[0], speculative_config={"model": spec_pair[1], "num_speculative_tokens": 2,
+                                                "method": "draft_model"}, **KV)
+    assert _ids(llm.generate(_prompts(4), GREEDY, use_tqdm=False)) == greedy_reference[:4]
+
+
+def test_disable_by_batch_size(spec_pair, greedy_reference):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2,
+              speculative_disable_by_batch_size=4, **KV)
+    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    drafts_big_batch = _metrics(llm)["vllm:spec_decode_num_drafts"]
+    llm.generate(_prompts(2), GREEDY, use_tqdm=False)
+    assert _metrics(llm)["vllm:spec_decode_num_drafts"] > drafts_big_batch
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 17}, "num_speculative_tokens"),
+    ({"speculative_config": {"model": "x", "num_speculative_tokens": 2, "method": "medusa"}}, "method"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "bogus": 1, "model": "x"}}, "bogus"),
+])
+def test_invalid_speculative_settings(spec_pair, kwargs, match):
+    kwargs.setdefault("speculative_model", spec_pair[1])
+    with pytest.raises(ValueError, match=match):
+        LLM(spec_pair[0], **kwargs, **KV)
+
+
+def test_draft_with_other_vocabulary_is_rejected(tmp_path, spec_pair):
+    from conftest import make_tiny_model
+    other = make_tiny_model(tmp_path / "other_vocab", "llama", vocab_size=500)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(spec_pair[0], speculative_model=str(other), num_speculative_tokens=2, **KV)
+
+
+def test_draft_shorter_than_max_model_len_is_rejected(tmp_path, spec_pair):
+    from conftest import make_tiny_model
+    short = make_tiny_model(tmp_path / "short_draft", "llama", max_position_embeddings=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(spec_pair[0], speculative_model=str(short), num_speculative_tokens=2, max_model_len=256, **KV)
