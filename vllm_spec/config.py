@@ -159,12 +159,15 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     draft_tensor_parallel_size: int = 1
     disable_by_batch_size: int | None = None
+    # Benchmarks only: accept each draft token with this probability whatever the models say.
+    synthetic_acceptance_rate: float | None = None
 
     @classmethod
     def create(cls, target: ModelConfig, model: str | None, num_speculative_tokens: int | None,
                method: str | None = None, prompt_lookup_max: int | None = None,
                prompt_lookup_min: int | None = None, draft_tensor_parallel_size: int | None = None,
-               disable_by_batch_size: int | None = None) -> "SpeculativeConfig":
+               disable_by_batch_size: int | None = None,
+               synthetic_acceptance_rate: float | None = None) -> "SpeculativeConfig":
         if model == "[ngram]" or method == "ngram":
             method = "ngram"
         elif method in (None, "draft_model"):
@@ -178,8 +181,10 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}.")
         if disable_by_batch_size is not None and disable_by_batch_size < 1:
             raise ValueError(f"speculative_disable_by_batch_size must be >= 1, got {disable_by_batch_size!r}.")
+        if synthetic_acceptance_rate is not None and not 0.0 <= synthetic_acceptance_rate <= 1.0:
+            raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], got {synthetic_acceptance_rate!r}.")
         cfg = cls(method, k, draft_tensor_parallel_size=draft_tensor_parallel_size or 1,
-                  disable_by_batch_size=disable_by_batch_size)
+                  disable_by_batch_size=disable_by_batch_size, synthetic_acceptance_rate=synthetic_acceptance_rate)
         if method == "ngram":
             hi = prompt_lookup_max or prompt_lookup_min or 5
             lo = prompt_lookup_min or min(2, hi)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import numbers
 from dataclasses import dataclass, field
 
 # Temperatures below this are treated as greedy, as in vLLM.
@@ -50,7 +51,10 @@ class SamplingParams:
         elif self.stop is None:
             self.stop = []
         else:
+            _check(isinstance(self.stop, (list, tuple)), "stop", "a non-empty string or a list of them", self.stop)
             self.stop = list(self.stop)
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
+               "stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
@@ -65,14 +69,20 @@ class SamplingParams:
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
+        def is_num(v) -> bool:  # checked first, so a wrong type is a ValueError too, not a TypeError
+            return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
         _check(is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]", self.presence_penalty)
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "in (0, 2]", self.repetition_penalty)
-        _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
-        _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+               "presence_penalty", "in [-2, 2]", self.presence_penalty)
+        _check(is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+               "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        _check(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+               "repetition_penalty", "in (0, 2]", self.repetition_penalty)
+        _check(is_num(self.temperature) and self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _check(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(is_int(self.top_k) and self.top_k >= 0, "top_k", "0 or -1 (disabled) or a positive integer", self.top_k)
-        _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        _check(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
         _check(self.seed is None or is_int(self.seed), "seed", "an integer or None", self.seed)
         _check(
             self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),

@@ -38,7 +38,7 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> int:
-        slots = seq.num_computed_tokens + num_new_tokens
+        slots = seq.num_computed_tokens + num_new_tokens + num_lookahead
         return max(0, -(-slots // self.block_size) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:

@@ -42,7 +42,8 @@ class EngineArgs:
     num_speculative_tokens: int | None = _opt(None, "Draft tokens per step, k in [1, 16].")
     speculative_config: dict | None = _opt(
         None, "vLLM V1 form as JSON: {model, num_speculative_tokens, method, prompt_lookup_max, "
-              "prompt_lookup_min, draft_tensor_parallel_size, disable_by_batch_size}.")
+              "prompt_lookup_min, draft_tensor_parallel_size, disable_by_batch_size, synthetic_acceptance_rate "
+              "(benchmarks only)}.")
     ngram_prompt_lookup_max: int | None = _opt(None, "Longest n-gram the [ngram] proposer matches.")
     ngram_prompt_lookup_min: int | None = _opt(None, "Shortest n-gram the [ngram] proposer matches.")
     speculative_draft_tensor_parallel_size: int | None = _opt(None, "Tensor-parallel size of the draft.")
@@ -94,6 +95,7 @@ class EngineArgs:
             "draft_tensor_parallel_size": self.speculative_draft_tensor_parallel_size,
             "disable_by_batch_size": self.speculative_disable_by_batch_size,
             "method": None,
+            "synthetic_acceptance_rate": None,
         }
         if self.speculative_config is not None:
             if not isinstance(self.speculative_config, dict):

@@ -70,10 +70,13 @@ class OutputProcessor:
                     seq.stop_reason = stop
                     return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return SequenceStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                seq.stop_reason = token
+            eos = not params.ignore_eos and token in self.eos_token_ids
+            if eos or token in params.stop_token_ids:
+                # As vLLM: the stop token's text is not part of the output unless asked for.
+                if delta and not params.include_stop_str_in_output:
+                    seq.output_text = seq.output_text[: len(seq.output_text) - len(delta)]
+                if not eos:
+                    seq.stop_reason = token
                 return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH

@@ -54,7 +54,10 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
             # Keep the smallest prefix whose mass reaches top_p: drop a token when
             # the mass strictly before it already does. The first token always stays.
             mass_before = probs.cumsum(dim=-1) - probs
-            remove |= mass_before >= md.top_p.unsqueeze(1)
+            # Rows with top_p == 1 keep everything: in float32 the cumulative mass reaches
+            # 1.0 before the tail of a peaked distribution, which would cut that tail.
+            top_p = md.top_p.unsqueeze(1)
+            remove |= (mass_before >= top_p) & (top_p < 1.0)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(remove, neg_inf))
     if md.min_p is not None:
         probs = logits.softmax(dim=-1)

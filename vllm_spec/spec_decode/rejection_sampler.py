@@ -40,6 +40,7 @@ def rejection_sample(
     num_drafts: torch.Tensor,
     md: SamplingMetadata,
     generator: torch.Generator | None = None,
+    synthetic_acceptance_rate: float | None = None,
 ) -> VerifyOutput:
     """Verify drafts against the target.
 
@@ -50,6 +51,8 @@ def rejection_sample(
         or None for a deterministic proposer (q is one-hot at the draft token).
     num_drafts: [B] drafts per row (0..k).
     md: per-row sampling metadata (greedy mask, per-row generators), rows = B.
+    synthetic_acceptance_rate: benchmarks only; accept each draft with this probability
+        (the output is then NOT the target's distribution).
     """
     B, k1, _ = target_probs.shape
     k = k1 - 1
@@ -66,6 +69,8 @@ def rejection_sample(
         u = _uniform((B, k), md, device, generator)
         accept_random = u * q <= p
         accept = torch.where(md.greedy.unsqueeze(1), accept, accept_random)
+    if synthetic_acceptance_rate is not None:
+        accept = torch.rand((B, k), device=device, generator=generator) < synthetic_acceptance_rate
     accept &= in_range
     num_accepted = accept.int().cumprod(dim=1).sum(dim=1)                      # [B]
 

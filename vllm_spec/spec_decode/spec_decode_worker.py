@@ -147,7 +147,7 @@ class SpecDecodeWorker:
         num_drafts = torch.tensor([found.get(i, 0) for i in sampled], device=dev)
         row_md = self._metadata([self.target.sampling_row(req.seqs[i]) for i in sampled], for_draft=True)
         result = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, row_md,
-                                  self.target.sampler.generator)
+                                  self.target.sampler.generator, self.config.speculative.synthetic_acceptance_rate)
         emitted = [[t for t in row if t >= 0] for row in result.tokens.tolist()]   # the step's one D2H copy
 
         logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
