@@ -146,6 +146,7 @@ class ParallelConfig:
 
 
 SPEC_METHODS = ("draft_model", "ngram")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass
@@ -177,8 +178,9 @@ class SpeculativeConfig:
         else:
             raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {method!r}.")
         k = num_speculative_tokens
-        if not (isinstance(k, int) and 1 <= k <= 16):
-            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}.")
+        if not (isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}.")
         if disable_by_batch_size is not None and disable_by_batch_size < 1:
             raise ValueError(f"speculative_disable_by_batch_size must be >= 1, got {disable_by_batch_size!r}.")
         if synthetic_acceptance_rate is not None and not 0.0 <= synthetic_acceptance_rate <= 1.0:

@@ -8,9 +8,34 @@ from torch import nn
 from vllm_spec.attention import torch_backend
 from vllm_spec.attention.metadata import AttentionMetadata
 
+_triton_backend = None   # the module once imported, False if triton is unusable here
+
+
+def triton_backend_or_none():
+    """The Triton backend module, or None where triton does not import (CPU-only installs)."""
+    global _triton_backend
+    if _triton_backend is None:
+        try:
+            from vllm_spec.attention import triton_backend
+            _triton_backend = triton_backend
+        except ImportError:
+            _triton_backend = False
+    return _triton_backend or None
+
+
+def select_backend(device: torch.device, head_dim: int):
+    """Triton kernels for CUDA tensors when triton imports (power-of-two head_dim); the torch reference else."""
+    if device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0:
+        return triton_backend_or_none() or torch_backend
+    return torch_backend
+
 
 class Attention(nn.Module):
-    """Paged attention for one decoder layer. The worker binds `k_cache`/`v_cache` after allocating them."""
+    """Paged attention for one decoder layer. The worker binds `k_cache`/`v_cache` after allocating them.
+
+    `backend` is None (choose per call from the query's device: `select_backend`) or a module with
+    `write_kv_cache`/`paged_attention` to force one, e.g. `torch_backend` to run the oracle on a GPU.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None):
@@ -20,9 +45,13 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.backend = torch_backend
+        self.backend = None
+
+    def backend_for(self, q: torch.Tensor):
+        return self.backend if self.backend is not None else select_backend(q.device, self.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
-        self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        return self.backend.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
+        backend = self.backend_for(q)
+        backend.write_kv_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        return backend.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)

@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_spec.config import (
-    CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
 )
 
 

@@ -12,7 +12,12 @@ from vllm_spec.attention import Attention, AttentionMetadata
 from vllm_spec.distributed.parallel_state import GroupCoordinator
 from vllm_spec.model.arch_config import ArchConfig
 from vllm_spec.model.layers import (
-    ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
 )
 from vllm_spec.model.rotary import RotaryEmbedding
 

@@ -51,11 +51,10 @@ class DraftModelProposer:
                 self.runner.forward(self.runner.prepare(catch_up))
             return Proposals(torch.empty(0, 0, dtype=torch.long), None, [])
         batch = self.runner.prepare(catch_up)
-        hidden = self.runner.forward(batch)
         spec_rows = [fed.index(i) for i in spec]
         dev = self.runner.device
         ends = batch.md.query_start_loc[1:][torch.tensor(spec_rows, device=dev)] - 1
-        tokens, probs = self._sample(self.runner.logits(hidden, ends), md)
+        tokens, probs = self._sample(self.runner.run(batch, ends), md)
         all_tokens, all_probs = [tokens], [probs]
         if k > 1:
             lens = [catch_up[r].seq_len for r in spec_rows]
@@ -65,9 +64,11 @@ class DraftModelProposer:
             positions = torch.tensor(lens, device=dev)
             md_step = self._decode_metadata(batch.md.block_tables[torch.tensor(spec_rows, device=dev)],
                                             positions, max(lens) + 1, batch.md.block_size)
+            graph = self.runner.graph_for(1, len(spec_rows))
             for _ in range(k - 1):
-                hidden = self.runner.model(tokens, positions, md_step)
-                tokens, probs = self._sample(self.runner.model.compute_logits(hidden).float(), md)
+                logits = (graph(tokens, positions, md_step) if graph is not None
+                          else self.runner.model.compute_logits(self.runner.model(tokens, positions, md_step)).float())
+                tokens, probs = self._sample(logits, md)
                 all_tokens.append(tokens)
                 all_probs.append(probs)
                 positions = torch.minimum(positions + 1, limits)

@@ -43,7 +43,8 @@ class SpecDecodeWorker:
             draft = load_model(spec.draft, self.target.tp)
             if spec.draft.arch.embeddings_from_target:
                 draft.share_embeddings(self.target.runner.model)
-            self.draft_runner = ModelRunner(draft, self.device, config.cache.block_size)
+            self.draft_runner = ModelRunner(draft, self.device, config.cache.block_size,
+                                            config.model.max_model_len, cuda_graphs=not config.enforce_eager)
             self.proposer = DraftModelProposer(self.draft_runner, self.target.sampler.generator)
 
     # KV cache: one block manager, two caches of the same number of blocks ----------------
@@ -111,7 +112,6 @@ class SpecDecodeWorker:
         if dst:
             batch.input_ids[torch.tensor(dst, device=dev)] = proposals.token_ids[
                 torch.tensor(src_row, device=dev), torch.tensor(src_pos, device=dev)]
-        hidden = self.target.runner.forward(batch)
 
         sampled = [i for i, s in enumerate(req.seqs) if s.sample]
         k = max(found.values(), default=0)
@@ -132,7 +132,7 @@ class SpecDecodeWorker:
                 else:
                     exp_rows.append(SamplingRow(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids,
                                                 gen, num_pending=j))
-        raw = self.target.runner.logits(hidden, torch.tensor(logit_rows, device=dev))
+        raw = self.target.runner.run(batch, torch.tensor(logit_rows, device=dev))
         probs = process_logits(raw, self._metadata(exp_rows)).softmax(dim=-1)
         R = len(sampled)
         grid = (torch.tensor(grid_r, device=dev), torch.tensor(grid_j, device=dev))

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata, compute_slot_mapping
+from vllm_spec.config import MAX_SPECULATIVE_TOKENS
 from vllm_spec.model.llama import LlamaForCausalLM
 from vllm_spec.worker.batch import SeqInput
+from vllm_spec.worker.cuda_graph import GraphedForward, bucket_for
 
 
 @dataclass
@@ -16,16 +18,26 @@ class PreparedBatch:
     input_ids: torch.Tensor    # [T]
     positions: torch.Tensor    # [T]
     md: AttentionMetadata
+    uniform_q: int | None      # tokens per sequence when every sequence feeds the same number
 
 
 class ModelRunner:
-    """Owns a model and its KV cache; knows batches and blocks, not requests."""
+    """Owns a model and its KV cache; knows batches and blocks, not requests.
 
-    def __init__(self, model: LlamaForCausalLM, device: torch.device, block_size: int):
+    With `cuda_graphs` on, uniform batches (decode, verification, draft steps) replay
+    CUDA graphs; anything else runs eagerly.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, device: torch.device, block_size: int,
+                 max_model_len: int, cuda_graphs: bool = False):
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.num_blocks = 0
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self._graphs: dict[int, GraphedForward] = {}
+        self._graph_pool = None
 
     def kv_bytes_per_block(self, dtype: torch.dtype) -> int:
         attn = self.model.attention_layers()
@@ -64,7 +76,8 @@ class ModelRunner:
             max_seq_len=max(s.seq_len for s in seqs),
             block_size=self.block_size,
         )
-        return PreparedBatch(torch.tensor(tokens, **as_long), pos_t, md)
+        uniform = q_lens[0] if all(q == q_lens[0] for q in q_lens) else None
+        return PreparedBatch(torch.tensor(tokens, **as_long), pos_t, md, uniform)
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
@@ -73,3 +86,27 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden[rows]).float()
+
+    def graph_for(self, q_len: int, num_seqs: int) -> GraphedForward | None:
+        """The graph runner for this batch shape, or None when it must run eagerly."""
+        if not self.cuda_graphs or bucket_for(num_seqs) is None:
+            return None
+        if q_len not in self._graphs:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            max_blocks = -(-(self.max_model_len + MAX_SPECULATIVE_TOKENS) // self.block_size)
+            self._graphs[q_len] = GraphedForward(self.model, q_len, max_blocks, self.block_size,
+                                                 self.max_model_len, self._graph_pool)
+        return self._graphs[q_len]
+
+    @torch.inference_mode()
+    def run(self, batch: PreparedBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits of the given token rows (every token when rows is None)."""
+        graph = self.graph_for(batch.uniform_q, batch.md.num_seqs) if batch.uniform_q else None
+        if graph is not None:
+            logits = graph(batch.input_ids, batch.positions, batch.md)
+            return logits if rows is None else logits[rows]
+        hidden = self.forward(batch)
+        if rows is None:
+            return self.model.compute_logits(hidden).float()
+        return self.logits(hidden, rows)

@@ -23,7 +23,8 @@ class Worker:
         self.config = config
         self.device = config.model.device
         self.tp = tp or get_tp_group()
-        self.runner = ModelRunner(load_model(config.model, self.tp), self.device, config.cache.block_size)
+        self.runner = ModelRunner(load_model(config.model, self.tp), self.device, config.cache.block_size,
+                                  config.model.max_model_len, cuda_graphs=not config.enforce_eager)
         self.vocab_size = config.model.arch.vocab_size
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
         self._generators: dict[int, torch.Generator] = {}
@@ -75,12 +76,12 @@ class Worker:
         if not req.seqs:
             return StepOutput([])
         batch = self.runner.prepare(req.seqs)
-        hidden = self.runner.forward(batch)
         sampled = [i for i, s in enumerate(req.seqs) if s.sample]
         if not sampled:
+            self.runner.forward(batch)
             return StepOutput([])
         ends = batch.md.query_start_loc[1:] - 1
-        logits = self.runner.logits(hidden, ends[torch.tensor(sampled, device=self.device)])
+        logits = self.runner.run(batch, ends[torch.tensor(sampled, device=self.device)])
         seqs = [req.seqs[i] for i in sampled]
         md = SamplingMetadata.build([self.sampling_row(s) for s in seqs], self.vocab_size, self.device)
         out = self.sampler(logits, md)

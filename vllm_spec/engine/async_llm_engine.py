@@ -1,0 +1,421 @@
+"""AsyncLLMEngine: an asyncio front for LLMEngine with per-request output streams.
+
+One background task owns the engine. The engine's work (add/abort, step) is blocking
+CPU/GPU code, so each loop iteration runs in a single dedicated worker thread; the
+engine is never touched from any other thread. Callers only enqueue additions and
+aborts; the loop applies them between steps.
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=...))
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-0"):
+        print(out.outputs[0].text)   # the full text so far
+    await engine.shutdown()
+
+Errors: a bad request (SamplingParams/prompt/length) raises ValueError from generate()
+to its caller only. An exception inside step() fails every in-flight request with that
+exception (their streams raise EngineStepError chained to it), the engine state of those
+requests is cleaned up, and the loop goes on serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_spec.engine.arg_utils import EngineArgs
+from vllm_spec.engine.llm_engine import LLMEngine, PromptType
+from vllm_spec.metrics import Metric
+from vllm_spec.outputs import RequestOutput
+from vllm_spec.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is shut down (or died) and accepts no more requests."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed; every request that was in flight at that time fails with it."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted (by abort() or shutdown()) before it finished."""
+
+
+_FINISHED = object()  # end-of-stream marker
+
+
+class AsyncStream:
+    """The outputs of one request, consumed with `async for`.
+
+    Outputs carry the full text/token_ids so far, so when the consumer is slower than the
+    engine the stream yields only the newest one (nothing is lost)."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if not self.finished:
+            self._queue.put_nowait(item)
+
+    def finish(self, exc: BaseException | None = None) -> None:
+        if not self.finished:
+            if exc is not None:
+                self._queue.put_nowait(exc)
+            self._queue.put_nowait(_FINISHED)
+            self.finished = True
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            item = await self._queue.get()
+            # Coalesce: keep only the newest output among those already queued.
+            while isinstance(item, RequestOutput) and not self._queue.empty():
+                nxt = self._queue.get_nowait()
+                if not isinstance(nxt, RequestOutput):
+                    yield item
+                    item = nxt
+                    break
+                item = nxt
+            if item is _FINISHED:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+@dataclass
+class _PendingAdd:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    future: asyncio.Future
+
+
+@dataclass
+class _IterationResult:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    step_error: BaseException | None = None
+    failed_ids: list[str] = field(default_factory=list)
+
+
+class AsyncLLMEngine:
+    """Serves concurrent async callers from one LLMEngine driven by one background task."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._streams: dict[str, AsyncStream] = {}
+        self._pending_adds: list[_PendingAdd] = []
+        self._pending_aborts: set[str] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._closing = False
+        self._dead_error: BaseException | None = None
+        self._lock = threading.Lock()
+        # Read by get_metrics(); refreshed by the engine thread after every iteration.
+        self._metrics: list[Metric] = engine.get_metrics()
+        self._num_free_blocks = engine.block_manager.num_free_blocks
+        self.num_step_errors = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_engine_args(args))
+
+    # Properties -------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._closing or self._dead_error is not None
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.engine.block_manager.num_usable_blocks
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # Loop -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the background loop on the running event loop (generate() calls it too)."""
+        if self.is_stopped:
+            raise EngineDeadError("the engine is shut down.") from self._dead_error
+        if self.is_running:
+            return
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and self._loop is not loop and self._task is not None:
+            raise RuntimeError("AsyncLLMEngine is bound to another event loop.")
+        self._loop = loop
+        self._wakeup = asyncio.Event()
+        self._task = loop.create_task(self._run_loop(), name="AsyncLLMEngine.loop")
+        self._task.add_done_callback(self._on_loop_done)
+
+    def _on_loop_done(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            err: BaseException = EngineDeadError("the engine loop was cancelled.")
+        elif task.exception() is not None:
+            err = task.exception()
+            logger.error("engine loop died", exc_info=err)
+        else:
+            return
+        self._dead_error = err
+        self._fail_all(EngineDeadError(f"the engine loop stopped: {err}"), err)
+
+    def _fail_all(self, exc: BaseException, cause: BaseException | None = None) -> None:
+        exc.__cause__ = cause
+        for p in self._pending_adds:
+            if not p.future.done():
+                p.future.set_exception(exc)
+        self._pending_adds.clear()
+        for stream in list(self._streams.values()):
+            stream.finish(exc)
+        self._streams.clear()
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._pending_adds and not self._pending_aborts and not self._streams:
+                if self._closing:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, set()
+            try:
+                result = await loop.run_in_executor(self._executor, self._iteration, loop, adds, aborts)
+            except BaseException:
+                # Not a step error (those come back in the result): the thread call itself failed.
+                # The adds are resolved by the thread; make sure none is left hanging.
+                for p in adds:
+                    if not p.future.done():
+                        p.future.set_exception(EngineDeadError("the engine loop stopped."))
+                raise
+            self._dispatch(result)
+            # Let request handlers run between steps; back off a little when nothing moved
+            # (e.g. requests waiting for KV blocks), so an idle wait does not spin a core.
+            idle = not (adds or aborts or result.outputs or result.step_error)
+            await asyncio.sleep(0.002 if idle else 0)
+
+    def _iteration(self, loop: asyncio.AbstractEventLoop, adds: list[_PendingAdd],
+                   aborts: set[str]) -> _IterationResult:
+        """Runs in the engine thread: apply queued adds and aborts, then one step."""
+        engine = self.engine
+        result = _IterationResult()
+        for p in adds:
+            if p.future.cancelled():
+                continue
+            try:
+                engine.add_request(p.request_id, p.prompt, p.params)
+            except BaseException as e:  # noqa: BLE001 - handed to that caller only
+                loop.call_soon_threadsafe(_set_exception, p.future, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, p.future, None)
+        if aborts:
+            engine.abort_request(list(aborts))
+        if engine.has_unfinished_requests():
+            try:
+                result.outputs = engine.step()
+            except Exception as e:  # noqa: BLE001 - fails the in-flight requests, not the loop
+                logger.exception("engine step failed; failing %d in-flight request(s)",
+                                 engine.get_num_unfinished_requests())
+                result.step_error = e
+                result.failed_ids = list(engine.requests)
+                try:
+                    engine.abort_request(result.failed_ids)
+                except Exception:  # noqa: BLE001
+                    logger.exception("cleaning up after the failed step failed too")
+        self._refresh_metrics()
+        return result
+
+    def _refresh_metrics(self) -> None:
+        try:
+            metrics = self.engine.get_metrics()
+        except Exception:  # noqa: BLE001 - metrics must never break serving
+            logger.exception("get_metrics failed")
+            return
+        with self._lock:
+            self._metrics = metrics
+            self._num_free_blocks = self.engine.block_manager.num_free_blocks
+
+    def _dispatch(self, result: _IterationResult) -> None:
+        for out in result.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            stream.put(out)
+            if out.finished:
+                stream.finish()
+                del self._streams[out.request_id]
+        if result.step_error is not None:
+            self.num_step_errors += 1
+            err = result.step_error
+            for rid in result.failed_ids:
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    exc = EngineStepError(f"engine step failed: {type(err).__name__}: {err}")
+                    exc.__cause__ = err
+                    stream.finish(exc)
+
+    # Public API -------------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: SamplingParams | None = None) -> AsyncStream:
+        """Queue a request; returns its stream once the engine has accepted it.
+
+        Raises ValueError (a bad request), EngineDeadError (shut down)."""
+        if self.is_stopped:
+            raise EngineDeadError("the engine is shut down; no new requests.") from self._dead_error
+        self.start()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string.")
+        if request_id in self._streams or any(p.request_id == request_id for p in self._pending_adds):
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        stream = AsyncStream(request_id)
+        self._streams[request_id] = stream
+        fut = self._loop.create_future()
+        self._pending_adds.append(_PendingAdd(request_id, prompt, params, fut))
+        self._wakeup.set()
+        try:
+            await fut
+        except BaseException as e:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            stream.finish()
+            if isinstance(e, asyncio.CancelledError):
+                # The caller went away while we were adding: make sure the engine drops it.
+                self._abort_in_engine(request_id)
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream the RequestOutputs of one request (each carries the full output so far).
+
+        Leaving the loop early (break, cancellation, client disconnect) aborts the request
+        and frees its KV blocks before the next engine step."""
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        finished = False
+        try:
+            async for out in stream:
+                if out.finished:
+                    finished = True
+                yield out
+            finished = True
+        except (EngineStepError, EngineDeadError, RequestAbortedError):
+            finished = True  # nothing left to abort in the engine
+            raise
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort request(s): their streams end with RequestAbortedError; KV blocks are freed
+        before the next step. Unknown or finished ids are ignored. Safe from the event loop only."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.finish(RequestAbortedError(f"request {rid!r} was aborted."))
+            self._abort_in_engine(rid)
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        # A queued add that has not run yet is simply dropped.
+        for p in self._pending_adds:
+            if p.request_id == request_id:
+                self._pending_adds.remove(p)
+                if not p.future.done():
+                    p.future.cancel()
+                return
+        if self._wakeup is not None and (self.is_running or self._closing):
+            self._pending_aborts.add(request_id)
+            self._wakeup.set()
+
+    async def get_metrics(self) -> list[Metric]:
+        """The engine's metrics as of the end of the last loop iteration."""
+        with self._lock:
+            return list(self._metrics)
+
+    def get_metrics_nowait(self) -> tuple[list[Metric], int]:
+        """(metrics, free KV blocks) as of the end of the last loop iteration."""
+        with self._lock:
+            return list(self._metrics), self._num_free_blocks
+
+    async def check_health(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine loop died: {self._dead_error}") from self._dead_error
+        if self._closing:
+            raise EngineDeadError("the engine is shutting down.")
+
+    async def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Refuse new requests, abort the in-flight ones, let the loop apply the aborts and
+        stop, and release the engine thread. Idempotent."""
+        if self._closing and not self.is_running:
+            self._executor.shutdown(wait=False)
+            return
+        self._closing = True
+        if self._streams:
+            self.abort(list(self._streams))
+        for p in self._pending_adds:
+            if not p.future.done():
+                p.future.set_exception(EngineDeadError("the engine is shutting down."))
+        self._pending_adds.clear()
+        if self._task is not None and not self._task.done():
+            self._wakeup.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout)
+            except (TimeoutError, asyncio.TimeoutError):
+                logger.warning("engine loop did not stop within %s s; cancelling it", timeout)
+                self._task.cancel()
+            except Exception:  # noqa: BLE001 - already logged by _on_loop_done
+                pass
+        self._executor.shutdown(wait=True)
+
+    def shutdown_background_loop(self) -> None:
+        """Synchronous variant for non-async callers (after the event loop has stopped)."""
+        self._closing = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self._executor.shutdown(wait=True)
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
