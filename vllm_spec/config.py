@@ -146,6 +146,7 @@ class ParallelConfig:
 
 
 SPEC_METHODS = ("draft_model", "ngram")
+SPEC_POLICIES = ("adaptive", "fixed")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -162,13 +163,15 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     # Benchmarks only: accept each draft token with this probability whatever the models say.
     synthetic_acceptance_rate: float | None = None
+    policy: str = "adaptive"
 
     @classmethod
     def create(cls, target: ModelConfig, model: str | None, num_speculative_tokens: int | None,
                method: str | None = None, prompt_lookup_max: int | None = None,
                prompt_lookup_min: int | None = None, draft_tensor_parallel_size: int | None = None,
                disable_by_batch_size: int | None = None,
-               synthetic_acceptance_rate: float | None = None) -> "SpeculativeConfig":
+               synthetic_acceptance_rate: float | None = None,
+               policy: str | None = None) -> "SpeculativeConfig":
         if model == "[ngram]" or method == "ngram":
             method = "ngram"
         elif method in (None, "draft_model"):
@@ -185,8 +188,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_disable_by_batch_size must be >= 1, got {disable_by_batch_size!r}.")
         if synthetic_acceptance_rate is not None and not 0.0 <= synthetic_acceptance_rate <= 1.0:
             raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], got {synthetic_acceptance_rate!r}.")
+        if policy not in (None, *SPEC_POLICIES):
+            raise ValueError(f"speculative_policy must be one of {SPEC_POLICIES}, got {policy!r}.")
         cfg = cls(method, k, draft_tensor_parallel_size=draft_tensor_parallel_size or 1,
-                  disable_by_batch_size=disable_by_batch_size, synthetic_acceptance_rate=synthetic_acceptance_rate)
+                  disable_by_batch_size=disable_by_batch_size, synthetic_acceptance_rate=synthetic_acceptance_rate,
+                  policy=policy or "adaptive")
         if method == "ngram":
             hi = prompt_lookup_max or prompt_lookup_min or 5
             lo = prompt_lookup_min or min(2, hi)

@@ -15,6 +15,8 @@ from scipy import stats
 from vllm_spec import LLM, SamplingParams
 
 KV = dict(kv_cache_memory_bytes=1 << 25)
+# Tests that count drafts pin k; the adaptive policy (the default) has its own tests below.
+FIXED = dict(speculative_policy="fixed")
 
 
 def _prompts(n: int, seed: int = 0, vocab: int = 300) -> list[dict]:
@@ -45,7 +47,7 @@ def greedy_reference(baseline):
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_equality_draft_model(spec_pair, greedy_reference, k):
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=k, **KV)
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=k, **FIXED, **KV)
     for batch in (1, 5, 16):
         out = _ids(llm.generate(_prompts(16)[:batch], GREEDY, use_tqdm=False))
         assert out == greedy_reference[:batch]
@@ -58,7 +60,7 @@ def test_greedy_equality_draft_model(spec_pair, greedy_reference, k):
 def test_greedy_equality_with_preemption(spec_pair, greedy_reference):
     # 40 usable blocks of 4 tokens: 16 sequences of up to ~64 tokens cannot all fit.
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3,
-              block_size=4, num_gpu_blocks_override=41, max_model_len=128)
+              block_size=4, num_gpu_blocks_override=41, max_model_len=128, **FIXED)
     out = _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False))
     assert _metrics(llm)["vllm:num_preemptions"] > 0
     assert out == greedy_reference
@@ -66,7 +68,7 @@ def test_greedy_equality_with_preemption(spec_pair, greedy_reference):
 
 def test_greedy_equality_chunked_prefill(spec_pair, greedy_reference):
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4,
-              max_num_batched_tokens=16, **KV)
+              max_num_batched_tokens=16, **FIXED, **KV)
     assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
 
 
@@ -75,19 +77,19 @@ def test_greedy_equality_ngram(spec_pair, baseline):
     prompts = [{"prompt_token_ids": ([5, 6, 7, 8, 9] * 6)[: 10 + i]} for i in range(8)]
     ref = _ids(baseline.generate(prompts, GREEDY, use_tqdm=False))
     llm = LLM(spec_pair[0], speculative_model="[ngram]", num_speculative_tokens=4,
-              ngram_prompt_lookup_max=3, ngram_prompt_lookup_min=1, **KV)
+              ngram_prompt_lookup_max=3, ngram_prompt_lookup_min=1, **FIXED, **KV)
     assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == ref
     assert _metrics(llm)["vllm:spec_decode_num_draft_tokens"] > 0
 
 
 def test_random_draft_accepts_almost_nothing(spec_pair, random_draft, greedy_reference):
-    llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=4, **KV)
+    llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=4, **FIXED, **KV)
     assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
     assert _metrics(llm)["vllm:spec_decode_acceptance_rate"] < 0.2
 
 
 def test_draft_equal_to_target_accepts_everything(spec_pair, greedy_reference):
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=4, **KV)
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=4, **FIXED, **KV)
     assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
     m = _metrics(llm)
     assert m["vllm:spec_decode_acceptance_rate"] == 1.0
@@ -99,7 +101,7 @@ def test_greedy_equality_with_penalties_and_min_tokens(spec_pair, baseline):
                             presence_penalty=0.2, min_tokens=5, stop_token_ids=[7, 11])
     prompts = _prompts(6, seed=3)
     ref = _ids(baseline.generate(prompts, params, use_tqdm=False))
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **KV)
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **FIXED, **KV)
     assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
 
 
@@ -107,7 +109,7 @@ def test_logprobs_match_non_speculative(spec_pair, baseline):
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
     prompts = _prompts(4, seed=4)
     ref = baseline.generate(prompts, params, use_tqdm=False)
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **KV)
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **FIXED, **KV)
     out = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(out, ref):
         ca, cb = a.outputs[0], b.outputs[0]
@@ -140,7 +142,7 @@ def test_sampled_distribution_matches_non_speculative(spec_pair, baseline, rando
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, **extra)
     vocab = baseline.llm_engine.config.model.arch.vocab_size
     ref = _token_histogram(baseline, 2, 1500, params, vocab)
-    llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=2, seed=123, **KV)
+    llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=2, seed=123, **FIXED, **KV)
     got = _token_histogram(llm, 2, 1500, params, vocab)
     assert _metrics(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
     keep = (ref + got) >= 10
@@ -151,6 +153,7 @@ def test_sampled_distribution_matches_non_speculative(spec_pair, baseline, rando
 
 
 def test_seeded_sampling_is_independent_of_batch(spec_pair):
+    # Default (adaptive) policy: seeded requests keep a batch-independent k.
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **KV)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
     other = SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True)
@@ -163,7 +166,7 @@ def test_seeded_sampling_is_independent_of_batch(spec_pair):
 
 
 def test_abort_mid_speculation_frees_blocks(spec_pair):
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **KV)
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **FIXED, **KV)
     engine = llm.llm_engine
     for i, p in enumerate(_prompts(4, seed=5)):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
@@ -179,13 +182,13 @@ def test_abort_mid_speculation_frees_blocks(spec_pair):
 
 def test_speculative_config_dict_form(spec_pair, greedy_reference):
     llm = LLM(spec_pair[0], speculative_config={"model": spec_pair[1], "num_speculative_tokens": 2,
-                                                "method": "draft_model"}, **KV)
+                                                "method": "draft_model", "policy": "fixed"}, **KV)
     assert _ids(llm.generate(_prompts(4), GREEDY, use_tqdm=False)) == greedy_reference[:4]
 
 
 def test_disable_by_batch_size(spec_pair, greedy_reference):
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2,
-              speculative_disable_by_batch_size=4, **KV)
+              speculative_disable_by_batch_size=4, **FIXED, **KV)
     assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
     drafts_big_batch = _metrics(llm)["vllm:spec_decode_num_drafts"]
     llm.generate(_prompts(2), GREEDY, use_tqdm=False)
@@ -197,6 +200,8 @@ def test_disable_by_batch_size(spec_pair, greedy_reference):
     ({"num_speculative_tokens": 17}, "num_speculative_tokens"),
     ({"speculative_config": {"model": "x", "num_speculative_tokens": 2, "method": "medusa"}}, "method"),
     ({"speculative_config": {"num_speculative_tokens": 2, "bogus": 1, "model": "x"}}, "bogus"),
+    ({"num_speculative_tokens": 2, "speculative_policy": "greedy"}, "speculative_policy"),
+    ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 0}, "disable_by_batch_size"),
 ])
 def test_invalid_speculative_settings(spec_pair, kwargs, match):
     kwargs.setdefault("speculative_model", spec_pair[1])
@@ -208,11 +213,39 @@ def test_draft_with_other_vocabulary_is_rejected(tmp_path, spec_pair):
     from conftest import make_tiny_model
     other = make_tiny_model(tmp_path / "other_vocab", "llama", vocab_size=500)
     with pytest.raises(ValueError, match="vocabulary"):
-        LLM(spec_pair[0], speculative_model=str(other), num_speculative_tokens=2, **KV)
+        LLM(spec_pair[0], speculative_model=str(other), num_speculative_tokens=2, **FIXED, **KV)
 
 
 def test_draft_shorter_than_max_model_len_is_rejected(tmp_path, spec_pair):
     from conftest import make_tiny_model
     short = make_tiny_model(tmp_path / "short_draft", "llama", max_position_embeddings=64)
     with pytest.raises(ValueError, match="max_model_len"):
-        LLM(spec_pair[0], speculative_model=str(short), num_speculative_tokens=2, max_model_len=256, **KV)
+        LLM(spec_pair[0], speculative_model=str(short), num_speculative_tokens=2, max_model_len=256, **FIXED, **KV)
+
+
+@pytest.mark.parametrize("policy", [
+    {"speculative_policy": "adaptive"},
+    {"speculative_policy": "fixed"},
+    {"speculative_policy": "adaptive", "speculative_disable_by_batch_size": 6},
+    {"speculative_policy": "fixed", "speculative_disable_by_batch_size": 6},
+])
+def test_greedy_equality_every_policy(spec_pair, greedy_reference, policy):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **policy, **KV)
+    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    m = _metrics(llm)
+    assert 0.0 <= m["vllm:spec_decode_policy_mean_k"] <= 4.0
+
+
+def test_adaptive_policy_speculates_when_it_pays_and_reports_estimates(spec_pair):
+    # Draft == target: perfect acceptance. On CPU a draft forward costs as much as a target
+    # forward, so speculating cannot pay and adaptive must (mostly) stay at k = 0 ...
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=4, **KV)
+    llm.generate(_prompts(4), GREEDY, use_tqdm=False)
+    m = _metrics(llm)
+    assert m["vllm:spec_decode_policy_draft_cost_ratio"] > 0.3
+    assert m["vllm:spec_decode_num_drafts"] <= 4 * 2  # at most the exploration steps
+    # ... while the n-gram proposer (free drafts) on repetitive text speculates every step.
+    ngram = LLM(spec_pair[0], speculative_model="[ngram]", num_speculative_tokens=4, **KV)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}] * 4
+    ngram.generate(prompts, GREEDY, use_tqdm=False)
+    assert _metrics(ngram)["vllm:spec_decode_num_drafts"] > 0

@@ -47,13 +47,15 @@ class EngineArgs:
     num_speculative_tokens: int | None = _opt(None, "Draft tokens per step, k in [1, 16].")
     speculative_config: dict | None = _opt(
         None, "vLLM V1 form as JSON: {model, num_speculative_tokens, method, prompt_lookup_max, "
-              "prompt_lookup_min, draft_tensor_parallel_size, disable_by_batch_size, synthetic_acceptance_rate "
-              "(benchmarks only)}.")
+              "prompt_lookup_min, draft_tensor_parallel_size, disable_by_batch_size, policy, "
+              "synthetic_acceptance_rate (benchmarks only)}.")
     ngram_prompt_lookup_max: int | None = _opt(None, "Longest n-gram the [ngram] proposer matches.")
     ngram_prompt_lookup_min: int | None = _opt(None, "Shortest n-gram the [ngram] proposer matches.")
     speculative_draft_tensor_parallel_size: int | None = _opt(None, "Tensor-parallel size of the draft.")
     speculative_disable_by_batch_size: int | None = _opt(
         None, "No speculation while this many or more requests are running.")
+    speculative_policy: str | None = _opt(
+        None, "adaptive (default: k per sequence and step maximising goodput) or fixed (always k).")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
@@ -101,6 +103,7 @@ class EngineArgs:
             "disable_by_batch_size": self.speculative_disable_by_batch_size,
             "method": None,
             "synthetic_acceptance_rate": None,
+            "policy": self.speculative_policy,
         }
         if self.speculative_config is not None:
             if not isinstance(self.speculative_config, dict):

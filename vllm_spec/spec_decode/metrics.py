@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm_spec.metrics import Counter, Gauge, Metric, Vector
-from vllm_spec.worker.batch import SpecStepStats
+from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
 
 
 @dataclass
@@ -19,8 +19,11 @@ class SpecDecodeMetrics:
     accepted_per_pos: list[int] = field(default_factory=list)
     draft_time: float = 0.0
     verify_time: float = 0.0
+    policy: PolicyEstimates | None = None
 
     def add(self, s: SpecStepStats) -> None:
+        if s.policy is not None:
+            self.policy = s.policy
         self.num_steps += 1
         self.num_drafts += s.num_drafts
         self.num_draft_tokens += s.num_draft_tokens
@@ -52,4 +55,13 @@ class SpecDecodeMetrics:
             Gauge("vllm:spec_decode_mean_accepted_length", value=self.mean_accepted_length),
             Gauge("vllm:spec_decode_draft_time_per_step_seconds", value=self.draft_time / steps),
             Gauge("vllm:spec_decode_verify_time_per_step_seconds", value=self.verify_time / steps),
+        ] + self._policy_metrics()
+
+    def _policy_metrics(self) -> list[Metric]:
+        if self.policy is None:
+            return []
+        return [
+            Gauge("vllm:spec_decode_policy_mean_k", value=self.policy.mean_k),
+            Gauge("vllm:spec_decode_policy_acceptance_estimate", value=self.policy.acceptance),
+            Gauge("vllm:spec_decode_policy_draft_cost_ratio", value=self.policy.draft_cost_ratio),
         ]

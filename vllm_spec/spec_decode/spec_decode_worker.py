@@ -8,8 +8,6 @@ or not speculating this step) is the k = 0 case of the same thing.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from vllm_spec.config import EngineConfig
@@ -18,8 +16,10 @@ from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
 from vllm_spec.sample.sampler import SamplerOutput, gather_logprobs, process_logits
 from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer
 from vllm_spec.spec_decode.ngram_proposer import NgramProposer
+from vllm_spec.spec_decode.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy, StepShape
 from vllm_spec.spec_decode.proposer import Proposals, Proposer
 from vllm_spec.spec_decode.rejection_sampler import rejection_sample
+from vllm_spec.spec_decode.timer import StepTimer
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, SpecStepStats, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner
 from vllm_spec.worker.worker import Worker, logprob_dicts
@@ -39,6 +39,7 @@ class SpecDecodeWorker:
         self.proposer: Proposer
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min, self.device)
+            cost_ratio = 0.01
         else:
             draft = load_model(spec.draft, self.target.tp)
             if spec.draft.arch.embeddings_from_target:
@@ -46,6 +47,10 @@ class SpecDecodeWorker:
             self.draft_runner = ModelRunner(draft, self.device, config.cache.block_size,
                                             config.model.max_model_len, cuda_graphs=not config.enforce_eager)
             self.proposer = DraftModelProposer(self.draft_runner, self.target.sampler.generator)
+            cost_ratio = _num_params(draft) / _num_params(self.target.runner.model)
+        k = spec.num_speculative_tokens
+        self.policy: SpeculationPolicy = (FixedPolicy(k) if spec.policy == "fixed"
+                                          else AdaptivePolicy(k, draft_cost_ratio=cost_ratio))
 
     # KV cache: one block manager, two caches of the same number of blocks ----------------
     def kv_bytes_per_block(self) -> int:
@@ -61,31 +66,55 @@ class SpecDecodeWorker:
             self.draft_runner.allocate_kv_cache(num_blocks, self.config.model.dtype)
 
     # Steps ------------------------------------------------------------------------------
-    def num_drafts(self, req: ExecuteModelRequest) -> list[int]:
-        """k per sequence: decoding sequences speculate, never past max_model_len."""
+    def num_drafts(self, req: ExecuteModelRequest) -> tuple[list[int], StepShape]:
+        """k per sequence: decoding sequences speculate as the policy says, never past max_model_len.
+
+        Seeded sampled requests always draft the full k: their output then depends on
+        their seed alone, not on the batch they share (which steers the policy).
+        """
         spec = self.config.speculative
-        k = req.num_lookahead_slots
-        if k == 0 or (spec.disable_by_batch_size is not None and len(req.seqs) >= spec.disable_by_batch_size):
-            return [0] * len(req.seqs)
         max_len = self.config.model.max_model_len
-        return [min(k, max_len - s.seq_len) if s.sample and len(s.token_ids) == 1 else 0 for s in req.seqs]
+        decoding = [i for i, s in enumerate(req.seqs) if s.sample and len(s.token_ids) == 1]
+        caps = [min(req.num_lookahead_slots, max_len - req.seqs[i].seq_len) for i in decoding]
+        seeded = [not req.seqs[i].sampling_params.is_greedy and req.seqs[i].sampling_params.seed is not None
+                  for i in decoding]
+        shape = StepShape([req.seqs[i].seq_id for i, s in zip(decoding, seeded) if not s],
+                          [c for c, s in zip(caps, seeded) if not s],
+                          sum(len(s.token_ids) for s in req.seqs) - len(decoding))
+        if spec.disable_by_batch_size is not None and len(req.seqs) >= spec.disable_by_batch_size:
+            chosen = iter([0] * len(shape.seq_ids))
+        else:
+            chosen = iter(self.policy.choose(shape))
+        asked = [0] * len(req.seqs)
+        for i, cap, s in zip(decoding, caps, seeded):
+            asked[i] = cap if s else next(chosen)
+        return asked, shape
 
     @torch.inference_mode()
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
         self.target.release(req.finished_seq_ids)
         self.proposer.release(req.finished_seq_ids)
+        self.policy.release(req.finished_seq_ids)
         if not req.seqs:
             return StepOutput([])
-        asked = self.num_drafts(req)
+        asked, shape = self.num_drafts(req)
         spec_idx = [i for i, n in enumerate(asked) if n > 0]
-        t0 = time.perf_counter()
+        timer = StepTimer(self.device)
         draft_md = self._metadata([self.target.sampling_row(req.seqs[i]) for i in spec_idx], for_draft=True)
         proposals = self.proposer.propose(req.seqs, asked, draft_md)
-        if not spec_idx:
-            return self.target.execute_model(req)
-        t1 = time.perf_counter()
-        outputs, stats = self._score_and_verify(req, spec_idx, proposals)
-        stats.draft_time, stats.verify_time = t1 - t0, time.perf_counter() - t1
+        timer.mark()
+        if spec_idx:
+            outputs, stats = self._score_and_verify(req, spec_idx, proposals)
+        else:
+            outputs = self.target.execute_model(req).outputs
+            stats = SpecStepStats(0, 0, 0, [], 0.0, 0.0)
+        stats.draft_time, stats.verify_time = timer.finish()
+        by_id = {o.seq_id: len(o.token_ids) - 1 for o in outputs}
+        index = {s.seq_id: i for i, s in enumerate(req.seqs)}
+        self.policy.observe(shape, [asked[index[sid]] for sid in shape.seq_ids],
+                            [by_id.get(sid, 0) for sid in shape.seq_ids],
+                            stats if spec_idx else None, stats.draft_time + stats.verify_time)
+        stats.policy = self.policy.estimates()
         return StepOutput(outputs, stats)
 
     def _metadata(self, rows: list[SamplingRow], for_draft: bool = False) -> SamplingMetadata | None:
@@ -175,3 +204,7 @@ class SpecDecodeWorker:
             if d is not None:
                 per_seq[grid_r[n]].append(d)
         return per_seq
+
+
+def _num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

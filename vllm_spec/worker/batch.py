@@ -49,6 +49,15 @@ class SeqOutput:
 
 
 @dataclass
+class PolicyEstimates:
+    """What the speculation policy believes after a step (NaN where it keeps no such estimate)."""
+
+    mean_k: float
+    acceptance: float = float("nan")
+    draft_cost_ratio: float = float("nan")
+
+
+@dataclass
 class SpecStepStats:
     """What one speculative step proposed and kept."""
 
@@ -58,6 +67,7 @@ class SpecStepStats:
     accepted_per_pos: list[int]      # [k] sequences whose j-th draft was accepted
     draft_time: float                # seconds
     verify_time: float
+    policy: PolicyEstimates | None = None
 
 
 @dataclass

@@ -1,0 +1,64 @@
+"""The speculation policies on synthetic costs and acceptance: the choices a goodput maximiser must make."""
+
+from __future__ import annotations
+
+from vllm_spec.spec_decode.policy import AdaptivePolicy, FixedPolicy, StepShape
+from vllm_spec.worker.batch import SpecStepStats
+
+
+def _train(policy: AdaptivePolicy, shape: StepShape, alphas: list[float], target_fixed: float,
+           target_per_token: float, draft_per_forward: float, steps: int = 60) -> None:
+    """Feed observations from a known cost model and per-sequence acceptance (expected values)."""
+    for _ in range(steps):
+        chosen = policy.choose(shape)
+        if max(chosen, default=0) == 0:
+            chosen = [min(2, c) for c in shape.caps]  # as an exploration step would
+        accepted = [min(k, round(k * a)) for k, a in zip(chosen, alphas)]
+        q = shape.num_other_tokens + len(chosen) + sum(chosen)
+        stats = SpecStepStats(len(chosen), sum(chosen), sum(accepted), [], max(chosen) * draft_per_forward,
+                              target_fixed + target_per_token * q)
+        policy.observe(shape, chosen, accepted, stats, 0.0)
+
+
+def test_fixed_policy_respects_caps():
+    assert FixedPolicy(4).choose(StepShape([1, 2, 3], [4, 2, 0], 0)) == [4, 2, 0]
+
+
+def test_cheap_draft_and_high_acceptance_speculate_deeply():
+    policy = AdaptivePolicy(max_k=8, draft_cost_ratio=0.02)
+    shape = StepShape([1], [8], 0)
+    _train(policy, shape, [0.95], target_fixed=5e-3, target_per_token=1e-6, draft_per_forward=1e-4)
+    assert policy.choose(shape)[0] >= 5
+    assert policy.estimates().acceptance > 0.8
+
+
+def test_compute_bound_batches_stop_speculating():
+    # 256 sequences; every extra query token costs as much as a tenth of a step: verification
+    # of drafts at acceptance 0.5 cannot pay for itself.
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=0.05)
+    shape = StepShape(list(range(256)), [4] * 256, 0)
+    _train(policy, shape, [0.5] * 256, target_fixed=5e-3, target_per_token=5e-4, draft_per_forward=2e-3)
+    assert max(policy.choose(shape)) == 0
+
+
+def test_memory_bound_batches_speculate():
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=0.05)
+    shape = StepShape(list(range(8)), [4] * 8, 0)
+    _train(policy, shape, [0.8] * 8, target_fixed=5e-3, target_per_token=1e-6, draft_per_forward=2e-4)
+    assert min(policy.choose(shape)) >= 2
+
+
+def test_low_acceptance_sequences_get_fewer_drafts():
+    policy = AdaptivePolicy(max_k=6, draft_cost_ratio=0.05)
+    shape = StepShape(list(range(16)), [6] * 16, 0)
+    alphas = [0.95] * 8 + [0.2] * 8
+    _train(policy, shape, alphas, target_fixed=5e-3, target_per_token=2e-5, draft_per_forward=3e-4)
+    chosen = policy.choose(shape)
+    assert min(chosen[:8]) > max(chosen[8:])
+
+
+def test_policy_explores_after_a_long_pause():
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=5.0, explore_every=10)  # draft looks hopeless
+    shape = StepShape([1, 2], [4, 4], 0)
+    choices = [max(policy.choose(shape)) for _ in range(20)]
+    assert 0 < sum(1 for c in choices if c > 0) <= 2

@@ -1,0 +1,207 @@
+"""How many tokens each sequence drafts this step.
+
+"fixed" always drafts num_speculative_tokens. "adaptive" picks, per sequence,
+the k in 0..num_speculative_tokens that maximises expected goodput
+
+    sum_i E_i(k_i) / (draft_time(K) + verify_time(Q)),   E_i(k) = (1 - a_i^(k+1)) / (1 - a_i)
+
+with a_i an online estimate of the sequence's per-token acceptance (a shrunk
+towards a global estimate), K = max_i k_i draft forwards, and Q the target's
+query tokens. Both times come from a cost model fitted online to the measured
+step times. k = 0 for everyone is always a candidate, so speculation is only
+used when it is expected to pay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
+
+POLICIES = ("fixed", "adaptive")
+
+
+@dataclass
+class StepShape:
+    """What the policy knows about the coming step."""
+
+    seq_ids: list[int]        # decoding sequences that may speculate
+    caps: list[int]           # most drafts each may take (num_speculative_tokens, max_model_len)
+    num_other_tokens: int     # query tokens of sequences that do not speculate (prefill chunks)
+
+
+class SpeculationPolicy(Protocol):
+    def choose(self, shape: StepShape) -> list[int]: ...
+
+    def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
+                stats: SpecStepStats | None, step_time: float) -> None: ...
+
+    def release(self, seq_ids: list[int]) -> None: ...
+
+    def estimates(self) -> PolicyEstimates: ...
+
+
+class FixedPolicy:
+    """k = num_speculative_tokens for every decoding sequence (vLLM's behaviour)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.last_mean_k = 0.0
+
+    def choose(self, shape: StepShape) -> list[int]:
+        chosen = [min(self.k, cap) for cap in shape.caps]
+        self.last_mean_k = float(np.mean(chosen)) if chosen else 0.0
+        return chosen
+
+    def observe(self, shape, chosen, accepted, stats, step_time) -> None:
+        pass
+
+    def release(self, seq_ids: list[int]) -> None:
+        pass
+
+    def estimates(self) -> PolicyEstimates:
+        return PolicyEstimates(self.last_mean_k)
+
+
+class _LinearFit:
+    """Recursive least squares for y = w0 + w1 * x with exponential forgetting.
+
+    The prior fixes only the shape (w1 / w0); the first observation sets the scale,
+    so priors need no units.
+    """
+
+    def __init__(self, w0: float, w1: float, forget: float = 0.98):
+        self.forget = forget
+        self.w = np.array([w0, w1], dtype=np.float64)
+        self.P = np.zeros((2, 2))
+        self.count = 0
+
+    def update(self, x: float, y: float) -> None:
+        phi = np.array([1.0, x])
+        if self.count == 0:
+            self.w *= y / float(phi @ self.w)
+            # Prior spread: w0 within ~50%, w1 within ~200%, against 5% noise on y.
+            self.P = np.diag([(0.5 * self.w[0]) ** 2, (2.0 * self.w[1]) ** 2]) / (0.05 * y) ** 2
+        else:
+            Pphi = self.P @ phi
+            gain = Pphi / (self.forget + phi @ Pphi)
+            self.w = self.w + gain * (y - phi @ self.w)
+            self.P = (self.P - np.outer(gain, Pphi)) / self.forget
+        self.count += 1
+
+    def __call__(self, x: float) -> float:
+        return max(float(self.w[0] + self.w[1] * x), 1e-9)
+
+
+@dataclass
+class _Acceptance:
+    """Decayed counts of accepted draft tokens and trials (a trial ends at the first rejection)."""
+
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    def add(self, accepted: int, drafted: int, decay: float) -> None:
+        self.accepted = self.accepted * decay + accepted
+        self.trials = self.trials * decay + accepted + (1 if accepted < drafted else 0)
+
+
+@dataclass
+class AdaptivePolicy:
+    """Goodput-maximising k per sequence from online acceptance estimates and a fitted cost model.
+
+    draft_cost_ratio: prior draft forward cost / target forward cost (e.g. the parameter ratio),
+    replaced by measurements after the first speculative steps.
+    """
+
+    max_k: int
+    draft_cost_ratio: float = 0.05
+    prior_acceptance: float = 0.6
+    prior_strength: float = 4.0
+    decay: float = 0.9
+    # Speculate at least once in this many steps, so estimates that argue against
+    # speculation get re-measured instead of going stale.
+    explore_every: int = 50
+    _since_spec: int = 0
+    _global: _Acceptance = field(default_factory=_Acceptance)
+    _seqs: dict[int, _Acceptance] = field(default_factory=dict)
+    _target: _LinearFit | None = None
+    _draft: _LinearFit | None = None
+    last_mean_k: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Until measured: a target forward costs 1 plus 1/512 per query token, a draft
+        # forward draft_cost_ratio plus 1/4096 per sequence (memory-bound decoding).
+        self._target = _LinearFit(1.0, 1.0 / 512)
+        self._draft = _LinearFit(max(self.draft_cost_ratio, 0.01), 1.0 / 4096)
+
+    def acceptance(self, seq_id: int) -> float:
+        g = self._global
+        prior = (g.accepted + self.prior_acceptance * self.prior_strength) / (g.trials + self.prior_strength)
+        s = self._seqs.get(seq_id, _Acceptance())
+        return float(np.clip((s.accepted + prior * self.prior_strength) / (s.trials + self.prior_strength),
+                             0.0, 0.999))
+
+    def choose(self, shape: StepShape) -> list[int]:
+        n = len(shape.seq_ids)
+        if n == 0:
+            return []
+        alpha = np.array([self.acceptance(s) for s in shape.seq_ids])
+        caps = np.array(shape.caps)
+        base_q = shape.num_other_tokens + n
+        plain_rate = n / self._target(base_q)
+        best_k, best_rate = np.zeros(n, dtype=int), 0.0
+        j = np.arange(1, self.max_k + 1)
+        gains = alpha[:, None] ** j[None, :]                         # value of the j-th draft token
+        for K in range(1, int(min(self.max_k, caps.max())) + 1):
+            draft_time = K * self._draft_forward(n)
+            rate = plain_rate
+            # Dinkelbach: keep a token when its expected value beats its verify cost at the current rate.
+            for _ in range(3):
+                per_token = self._target(base_q + 1) - self._target(base_q)
+                take = (gains[:, :K] >= rate * per_token) & (j[None, :K] <= caps[:, None])
+                k = np.cumprod(take, axis=1).sum(axis=1)
+                tokens = n + float((np.cumprod(take, axis=1) * gains[:, :K]).sum())
+                rate_new = tokens / (draft_time + self._target(base_q + int(k.sum())))
+                if abs(rate_new - rate) < 1e-6 * rate:
+                    break
+                rate = rate_new
+            if rate_new > best_rate and k.max() > 0:
+                best_k, best_rate = k, rate_new
+        self._since_spec += 1
+        if best_rate <= plain_rate and self._since_spec < self.explore_every:
+            best_k = np.zeros(n, dtype=int)
+        if best_k.max() > 0:
+            self._since_spec = 0
+        self.last_mean_k = float(best_k.mean())
+        return best_k.tolist()
+
+    def _draft_forward(self, n: int) -> float:
+        """Cost of one draft forward over n sequences (the prior ratio until measured)."""
+        return self._draft(n) if self._draft.count else self.draft_cost_ratio * self._target(n)
+
+    def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
+                stats: SpecStepStats | None, step_time: float) -> None:
+        for sid, k, a in zip(shape.seq_ids, chosen, accepted):
+            if k > 0:
+                self._seqs.setdefault(sid, _Acceptance()).add(a, k, self.decay)
+                self._global.add(a, k, 0.995)
+        n, q = len(shape.seq_ids), shape.num_other_tokens + len(shape.seq_ids) + sum(chosen)
+        if stats is None:
+            self._target.update(q, step_time)
+            return
+        self._target.update(q, stats.verify_time)
+        forwards = max(chosen, default=0)
+        if forwards > 0:
+            self._draft.update(sum(1 for k in chosen if k > 0), stats.draft_time / forwards)
+
+    def release(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self._seqs.pop(sid, None)
+
+    def estimates(self) -> PolicyEstimates:
+        g = self._global
+        acceptance = (g.accepted + self.prior_acceptance * self.prior_strength) / (g.trials + self.prior_strength)
+        return PolicyEstimates(self.last_mean_k, acceptance, self._draft_forward(1) / self._target(1))
