@@ -59,8 +59,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lay = _layout(md, sliding_window)
     H, D = q.shape[1], q.shape[2]
     kvh = k_cache.shape[2]
-    keys = k_cache.view(-1, kvh, D)[lay.key_slots].transpose(1, 2)     # [B, KVH, S, D]
-    values = v_cache.view(-1, kvh, D)[lay.key_slots].transpose(1, 2)
+    # index_select over flat rows is several times faster on CPU than advanced indexing.
+    slots = lay.key_slots.view(-1)
+    keys = k_cache.view(-1, kvh * D).index_select(0, slots).view(*lay.key_slots.shape, kvh, D).transpose(1, 2)
+    values = v_cache.view(-1, kvh * D).index_select(0, slots).view(*lay.key_slots.shape, kvh, D).transpose(1, 2)
     q_pad = q.new_zeros(md.num_seqs, md.max_query_len, H, D)
     q_pad[lay.tok_req, lay.tok_off] = q
     out = F.scaled_dot_product_attention(
