@@ -129,7 +129,7 @@ class AsyncLLMEngine:
         self.num_step_errors = 0
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
         return cls(LLMEngine.from_engine_args(args))
 
     # Properties -------------------------------------------------------------------------------
@@ -246,14 +246,14 @@ class AsyncLLMEngine:
         if engine.has_unfinished_requests():
             try:
                 result.outputs = engine.step()
-            except Exception as e:  # noqa: BLE001 - fails the in-flight requests, not the loop
+            except Exception as e:
                 logger.exception("engine step failed; failing %d in-flight request(s)",
                                  engine.get_num_unfinished_requests())
                 result.step_error = e
                 result.failed_ids = list(engine.requests)
                 try:
                     engine.abort_request(result.failed_ids)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     logger.exception("cleaning up after the failed step failed too")
         self._refresh_metrics()
         return result
@@ -261,7 +261,7 @@ class AsyncLLMEngine:
     def _refresh_metrics(self) -> None:
         try:
             metrics = self.engine.get_metrics()
-        except Exception:  # noqa: BLE001 - metrics must never break serving
+        except Exception:
             logger.exception("get_metrics failed")
             return
         with self._lock:
@@ -396,11 +396,11 @@ class AsyncLLMEngine:
             self._wakeup.set()
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout)
-            except (TimeoutError, asyncio.TimeoutError):
+            except TimeoutError:
                 logger.warning("engine loop did not stop within %s s; cancelling it", timeout)
                 self._task.cancel()
-            except Exception:  # noqa: BLE001 - already logged by _on_loop_done
-                pass
+            except Exception:
+                logger.debug("engine loop ended with an error (logged when it died)")
         self._executor.shutdown(wait=True)
 
     def shutdown_background_loop(self) -> None:

@@ -150,7 +150,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        result = self.executor.execute_model(self._model_request(sched))
+        request = self._model_request(sched)
+        t1 = time.perf_counter()
+        result = self.executor.execute_model(request)
+        t2 = time.perf_counter()
         if result.spec is not None:
             self.spec_metrics.add(result.spec)
         touched: dict[str, Request] = {}
@@ -175,7 +178,8 @@ class LLMEngine:
             if output.finished:
                 request = self.requests.pop(output.request_id)
                 self.stats.on_finished(request, now)
-        self.stats.on_step(time.perf_counter() - t0)
+        t3 = time.perf_counter()
+        self.stats.on_step(t3 - t0, t1 - t0, t3 - t2)
         return outputs
 
     def _request_output(self, request: Request) -> RequestOutput:

@@ -16,6 +16,9 @@ class EngineStats:
         self.generation_tokens = 0
         self.num_steps = 0
         self.step_time = 0.0
+        # Host-side phases of a step: scheduling + building the batch, and output processing.
+        self.schedule_time = 0.0
+        self.output_time = 0.0
         self.finished: TallyCounter[str] = TallyCounter()
         self.ttft = HistogramRecorder("vllm:time_to_first_token_seconds")
         self.e2e = HistogramRecorder("vllm:e2e_request_latency_seconds")
@@ -34,9 +37,11 @@ class EngineStats:
         for seq in request.seqs:
             self.finished[seq.status.finish_reason or "abort"] += 1
 
-    def on_step(self, seconds: float) -> None:
+    def on_step(self, total: float, schedule: float, output: float) -> None:
         self.num_steps += 1
-        self.step_time += seconds
+        self.step_time += total
+        self.schedule_time += schedule
+        self.output_time += output
 
     def snapshot(self, running: int, waiting: int, kv_usage: float, num_preemptions: int) -> list[Metric]:
         metrics: list[Metric] = [
@@ -47,6 +52,9 @@ class EngineStats:
             Counter("vllm:prompt_tokens", value=self.prompt_tokens),
             Counter("vllm:generation_tokens", value=self.generation_tokens),
             Counter("vllm:engine_steps", value=self.num_steps),
+            Counter("vllm:engine_step_seconds", value=self.step_time),
+            Counter("vllm:engine_host_schedule_seconds", value=self.schedule_time),
+            Counter("vllm:engine_host_output_seconds", value=self.output_time),
         ]
         metrics += [Counter("vllm:request_success", {"finished_reason": r}, v) for r, v in sorted(self.finished.items())]
         metrics += [self.ttft.snapshot(), self.e2e.snapshot()]

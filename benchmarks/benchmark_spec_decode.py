@@ -1,0 +1,271 @@
+"""Speculative vs plain decoding at real shapes with random weights (load_format="dummy").
+
+Per batch size, in the same run: our plain decode, our speculative decode for each
+draft shape, k and synthetic acceptance rate A (the verifier accepts each draft token
+with probability A; both models still run their real forward passes), and optionally
+HF transformers greedy `generate` on the same target. Reports ms/step, tokens/s,
+the memory-bandwidth floor (weights + KV read per step over a copy bandwidth measured
+in this run), speedup over plain, and the ratio to the theoretical speedup
+E / (k*c + V) with E = (1 - A^(k+1)) / (1 - A), c = draft step / target step and
+V = verify step / target step, all measured here. Host time per step (scheduling +
+output processing) is reported separately.
+
+    python benchmarks/benchmark_spec_decode.py --batch-sizes 1 4 16 64 256 --ks 1 2 4 8 \\
+        --acceptance 0.5 0.7 0.9 --drafts 68m 1b --hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from vllm_spec import LLMEngine, SamplingParams
+from vllm_spec.engine.arg_utils import EngineArgs
+from vllm_spec.spec_decode.policy import FixedPolicy
+
+SHAPES = {
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192),
+    "68m": dict(hidden_size=768, num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=12,
+                intermediate_size=3072),
+}
+VOCAB = 128256
+
+
+def write_config(folder: Path, shape: str, max_len: int) -> str:
+    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=VOCAB, rms_norm_eps=1e-5, rope_theta=500000.0,
+               max_position_embeddings=max_len, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+               torch_dtype="bfloat16", **SHAPES[shape])
+    path = folder / shape
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+@dataclass
+class Row:
+    system: str
+    batch: int
+    k: int
+    acceptance: float | None
+    ms_per_step: float
+    tokens_per_s: float
+    ms_per_token_per_seq: float
+    host_ms_per_step: float
+    draft_ms_per_step: float = 0.0
+    verify_ms_per_step: float = 0.0
+    mean_accepted_length: float = 0.0
+    speedup: float = 0.0
+    theoretical: float = 0.0
+    floor_ms: float = 0.0
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second for a large device-to-device copy."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 20 / (start.elapsed_time(end) / 1e3)
+
+
+def metric(engine: LLMEngine, name: str) -> float:
+    m = next((m for m in engine.get_metrics() if m.name == name), None)
+    return 0.0 if m is None else float(getattr(m, "value"))
+
+
+def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_len: int, seed: int) -> dict:
+    """Time the decode phase: from the step after every prompt is prefilled to the end."""
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{seed}-{i}", [rng.randrange(2, VOCAB) for _ in range(prompt_len)], params)
+    while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    torch.cuda.synchronize()
+    before = {n: metric(engine, n) for n in (
+        "vllm:engine_steps", "vllm:engine_host_schedule_seconds", "vllm:engine_host_output_seconds",
+        "vllm:generation_tokens", "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
+    spec = engine.spec_metrics
+    d0, v0, s0 = (spec.draft_time, spec.verify_time, spec.num_steps) if spec else (0, 0, 0)
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    delta = {n: metric(engine, n) - v for n, v in before.items()}
+    steps = max(delta["vllm:engine_steps"], 1)
+    out = dict(
+        ms_per_step=elapsed / steps * 1e3,
+        tokens_per_s=delta["vllm:generation_tokens"] / elapsed,
+        ms_per_token_per_seq=elapsed / (delta["vllm:generation_tokens"] / batch) * 1e3,
+        host_ms_per_step=(delta["vllm:engine_host_schedule_seconds"] + delta["vllm:engine_host_output_seconds"])
+        / steps * 1e3,
+    )
+    if spec:
+        n = max(spec.num_steps - s0, 1)
+        drafts = max(delta["vllm:spec_decode_num_drafts"], 1)
+        out.update(draft_ms_per_step=(spec.draft_time - d0) / n * 1e3,
+                   verify_ms_per_step=(spec.verify_time - v0) / n * 1e3,
+                   mean_accepted_length=1 + delta["vllm:spec_decode_num_accepted_tokens"] / drafts)
+    return out
+
+
+def floor_ms(engine: LLMEngine, batch: int, context: int, bandwidth: float) -> float:
+    model = engine.executor.worker
+    target = getattr(model, "target", model).runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    kv_bytes = batch * context * getattr(model, "target", model).runner.kv_bytes_per_block(torch.bfloat16) \
+        / engine.config.cache.block_size
+    return (weight_bytes + kv_bytes) / bandwidth * 1e3
+
+
+def build(target: str, draft: str | None, k: int, max_len: int, max_seqs: int) -> LLMEngine:
+    spec = dict(speculative_config={"model": draft, "num_speculative_tokens": k, "policy": "fixed",
+                                    "synthetic_acceptance_rate": 0.0}) if draft else {}
+    args = EngineArgs(model=target, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                      max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=8192,
+                      gpu_memory_utilization=0.85, **spec)
+    return LLMEngine.from_engine_args(args)
+
+
+def hf_generate(target_dir: str, batch: int, prompt_len: int, gen_len: int) -> float:
+    """HF transformers greedy generate, ms per decode step (random weights, same shape)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(target_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.randint(2, VOCAB, (batch, prompt_len), device="cuda")
+    kw = dict(do_sample=False, min_new_tokens=gen_len, max_new_tokens=gen_len, pad_token_id=0)
+    model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(ids, **kw)
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) / gen_len * 1e3
+    del model
+    return ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.7, 0.9])
+    ap.add_argument("--drafts", nargs="+", default=["68m", "1b"], choices=["68m", "1b"])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--hf", action="store_true", help="also time HF transformers generate (batch 1)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", default=None, help="PNG of speedup vs batch size")
+    args = ap.parse_args()
+
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    tmp = Path(tempfile.mkdtemp())
+    max_len = args.prompt_len + args.gen_len + 32
+    target = write_config(tmp, "8b", max_len)
+    rows: list[Row] = []
+    plain: dict[int, Row] = {}
+    engine = build(target, None, 1, max_len, max(args.batch_sizes))
+    for b in args.batch_sizes:
+        run_decode(engine, b, args.prompt_len, 8, seed=0)  # warm-up: graphs for this bucket
+        r = run_decode(engine, b, args.prompt_len, args.gen_len, seed=1)
+        plain[b] = Row("plain", b, 0, None, floor_ms=floor_ms(engine, b, args.prompt_len + args.gen_len // 2,
+                                                                  bandwidth), **r)
+        rows.append(plain[b])
+        print(asdict(plain[b]), flush=True)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    for draft_shape in args.drafts:
+        draft = write_config(tmp, draft_shape, max_len)
+        engine = build(target, draft, max(args.ks), max_len, max(args.batch_sizes))
+        worker = engine.executor.worker
+        for b in args.batch_sizes:
+            for k in args.ks:
+                worker.policy = FixedPolicy(k)
+                for a in args.acceptance:
+                    worker.config.speculative.synthetic_acceptance_rate = a
+                    run_decode(engine, b, args.prompt_len, 8, seed=0)
+                    r = run_decode(engine, b, args.prompt_len, args.gen_len, seed=1)
+                    base = plain[b]
+                    c = r["draft_ms_per_step"] / k / base.ms_per_step
+                    v = r["verify_ms_per_step"] / base.ms_per_step
+                    e = (1 - a ** (k + 1)) / (1 - a)
+                    row = Row(f"spec-{draft_shape}", b, k, a, **r, floor_ms=base.floor_ms)
+                    row.speedup = base.ms_per_token_per_seq / row.ms_per_token_per_seq
+                    row.theoretical = e / (k * c + v)
+                    rows.append(row)
+                    print(asdict(row), flush=True)
+        del engine, worker
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    hf = {}
+    if args.hf:
+        hf[1] = hf_generate(target, 1, args.prompt_len, min(args.gen_len, 64))
+
+    print(f"\n{'system':10} {'B':>4} {'k':>2} {'A':>4} {'ms/step':>8} {'tok/s':>9} {'host ms':>7} "
+          f"{'c':>5} {'V':>5} {'speedup':>7} {'theory':>6} {'%theory':>7} {'floor':>6}")
+    for r in rows:
+        base = plain[r.batch]
+        c = r.draft_ms_per_step / max(r.k, 1) / base.ms_per_step if r.k else 0
+        v = r.verify_ms_per_step / base.ms_per_step if r.k else 0
+        pct = 100 * r.speedup / r.theoretical if r.theoretical else 0
+        print(f"{r.system:10} {r.batch:4d} {r.k:2d} {r.acceptance or 0:4.2f} {r.ms_per_step:8.3f} "
+              f"{r.tokens_per_s:9.1f} {r.host_ms_per_step:7.3f} {c:5.3f} {v:5.3f} {r.speedup:7.2f} "
+              f"{r.theoretical:6.2f} {pct:7.1f} {r.floor_ms:6.2f}")
+    for b, ms in hf.items():
+        print(f"HF transformers generate, batch {b}: {ms:.2f} ms/step "
+              f"(ours plain: {plain[b].ms_per_step:.2f} ms/step, {ms / plain[b].ms_per_step:.1f}x)")
+    out = Path(args.out or f"benchmarks/results/spec_decode_{time.strftime('%Y%m%d_%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_bandwidth=bandwidth,
+                                   rows=[asdict(r) for r in rows], hf_ms_per_step=hf), indent=1))
+    print(f"wrote {out}")
+    if args.plot:
+        plot(rows, args.plot)
+
+
+def plot(rows: list[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = sorted({(r.system, r.k, r.acceptance) for r in rows if r.k})
+    for system, k, a in keys:
+        pts = sorted((r.batch, r.speedup) for r in rows if (r.system, r.k, r.acceptance) == (system, k, a))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{system} k={k} A={a}")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup over plain decode")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
