@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Tiny models gain nothing from intra-op threads, and two threads on a busy 2-core machine
+# are many times slower than one. Subprocesses (CLI, server) inherit the setting.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
 TINY_VOCAB = 384
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -40,7 +40,8 @@ def test_generate_prints_completion_and_throughput(tiny_llama, tmp_path):
 
 def test_generate_with_draft_reports_acceptance(tiny_llama, tmp_path):
     proc = run_cli("generate", "--model", str(tiny_llama), *SMALL, "--speculative-model", str(tiny_llama),
-                   "--num-speculative-tokens", "2", "--max-tokens", "8", "--ignore-eos", "hello world",
+                   "--num-speculative-tokens", "2", "--speculative-policy", "fixed", "--max-tokens", "8",
+                   "--ignore-eos", "hello world",
                    tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "tokens/s" in proc.stdout

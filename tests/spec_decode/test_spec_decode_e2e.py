@@ -236,16 +236,15 @@ def test_greedy_equality_every_policy(spec_pair, greedy_reference, policy):
     assert 0.0 <= m["vllm:spec_decode_policy_mean_k"] <= 4.0
 
 
-def test_adaptive_policy_speculates_when_it_pays_and_reports_estimates(spec_pair):
-    # Draft == target: perfect acceptance. On CPU a draft forward costs as much as a target
-    # forward, so speculating cannot pay and adaptive must (mostly) stay at k = 0 ...
+def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair):
+    # Draft == target: on CPU a draft forward costs as much as a target forward, so the
+    # policy must measure a high draft cost ratio and speculate only on exploration steps.
     llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=4, **KV)
-    llm.generate(_prompts(4), GREEDY, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    llm.generate(_prompts(2), params, use_tqdm=False)
     m = _metrics(llm)
     assert m["vllm:spec_decode_policy_draft_cost_ratio"] > 0.3
-    assert m["vllm:spec_decode_num_drafts"] <= 4 * 2  # at most the exploration steps
-    # ... while the n-gram proposer (free drafts) on repetitive text speculates every step.
-    ngram = LLM(spec_pair[0], speculative_model="[ngram]", num_speculative_tokens=4, **KV)
-    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}] * 4
-    ngram.generate(prompts, GREEDY, use_tqdm=False)
-    assert _metrics(ngram)["vllm:spec_decode_num_drafts"] > 0
+    steps = m["vllm:engine_steps"]
+    # Exploration every 50 steps: at least one speculative step, and only a few.
+    assert 1 <= m["vllm:spec_decode_num_drafts"] / 2 <= steps / 50 + 1
+    assert m["vllm:spec_decode_acceptance_rate"] == 1.0

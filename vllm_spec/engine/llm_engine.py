@@ -113,6 +113,7 @@ class LLMEngine:
             for seq in request.seqs:
                 if not seq.is_finished:
                     self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self.stats.on_finished(request, time.monotonic())
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)
@@ -152,7 +153,12 @@ class LLMEngine:
             return []
         request = self._model_request(sched)
         t1 = time.perf_counter()
-        result = self.executor.execute_model(request)
+        try:
+            result = self.executor.execute_model(request)
+        except BaseException:
+            # The worker never saw these releases: hand them over with the next step.
+            self._released = request.finished_seq_ids + self._released
+            raise
         t2 = time.perf_counter()
         if result.spec is not None:
             self.spec_metrics.add(result.spec)

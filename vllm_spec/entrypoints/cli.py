@@ -78,6 +78,9 @@ def make_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate_parser(sub)
+    from vllm_spec.entrypoints.openai.cli_args import add_serve_args, serve_main
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (vllm serve MODEL)")
+    add_serve_args(serve).set_defaults(func=serve_main)
     return parser
 
 

@@ -1,0 +1,318 @@
+"""The offline LLM API: prompts in every form, errors, stop conditions, n, chat, metrics."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_spec.entrypoints.llm import LLM
+from vllm_spec.metrics import Counter, Gauge, Histogram, Vector
+from vllm_spec.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny models run faster on one thread; two spin-waiting OpenMP threads crawl on a busy 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+PROMPT = "def wrap(text, width=70):"
+MAX_MODEL_LEN = 96
+
+
+def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """The greedy continuation of PROMPT with no stop condition."""
+    return llm.generate(PROMPT, greedy(ignore_eos=True), use_tqdm=False)[0].outputs[0]
+
+
+# Errors ------------------------------------------------------------------------------------------------
+
+def test_over_long_prompt_rejected_and_llm_keeps_working(llm, reference):
+    long_ids = list(range(1, MAX_MODEL_LEN + 2))
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": long_ids}, greedy(), use_tqdm=False)
+    # A bad prompt in the middle of a batch rejects the batch and leaves nothing queued.
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([PROMPT, "x " * 200, PROMPT], greedy(), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert not llm.llm_engine.scheduler.has_unfinished()
+    out = llm.generate(PROMPT, greedy(ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == reference.token_ids
+
+
+def test_prompt_of_exactly_max_model_len_gets_one_token(llm):
+    ids = [(i * 7) % 300 + 1 for i in range(MAX_MODEL_LEN)]
+    out = llm.generate({"prompt_token_ids": ids}, greedy(max_tokens=10), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+
+
+def test_max_model_len_caps_generation(llm):
+    ids = list(range(1, MAX_MODEL_LEN - 4))
+    out = llm.generate({"prompt_token_ids": ids}, greedy(max_tokens=50, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5 and out[0].outputs[0].finish_reason == "length"
+
+
+def test_empty_prompt_list_rejected(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([], greedy(), use_tqdm=False)
+
+
+@pytest.mark.parametrize("prompt", ["", {"prompt_token_ids": []}, {"prompt": ""}])
+def test_empty_prompt_rejected(llm, prompt):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(prompt, greedy(), use_tqdm=False)
+
+
+def test_out_of_vocab_token_rejected(llm):
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate({"prompt_token_ids": [1, 2, 10_000]}, greedy(), use_tqdm=False)
+
+
+def test_mismatched_params_list_rejected(llm):
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([PROMPT, PROMPT], [greedy()], use_tqdm=False)
+
+
+def test_unknown_architecture_named(tmp_path, tiny_llama):
+    folder = tmp_path / "gpt2"
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["model_type"] = "gpt2"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        LLM(str(folder), kv_cache_memory_bytes=1 << 24)
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(FileNotFoundError, match="no_such_model") as e:
+        LLM(str(missing))
+    assert "config.json" in str(e.value)
+
+
+# Prompt forms --------------------------------------------------------------------------------------------
+
+def test_token_id_prompts_match_text_prompts(llm, reference):
+    ids = llm.get_tokenizer()(PROMPT).input_ids
+    outs = llm.generate([{"prompt_token_ids": ids}, ids, PROMPT, {"prompt": PROMPT}],
+                        greedy(ignore_eos=True), use_tqdm=False)
+    assert all(o.prompt_token_ids == ids for o in outs)
+    assert all(o.outputs[0].token_ids == reference.token_ids for o in outs)
+    assert outs[0].prompt is None and outs[2].prompt == PROMPT
+    single = llm.generate(ids, greedy(ignore_eos=True), use_tqdm=False)  # one prompt as a bare id list
+    assert len(single) == 1 and single[0].outputs[0].token_ids == reference.token_ids
+
+
+def test_outputs_in_prompt_order_with_per_prompt_params(llm):
+    prompts = ["a", "bb bb", "import os", "x"]
+    params = [greedy(max_tokens=m, ignore_eos=True) for m in (5, 1, 9, 3)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 1, 9, 3]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_n_returns_n_completions(llm):
+    p = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    out = llm.generate(PROMPT, p, use_tqdm=False)
+    assert len(out) == 1 and len(out[0].outputs) == 2
+    a, b = out[0].outputs
+    assert (a.index, b.index) == (0, 1)
+    assert len(a.token_ids) == len(b.token_ids) == 12
+    assert a.token_ids != b.token_ids
+    # Child i uses seed + i, as in vLLM.
+    for i, c in enumerate((a, b)):
+        solo = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=11 + i, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+        assert solo.token_ids == c.token_ids
+    greedy_n = llm.generate(PROMPT, greedy(n=3, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs
+    assert len(greedy_n) == 3 and greedy_n[0].token_ids == greedy_n[1].token_ids == greedy_n[2].token_ids
+
+
+# Stop conditions -------------------------------------------------------------------------------------------
+
+def _pick_stop_string(text: str) -> str:
+    """A short piece of plain text from the middle of the reference output."""
+    for start in range(3, len(text) - 6):
+        piece = text[start:start + 3]
+        if piece.isascii() and piece.strip() and text.find(piece) == start:
+            return piece
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def test_stop_string_truncates_text(llm, reference):
+    stop = _pick_stop_string(reference.text)
+    cut = reference.text.index(stop)
+    out = llm.generate(PROMPT, greedy(stop=[stop, "never-appears"]), use_tqdm=False)[0].outputs[0]
+    assert out.text == reference.text[:cut]
+    assert out.stop_reason == stop and out.finish_reason == "stop"
+    assert len(out.token_ids) < len(reference.token_ids)
+    assert out.token_ids == reference.token_ids[: len(out.token_ids)]
+    kept = llm.generate(PROMPT, greedy(stop=stop, include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == reference.text[: cut + len(stop)] and kept.stop_reason == stop
+
+
+def _plain_stop_position(tok, ids: list[int], start: int) -> int:
+    """Index of a token first emitted at step >= start whose text is plain ASCII, and before which the
+    text is complete (no dangling piece of a multi-byte character the detokenizer would hold back)."""
+    for i in range(start, len(ids)):
+        if ids.index(ids[i]) == i and tok.decode([ids[i]]).strip().isascii() \
+                and not tok.decode(ids[:i]).endswith("\ufffd"):
+            return i
+    raise AssertionError(f"no plain token in {ids}")
+
+
+def llm_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def test_stop_token_ids(llm, reference):
+    tok = llm.get_tokenizer()
+    pos = _plain_stop_position(tok, reference.token_ids, 3)
+    stop_id = reference.token_ids[pos]
+    out = llm.generate(PROMPT, greedy(stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == reference.token_ids[: pos + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # As vLLM: the stop token stays in token_ids but its text is left out of the output text.
+    assert out.text == tok.decode(reference.token_ids[:pos])
+    kept = llm.generate(PROMPT, greedy(stop_token_ids=[stop_id], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == tok.decode(reference.token_ids[: pos + 1])
+    # min_tokens postpones it past its first occurrence.
+    later = llm.generate(PROMPT, greedy(stop_token_ids=[stop_id], min_tokens=pos + 2), use_tqdm=False)[0].outputs[0]
+    assert len(later.token_ids) > pos + 1 and stop_id not in later.token_ids[: pos + 2]
+
+
+def test_max_tokens_gives_length(llm, reference):
+    out = llm.generate(PROMPT, greedy(max_tokens=7), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length" and out.stop_reason is None
+    assert out.token_ids == reference.token_ids[:7]
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_llama, reference, tmp_path_factory):
+    """tiny_llama with an extra EOS id (via generation_config.json): the token it emits greedily at step 4."""
+    pos = _plain_stop_position(llm_tokenizer(tiny_llama), reference.token_ids, 4)
+    eos = reference.token_ids[pos]
+    folder = tmp_path_factory.mktemp("eos_llama")
+    for f in tiny_llama.iterdir():
+        if f.suffix == ".safetensors":
+            (folder / f.name).symlink_to(f)
+        else:
+            shutil.copy(f, folder / f.name)
+    gen_cfg = json.loads((folder / "generation_config.json").read_text())
+    gen_cfg["eos_token_id"] = [0, eos]
+    (folder / "generation_config.json").write_text(json.dumps(gen_cfg))
+    return LLM(str(folder), kv_cache_memory_bytes=1 << 24, max_model_len=MAX_MODEL_LEN), eos, pos
+
+
+def test_eos_gives_stop(eos_model, reference, llm):
+    model, eos, pos = eos_model
+    out = model.generate(PROMPT, greedy(), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == reference.token_ids[: pos + 1] and out.token_ids[-1] == eos
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert out.text == llm.get_tokenizer().decode(reference.token_ids[:pos])
+    ignored = model.generate(PROMPT, greedy(ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == reference.token_ids and ignored.finish_reason == "length"
+    delayed = model.generate(PROMPT, greedy(min_tokens=pos + 2), use_tqdm=False)[0].outputs[0]
+    assert len(delayed.token_ids) > pos + 1 and eos not in delayed.token_ids[: pos + 2]
+
+
+# Chat ---------------------------------------------------------------------------------------------------------
+
+def test_chat_uses_the_chat_template(llm):
+    tok = llm.get_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def wrap"}]
+    out = llm.chat(messages, greedy(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out) == 1
+    expected_text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\ndef wrap<|im_end|>\n" \
+                    "<|im_start|>assistant\n"
+    assert out[0].prompt == expected_text
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    assert out[0].prompt_token_ids.count(im_start) == 3  # special tokens parsed, not spelled out
+    assert out[0].prompt_token_ids == tok(expected_text, add_special_tokens=False).input_ids
+    direct = llm.generate({"prompt_token_ids": out[0].prompt_token_ids}, greedy(max_tokens=8, ignore_eos=True),
+                          use_tqdm=False)
+    assert out[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
+    # A list of conversations gives one output each.
+    two = llm.chat([messages, messages[1:]], greedy(max_tokens=2), use_tqdm=False)
+    assert len(two) == 2 and "system" not in two[1].prompt
+
+
+# Metrics ------------------------------------------------------------------------------------------------------
+
+EXPECTED_METRICS = {
+    "vllm:num_requests_running": Gauge, "vllm:num_requests_waiting": Gauge, "vllm:kv_cache_usage_perc": Gauge,
+    "vllm:num_preemptions": Counter, "vllm:prompt_tokens": Counter, "vllm:generation_tokens": Counter,
+    "vllm:request_success": Counter, "vllm:time_to_first_token_seconds": Histogram,
+    "vllm:e2e_request_latency_seconds": Histogram,
+}
+
+
+def _metrics(llm: LLM) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        key = m.name if m.name != "vllm:request_success" else (m.name, m.labels.get("finished_reason"))
+        out[key] = m
+    return out
+
+
+def test_get_metrics(tiny_llama):
+    llm = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, max_model_len=MAX_MODEL_LEN)
+    for m in llm.get_metrics():
+        assert isinstance(m.name, str) and m.name.startswith("vllm:")
+        if isinstance(m, (Counter, Gauge)):
+            assert isinstance(m.value, (int, float))
+        elif isinstance(m, Vector):
+            assert isinstance(m.values, list)
+        else:
+            assert isinstance(m, Histogram)
+    prompts = [PROMPT, "hello world", "import os"]
+    outs = llm.generate(prompts, [greedy(max_tokens=6, ignore_eos=True), greedy(max_tokens=3, ignore_eos=True),
+                                  greedy(stop_token_ids=list(range(384)), max_tokens=5)], use_tqdm=False)
+    after = _metrics(llm)
+    names = {m.name for m in llm.get_metrics()}
+    assert set(EXPECTED_METRICS) <= names
+    for name, kind in EXPECTED_METRICS.items():
+        found = [m for m in llm.get_metrics() if m.name == name]
+        assert found and all(isinstance(m, kind) for m in found), name
+    assert after["vllm:prompt_tokens"].value == sum(len(o.prompt_token_ids) for o in outs)
+    assert after["vllm:generation_tokens"].value == 6 + 3 + 1
+    assert after[("vllm:request_success", "length")].value == 2
+    assert after[("vllm:request_success", "stop")].value == 1
+    assert after["vllm:num_requests_running"].value == 0 and after["vllm:num_requests_waiting"].value == 0
+    assert after["vllm:kv_cache_usage_perc"].value == 0.0
+    assert after["vllm:num_preemptions"].value == 0
+    ttft, e2e = after["vllm:time_to_first_token_seconds"], after["vllm:e2e_request_latency_seconds"]
+    assert ttft.count == 3 and e2e.count == 3 and e2e.sum >= ttft.sum > 0
+    assert list(e2e.buckets)[-1] == "+Inf" and e2e.buckets["+Inf"] == 3
+    assert list(e2e.buckets.values()) == sorted(e2e.buckets.values())  # cumulative
+    # Counters accumulate across calls.
+    llm.generate(PROMPT, greedy(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    again = _metrics(llm)
+    assert again["vllm:generation_tokens"].value == 12
+    assert again[("vllm:request_success", "length")].value == 3
+
+
+def test_tqdm_does_not_break_generation(llm, reference, capsys):
+    out = llm.generate(PROMPT, greedy(ignore_eos=True), use_tqdm=True)
+    assert out[0].outputs[0].token_ids == reference.token_ids

@@ -1,0 +1,183 @@
+"""Our Llama-family model against HF transformers: greedy tokens, prefill logits, decode logprobs.
+
+Every architecture variant runs a batch of prompts of different lengths (several KV
+blocks; one prompt longer than max_num_batched_tokens so it is prefilled in chunks)
+and must reproduce HF's greedy continuation token for token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from transformers import AutoModelForCausalLM
+
+from vllm_spec.engine.arg_utils import EngineArgs
+from vllm_spec.entrypoints.llm import LLM
+from vllm_spec.sampling_params import SamplingParams
+from vllm_spec.worker.batch import SeqInput
+from vllm_spec.worker.worker import Worker
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny models run faster on one thread; two spin-waiting OpenMP threads crawl on a busy 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+NEW_TOKENS = 32
+MAX_BATCHED = 24  # the longest prompt below (> 24 tokens) is prefilled in several chunks
+PROMPTS = [
+    "def",
+    "import os\nimport sys",
+    "The quick brown fox jumps over the lazy dog, then the dog",
+    "Wrap a single paragraph of text, returning a list of wrapped lines. "
+    "Reformat the single paragraph in 'text' so it fits in lines of no more than 'width' columns.",
+    "x = 1",
+]
+ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa"]
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama3_tied(tmp_path_factory) -> Path:
+    # Llama-3 rope scaling (high, medium and low frequency bands all present for head_dim 16) + tied embeddings.
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama3"), "llama", seed=3, tie_word_embeddings=True,
+                           rope_scaling=dict(LLAMA3_ROPE))
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa(tmp_path_factory) -> Path:
+    # 8 query heads share 1 KV head; head_dim (16) is not hidden_size / heads, so q width (128) != hidden (64).
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_gqa"), "llama", seed=4, tie_word_embeddings=False,
+                           num_attention_heads=8, num_key_value_heads=1, head_dim=16)
+
+
+_FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mistral",
+             "llama3_tied": "tiny_llama3_tied", "gqa": "tiny_gqa"}
+
+
+class Case:
+    """One architecture: our LLM's greedy run (with logprobs) and the HF model."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.llm = LLM(str(path), kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=MAX_BATCHED)
+        tok = self.llm.get_tokenizer()
+        self.prompt_ids = [tok(p).input_ids for p in PROMPTS]
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=20)
+        self.outputs = self.llm.generate(PROMPTS, params, use_tqdm=False)
+
+    @torch.no_grad()
+    def hf_greedy(self, ids: list[int]) -> list[int]:
+        x = torch.tensor([ids])
+        out = self.hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               eos_token_id=None, min_new_tokens=NEW_TOKENS, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    @torch.no_grad()
+    def hf_logits(self, ids: list[int]) -> torch.Tensor:
+        return self.hf(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def case(request) -> Case:
+    return Case(request.getfixturevalue(_FIXTURES[request.param]))
+
+
+def test_prompts_cover_blocks_and_chunking(case):
+    lens = [len(ids) for ids in case.prompt_ids]
+    assert len(lens) >= 4 and len(set(lens)) >= 4
+    assert sum(n > 16 for n in lens) >= 2           # span several 16-token KV blocks
+    assert max(lens) > MAX_BATCHED                   # chunked prefill
+    assert [o.prompt_token_ids for o in case.outputs] == case.prompt_ids
+
+
+def test_greedy_tokens_match_hf(case):
+    for ids, out in zip(case.prompt_ids, case.outputs):
+        ours = out.outputs[0].token_ids
+        assert len(ours) == NEW_TOKENS
+        assert ours == case.hf_greedy(ids), f"prompt of {len(ids)} tokens diverges from HF"
+
+
+def test_decode_logprobs_match_hf(case):
+    """The logprobs of every generated step (raw model distribution) equal HF's log_softmax."""
+    for ids, out in zip(case.prompt_ids, case.outputs):
+        gen = out.outputs[0].token_ids
+        ref = case.hf_logits(ids + gen[:-1])[len(ids) - 1:].log_softmax(-1)  # [NEW_TOKENS, V]
+        for step, (tok, entry) in enumerate(zip(gen, out.outputs[0].logprobs)):
+            assert len(entry) == 20 and tok in entry
+            assert entry[tok].rank == 1  # greedy picks the top token
+            for tid, lp in entry.items():
+                assert lp.logprob == pytest.approx(ref[step, tid].item(), abs=1e-4)
+            top = ref[step].topk(20).indices.tolist()
+            assert set(entry) == set(top)
+
+
+def _worker(path: Path, block_size: int, num_blocks: int) -> Worker:
+    cfg = EngineArgs(model=str(path), block_size=block_size).create_engine_config()
+    worker = Worker(cfg)
+    worker.init_kv_cache(num_blocks)
+    return worker
+
+
+def _forward_all(worker: Worker, seqs: list[SeqInput]) -> torch.Tensor:
+    """float32 logits of every token of the batch."""
+    return worker.runner.run(worker.runner.prepare(seqs))
+
+
+def test_prefill_logits_match_hf(case):
+    """One batched prefill of all prompts through Worker/ModelRunner: every position's logits match HF."""
+    bs = 16
+    worker = _worker(case.path, bs, 64)
+    next_block, seqs = 1, []
+    for i, ids in enumerate(case.prompt_ids):
+        nb = -(-len(ids) // bs)
+        # Reverse order: physical blocks need not be contiguous nor ascending.
+        table = list(range(next_block, next_block + nb))[::-1]
+        next_block += nb
+        seqs.append(SeqInput(seq_id=i, token_ids=ids, start_pos=0, block_table=table, sample=False))
+    logits = _forward_all(worker, seqs)
+    start = 0
+    for ids in case.prompt_ids:
+        ref = case.hf_logits(ids)
+        torch.testing.assert_close(logits[start:start + len(ids)], ref, atol=1e-4, rtol=1e-4)
+        start += len(ids)
+    assert start == logits.shape[0]
+
+
+def test_chunked_prefill_logits_match_hf(case):
+    """The longest prompt fed 7 tokens per forward against the paged cache gives HF's logits."""
+    bs = 8
+    ids = max(case.prompt_ids, key=len)
+    worker = _worker(case.path, bs, 32)
+    table = [5, 2, 9, 1, 7, 3, 11, 4, 6, 10][: -(-len(ids) // bs)]
+    chunks = []
+    for start in range(0, len(ids), 7):
+        seq = SeqInput(seq_id=0, token_ids=ids[start:start + 7], start_pos=start, block_table=table, sample=False)
+        chunks.append(_forward_all(worker, [seq]))
+    torch.testing.assert_close(torch.cat(chunks), case.hf_logits(ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tiny_llama) -> list[list[int]]:
+    """Greedy tokens at the default block size (16) straight from HF generate."""
+    case = Case(tiny_llama)
+    return [case.hf_greedy(ids) for ids in case.prompt_ids]
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_block_size_does_not_change_output(tiny_llama, llama_reference, block_size):
+    llm = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, block_size=block_size, max_model_len=128,
+              max_num_batched_tokens=MAX_BATCHED)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert llm.llm_engine.block_manager.block_size == block_size
+    assert ours == llama_reference

@@ -1,0 +1,84 @@
+"""SamplingParams validation: every invalid value raises ValueError naming the field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vllm_spec.sampling_params import SamplingParams
+
+INVALID = [
+    ("n", 0), ("n", -1), ("n", 1.5), ("n", True), ("n", "2"), ("n", None),
+    ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("presence_penalty", math.nan),
+    ("presence_penalty", "0.1"), ("presence_penalty", None),
+    ("frequency_penalty", 2.01), ("frequency_penalty", -3), ("frequency_penalty", math.nan),
+    ("frequency_penalty", "1"),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", 2.5),
+    ("repetition_penalty", math.inf), ("repetition_penalty", math.nan), ("repetition_penalty", None),
+    ("temperature", -0.1), ("temperature", -math.inf), ("temperature", math.nan), ("temperature", "hot"),
+    ("temperature", None),
+    ("top_p", 0.0), ("top_p", -0.5), ("top_p", 1.01), ("top_p", math.nan), ("top_p", None),
+    ("top_k", -2), ("top_k", 1.5), ("top_k", True), ("top_k", "5"), ("top_k", None),
+    ("min_p", -0.01), ("min_p", 1.01), ("min_p", math.nan), ("min_p", "0.1"),
+    ("seed", 1.5), ("seed", "7"), ("seed", True),
+    ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 2.0), ("max_tokens", True), ("max_tokens", "16"),
+    ("min_tokens", -1), ("min_tokens", 1.5), ("min_tokens", None), ("min_tokens", 17),  # 17 > max_tokens 16
+    ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0), ("logprobs", True), ("logprobs", "5"),
+    ("stop", ""), ("stop", [""]), ("stop", ["ok", ""]), ("stop", [1]), ("stop", 5), ("stop", [None]),
+    ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("stop_token_ids", [1.5]), ("stop_token_ids", [True]),
+    ("stop_token_ids", 5),
+]
+
+
+@pytest.mark.parametrize("field,value", INVALID, ids=[f"{f}={v!r}" for f, v in INVALID])
+def test_invalid_value_raises_value_error_naming_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_names_both():
+    with pytest.raises(ValueError, match="min_tokens") as e:
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert "max_tokens" in str(e.value)
+
+
+VALID = [
+    {}, {"n": 3}, {"presence_penalty": -2.0}, {"presence_penalty": 2.0}, {"frequency_penalty": 2},
+    {"repetition_penalty": 2.0}, {"repetition_penalty": 0.01}, {"temperature": 0}, {"temperature": 5.0},
+    {"top_p": 1.0}, {"top_p": 1e-6}, {"top_k": -1}, {"top_k": 0}, {"top_k": 1}, {"min_p": 0.0}, {"min_p": 1.0},
+    {"seed": 0}, {"seed": -3}, {"max_tokens": None}, {"max_tokens": 1}, {"min_tokens": 16},
+    {"logprobs": 0}, {"logprobs": 20}, {"stop": "x"}, {"stop": ["a", "bc"]}, {"stop": ("a",)},
+    {"stop_token_ids": [0, 5]}, {"max_tokens": None, "min_tokens": 1000},
+]
+
+
+@pytest.mark.parametrize("kwargs", VALID, ids=[repr(v) for v in VALID])
+def test_valid_values_accepted(kwargs):
+    p = SamplingParams(**kwargs)
+    for key, value in kwargs.items():
+        if key == "stop":
+            assert p.stop == ([value] if isinstance(value, str) else list(value))
+        elif key == "top_k":
+            assert p.top_k == (0 if value == -1 else value)
+        elif key not in ("top_p", "min_p") or p.temperature != 0:
+            assert getattr(p, key) == value
+
+
+def test_normalisation():
+    p = SamplingParams(stop="END", stop_token_ids=None, top_k=-1)
+    assert p.stop == ["END"] and p.stop_token_ids == [] and p.top_k == 0
+    g = SamplingParams(temperature=0, top_p=0.5, top_k=3, min_p=0.2)
+    assert g.is_greedy and (g.top_p, g.top_k, g.min_p) == (1.0, 0, 0.0)
+    assert SamplingParams(temperature=1e-6).is_greedy and not SamplingParams(temperature=1e-4).is_greedy
+    assert SamplingParams(stop_token_ids=[3, 4]).all_stop_token_ids == {3, 4}
+    assert not SamplingParams().has_penalties and SamplingParams(repetition_penalty=1.1).has_penalties
+
+
+def test_for_child_offsets_seed_and_keeps_original():
+    p = SamplingParams(n=3, seed=10, stop=["x"])
+    kids = [p.for_child(i) for i in range(3)]
+    assert [k.seed for k in kids] == [10, 11, 12] and all(k.n == 1 for k in kids)
+    kids[0].stop.append("y")
+    assert p.stop == ["x"] and p.n == 3 and p.seed == 10
+    assert SamplingParams(n=2).for_child(1).seed is None

