@@ -207,7 +207,7 @@ def _num_sms(device: torch.device) -> int:
 # Launch configurations (tests/benchmarks may override entries of this dict).
 CONFIG = {
     # small query tiles (decode, draft steps, verification): memory bound
-    "small_block_n": 64, "small_warps": 4, "small_stages": 3,
+    "small_block_n": 128, "small_warps": 4, "small_stages": 3,
     # big query tiles (prefill chunks): rows per tile, keys per step
     "big_block_m": 128, "big_block_n": 64, "big_warps": 8, "big_stages": 2,
     # split the keys of a program when the grid has fewer programs than this many SMs' worth

@@ -162,7 +162,10 @@ class SpecDecodeWorker:
                     exp_rows.append(SamplingRow(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids,
                                                 gen, num_pending=j))
         raw = self.target.runner.run(batch, torch.tensor(logit_rows, device=dev))
-        probs = process_logits(raw, self._metadata(exp_rows)).softmax(dim=-1)
+        exp_md = self._metadata(exp_rows)
+        processed = process_logits(raw, exp_md)
+        # Greedy verification only needs argmax: skip the softmax over [rows, V].
+        probs = processed if exp_md.all_greedy else processed.softmax(dim=-1)
         R = len(sampled)
         grid = (torch.tensor(grid_r, device=dev), torch.tensor(grid_j, device=dev))
         target_probs = probs.new_zeros(R, k + 1, self.vocab_size)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the speculative-decoding benchmark. Logs go to $OUT.
+# Usage (on the device machine, repo root): bash benchmarks/gpu_session.sh [benchmark args...]
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ! python3 -c "import pytest" 2>/dev/null && ls .whl/attn/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/attn/*.whl
+    export PYTHONPATH=.:/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+fi
+python3 benchmarks/benchmark_spec_decode.py --out "$OUT/spec_decode.json" --plot "$OUT/speedup.png" "$@" \
+    2>&1 | tee "$OUT/bench.log" | tail -60

@@ -1,0 +1,56 @@
+"""The whole engine on a GPU: CUDA graphs, the Triton backend and speculation against the eager paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_spec import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": list(range(3 + i, 3 + i + 5 * (i + 1)))} for i in range(8)]
+KV = dict(kv_cache_memory_bytes=1 << 26, dtype="float32")
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def eager_reference(spec_pair):
+    return _ids(LLM(spec_pair[0], enforce_eager=True, **KV).generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+def test_cuda_graphs_match_eager(spec_pair, eager_reference):
+    llm = LLM(spec_pair[0], **KV)
+    assert llm.llm_engine.executor.worker.runner.cuda_graphs
+    assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == eager_reference
+    assert llm.llm_engine.executor.worker.runner._graphs, "no CUDA graph was used"
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_speculation_on_gpu_matches_plain(spec_pair, eager_reference, k):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=k,
+              speculative_policy="fixed", **KV)
+    assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == eager_reference
+    m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
+    assert m["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_torch_backend_matches_triton_on_gpu(spec_pair, eager_reference):
+    from vllm_spec.attention import torch_backend
+
+    llm = LLM(spec_pair[0], enforce_eager=True, **KV)
+    for layer in llm.llm_engine.executor.worker.runner.model.attention_layers():
+        layer.backend = torch_backend
+    assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == eager_reference
+
+
+def test_bf16_default_runs(spec_pair):
+    llm = LLM(spec_pair[0], kv_cache_memory_bytes=1 << 26, speculative_model=spec_pair[1],
+              num_speculative_tokens=3)
+    assert llm.llm_engine.config.model.dtype == torch.bfloat16
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
