@@ -146,33 +146,34 @@ class SpecDecodeWorker:
         k = max(found.values(), default=0)
         drafts_host = proposals.token_ids.tolist() if any(
             req.seqs[i].sampling_params.has_penalties for i in spec_idx) else None
+        # Plain greedy rows (no penalties, min_tokens met) verify against argmax of the raw
+        # logits: no per-position sampling metadata, no softmax over [rows, V].
+        plain_greedy = all(p.is_greedy and not p.has_penalties and p.min_tokens <= len(s.output_token_ids)
+                           for s, p in ((req.seqs[i], req.seqs[i].sampling_params) for i in sampled))
         logit_rows, grid_r, grid_j, exp_rows = [], [], [], []
         for r, i in enumerate(sampled):
             seq, n = req.seqs[i], found.get(i, 0)
             first = starts[i + 1] - 1 - n
-            gen = self.target.generator_for(seq)
-            for j in range(n + 1):
-                logit_rows.append(first + j)
-                grid_r.append(r)
-                grid_j.append(j)
-                if drafts_host is not None and seq.sampling_params.has_penalties:
-                    history = seq.output_token_ids + drafts_host[spec_row[i]][:j]
-                    exp_rows.append(SamplingRow(seq.sampling_params, seq.prompt_token_ids, history, gen))
-                else:
-                    exp_rows.append(SamplingRow(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids,
-                                                gen, num_pending=j))
+            logit_rows += range(first, first + n + 1)
+            grid_r += [r] * (n + 1)
+            grid_j += range(n + 1)
+            if not plain_greedy:
+                exp_rows += self._position_rows(seq, n, drafts_host and drafts_host[spec_row[i]])
         raw = self.target.runner.run(batch, torch.tensor(logit_rows, device=dev))
-        exp_md = self._metadata(exp_rows)
-        processed = process_logits(raw, exp_md)
-        # Greedy verification only needs argmax: skip the softmax over [rows, V].
-        probs = processed if exp_md.all_greedy else processed.softmax(dim=-1)
+        if plain_greedy:
+            probs = raw
+        else:
+            exp_md = self._metadata(exp_rows)
+            processed = process_logits(raw, exp_md)
+            probs = processed if exp_md.all_greedy else processed.softmax(dim=-1)
         R = len(sampled)
         grid = (torch.tensor(grid_r, device=dev), torch.tensor(grid_j, device=dev))
         target_probs = probs.new_zeros(R, k + 1, self.vocab_size)
         target_probs[grid] = probs
         draft_tokens = torch.zeros(R, k, dtype=torch.long, device=dev)
         draft_probs = None if proposals.probs is None else probs.new_zeros(R, k, self.vocab_size)
-        rows_of_spec = torch.tensor([sampled.index(i) for i in spec_idx], device=dev)
+        row_of = {i: r for r, i in enumerate(sampled)}
+        rows_of_spec = torch.tensor([row_of[i] for i in spec_idx], device=dev)
         draft_tokens[rows_of_spec] = proposals.token_ids[:, :k]
         if draft_probs is not None:
             draft_probs[rows_of_spec] = proposals.probs[:, :k]
@@ -184,12 +185,22 @@ class SpecDecodeWorker:
 
         logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
         outputs = [SeqOutput(req.seqs[i].seq_id, toks, lps) for i, toks, lps in zip(sampled, emitted, logprobs)]
-        accepted = [len(emitted[sampled.index(i)]) - 1 for i in spec_idx]
+        accepted = [len(emitted[row_of[i]]) - 1 for i in spec_idx]
         self.proposer.on_verified([req.seqs[i].seq_id for i in spec_idx], proposals.num_drafts, accepted)
         per_pos = [sum(1 for a in accepted if a > j) for j in range(k)]
         stats = SpecStepStats(sum(1 for n in proposals.num_drafts if n > 0), sum(proposals.num_drafts),
                               sum(accepted), per_pos, 0.0, 0.0)
         return outputs, stats
+
+    def _position_rows(self, seq: SeqInput, n: int, drafts: list[int] | None) -> list[SamplingRow]:
+        """Sampling rows for the n+1 verified positions: position j follows the first j drafts."""
+        gen = self.target.generator_for(seq)
+        params = seq.sampling_params
+        if drafts is not None and params.has_penalties:
+            return [SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids + drafts[:j], gen)
+                    for j in range(n + 1)]
+        return [SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, gen, num_pending=j)
+                for j in range(n + 1)]
 
     def _logprobs(self, raw: torch.Tensor, emitted: list[list[int]], seqs: list[SeqInput],
                   grid_r: list[int], grid_j: list[int]) -> list[list | None]:
