@@ -43,7 +43,7 @@ VOCAB = 128256
 
 
 def write_config(folder: Path, shape: str, max_len: int) -> str:
-    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=VOCAB, rms_norm_eps=1e-5, rope_theta=500000.0,
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, rms_norm_eps=1e-5, rope_theta=500000.0,
                max_position_embeddings=max_len, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
                torch_dtype="bfloat16", **SHAPES[shape])
     path = folder / shape
