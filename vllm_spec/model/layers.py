@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_spec.distributed.parallel_state import GroupCoordinator
+from vllm_spec.model.fused import add_rms_norm
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -136,15 +137,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, then scaled in the model dtype (as HF Llama does)."""
+    """RMSNorm computed in float32, then scaled in the model dtype (as HF Llama does),
+    fused with the residual add that precedes it."""
 
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
         self.weight = _param(hidden, dtype=dtype, loader=_default_loader)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); without a residual, (norm(x), x)."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
