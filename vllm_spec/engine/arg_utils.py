@@ -36,6 +36,9 @@ class EngineArgs:
     load_format: str = _opt("auto", "auto, safetensors, gguf or dummy (random weights).")
     device: str = _opt("auto", "auto, cpu or cuda.")
     tensor_parallel_size: int = _opt(1, "Tensor-parallel size of the target model.")
+    distributed_executor_backend: str | None = _opt(
+        None, "mp (one process per rank on this machine) or ray (Ray actors, multi-node); default mp when "
+              "tensor_parallel_size > 1.")
     block_size: int = _opt(16, "Tokens per KV-cache block.")
     gpu_memory_utilization: float = _opt(0.9, "Fraction of GPU memory for weights, activations and KV cache.")
     kv_cache_memory_bytes: int | None = _opt(None, "KV cache size in bytes (overrides gpu_memory_utilization).")
@@ -51,7 +54,9 @@ class EngineArgs:
               "synthetic_acceptance_rate (benchmarks only)}.")
     ngram_prompt_lookup_max: int | None = _opt(None, "Longest n-gram the [ngram] proposer matches.")
     ngram_prompt_lookup_min: int | None = _opt(None, "Shortest n-gram the [ngram] proposer matches.")
-    speculative_draft_tensor_parallel_size: int | None = _opt(None, "Tensor-parallel size of the draft.")
+    speculative_draft_tensor_parallel_size: int | None = _opt(
+        None, "Tensor-parallel size of the draft: a divisor of tensor_parallel_size (default 1); the draft runs "
+              "on the first that many ranks of the target's processes.")
     speculative_disable_by_batch_size: int | None = _opt(
         None, "No speculation while this many or more requests are running.")
     speculative_policy: str | None = _opt(
@@ -87,7 +92,7 @@ class EngineArgs:
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes,
                               self.num_gpu_blocks_override),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens or 2048, model.max_model_len),
-            parallel=ParallelConfig(self.tensor_parallel_size),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             speculative=self._speculative_config(model),
             enforce_eager=self.enforce_eager,
         )

@@ -13,7 +13,7 @@ from vllm_spec.core.sequence import Request, Sequence, SequenceStatus
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.output_processor import OutputProcessor
 from vllm_spec.engine.stats import EngineStats
-from vllm_spec.executor.uniproc_executor import UniProcExecutor
+from vllm_spec.executor import create_executor
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import CompletionOutput, RequestOutput
 from vllm_spec.sampling_params import SamplingParams
@@ -31,7 +31,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False):
         self.config = config
         self.tokenizer = None if skip_tokenizer_init else get_tokenizer(config.model)
-        self.executor = UniProcExecutor(config)
+        self.executor = create_executor(config)
         self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.num_lookahead_slots)
         self.output_processor = OutputProcessor(self.tokenizer, self._eos_token_ids(), config.model.max_model_len)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from vllm_spec.config import EngineConfig
+from vllm_spec.distributed.parallel_state import get_draft_tp_group
 from vllm_spec.model.loader import load_model
 from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
 from vllm_spec.sample.sampler import SamplerOutput, gather_logprobs, process_logits
@@ -20,6 +21,7 @@ from vllm_spec.spec_decode.policy import AdaptivePolicy, FixedPolicy, Speculatio
 from vllm_spec.spec_decode.proposer import Proposals, Proposer
 from vllm_spec.spec_decode.rejection_sampler import rejection_sample
 from vllm_spec.spec_decode.timer import StepTimer
+from vllm_spec.spec_decode.tp_proposer import TPProposer
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, SpecStepStats, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner
 from vllm_spec.worker.worker import Worker, logprob_dicts
@@ -33,6 +35,7 @@ class SpecDecodeWorker:
         assert spec is not None
         self.config = config
         self.target = Worker(config)
+        self.tp = self.target.tp
         self.device = self.target.device
         self.vocab_size = self.target.vocab_size
         self.draft_runner: ModelRunner | None = None
@@ -41,13 +44,20 @@ class SpecDecodeWorker:
             self.proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min, self.device)
             cost_ratio = 0.01
         else:
-            draft = load_model(spec.draft, self.target.tp)
-            if spec.draft.arch.embeddings_from_target:
-                draft.share_embeddings(self.target.runner.model)
-            self.draft_runner = ModelRunner(draft, self.device, config.cache.block_size,
-                                            config.model.max_model_len, cuda_graphs=not config.enforce_eager)
-            self.proposer = DraftModelProposer(self.draft_runner, self.target.sampler.generator)
-            cost_ratio = _num_params(draft) / _num_params(self.target.runner.model)
+            # Tensor parallel: the draft lives on its own sub-group of these processes (None: not on this rank).
+            draft_tp = get_draft_tp_group()
+            proposer, cost_ratio = None, 0.1   # ranks outside the sub-group follow rank 0's policy
+            if draft_tp is not None:
+                draft = load_model(spec.draft, draft_tp)
+                if spec.draft.arch.embeddings_from_target:
+                    draft.share_embeddings(self.target.runner.model)
+                self.draft_runner = ModelRunner(draft, self.device, config.cache.block_size,
+                                                config.model.max_model_len, cuda_graphs=not config.enforce_eager)
+                proposer = DraftModelProposer(self.draft_runner, self.target.sampler.generator)
+                cost_ratio = _num_params(draft) / _num_params(self.target.runner.model)   # per-rank shards
+            self.proposer = proposer
+            if self.tp.world_size > 1:
+                self.proposer = TPProposer(proposer, self.tp, draft_tp is self.tp, self.vocab_size, self.device)
         k = spec.num_speculative_tokens
         self.policy: SpeculationPolicy = (FixedPolicy(k) if spec.policy == "fixed"
                                           else AdaptivePolicy(k, draft_cost_ratio=cost_ratio))
@@ -98,6 +108,8 @@ class SpecDecodeWorker:
         if not req.seqs:
             return StepOutput([])
         asked, shape = self.num_drafts(req)
+        if self.tp.world_size > 1:  # rank 0's policy decides (its timings differ from the other ranks')
+            asked = self.tp.broadcast(torch.tensor(asked, dtype=torch.long, device=self.device)).tolist()
         spec_idx = [i for i, n in enumerate(asked) if n > 0]
         timer = StepTimer(self.device)
         draft_md = self._metadata([self.target.sampling_row(req.seqs[i]) for i in spec_idx], for_draft=True)
@@ -181,7 +193,8 @@ class SpecDecodeWorker:
         row_md = self._metadata([self.target.sampling_row(req.seqs[i]) for i in sampled], for_draft=True)
         result = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, row_md,
                                   self.target.sampler.generator, self.config.speculative.synthetic_acceptance_rate)
-        emitted = [[t for t in row if t >= 0] for row in result.tokens.tolist()]   # the step's one D2H copy
+        tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
+        emitted = [[t for t in row if t >= 0] for row in tokens.tolist()]   # the step's one D2H copy
 
         logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
         outputs = [SeqOutput(req.seqs[i].seq_id, toks, lps) for i, toks, lps in zip(sampled, emitted, logprobs)]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata, compute_slot_mapping
@@ -53,31 +55,35 @@ class ModelRunner:
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
     def prepare(self, seqs: list[SeqInput]) -> PreparedBatch:
-        """Flatten the sequences' new tokens and build the attention metadata."""
-        q_lens = [len(s.token_ids) for s in seqs]
-        tokens = [t for s in seqs for t in s.token_ids]
-        positions = [p for s in seqs for p in range(s.start_pos, s.seq_len)]
+        """Flatten the sequences' new tokens and build the attention metadata.
+
+        Everything is assembled on the host in one int64 array and sent in ONE copy;
+        the device tensors are views into it.
+        """
+        B = len(seqs)
+        q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B)
+        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=B)
+        T = int(q_lens.sum())
+        qsl = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
         width = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [NULL_BLOCK] * (width - len(s.block_table)) for s in seqs]
-        dev = self.device
-        as_long = dict(dtype=torch.long, device=dev)
-        q_lens_t = torch.tensor(q_lens, **as_long)
-        query_start_loc = torch.zeros(len(seqs) + 1, **as_long)
-        torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])
-        pos_t = torch.tensor(positions, **as_long)
-        tables_t = torch.tensor(tables, **as_long)
-        req_idx = torch.repeat_interleave(torch.arange(len(seqs), device=dev), q_lens_t, output_size=len(tokens))
+        tables = np.full((B, width), NULL_BLOCK, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        req_idx = np.repeat(np.arange(B), q_lens)
+        positions = np.arange(T) - qsl[req_idx] + starts[req_idx]
+        slots = compute_slot_mapping(torch.from_numpy(tables), torch.from_numpy(req_idx),
+                                     torch.from_numpy(positions), self.block_size).numpy()
+        tokens = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=T)
+        host = np.concatenate([tokens, positions, slots, qsl, starts + q_lens, tables.ravel()])
+        dev = torch.from_numpy(host).to(self.device, non_blocking=True)
+        input_ids, pos_t, slot_t, qsl_t, lens_t, tables_t = dev.split([T, T, T, B + 1, B, B * width])
         md = AttentionMetadata(
-            query_start_loc=query_start_loc,
-            seq_lens=torch.tensor([s.seq_len for s in seqs], **as_long),
-            block_tables=tables_t,
-            slot_mapping=compute_slot_mapping(tables_t, req_idx, pos_t, self.block_size),
-            max_query_len=max(q_lens),
-            max_seq_len=max(s.seq_len for s in seqs),
-            block_size=self.block_size,
+            query_start_loc=qsl_t, seq_lens=lens_t, block_tables=tables_t.view(B, width), slot_mapping=slot_t,
+            max_query_len=int(q_lens.max()), max_seq_len=int((starts + q_lens).max()), block_size=self.block_size,
         )
-        uniform = q_lens[0] if all(q == q_lens[0] for q in q_lens) else None
-        return PreparedBatch(torch.tensor(tokens, **as_long), pos_t, md, uniform)
+        uniform = int(q_lens[0]) if (q_lens == q_lens[0]).all() else None
+        return PreparedBatch(input_ids, pos_t, md, uniform)
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:

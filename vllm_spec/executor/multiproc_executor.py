@@ -1,0 +1,192 @@
+"""Tensor parallelism on one machine: one spawned worker process per rank, torch.distributed between them.
+
+The engine's process is the driver: it pickles each step's ExecuteModelRequest once and sends the
+same bytes to every rank over its pipe; every rank runs the step (the collectives keep them in
+lock step) and rank 0 sends back the StepOutput. While it waits, the driver also watches every
+rank's process: a rank that dies or reports an error fails the step at once with a clear
+WorkerError (the other ranks, stuck in a collective, are then stopped), and every later step
+fails the same way, so the engine fails its in-flight requests instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+
+from vllm_spec.config import EngineConfig
+from vllm_spec.executor.rank_worker import kv_blocks_for_ranks, run_rank_process
+from vllm_spec.worker.batch import ExecuteModelRequest, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker died or failed; the executor cannot run any more steps."""
+
+
+def _timeout_from_env(name: str, default: float | None) -> float | None:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return float(value) if float(value) > 0 else None
+
+
+class MultiprocExecutor:
+    """Runs `tensor_parallel_size` ranks in spawned processes of this machine.
+
+    Timeouts (seconds; env overrides, 0 = none): VLLM_SPEC_WORKER_START_TIMEOUT_S (loading
+    and KV allocation, default 1200) and VLLM_SPEC_STEP_TIMEOUT_S (one step, default none: a
+    dead rank is noticed at once without it, through its process sentinel).
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.world_size = config.parallel.tensor_parallel_size
+        self._error: WorkerError | None = None
+        self._closed = False
+        self._start_timeout = _timeout_from_env("VLLM_SPEC_WORKER_START_TIMEOUT_S", 1200.0)
+        self._step_timeout = _timeout_from_env("VLLM_SPEC_STEP_TIMEOUT_S", None)
+        # Rendezvous through a file in a private folder: no port to pick, nothing to collide with.
+        self._tmpdir = tempfile.mkdtemp(prefix="vllm_spec_tp_")
+        init_method = "file://" + os.path.join(self._tmpdir, "rendezvous")
+        ctx = multiprocessing.get_context("spawn")
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.conns: list[Connection] = []
+        try:
+            for rank in range(self.world_size):
+                parent, child = ctx.Pipe(duplex=True)
+                proc = ctx.Process(target=run_rank_process, name=f"vllm-spec-tp{rank}",
+                                   args=(config, rank, self.world_size, init_method, child), daemon=True)
+                proc.start()
+                child.close()
+                self.procs.append(proc)
+                self.conns.append(parent)
+            self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._tmpdir)
+            budgets = self._call_all("init_worker", (init_method,), self._start_timeout)
+            self.num_blocks = kv_blocks_for_ranks(config, budgets)
+            self._call_all("init_kv_cache", (self.num_blocks,), self._start_timeout)
+        except BaseException:
+            _stop(self.procs, self.conns, self._tmpdir)
+            raise
+
+    # Calls ----------------------------------------------------------------------------------
+    def _send(self, method: str, args: tuple) -> None:
+        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(payload)
+            except (OSError, BrokenPipeError) as e:
+                raise self._fail(f"tensor-parallel worker rank {rank} is gone ({e}).") from None
+
+    def _call_all(self, method: str, args: tuple, timeout: float | None) -> list:
+        """Every rank runs method(*args); their results, by rank."""
+        self._check()
+        self._send(method, args)
+        return self._collect(set(range(self.world_size)), method, timeout)
+
+    def _collect(self, waiting: set[int], method: str, timeout: float | None) -> list:
+        results: list = [None] * self.world_size
+        deadline = None if timeout is None else time.monotonic() + timeout
+        by_conn = {c: r for r, c in enumerate(self.conns)}
+        by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}
+        while waiting:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise self._fail(f"tensor-parallel workers {sorted(waiting)} did not finish {method} within "
+                                 f"{timeout:.0f} s.")
+            # Every rank's pipe (errors come from any rank) and every process's sentinel (death).
+            ready = wait(list(self.conns) + list(by_sentinel), timeout=left)
+            for obj in ready:
+                if obj in by_conn:
+                    rank = by_conn[obj]
+                    try:
+                        status, value = obj.recv()
+                    except (EOFError, OSError):
+                        raise self._fail(self._death_message(rank, method)) from None
+                    if status == "error":
+                        raise self._fail(self._error_message(rank, method, value))
+                    results[rank] = value
+                    waiting.discard(rank)
+            for obj in ready:
+                if obj in by_sentinel:
+                    rank = by_sentinel[obj]
+                    if self.conns[rank].poll():
+                        continue        # its last words (an error report) are read on the next round
+                    raise self._fail(self._death_message(rank, method))
+        return results
+
+    def _error_message(self, rank: int, method: str, error: str) -> str:
+        """A rank's error, led by the death of another rank when that is what broke its collective."""
+        others = {p.sentinel: r for r, p in enumerate(self.procs) if r != rank}
+        dead = wait(list(others), timeout=1.0) if others else []
+        if dead:
+            return f"{self._death_message(others[dead[0]], method)} (rank {rank} then failed: {error.splitlines()[0]})"
+        return f"tensor-parallel worker rank {rank} failed in {method}: {error}"
+
+    def _death_message(self, rank: int, method: str) -> str:
+        proc = self.procs[rank]
+        proc.join(timeout=1.0)
+        code = proc.exitcode
+        how = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
+        hint = (" Ranks are spawned: a script that builds the engine must guard its top level with "
+                "`if __name__ == '__main__':`." if method == "init_worker" else "")
+        return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) died during {method} ({how}); "
+                f"the engine cannot continue.{hint}")
+
+    def _fail(self, message: str) -> WorkerError:
+        logger.error("%s Stopping all tensor-parallel workers.", message)
+        self._error = WorkerError(message)
+        _stop(self.procs, self.conns, None, grace=0.0)   # the survivors wait in a collective: no use waiting
+        return self._error
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise WorkerError(f"the tensor-parallel workers are gone: {self._error}") from self._error
+        if self._closed:
+            raise WorkerError("the executor is shut down.")
+
+    # Executor interface ---------------------------------------------------------------------
+    def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
+        self._check()
+        self._send("execute_model", (req,))
+        return self._collect({0}, "execute_model", self._step_timeout)[0]
+
+    def check_health(self) -> None:
+        self._check()
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                raise self._fail(self._death_message(rank, "idle"))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._error is None:
+            try:
+                self._send("shutdown", ())
+            except WorkerError:
+                pass
+        self._finalizer()
+
+
+def _stop(procs, conns, tmpdir: str | None, grace: float = 5.0) -> None:
+    """Let the ranks exit (they leave when told or when their pipe closes), then make sure they have."""
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()) if proc.is_alive() else 0)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(timeout=5.0)
+    for conn in conns:
+        conn.close()
+    if tmpdir:
+        shutil.rmtree(tmpdir, ignore_errors=True)
