@@ -188,7 +188,7 @@ class AdaptivePolicy:
             if k > 0:
                 self._seqs.setdefault(sid, _Acceptance()).add(a, k, self.decay)
                 self._global.add(a, k, 0.995)
-        n, q = len(shape.seq_ids), shape.num_other_tokens + len(shape.seq_ids) + sum(chosen)
+        q = shape.num_other_tokens + len(shape.seq_ids) + sum(chosen)
         if stats is None:
             self._target.update(q, step_time)
             return
