@@ -248,3 +248,28 @@ def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair):
     # Exploration every 50 steps: at least one speculative step, and only a few.
     assert 1 <= m["vllm:spec_decode_num_drafts"] / 2 <= steps / 50 + 1
     assert m["vllm:spec_decode_acceptance_rate"] == 1.0
+
+
+class _VaryingK:
+    """A policy giving neighbouring sequences different k (0 included): exercises padded verification."""
+
+    def choose(self, shape):
+        return [min(cap, (i + len(shape.seq_ids)) % 4) for i, cap in enumerate(shape.caps)]
+
+    def observe(self, *args) -> None:
+        pass
+
+    def release(self, seq_ids) -> None:
+        pass
+
+    def estimates(self):
+        from vllm_spec.worker.batch import PolicyEstimates
+        return PolicyEstimates(0.0)
+
+
+def test_greedy_equality_with_different_k_per_sequence(spec_pair, greedy_reference):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **KV)
+    llm.llm_engine.executor.worker.policy = _VaryingK()
+    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    m = _metrics(llm)
+    assert m["vllm:spec_decode_num_accepted_tokens"] > 0

@@ -66,8 +66,9 @@ class DraftModelProposer:
                                             positions, max(lens) + 1, batch.md.block_size)
             graph = self.runner.graph_for(1, len(spec_rows))
             for _ in range(k - 1):
-                logits = (graph(tokens, positions, md_step) if graph is not None
-                          else self.runner.model.compute_logits(self.runner.model(tokens, positions, md_step)).float())
+                hidden = graph(tokens, positions, md_step) if graph is not None \
+                    else self.runner.model(tokens, positions, md_step)
+                logits = self.runner.model.compute_logits(hidden).float()
                 tokens, probs = self._sample(logits, md)
                 all_tokens.append(tokens)
                 all_probs.append(probs)

@@ -72,8 +72,13 @@ class SpecDecodeWorker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.target.init_kv_cache(num_blocks)
+        max_batch = self.config.scheduler.max_num_seqs
+        # Plain decode, and verification when every sequence drafts the full k.
+        self.target.runner.capture_graphs([1, self.config.speculative.num_speculative_tokens + 1], max_batch)
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(num_blocks, self.config.model.dtype)
+            # Draft steps (1 token) and the catch-up after a fully accepted step (2 tokens).
+            self.draft_runner.capture_graphs([1, 2], max_batch)
 
     # Steps ------------------------------------------------------------------------------
     def num_drafts(self, req: ExecuteModelRequest) -> tuple[list[int], StepShape]:
@@ -138,8 +143,13 @@ class SpecDecodeWorker:
         found = dict(zip(spec_idx, proposals.num_drafts))            # seq index -> drafts proposed
         spec_row = {i: r for r, i in enumerate(spec_idx)}             # seq index -> row in proposals
         # Score: each speculating sequence feeds [last token, draft_1..draft_n] in one target pass.
-        verify = [SeqInput(s.seq_id, s.token_ids + [0] * found.get(i, 0), s.start_pos, s.block_table, s.sample,
-                           s.sampling_params, s.prompt_token_ids, s.output_token_ids)
+        # When every sequence is decoding, all are padded to the longest draft (placeholder tokens in
+        # reserved slots, ignored by the verifier) so the pass has one query length and replays a graph.
+        k = max(found.values(), default=0)
+        max_len = self.config.model.max_model_len
+        uniform = all(s.sample and len(s.token_ids) == 1 and s.seq_len + k <= max_len for s in req.seqs)
+        verify = [SeqInput(s.seq_id, s.token_ids + [0] * (k if uniform else found.get(i, 0)), s.start_pos,
+                           s.block_table, s.sample, s.sampling_params, s.prompt_token_ids, s.output_token_ids)
                   for i, s in enumerate(req.seqs)]
         batch = self.target.runner.prepare(verify)
         starts = [0]
@@ -155,7 +165,6 @@ class SpecDecodeWorker:
                 torch.tensor(src_row, device=dev), torch.tensor(src_pos, device=dev)]
 
         sampled = [i for i, s in enumerate(req.seqs) if s.sample]
-        k = max(found.values(), default=0)
         drafts_host = proposals.token_ids.tolist() if any(
             req.seqs[i].sampling_params.has_penalties for i in spec_idx) else None
         # Plain greedy rows (no penalties, min_tokens met) verify against argmax of the raw
@@ -165,7 +174,7 @@ class SpecDecodeWorker:
         logit_rows, grid_r, grid_j, exp_rows = [], [], [], []
         for r, i in enumerate(sampled):
             seq, n = req.seqs[i], found.get(i, 0)
-            first = starts[i + 1] - 1 - n
+            first = starts[i] + len(seq.token_ids) - 1          # the sequence's last real token
             logit_rows += range(first, first + n + 1)
             grid_r += [r] * (n + 1)
             grid_j += range(n + 1)

@@ -1,9 +1,11 @@
 """CUDA graphs for batches whose sequences all feed the same number of tokens.
 
-Plain decode (1 token per sequence) and verification (k+1) are such batches.
-One graph per (query length, batch-size bucket), captured on first use, replays
-model forward + LM head over persistent input buffers that are updated in place.
-Padding rows point at the null block, so they read and write nothing real.
+Plain decode (1 token per sequence), verification (k+1) and draft steps are
+such batches. One graph per (query length, batch-size bucket), captured at
+start-up (or on first use for shapes nobody announced), replays the model's
+forward pass over persistent input buffers that are updated in place; the LM
+head runs outside, on the rows that are needed. Padding rows point at the null
+block, so they read and write nothing real.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def bucket_for(batch: int) -> int | None:
 
 
 class GraphedForward:
-    """Graphs of `logits = lm_head(model(tokens))` for a fixed query length per sequence."""
+    """Graphs of `hidden = model(tokens)` for a fixed query length per sequence."""
 
     def __init__(self, model: LlamaForCausalLM, q_len: int, max_blocks: int, block_size: int,
                  max_seq_len: int, pool=None):
@@ -59,8 +61,7 @@ class GraphedForward:
         self._reset_padding(0, batch)
         md = self._metadata(batch)
         tokens = batch * self.q_len
-        run = lambda: self.model.compute_logits(  # noqa: E731
-            self.model(self.input_ids[:tokens], self.positions[:tokens], md)).float()
+        run = lambda: self.model(self.input_ids[:tokens], self.positions[:tokens], md)  # noqa: E731
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -74,8 +75,15 @@ class GraphedForward:
         return graph, out
 
     @torch.inference_mode()
+    def capture(self, max_batch: int) -> None:
+        """Capture every bucket up to max_batch, largest first (smaller ones reuse its pool memory)."""
+        for bucket in sorted((b for b in BATCH_BUCKETS if b <= bucket_for(max_batch)), reverse=True):
+            if bucket not in self.graphs:
+                self.graphs[bucket] = self._capture(bucket)
+
+    @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """Logits [num_seqs * q_len, V] for a uniform batch of at most the largest bucket."""
+        """Hidden states [num_seqs * q_len, hidden] for a uniform batch of at most the largest bucket."""
         batch, q = md.num_seqs, self.q_len
         bucket = bucket_for(batch)
         if bucket not in self.graphs:

@@ -109,10 +109,14 @@ class ModelRunner:
     def run(self, batch: PreparedBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits of the given token rows (every token when rows is None)."""
         graph = self.graph_for(batch.uniform_q, batch.md.num_seqs) if batch.uniform_q else None
-        if graph is not None:
-            logits = graph(batch.input_ids, batch.positions, batch.md)
-            return logits if rows is None else logits[rows]
-        hidden = self.forward(batch)
+        hidden = graph(batch.input_ids, batch.positions, batch.md) if graph is not None else self.forward(batch)
         if rows is None:
             return self.model.compute_logits(hidden).float()
         return self.logits(hidden, rows)
+
+    def capture_graphs(self, q_lens: list[int], max_batch: int) -> None:
+        """Capture up front the graphs the worker will replay, so no step pays for a capture."""
+        for q in q_lens:
+            graph = self.graph_for(q, 1)
+            if graph is not None:
+                graph.capture(max_batch)

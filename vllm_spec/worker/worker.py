@@ -50,6 +50,8 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks, self.config.model.dtype)
+        if self.config.speculative is None:
+            self.runner.capture_graphs([1], self.config.scheduler.max_num_seqs)
 
     # Steps ----------------------------------------------------------------------
     def generator_for(self, seq: SeqInput) -> torch.Generator | None:
