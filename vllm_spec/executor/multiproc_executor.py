@@ -125,9 +125,11 @@ class MultiprocExecutor:
     def _error_message(self, rank: int, method: str, error: str) -> str:
         """A rank's error, led by the death of another rank when that is what broke its collective."""
         others = {p.sentinel: r for r, p in enumerate(self.procs) if r != rank}
-        dead = wait(list(others), timeout=1.0) if others else []
+        # Dead without a report of their own (a rank that failed too has its own error waiting).
+        dead = [others[s] for s in (wait(list(others), timeout=1.0) if others else [])
+                if not self.conns[others[s]].poll()]
         if dead:
-            return f"{self._death_message(others[dead[0]], method)} (rank {rank} then failed: {error.splitlines()[0]})"
+            return f"{self._death_message(dead[0], method)} (rank {rank} then failed: {error.splitlines()[0]})"
         return f"tensor-parallel worker rank {rank} failed in {method}: {error}"
 
     def _death_message(self, rank: int, method: str) -> str:

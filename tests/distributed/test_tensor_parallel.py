@@ -1,0 +1,215 @@
+"""Tensor parallelism on CPU: 2 ranks over gloo, through the multiprocessing and the Ray executors.
+
+The target shards over tp=2 ranks; the draft runs on a sub-group of the same processes
+(draft_tp=1: rank 0 only, the other rank receives its proposals; draft_tp=2: both ranks).
+Greedy output must equal tp=1 token for token, and with k fixed the draft counts too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm_spec import LLM, SamplingParams
+from vllm_spec.config import ParallelConfig
+from vllm_spec.engine.arg_utils import EngineArgs
+from vllm_spec.executor.multiproc_executor import WorkerError
+
+OPTS = dict(kv_cache_memory_bytes=1 << 24, max_model_len=128)
+SPEC = dict(num_speculative_tokens=3, speculative_policy="fixed")
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True)
+          for i in range(4)]
+
+
+def _prompts(n: int = 6, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 300) for _ in range(rng.randrange(1, 30))]} for _ in range(n)]
+
+
+def _ids(outputs) -> list[list[int]]:
+    return [c.token_ids for o in outputs for c in o.outputs]
+
+
+def _metrics(llm: LLM) -> dict:
+    return {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
+
+
+def _spec_counts(llm: LLM) -> tuple:
+    m = _metrics(llm)
+    return (m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_draft_tokens"],
+            m["vllm:spec_decode_num_accepted_tokens"])
+
+
+def _shutdown(llm: LLM) -> None:
+    llm.llm_engine.executor.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(spec_pair):
+    """tp=1: greedy ids of the target alone, and of speculation with fixed k (ids + draft counts)."""
+    target, draft = spec_pair
+    plain = LLM(target, **OPTS)
+    greedy = _ids(plain.generate(_prompts(), GREEDY, use_tqdm=False))
+    spec = LLM(target, speculative_model=draft, **SPEC, **OPTS)
+    assert _ids(spec.generate(_prompts(), GREEDY, use_tqdm=False)) == greedy
+    counts = _spec_counts(spec)
+    sampled = _ids(spec.generate(_prompts(4, seed=1), SEEDED, use_tqdm=False))
+    return greedy, counts, sampled
+
+
+def _check(llm: LLM, reference, speculative: bool) -> None:
+    greedy, counts, sampled = reference
+    assert _ids(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == greedy
+    if speculative:
+        assert counts[1] > 0 and counts[2] > 0
+        assert _spec_counts(llm) == counts
+        # Sampled + seeded: the draft's probabilities cross ranks (draft_tp < tp) and rank 0 decides.
+        out = _ids(llm.generate(_prompts(4, seed=1), SEEDED, use_tqdm=False))
+        assert [len(t) for t in out] == [16] * 4
+        assert out == sampled
+    engine = llm.llm_engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+CASES = [pytest.param({}, id="plain"),
+         pytest.param({"speculative_draft_tensor_parallel_size": 1}, id="spec-draft_tp1"),
+         pytest.param({"speculative_draft_tensor_parallel_size": 2}, id="spec-draft_tp2")]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tp2_multiproc_matches_tp1(spec_pair, reference, case):
+    spec = {"speculative_model": spec_pair[1], **SPEC, **case} if case else {}
+    llm = LLM(spec_pair[0], tensor_parallel_size=2, **spec, **OPTS)
+    try:
+        assert type(llm.llm_engine.executor).__name__ == "MultiprocExecutor"   # the default for tp > 1
+        _check(llm, reference, bool(case))
+    finally:
+        _shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    try:
+        import ray
+    except ImportError:
+        pytest.skip("Ray is not installed (pip install ray): the Ray executor tests cannot run here.")
+    started = not ray.is_initialized()
+    if started:
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20,
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        except Exception as e:  # noqa: BLE001 - reported as the skip reason
+            pytest.skip(f"Ray could not start a local cluster here: {type(e).__name__}: {e}")
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tp2_ray_matches_tp1(spec_pair, reference, ray_cluster, case):
+    spec = {"speculative_model": spec_pair[1], **SPEC, **case} if case else {}
+    llm = LLM(spec_pair[0], tensor_parallel_size=2, distributed_executor_backend="ray", **spec, **OPTS)
+    try:
+        assert type(llm.llm_engine.executor).__name__ == "RayExecutor"
+        _check(llm, reference, bool(case))
+    finally:
+        _shutdown(llm)
+
+
+# Invalid combinations: clear errors at construction, before any process starts ----------------------
+
+@pytest.mark.parametrize("tp, draft_tp", [(2, 3), (4, 3), (2, 0), (1, 2)])
+def test_invalid_draft_tp(spec_pair, tp, draft_tp):
+    args = EngineArgs(model=spec_pair[0], tensor_parallel_size=tp, speculative_model=spec_pair[1],
+                      num_speculative_tokens=2, speculative_draft_tensor_parallel_size=draft_tp, **OPTS)
+    with pytest.raises(ValueError, match=r"speculative_draft_tensor_parallel_size.*must divide "
+                                         rf"tensor_parallel_size \({tp}\)"):
+        args.create_engine_config()
+
+
+def test_invalid_draft_tp_in_speculative_config(spec_pair):
+    args = EngineArgs(model=spec_pair[0], tensor_parallel_size=2, **OPTS,
+                      speculative_config={"model": spec_pair[1], "num_speculative_tokens": 2,
+                                          "draft_tensor_parallel_size": 4})
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size.*one of \[1, 2\], got 4"):
+        args.create_engine_config()
+
+
+def test_invalid_parallel_settings(tiny_llama):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be divisible by .* \(3\)"):
+        EngineArgs(model=str(tiny_llama), tensor_parallel_size=3, **OPTS).create_engine_config()
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineArgs(model=str(tiny_llama), tensor_parallel_size=0, **OPTS).create_engine_config()
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
+        EngineArgs(model=str(tiny_llama), distributed_executor_backend="mpi", **OPTS).create_engine_config()
+
+
+def test_tp_larger_than_cuda_devices(tiny_llama, monkeypatch):
+    config = EngineArgs(model=str(tiny_llama), **OPTS).create_engine_config()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    on_gpu = dataclasses.replace(config.model, device=torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) is larger than the number of CUDA devices"):
+        dataclasses.replace(config, model=on_gpu, parallel=ParallelConfig(2))
+
+
+# A dead worker: an error, never a hang -------------------------------------------------------------
+
+def _bounded(fn, timeout: float = 60.0):
+    """fn() in a thread; the test fails (instead of hanging) if it does not return within timeout."""
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"no answer within {timeout} s: the engine hangs on a dead worker"
+    return result
+
+
+def _kill_mid_request(llm: LLM, kill) -> None:
+    engine = llm.llm_engine
+    engine.add_request("a", _prompts(1)[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.add_request("b", _prompts(2)[1], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.step()                          # prefill: both requests are in flight now
+    kill()
+    start = time.monotonic()
+    result = _bounded(lambda: llm.generate(_prompts(1, seed=5), GREEDY, use_tqdm=False))
+    assert isinstance(result.get("error"), WorkerError), result
+    assert "rank 1" in str(result["error"]) and "died" in str(result["error"])
+    assert time.monotonic() - start < 60
+    # The executor stays failed: later steps fail at once, they do not wait on the dead rank.
+    result = _bounded(lambda: llm.generate(_prompts(1, seed=6), GREEDY, use_tqdm=False), timeout=10)
+    assert isinstance(result.get("error"), WorkerError), result
+
+
+def test_killed_worker_fails_requests_multiproc(spec_pair):
+    llm = LLM(spec_pair[0], tensor_parallel_size=2, speculative_model=spec_pair[1], **SPEC, **OPTS)
+    executor = llm.llm_engine.executor
+    try:
+        _kill_mid_request(llm, lambda: os.kill(executor.procs[1].pid, signal.SIGKILL))
+        assert not any(p.is_alive() for p in executor.procs)   # the survivor was stopped too
+    finally:
+        _shutdown(llm)
+
+
+def test_killed_worker_fails_requests_ray(spec_pair, ray_cluster):
+    llm = LLM(spec_pair[0], tensor_parallel_size=2, distributed_executor_backend="ray", **OPTS)
+    executor = llm.llm_engine.executor
+    pid = ray_cluster.get(executor.actors[1].ping.remote())
+    try:
+        _kill_mid_request(llm, lambda: os.kill(pid, signal.SIGKILL))
+    finally:
+        _shutdown(llm)
