@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,15 +14,6 @@ from vllm_spec.core.scheduler import Scheduler, SchedulerOutput
 from vllm_spec.core.sequence import Sequence, SequenceStatus
 from vllm_spec.entrypoints.llm import LLM
 from vllm_spec.sampling_params import SamplingParams
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models run faster on one thread; two spin-waiting OpenMP threads crawl on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_seq(prompt_len: int, max_tokens: int = 4, rid: str = "r") -> Sequence:

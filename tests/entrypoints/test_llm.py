@@ -7,20 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from vllm_spec.entrypoints.llm import LLM
 from vllm_spec.metrics import Counter, Gauge, Histogram, Vector
 from vllm_spec.sampling_params import SamplingParams
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models run faster on one thread; two spin-waiting OpenMP threads crawl on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 PROMPT = "def wrap(text, width=70):"

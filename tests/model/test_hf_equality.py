@@ -21,15 +21,6 @@ from vllm_spec.worker.batch import SeqInput
 from vllm_spec.worker.worker import Worker
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models run faster on one thread; two spin-waiting OpenMP threads crawl on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 NEW_TOKENS = 32
 MAX_BATCHED = 24  # the longest prompt below (> 24 tokens) is prefilled in several chunks
 PROMPTS = [

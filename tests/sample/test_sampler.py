@@ -19,15 +19,6 @@ from vllm_spec.sampling_params import SamplingParams
 from vllm_spec.worker.worker import logprob_dicts
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models run faster on one thread; two spin-waiting OpenMP threads crawl on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 CPU = torch.device("cpu")
 NEG_INF = float("-inf")
 
