@@ -1,5 +1,12 @@
 """vllm_spec: lossless speculative decoding on a paged-KV, continuous-batching engine."""
 
+import os
+
+# Idle OpenMP threads sleep instead of spinning: on a CPU shared with other processes, spinning
+# threads make every multi-threaded step wait for a time slice (measured 5-10x slower steps).
+# Set before torch loads its OpenMP runtime; an explicit setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.llm_engine import LLMEngine
 from vllm_spec.entrypoints.llm import LLM
