@@ -42,8 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from vllm_spec import LLM, SamplingParams  # noqa: E402
-from vllm_spec.model import offline_models  # noqa: E402
+from vllm_spec import LLM, SamplingParams
+from vllm_spec.model import offline_models
 
 # Held-out chat prompts (written for this benchmark; not drawn from the draft's training generator).
 PROMPTS = [
@@ -146,13 +146,13 @@ def run_system(pair: str, system: str, policy: str, target: str, spec: dict, pro
     return rows, outputs
 
 
-def run_pair(pair: str, target: str, draft: str | None, args) -> list[Row]:
+def run_pair(pair: str, target: str, draft: str | None, args, save=lambda rows: None) -> list[Row]:
     systems = [("plain", "-", {})]
     for policy in args.policies:
-        if draft is not None:
+        if draft is not None and "draft" in args.systems:
             systems.append(("draft", policy, dict(speculative_model=draft, num_speculative_tokens=args.k,
                                                   speculative_policy=policy)))
-        if not args.no_ngram:
+        if "ngram" in args.systems:
             systems.append(("ngram", policy, dict(speculative_model="[ngram]", num_speculative_tokens=args.k,
                                                   ngram_prompt_lookup_max=args.ngram_max,
                                                   ngram_prompt_lookup_min=args.ngram_min,
@@ -166,6 +166,7 @@ def run_pair(pair: str, target: str, draft: str | None, args) -> list[Row]:
             r.speedup = r.tokens_per_s / plain_rows[r.batch].tokens_per_s
             r.identical_to_plain = outputs[r.batch] == plain_ids[r.batch]
         rows += got_rows
+        save(rows)
     return rows
 
 
@@ -199,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--ngram-min", type=int, default=2)
-    p.add_argument("--no-ngram", action="store_true")
+    p.add_argument("--systems", nargs="+", default=["draft", "ngram"], choices=["draft", "ngram"],
+                   help="speculative systems to compare with plain")
     p.add_argument("--repeats", type=int, default=1, help="timed repeats per batch size (median reported)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -226,24 +228,29 @@ def main(argv: list[str] | None = None) -> int:
                else m for m in (target, draft)]
         resolved.append((name, *fix))
 
-    rows: list[Row] = []
-    t_start = time.time()
-    for name, target, draft in resolved:
-        print(f"pair {name}: target {target}, draft {draft}", file=sys.stderr, flush=True)
-        rows += run_pair(name, target, draft, args)
-    print()
-    print_table(rows)
-
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / \
         f"spec_cpu_{time.strftime('%Y%m%dT%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "benchmark": "benchmark_spec_cpu", "args": vars(args), "pairs": [dict(zip(("pair", "target", "draft"), x))
-                                                                         for x in resolved],
-        "prompts": PROMPTS[:args.num_prompts], "env": {
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-            "machine": platform.machine(), "python": platform.python_version()},
-        "wall_s": time.time() - t_start, "rows": [asdict(r) for r in rows]}, indent=2))
+    t_start = time.time()
+    rows: list[Row] = []
+
+    def save(pair_rows: list[Row], complete: bool = False) -> None:
+        """Rewrite the JSON after every system: a long run that is cut short keeps what it measured."""
+        out.write_text(json.dumps({
+            "benchmark": "benchmark_spec_cpu", "complete": complete, "args": vars(args),
+            "pairs": [dict(zip(("pair", "target", "draft"), x)) for x in resolved],
+            "prompts": (PROMPTS * (args.num_prompts // len(PROMPTS) + 1))[:args.num_prompts], "env": {
+                "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                "machine": platform.machine(), "python": platform.python_version(),
+                "loadavg_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
+            "wall_s": time.time() - t_start, "rows": [asdict(r) for r in rows + pair_rows]}, indent=2))
+
+    for name, target, draft in resolved:
+        print(f"pair {name}: target {target}, draft {draft}", file=sys.stderr, flush=True)
+        rows += run_pair(name, target, draft, args, save)
+    save([], complete=True)
+    print()
+    print_table(rows)
     print(f"\nwrote {out}")
     if not all(r.identical_to_plain for r in rows):
         print("ERROR: some speculative outputs differ from plain greedy decoding", file=sys.stderr)

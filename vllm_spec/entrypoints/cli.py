@@ -199,11 +199,13 @@ def run_generate(args: argparse.Namespace) -> int:
 
 # main -------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
+    from vllm_spec.model.offline_models import ModelFetchError
+
     parser = make_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (CLIError, ValueError, FileNotFoundError) as e:
+    except (CLIError, ValueError, FileNotFoundError, ModelFetchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

