@@ -10,9 +10,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 from benchmark_spec_decode import build, run_decode, write_config
+from torch.profiler import ProfilerActivity, profile
 
 
 def main() -> None:
