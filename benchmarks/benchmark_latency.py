@@ -32,16 +32,9 @@ sys.path.insert(0, str(ROOT))
 from vllm_spec.entrypoints.llm import LLM  # noqa: E402
 from vllm_spec.sampling_params import SamplingParams  # noqa: E402
 
-PROMPT_TEXTS = [
-    "The history of the printing press begins",
-    "Write a short poem about the sea.",
-    "Explain how a hash table works.",
-    "def fibonacci(n):",
-    "The three primary colors are",
-    "Once upon a time, in a small village,",
-    "List three benefits of regular exercise:",
-    "Translate 'good morning' into French:",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prompts import PROMPT_TEXTS  # noqa: E402
+
 
 
 def load_hf_model(model: str, dtype: torch.dtype):

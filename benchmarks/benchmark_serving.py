@@ -42,16 +42,10 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prompts import PROMPT_TEXTS as SHARED_PROMPTS  # noqa: E402
 
-PROMPT_TEXTS = [
-    "The history of the printing press begins",
-    "Write a short poem about the sea.",
-    "Explain how a hash table works.",
-    "def fibonacci(n):",
-    "The three primary colors are",
-    "Once upon a time, in a small village,",
-    "List three benefits of regular exercise:",
-    "Translate 'good morning' into French:",
+PROMPT_TEXTS = SHARED_PROMPTS + [
     "Summarize the plot of Romeo and Juliet in two sentences.",
     "import numpy as np\n\ndef normalize(x):",
     "What is the capital of France? Answer in one sentence.",
