@@ -90,10 +90,6 @@ class Sequence:
         """Tokens [start, stop) of prompt + output."""
         return concat_slice(self.prompt_token_ids, self.output_token_ids, start, stop)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
 
 @dataclass(eq=False)
 class Request:
