@@ -63,10 +63,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     slots = lay.key_slots.view(-1)
     keys = k_cache.view(-1, kvh * D).index_select(0, slots).view(*lay.key_slots.shape, kvh, D).transpose(1, 2)
     values = v_cache.view(-1, kvh * D).index_select(0, slots).view(*lay.key_slots.shape, kvh, D).transpose(1, 2)
-    q_pad = q.new_zeros(md.num_seqs, md.max_query_len, H, D)
-    q_pad[lay.tok_req, lay.tok_off] = q
+    B, Q = md.num_seqs, md.max_query_len
+    uniform = q.shape[0] == B * Q   # decode / verification: every sequence has Q queries, no padding
+    if uniform:
+        q_pad = q.view(B, Q, H, D)
+    else:
+        q_pad = q.new_zeros(B, Q, H, D)
+        q_pad[lay.tok_req, lay.tok_off] = q
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
         attn_mask=lay.key_valid.unsqueeze(1), scale=scale, enable_gqa=H != kvh,
-    )
-    return out.transpose(1, 2)[lay.tok_req, lay.tok_off]
+    ).transpose(1, 2)
+    return out.reshape(q.shape) if uniform else out[lay.tok_req, lay.tok_off]
