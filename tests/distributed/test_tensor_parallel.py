@@ -20,7 +20,7 @@ import torch
 from vllm_spec import LLM, SamplingParams
 from vllm_spec.config import ParallelConfig
 from vllm_spec.engine.arg_utils import EngineArgs
-from vllm_spec.executor.multiproc_executor import WorkerError
+from vllm_spec.executor.base import WorkerError
 
 OPTS = dict(kv_cache_memory_bytes=1 << 24, max_model_len=128)
 SPEC = dict(num_speculative_tokens=3, speculative_policy="fixed")

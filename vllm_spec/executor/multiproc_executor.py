@@ -10,7 +10,6 @@ fails the same way, so the engine fails its in-flight requests instead of hangin
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import pickle
@@ -21,38 +20,16 @@ import weakref
 from multiprocessing.connection import Connection, wait
 
 from vllm_spec.config import EngineConfig
+from vllm_spec.executor.base import RankExecutor, WorkerError
 from vllm_spec.executor.rank_worker import kv_blocks_for_ranks, run_rank_process
 from vllm_spec.worker.batch import ExecuteModelRequest, StepOutput
 
-logger = logging.getLogger(__name__)
 
-
-class WorkerError(RuntimeError):
-    """A tensor-parallel worker died or failed; the executor cannot run any more steps."""
-
-
-def _timeout_from_env(name: str, default: float | None) -> float | None:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    return float(value) if float(value) > 0 else None
-
-
-class MultiprocExecutor:
-    """Runs `tensor_parallel_size` ranks in spawned processes of this machine.
-
-    Timeouts (seconds; env overrides, 0 = none): VLLM_SPEC_WORKER_START_TIMEOUT_S (loading
-    and KV allocation, default 1200) and VLLM_SPEC_STEP_TIMEOUT_S (one step, default none: a
-    dead rank is noticed at once without it, through its process sentinel).
-    """
+class MultiprocExecutor(RankExecutor):
+    """Runs `tensor_parallel_size` ranks in spawned processes of this machine."""
 
     def __init__(self, config: EngineConfig):
-        self.config = config
-        self.world_size = config.parallel.tensor_parallel_size
-        self._error: WorkerError | None = None
-        self._closed = False
-        self._start_timeout = _timeout_from_env("VLLM_SPEC_WORKER_START_TIMEOUT_S", 1200.0)
-        self._step_timeout = _timeout_from_env("VLLM_SPEC_STEP_TIMEOUT_S", None)
+        super().__init__(config)
         # Rendezvous through a file in a private folder: no port to pick, nothing to collide with.
         self._tmpdir = tempfile.mkdtemp(prefix="vllm_spec_tp_")
         init_method = "file://" + os.path.join(self._tmpdir, "rendezvous")
@@ -142,17 +119,8 @@ class MultiprocExecutor:
         return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) died during {method} ({how}); "
                 f"the engine cannot continue.{hint}")
 
-    def _fail(self, message: str) -> WorkerError:
-        logger.error("%s Stopping all tensor-parallel workers.", message)
-        self._error = WorkerError(message)
+    def _stop_workers(self) -> None:
         _stop(self.procs, self.conns, None, grace=0.0)   # the survivors wait in a collective: no use waiting
-        return self._error
-
-    def _check(self) -> None:
-        if self._error is not None:
-            raise WorkerError(f"the tensor-parallel workers are gone: {self._error}") from self._error
-        if self._closed:
-            raise WorkerError("the executor is shut down.")
 
     # Executor interface ---------------------------------------------------------------------
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:

@@ -8,18 +8,15 @@ actor (or a failing one) fails the step with WorkerError and every later step to
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import time
 import weakref
 
 from vllm_spec.config import EngineConfig
-from vllm_spec.executor.multiproc_executor import WorkerError, _timeout_from_env
+from vllm_spec.executor.base import RankExecutor
 from vllm_spec.executor.rank_worker import RankWorker, kv_blocks_for_ranks
 from vllm_spec.worker.batch import ExecuteModelRequest, StepOutput
-
-logger = logging.getLogger(__name__)
 
 
 class _RayRankWorker(RankWorker):
@@ -33,7 +30,7 @@ class _RayRankWorker(RankWorker):
         return ray.util.get_node_ip_address(), port
 
 
-class RayExecutor:
+class RayExecutor(RankExecutor):
     """Runs `tensor_parallel_size` ranks as Ray actors (one GPU each on GPUs, one CPU each on CPU)."""
 
     def __init__(self, config: EngineConfig):
@@ -41,13 +38,9 @@ class RayExecutor:
             import ray
         except ImportError as e:
             raise ImportError("distributed_executor_backend='ray' needs Ray: pip install ray") from e
+        super().__init__(config)
         self.ray = ray
-        self.config = config
-        self.world_size = tp = config.parallel.tensor_parallel_size
-        self._error: WorkerError | None = None
-        self._closed = False
-        self._start_timeout = _timeout_from_env("VLLM_SPEC_WORKER_START_TIMEOUT_S", 1200.0)
-        self._step_timeout = _timeout_from_env("VLLM_SPEC_STEP_TIMEOUT_S", None)
+        tp = self.world_size
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True)
         gpu = config.model.device.type == "cuda"
@@ -112,17 +105,8 @@ class RayExecutor:
                 pass
         return None
 
-    def _fail(self, message: str) -> WorkerError:
-        logger.error("%s Stopping all tensor-parallel workers.", message)
-        self._error = WorkerError(message)
+    def _stop_workers(self) -> None:
         self._finalizer()
-        return self._error
-
-    def _check(self) -> None:
-        if self._error is not None:
-            raise WorkerError(f"the tensor-parallel workers are gone: {self._error}") from self._error
-        if self._closed:
-            raise WorkerError("the executor is shut down.")
 
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
         self._check()

@@ -1,0 +1,53 @@
+"""What the multi-process and Ray executors share: start-up/step timeouts and failing for good."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from vllm_spec.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker died or failed; the executor cannot run any more steps."""
+
+
+def _timeout_from_env(name: str, default: float | None) -> float | None:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return float(value) if float(value) > 0 else None
+
+
+class RankExecutor:
+    """Base of the executors that run one worker per tensor-parallel rank.
+
+    Timeouts (seconds; env overrides, 0 = none): VLLM_SPEC_WORKER_START_TIMEOUT_S (loading
+    and KV allocation, default 1200) and VLLM_SPEC_STEP_TIMEOUT_S (one step, default none: a
+    dead rank is noticed at once without it). After the first failure every call fails.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.world_size = config.parallel.tensor_parallel_size
+        self._error: WorkerError | None = None
+        self._closed = False
+        self._start_timeout = _timeout_from_env("VLLM_SPEC_WORKER_START_TIMEOUT_S", 1200.0)
+        self._step_timeout = _timeout_from_env("VLLM_SPEC_STEP_TIMEOUT_S", None)
+
+    def _stop_workers(self) -> None:
+        raise NotImplementedError
+
+    def _fail(self, message: str) -> WorkerError:
+        logger.error("%s Stopping all tensor-parallel workers.", message)
+        self._error = WorkerError(message)
+        self._stop_workers()
+        return self._error
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise WorkerError(f"the tensor-parallel workers are gone: {self._error}") from self._error
+        if self._closed:
+            raise WorkerError("the executor is shut down.")
