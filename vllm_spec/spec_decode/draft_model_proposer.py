@@ -51,7 +51,8 @@ class DraftModelProposer:
                 self.runner.forward(self.runner.prepare(catch_up))
             return Proposals(torch.empty(0, 0, dtype=torch.long), None, [])
         batch = self.runner.prepare(catch_up)
-        spec_rows = [fed.index(i) for i in spec]
+        row_in_batch = {i: r for r, i in enumerate(fed)}
+        spec_rows = [row_in_batch[i] for i in spec]
         dev = self.runner.device
         ends = batch.md.query_start_loc[1:][torch.tensor(spec_rows, device=dev)] - 1
         tokens, probs = self._sample(self.runner.run(batch, ends), md)

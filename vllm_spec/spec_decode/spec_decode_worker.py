@@ -121,7 +121,7 @@ class SpecDecodeWorker:
         proposals = self.proposer.propose(req.seqs, asked, draft_md)
         timer.mark()
         if spec_idx:
-            outputs, stats = self._score_and_verify(req, spec_idx, proposals)
+            outputs, stats = self._score_and_verify(req, spec_idx, proposals, draft_md)
         else:
             outputs = self.target.execute_model(req).outputs
             stats = SpecStepStats(0, 0, 0, [], 0.0, 0.0)
@@ -137,8 +137,8 @@ class SpecDecodeWorker:
     def _metadata(self, rows: list[SamplingRow], for_draft: bool = False) -> SamplingMetadata | None:
         return SamplingMetadata.build(rows, self.vocab_size, self.device, for_draft) if rows else None
 
-    def _score_and_verify(self, req: ExecuteModelRequest, spec_idx: list[int],
-                          proposals: Proposals) -> tuple[list[SeqOutput], SpecStepStats]:
+    def _score_and_verify(self, req: ExecuteModelRequest, spec_idx: list[int], proposals: Proposals,
+                          draft_md: SamplingMetadata) -> tuple[list[SeqOutput], SpecStepStats]:
         dev = self.device
         found = dict(zip(spec_idx, proposals.num_drafts))            # seq index -> drafts proposed
         spec_row = {i: r for r, i in enumerate(spec_idx)}             # seq index -> row in proposals
@@ -199,7 +199,9 @@ class SpecDecodeWorker:
         if draft_probs is not None:
             draft_probs[rows_of_spec] = proposals.probs[:, :k]
         num_drafts = torch.tensor([found.get(i, 0) for i in sampled], device=dev)
-        row_md = self._metadata([self.target.sampling_row(req.seqs[i]) for i in sampled], for_draft=True)
+        # The verifier's per-row metadata is the draft's when every sampled sequence speculated.
+        row_md = draft_md if spec_idx == sampled else self._metadata(
+            [self.target.sampling_row(req.seqs[i]) for i in sampled], for_draft=True)
         result = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, row_md,
                                   self.target.sampler.generator, self.config.speculative.synthetic_acceptance_rate)
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
