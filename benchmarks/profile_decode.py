@@ -1,12 +1,18 @@
-"""Where a decode step's GPU time goes: torch.profiler over a few steps of the 8B shape (random weights).
+"""Where a decode step's time goes, 8B shape with random weights.
 
-    python benchmarks/profile_decode.py --batch 1 [--draft 68m --k 4]
+    python benchmarks/profile_decode.py --batch 1 [--draft 68m --k 4] [--eager]   # torch.profiler table
+    python benchmarks/profile_decode.py --batch 16 --draft 68m --trace-steps 20   # per-step times, compiles
+
+--trace-steps prints every engine step's wall time and draft/verify times, and how
+many Triton kernels were compiled during the traced steps (a recompiling kernel in
+the steady state shows up there).
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -14,12 +20,58 @@ from benchmark_spec_decode import build, run_decode, write_config
 from torch.profiler import ProfilerActivity, profile
 
 
+def triton_compiled_kernels() -> int:
+    """Compiled variants over every Triton JIT function of the package (0 where Triton is absent)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return 0
+    import gc
+
+    total = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, JITFunction):
+            for entry in getattr(obj, "device_caches", {}).values():
+                total += len(entry[0])
+    return total
+
+
+def trace_steps(engine, batch: int, steps: int) -> None:
+    import random
+
+    from vllm_spec import SamplingParams
+
+    rng = random.Random(2)
+    params = SamplingParams(temperature=0, max_tokens=steps * 8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"t{i}", [rng.randrange(2, 128256) for _ in range(128)], params)
+    while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    spec = engine.spec_metrics
+    compiled = triton_compiled_kernels()
+    print(f"{'step':>4} {'wall ms':>8} {'draft ms':>8} {'verify ms':>9} {'compiled':>8}")
+    for n in range(steps):
+        d0, v0 = (spec.draft_time, spec.verify_time) if spec else (0.0, 0.0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+        d, v = ((spec.draft_time - d0) * 1e3, (spec.verify_time - v0) * 1e3) if spec else (0.0, 0.0)
+        now = triton_compiled_kernels()
+        print(f"{n:4d} {wall:8.3f} {d:8.3f} {v:9.3f} {now - compiled:8d}", flush=True)
+        compiled = now
+    engine.abort_request([f"t{i}" for i in range(batch)])
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--draft", default=None, choices=[None, "68m", "1b"])
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--acceptance", type=float, default=0.8)
     ap.add_argument("--eager", action="store_true", help="profile without CUDA graphs (per-kernel detail)")
+    ap.add_argument("--trace-steps", type=int, default=0, help="print per-step timings instead of a profile")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     target = write_config(tmp, "8b", 512)
@@ -31,12 +83,16 @@ def main() -> None:
             if runner is not None:
                 runner.cuda_graphs = False
     if draft:
-        engine.executor.worker.config.speculative.synthetic_acceptance_rate = 0.8
+        engine.executor.worker.config.speculative.synthetic_acceptance_rate = args.acceptance
     run_decode(engine, args.batch, 128, 16, seed=0)
+    if args.trace_steps:
+        trace_steps(engine, args.batch, args.trace_steps)
+        return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run_decode(engine, args.batch, 128, 24, seed=1)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
 
 
 if __name__ == "__main__":

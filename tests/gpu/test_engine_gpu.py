@@ -54,3 +54,16 @@ def test_bf16_default_runs(spec_pair):
     assert llm.llm_engine.config.model.dtype == torch.bfloat16
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_whole_proposal_graph(spec_pair, eager_reference, k):
+    # Draft == target: the graphed proposal must reproduce the target's own greedy choices
+    # (fp32; the graph's attention split plan may round differently, hence not exactly 1.0).
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=k,
+              speculative_policy="fixed", **KV)
+    assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == eager_reference
+    m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
+    assert m["vllm:spec_decode_acceptance_rate"] >= 0.99
+    loop = llm.llm_engine.executor.worker.draft_proposer.loop
+    assert loop.use_graphs and len(loop.graphs) >= k, "the whole-proposal graphs were not captured"

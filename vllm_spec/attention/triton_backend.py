@@ -86,7 +86,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 # paged_attention
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
+# Arguments that vary from step to step are not specialised on (Triton otherwise compiles a
+# new variant when one happens to be 1 or a multiple of 16: a stall in the middle of serving).
+@triton.jit(do_not_specialize=["stride_bt", "window", "num_splits"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
@@ -173,7 +175,7 @@ def _paged_attn_kernel(
                      out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_splits,
                     H: tl.constexpr, D: tl.constexpr, SPLITS_P: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)

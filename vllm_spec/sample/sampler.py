@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_spec.sample.metadata import SamplingMetadata
+from vllm_spec.sample.argmax import argmax_rows
 
 
 @dataclass
@@ -86,12 +87,12 @@ def exponential_noise(shape: tuple[int, ...], md: SamplingMetadata, device: torc
 
 def sample_from_logits(logits: torch.Tensor, md: SamplingMetadata,
                        generator: torch.Generator | None) -> torch.Tensor:
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = argmax_rows(logits)
     if md.all_greedy:
         return greedy_tokens
     probs = logits.softmax(dim=-1)
     noise = exponential_noise(tuple(probs.shape), md, probs.device, generator)
-    random_tokens = (probs / noise).argmax(dim=-1)
+    random_tokens = argmax_rows(probs / noise)
     return torch.where(md.greedy, greedy_tokens, random_tokens)
 
 

@@ -4,19 +4,25 @@ One call proposes k tokens for the whole batch. The first forward feeds every
 token the draft has not seen yet (prefill chunks, and for decoding sequences the
 1-2 tokens the last verification added: no special case); the next k-1 forwards
 feed one draft token per sequence, with positions, lengths and slots advanced
-on the device. Nothing goes back to the host in between.
+on the device. Nothing goes back to the host in between. A greedy decoding
+batch (the steady state) runs all of it as one device program: `GreedyDraftLoop`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_spec.attention.metadata import AttentionMetadata, compute_slot_mapping
+import numpy as np
+
+from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata, compute_slot_mapping
+from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.sample.metadata import SamplingMetadata
 from vllm_spec.sample.sampler import apply_top_k_top_p_min_p, exponential_noise
+from vllm_spec.spec_decode.draft_loop import GreedyDraftLoop
 from vllm_spec.spec_decode.proposer import Proposals, tokens_from
 from vllm_spec.worker.batch import SeqInput
-from vllm_spec.worker.model_runner import ModelRunner
+from vllm_spec.worker.cuda_graph import BATCH_BUCKETS
+from vllm_spec.worker.model_runner import ModelRunner, to_device_aligned
 
 
 class DraftModelProposer:
@@ -27,6 +33,12 @@ class DraftModelProposer:
         self.generator = generator
         self._computed: dict[int, int] = {}   # seq_id -> leading positions with valid draft K/V
         self._fed: dict[int, int] = {}        # seq_id -> draft tokens fed back in the last proposal
+        self.loop = GreedyDraftLoop(runner.model, runner.max_blocks_per_seq, runner.block_size,
+                                    runner.max_model_len, use_graphs=runner.cuda_graphs)
+
+    def capture_graphs(self, max_k: int, max_batch: int) -> None:
+        """Capture the whole-proposal graphs up front, so no step pays for a capture."""
+        self.loop.capture(max_k, max_batch)
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
@@ -42,6 +54,9 @@ class DraftModelProposer:
         spec = [i for i, n in enumerate(num_drafts) if n > 0]
         fed = [i for i, s in enumerate(seqs) if num_drafts[i] > 0 or not s.sample or len(s.token_ids) > 1]
         k = max(num_drafts, default=0)
+        if spec and md.all_greedy and fed == spec and len(spec) <= BATCH_BUCKETS[-1] and all(
+                2 <= seqs[i].seq_len and seqs[i].seq_len - self._start(seqs[i]) <= 2 for i in spec):
+            return self._propose_in_loop([seqs[i] for i in spec], [num_drafts[i] for i in spec], k)
         catch_up = [SeqInput(seqs[i].seq_id, tokens_from(seqs[i], self._start(seqs[i])), self._start(seqs[i]),
                              seqs[i].block_table, sample=False) for i in fed]
         for s in catch_up:
@@ -83,6 +98,25 @@ class DraftModelProposer:
         stacked = None if md.all_greedy else torch.stack(all_probs, dim=1)
         return Proposals(token_ids, stacked, [num_drafts[i] for i in spec])
 
+    def _propose_in_loop(self, seqs: list[SeqInput], num_drafts: list[int], k: int) -> Proposals:
+        """Every row feeds its last two tokens (see draft_loop); one device program proposes all."""
+        B = len(seqs)
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.full((B, width), NULL_BLOCK, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        lens = np.fromiter((s.seq_len for s in seqs), dtype=np.int64, count=B)
+        limits = lens + np.asarray(num_drafts, dtype=np.int64) - 1
+        tokens = np.fromiter((t for s in seqs for t in tokens_from(s, s.seq_len - 2)), dtype=np.int64, count=2 * B)
+        tokens_t, first_t, limits_t, tables_t = to_device_aligned([tokens, lens - 2, limits, tables.ravel()],
+                                                                  self.runner.device)
+        drafts = self.loop(tokens_t.view(B, 2), first_t, limits_t, tables_t.view(B, width), k,
+                           max_seq_len=int(limits.max()) + 1)
+        for s, n in zip(seqs, num_drafts):
+            self._computed[s.seq_id] = s.seq_len + n - 1
+            self._fed[s.seq_id] = n - 1
+        return Proposals(drafts, None, num_drafts)
+
     def on_verified(self, seq_ids: list[int], num_drafts: list[int], num_accepted: list[int]) -> None:
         for sid, accepted in zip(seq_ids, num_accepted):
             # Of the drafts fed back into the model, only the accepted ones hold valid K/V.
@@ -92,12 +126,12 @@ class DraftModelProposer:
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         if md.all_greedy:
-            return logits.argmax(dim=-1), None
+            return argmax_rows(logits), None
         logits = apply_top_k_top_p_min_p(logits / md.temperature.unsqueeze(1), md)
         probs = logits.softmax(dim=-1)
         noise = exponential_noise(tuple(probs.shape), md, probs.device, self.generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(md.greedy, logits.argmax(dim=-1), sampled), probs
+        sampled = argmax_rows(probs / noise)
+        return torch.where(md.greedy, argmax_rows(logits), sampled), probs
 
     @staticmethod
     def _decode_metadata(block_tables: torch.Tensor, positions: torch.Tensor, max_seq_len: int,

@@ -39,6 +39,7 @@ class SpecDecodeWorker:
         self.device = self.target.device
         self.vocab_size = self.target.vocab_size
         self.draft_runner: ModelRunner | None = None
+        self.draft_proposer: DraftModelProposer | None = None   # on ranks of the draft's group
         self.proposer: Proposer
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min, self.device)
@@ -53,7 +54,8 @@ class SpecDecodeWorker:
                     draft.share_embeddings(self.target.runner.model)
                 self.draft_runner = ModelRunner(draft, self.device, config.cache.block_size,
                                                 config.model.max_model_len, cuda_graphs=not config.enforce_eager)
-                proposer = DraftModelProposer(self.draft_runner, self.target.sampler.generator)
+                proposer = self.draft_proposer = DraftModelProposer(self.draft_runner,
+                                                                    self.target.sampler.generator)
                 cost_ratio = _num_params(draft) / _num_params(self.target.runner.model)   # per-rank shards
             self.proposer = proposer
             if self.tp.world_size > 1:
@@ -79,6 +81,7 @@ class SpecDecodeWorker:
             self.draft_runner.allocate_kv_cache(num_blocks, self.config.model.dtype)
             # Draft steps (1 token) and the catch-up after a fully accepted step (2 tokens).
             self.draft_runner.capture_graphs([1, 2], max_batch)
+            self.draft_proposer.capture_graphs(self.config.speculative.num_speculative_tokens, max_batch)
 
     # Steps ------------------------------------------------------------------------------
     def num_drafts(self, req: ExecuteModelRequest) -> tuple[list[int], StepShape]:

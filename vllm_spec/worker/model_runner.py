@@ -41,6 +41,11 @@ class ModelRunner:
         self._graphs: dict[int, GraphedForward] = {}
         self._graph_pool = None
 
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Block-table width that fits the longest sequence plus its lookahead slots."""
+        return -(-(self.max_model_len + MAX_SPECULATIVE_TOKENS) // self.block_size)
+
     def kv_bytes_per_block(self, dtype: torch.dtype) -> int:
         attn = self.model.attention_layers()
         per_layer = 2 * self.block_size * attn[0].num_kv_heads * attn[0].head_dim
@@ -75,9 +80,8 @@ class ModelRunner:
         slots = compute_slot_mapping(torch.from_numpy(tables), torch.from_numpy(req_idx),
                                      torch.from_numpy(positions), self.block_size).numpy()
         tokens = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=T)
-        host = np.concatenate([tokens, positions, slots, qsl, starts + q_lens, tables.ravel()])
-        dev = torch.from_numpy(host).to(self.device, non_blocking=True)
-        input_ids, pos_t, slot_t, qsl_t, lens_t, tables_t = dev.split([T, T, T, B + 1, B, B * width])
+        input_ids, pos_t, slot_t, qsl_t, lens_t, tables_t = to_device_aligned(
+            [tokens, positions, slots, qsl, starts + q_lens, tables.ravel()], self.device)
         md = AttentionMetadata(
             query_start_loc=qsl_t, seq_lens=lens_t, block_tables=tables_t.view(B, width), slot_mapping=slot_t,
             max_query_len=int(q_lens.max()), max_seq_len=int((starts + q_lens).max()), block_size=self.block_size,
@@ -100,8 +104,7 @@ class ModelRunner:
         if q_len not in self._graphs:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            max_blocks = -(-(self.max_model_len + MAX_SPECULATIVE_TOKENS) // self.block_size)
-            self._graphs[q_len] = GraphedForward(self.model, q_len, max_blocks, self.block_size,
+            self._graphs[q_len] = GraphedForward(self.model, q_len, self.max_blocks_per_seq, self.block_size,
                                                  self.max_model_len, self._graph_pool)
         return self._graphs[q_len]
 
@@ -120,3 +123,21 @@ class ModelRunner:
             graph = self.graph_for(q, 1)
             if graph is not None:
                 graph.capture(max_batch)
+
+
+# Each view starts on a 64-byte boundary: Triton specialises kernels on pointer alignment, so
+# views whose alignment followed the batch's token count would compile new variants mid-serving.
+_ALIGN = 8
+
+
+def to_device_aligned(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 host arrays -> device views of one buffer sent in a single copy, each view aligned."""
+    offsets, total = [], 0
+    for a in parts:
+        offsets.append(total)
+        total += -(-len(a) // _ALIGN) * _ALIGN
+    host = np.zeros(max(total, 1), dtype=np.int64)
+    for off, a in zip(offsets, parts):
+        host[off: off + len(a)] = a
+    dev = torch.from_numpy(host).to(device, non_blocking=True)
+    return [dev[off: off + len(a)] for off, a in zip(offsets, parts)]

@@ -1,0 +1,118 @@
+"""The whole greedy proposal of a decoding batch as ONE device program (one CUDA graph).
+
+In the steady state every speculating sequence feeds the draft one or two tokens
+(the target's correction, or the last draft and the bonus token after a fully
+accepted step). Rows that feed one are front-padded with the token before it,
+whose K/V the draft already holds (recomputing it rewrites the same values), so
+every row feeds exactly two: then the catch-up forward, the K-1 one-token draft
+steps, the LM heads, the argmaxes and the advance of positions and slots all
+run on the device from a handful of static buffers. The host writes those
+buffers once, replays one graph per (K, batch bucket) and reads nothing back.
+Without CUDA graphs (CPU, enforce_eager) the same code runs eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata, compute_slot_mapping
+from vllm_spec.model.llama import LlamaForCausalLM
+from vllm_spec.sample.argmax import argmax_rows
+from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for
+
+
+class GreedyDraftLoop:
+    """Greedy drafts [B, K] for decoding rows that feed the draft their last two tokens."""
+
+    def __init__(self, model: LlamaForCausalLM, max_blocks: int, block_size: int, max_model_len: int,
+                 use_graphs: bool, pool=None):
+        self.model, self.block_size, self.max_model_len = model, block_size, max_model_len
+        # A draft sharded over ranks gathers its logits: a collective kept out of graphs.
+        self.use_graphs = use_graphs and model.lm_head.tp.world_size == 1
+        dev = next(model.parameters()).device
+        n = BATCH_BUCKETS[-1]
+        long = dict(dtype=torch.long, device=dev)
+        self.tokens = torch.zeros((n, 2), **long)        # [t_{p-1}, t_p] per row
+        self.first_pos = torch.zeros(n, **long)           # p - 1
+        self.limits = torch.zeros(n, **long)              # last position a row's draft steps may write
+        self.block_tables = torch.full((n, max_blocks), NULL_BLOCK, **long)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}   # each graph's drafts, in its pool
+        self.pool = pool
+
+    def _metadata(self, positions: torch.Tensor, q_len: int, batch: int,
+                  max_seq_len: int) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Rows of q_len tokens ending at `positions` (the last token of each row); and their positions."""
+        dev = positions.device
+        rows = torch.arange(batch, device=dev).repeat_interleave(q_len)
+        tok_pos = (positions.unsqueeze(1) - q_len + 1 + torch.arange(q_len, device=dev)).reshape(-1)
+        tables = self.block_tables[:batch]
+        return AttentionMetadata(
+            query_start_loc=torch.arange(batch + 1, device=dev) * q_len, seq_lens=positions + 1,
+            block_tables=tables, slot_mapping=compute_slot_mapping(tables, rows, tok_pos, self.block_size),
+            max_query_len=q_len, max_seq_len=max_seq_len, block_size=self.block_size,
+        ), tok_pos
+
+    def _run(self, batch: int, k: int, max_seq_len: int) -> torch.Tensor:
+        """The device program over the first `batch` rows of the static buffers: drafts [batch, k]."""
+        last = self.first_pos[:batch] + 1
+        md, pos2 = self._metadata(last, 2, batch, max_seq_len)
+        hidden = self.model(self.tokens[:batch].reshape(-1), pos2, md)
+        token = argmax_rows(self.model.compute_logits(hidden[1::2]))
+        drafts = [token]
+        positions, limits = last, self.limits[:batch]
+        for _ in range(k - 1):
+            positions = torch.minimum(positions + 1, limits)
+            md, _ = self._metadata(positions, 1, batch, max_seq_len)
+            token = argmax_rows(self.model.compute_logits(self.model(token, positions, md)))
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
+
+    def _capture(self, batch: int, k: int) -> torch.cuda.CUDAGraph:
+        self._pad(0, batch)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: autotuning and lazy initialisation stay out of the graph
+                self._run(batch, k, self.max_model_len)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            drafts = self._run(batch, k, self.max_model_len)
+        self.pool = graph.pool()
+        self.outputs[(batch, k)] = drafts
+        return graph
+
+    def _pad(self, start: int, stop: int) -> None:
+        """Rows [start, stop) feed token 0 at positions 0, 1 of the null block."""
+        self.tokens[start:stop] = 0
+        self.first_pos[start:stop] = 0
+        self.limits[start:stop] = 1
+        self.block_tables[start:stop] = NULL_BLOCK
+
+    @torch.inference_mode()
+    def capture(self, max_k: int, max_batch: int) -> None:
+        """Graphs for every K <= max_k and batch bucket <= max_batch, largest first (pool reuse)."""
+        if not self.use_graphs:
+            return
+        for bucket in sorted((b for b in BATCH_BUCKETS if b <= bucket_for(max_batch)), reverse=True):
+            for k in range(max_k, 0, -1):
+                if (bucket, k) not in self.graphs:
+                    self.graphs[(bucket, k)] = self._capture(bucket, k)
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor, first_pos: torch.Tensor, limits: torch.Tensor,
+                 block_tables: torch.Tensor, k: int, max_seq_len: int) -> torch.Tensor:
+        """tokens [B, 2] at positions first_pos, first_pos + 1; drafts [B, k] (greedy)."""
+        batch = tokens.shape[0]
+        self.tokens[:batch].copy_(tokens)
+        self.first_pos[:batch].copy_(first_pos)
+        self.limits[:batch].copy_(limits)
+        self.block_tables[:batch, : block_tables.shape[1]].copy_(block_tables)
+        bucket = bucket_for(batch)
+        if not self.use_graphs or (bucket, k) not in self.graphs:
+            return self._run(batch, k, max_seq_len)
+        if bucket > batch:
+            self._pad(batch, bucket)
+        self.graphs[(bucket, k)].replay()
+        return self.outputs[(bucket, k)][:batch].clone()
