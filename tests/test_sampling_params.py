@@ -27,7 +27,7 @@ INVALID = [
     ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0), ("logprobs", True), ("logprobs", "5"),
     ("stop", ""), ("stop", [""]), ("stop", ["ok", ""]), ("stop", [1]), ("stop", 5), ("stop", [None]),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("stop_token_ids", [1.5]), ("stop_token_ids", [True]),
-    ("stop_token_ids", 5),
+    ("stop_token_ids", 5), ("extra_args", [("synthetic_acceptance_rate", 0.5)]), ("extra_args", "x"),
 ]
 
 
@@ -50,6 +50,8 @@ VALID = [
     {"seed": 0}, {"seed": -3}, {"max_tokens": None}, {"max_tokens": 1}, {"min_tokens": 16},
     {"logprobs": 0}, {"logprobs": 20}, {"stop": "x"}, {"stop": ["a", "bc"]}, {"stop": ("a",)},
     {"stop_token_ids": [0, 5]}, {"max_tokens": None, "min_tokens": 1000},
+    {"extra_args": {"plugin": [1, 2]}}, {"extra_args": {"synthetic_acceptance_rate": 0}},
+    {"extra_args": {"synthetic_acceptance_rate": 1.0}},
 ]
 
 
@@ -63,6 +65,22 @@ def test_valid_values_accepted(kwargs):
             assert p.top_k == (0 if value == -1 else value)
         elif key not in ("top_p", "min_p") or p.temperature != 0:
             assert getattr(p, key) == value
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.01, math.nan, math.inf, "0.5", True])
+def test_invalid_synthetic_acceptance_rate_names_the_key_and_range(rate):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(extra_args={"synthetic_acceptance_rate": rate})
+    assert 'extra_args["synthetic_acceptance_rate"]' in str(e.value) and "[0, 1]" in str(e.value)
+
+
+def test_extra_args_pass_through():
+    args = {"synthetic_acceptance_rate": 0.25, "plugin": {"x": 1}}
+    p = SamplingParams(extra_args=args)
+    assert p.extra_args == args and p.synthetic_acceptance_rate == 0.25
+    assert p.clone().extra_args == args and p.for_child(1).synthetic_acceptance_rate == 0.25
+    assert SamplingParams().synthetic_acceptance_rate is None
+    assert SamplingParams(extra_args={"plugin": 1}).synthetic_acceptance_rate is None
 
 
 def test_normalisation():

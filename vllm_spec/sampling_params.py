@@ -42,6 +42,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # Free-form arguments for custom sampling code (vLLM's extra_args), passed through untouched.
+    # Recognised here: "synthetic_acceptance_rate" (benchmarks only), see synthetic_acceptance_rate.
+    extra_args: dict | None = None
     # Filled by the engine: the model's EOS ids, so min_tokens can mask them.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -100,6 +103,11 @@ class SamplingParams:
             all(is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids", "a list of non-negative integers", self.stop_token_ids,
         )
+        _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", "a dict or None",
+               self.extra_args)
+        rate = self.synthetic_acceptance_rate
+        _check(rate is None or (is_num(rate) and 0.0 <= rate <= 1.0),
+               'extra_args["synthetic_acceptance_rate"]', "a number in [0, 1]", rate)
 
     @property
     def is_greedy(self) -> bool:
@@ -112,6 +120,12 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def synthetic_acceptance_rate(self) -> float | None:
+        """Benchmarks only: speculative verification accepts each of this request's draft tokens
+        with this probability, whatever the models say (its output is then NOT the target's)."""
+        return (self.extra_args or {}).get("synthetic_acceptance_rate")
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)

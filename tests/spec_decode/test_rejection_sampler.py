@@ -129,3 +129,20 @@ def test_mixed_greedy_and_random_rows():
     out = rejection_sample(p.expand(2, k + 1, V).contiguous(), drafts, q.expand(2, k, V).contiguous(),
                            torch.tensor([k, k]), _md(params), torch.Generator().manual_seed(0))
     assert out.tokens[0].tolist() == greedy_draft.tolist() + [p[k].argmax().item()]
+
+
+def test_per_row_synthetic_acceptance_overrides_the_engine_rate():
+    V = 6
+    target = _one_hot([1, 2, 3, 4], V).unsqueeze(0).repeat(4, 1, 1)
+    drafts = torch.tensor([[5, 5, 5], [5, 5, 5], [5, 5, 5], [1, 2, 5]])   # the target would accept 0, 0, 0, 2
+    rates = [1.0, 0.0, None, None]
+    md = _md([SamplingParams(temperature=0, extra_args=None if r is None else {"synthetic_acceptance_rate": r})
+              for r in rates])
+    num_drafts = torch.tensor([3, 3, 3, 3])
+    out = rejection_sample(target, drafts, None, num_drafts, md)
+    assert out.num_accepted.tolist() == [3, 0, 0, 2]   # rows without a rate are verified for real
+    assert out.tokens[0].tolist() == [5, 5, 5, 4]
+    out = rejection_sample(target, drafts, None, num_drafts, md, synthetic_acceptance_rate=1.0)
+    assert out.num_accepted.tolist() == [3, 0, 3, 3]   # the engine-wide rate fills in for them
+    assert rejection_sample(target, drafts, None, num_drafts, _md([SamplingParams(temperature=0)] * 4),
+                            synthetic_acceptance_rate=0.0).num_accepted.tolist() == [0, 0, 0, 0]

@@ -273,3 +273,26 @@ def test_greedy_equality_with_different_k_per_sequence(spec_pair, greedy_referen
     assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
     m = _metrics(llm)
     assert m["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_per_request_synthetic_acceptance_in_one_batch(spec_pair, baseline):
+    """extra_args synthetic_acceptance_rate 1.0 keeps every draft, 0.0 none, side by side in one batch."""
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **FIXED, **KV)
+    engine = llm.llm_engine
+    prompts = _prompts(2, seed=6)
+    for (rid, rate), prompt in zip((("all", 1.0), ("none", 0.0)), prompts):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=21, ignore_eos=True,
+                                                       extra_args={"synthetic_acceptance_rate": rate}))
+    growth, tokens = {"all": [], "none": []}, {"all": [], "none": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ids = out.outputs[0].token_ids
+            growth[out.request_id].append(len(ids) - len(tokens[out.request_id]))
+            tokens[out.request_id] = list(ids)
+    assert growth["all"] == [1, 5, 5, 5, 5]            # prefill, then 4 drafts + 1 token per step
+    assert growth["none"] == [1] * 21
+    m = _metrics(llm)
+    assert m["vllm:spec_decode_num_accepted_tokens"] == 16
+    # Rejecting every draft emits the target's own greedy tokens.
+    assert tokens["none"] == _ids(baseline.generate(prompts[1:], SamplingParams(temperature=0, max_tokens=21,
+                                                                             ignore_eos=True), use_tqdm=False))[0]

@@ -46,6 +46,9 @@ class SamplingMetadata:
     banned_tokens: torch.Tensor | None
     generators: dict[int, torch.Generator]
     max_num_logprobs: int | None
+    # Benchmarks only: [N] per-row probability of accepting each draft token (extra_args
+    # "synthetic_acceptance_rate"), NaN on rows without one (they keep the engine-wide rate, if any).
+    synthetic_acceptance: torch.Tensor | None = None
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device,
@@ -71,6 +74,7 @@ class SamplingMetadata:
                 banned_r += [i] * len(ids)
                 banned_t += ids
         logprobs = [p.logprobs for p in ps if p.logprobs is not None]
+        rates = [p.synthetic_acceptance_rate for p in ps]
         return cls(
             temperature=temperature,
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
@@ -82,6 +86,8 @@ class SamplingMetadata:
             banned_tokens=torch.tensor(banned_t, dtype=torch.long, device=device) if banned_t else None,
             generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None},
             max_num_logprobs=max(logprobs) if logprobs else None,
+            synthetic_acceptance=(torch.tensor([float("nan") if r is None else r for r in rates], **f32)
+                                  if any(r is not None for r in rates) else None),
         )
 
 

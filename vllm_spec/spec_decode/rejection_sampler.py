@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.sample.metadata import SamplingMetadata
 from vllm_spec.sample.sampler import exponential_noise
 
@@ -31,6 +32,16 @@ def _uniform(shape: tuple[int, ...], md: SamplingMetadata, device: torch.device,
     for row, gen in md.generators.items():
         u[row] = torch.rand(shape[1:], device=device, generator=gen)
     return u
+
+
+def _synthetic_rates(md: SamplingMetadata, engine_rate: float | None, B: int,
+                     device: torch.device) -> torch.Tensor | None:
+    """[B] synthetic acceptance per row: the row's own, else the engine-wide one; NaN: verify for real."""
+    if engine_rate is None:
+        return md.synthetic_acceptance
+    if md.synthetic_acceptance is None:
+        return torch.full((B,), engine_rate, device=device)
+    return md.synthetic_acceptance.nan_to_num(nan=engine_rate)
 
 
 def rejection_sample(
@@ -52,14 +63,15 @@ def rejection_sample(
     num_drafts: [B] drafts per row (0..k).
     md: per-row sampling metadata (greedy mask, per-row generators), rows = B.
     synthetic_acceptance_rate: benchmarks only; accept each draft with this probability
-        (the output is then NOT the target's distribution).
+        (the output is then NOT the target's distribution). Rows with their own rate
+        (md.synthetic_acceptance) use theirs.
     """
     B, k1, _ = target_probs.shape
     k = k1 - 1
     device = target_probs.device
     pos = torch.arange(k, device=device).unsqueeze(0)
     in_range = pos < num_drafts.unsqueeze(1)                                   # [B, k]
-    target_argmax = target_probs.argmax(dim=-1)                                # [B, k+1]
+    target_argmax = argmax_rows(target_probs.reshape(B * k1, -1)).view(B, k1)    # [B, k+1]
     safe_drafts = draft_tokens.clamp(min=0)
     accept = target_argmax[:, :k] == safe_drafts
     if not md.all_greedy:
@@ -69,8 +81,10 @@ def rejection_sample(
         u = _uniform((B, k), md, device, generator)
         accept_random = u * q <= p
         accept = torch.where(md.greedy.unsqueeze(1), accept, accept_random)
-    if synthetic_acceptance_rate is not None:
-        accept = torch.rand((B, k), device=device, generator=generator) < synthetic_acceptance_rate
+    rates = _synthetic_rates(md, synthetic_acceptance_rate, B, device)
+    if rates is not None:
+        synthetic = torch.rand((B, k), device=device, generator=generator) < rates.unsqueeze(1)
+        accept = torch.where(rates.isnan().unsqueeze(1), accept, synthetic)
     accept &= in_range
     num_accepted = accept.int().cumprod(dim=1).sum(dim=1)                      # [B]
 
@@ -89,7 +103,7 @@ def rejection_sample(
         empty = residual.sum(dim=-1, keepdim=True) <= 0
         residual = torch.where(empty, target_probs, residual)
         noise = exponential_noise(tuple(residual.shape), md, device, generator)
-        sampled = (residual / noise).argmax(dim=-1)
+        sampled = argmax_rows((residual / noise).reshape(B * k1, -1)).view(B, k1)
         final = torch.where(md.greedy.unsqueeze(1), target_argmax, sampled)
     emitted_final = final.gather(1, num_accepted.long().unsqueeze(1))         # [B, 1]
     tokens = torch.full((B, k1), -1, dtype=torch.long, device=device)
