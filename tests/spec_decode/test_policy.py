@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from vllm_spec.spec_decode.policy import AdaptivePolicy, FixedPolicy, StepShape
+import pytest
+
+from vllm_spec.spec_decode.policy import AdaptivePolicy, BatchSizeTablePolicy, FixedPolicy, StepShape
 from vllm_spec.worker.batch import SpecStepStats
 
 
@@ -62,3 +64,27 @@ def test_policy_explores_after_a_long_pause():
     shape = StepShape([1, 2], [4, 4], 0)
     choices = [max(policy.choose(shape)) for _ in range(20)]
     assert 0 < sum(1 for c in choices if c > 0) <= 2
+
+
+TABLE = [(4, 4), (16, 3), (64, 2), (128, 1)]
+
+
+@pytest.mark.parametrize("batch, k", [(1, 4), (4, 4), (5, 3), (16, 3), (17, 2), (64, 2), (65, 1), (128, 1),
+                                      (129, 0), (256, 0)])
+def test_batch_size_table_picks_the_smallest_bound(batch, k):
+    policy = BatchSizeTablePolicy(list(reversed(TABLE)))  # order of the pairs does not matter
+    assert policy.choose(StepShape(list(range(batch)), [8] * batch, 0)) == [k] * batch
+    assert policy.estimates().mean_k == k
+
+
+def test_batch_size_table_respects_caps_and_empty_steps():
+    policy = BatchSizeTablePolicy(TABLE)
+    assert policy.choose(StepShape([1, 2, 3], [4, 2, 0], 5)) == [4, 2, 0]
+    assert policy.choose(StepShape([], [], 7)) == []
+    assert policy.estimates().mean_k == 0.0
+
+
+@pytest.mark.parametrize("table", [[], [(0, 2)], [(4, -1)], [(4, 2), (4, 1)]])
+def test_batch_size_table_rejects_bad_tables(table):
+    with pytest.raises(ValueError, match="table"):
+        BatchSizeTablePolicy(table)

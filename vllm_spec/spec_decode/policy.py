@@ -9,7 +9,8 @@ with a_i an online estimate of the sequence's per-token acceptance (a shrunk
 towards a global estimate), K = max_i k_i draft forwards, and Q the target's
 query tokens. Both times come from a cost model fitted online to the measured
 step times. k = 0 for everyone is always a candidate, so speculation is only
-used when it is expected to pay.
+used when it is expected to pay. BatchSizeTablePolicy (a static table of k per
+batch size, the usual hand-tuned heuristic) is what benchmarks compare it with.
 """
 
 from __future__ import annotations
@@ -44,15 +45,18 @@ class SpeculationPolicy(Protocol):
     def estimates(self) -> PolicyEstimates: ...
 
 
-class FixedPolicy:
-    """k = num_speculative_tokens for every decoding sequence (vLLM's behaviour)."""
+class _StaticPolicy:
+    """A k that depends on the step's shape alone, capped per sequence; nothing is learned."""
 
-    def __init__(self, k: int):
-        self.k = k
+    def __init__(self) -> None:
         self.last_mean_k = 0.0
 
+    def k_for(self, shape: StepShape) -> int:
+        raise NotImplementedError
+
     def choose(self, shape: StepShape) -> list[int]:
-        chosen = [min(self.k, cap) for cap in shape.caps]
+        k = self.k_for(shape)
+        chosen = [min(k, cap) for cap in shape.caps]
         self.last_mean_k = float(np.mean(chosen)) if chosen else 0.0
         return chosen
 
@@ -64,6 +68,37 @@ class FixedPolicy:
 
     def estimates(self) -> PolicyEstimates:
         return PolicyEstimates(self.last_mean_k)
+
+
+class FixedPolicy(_StaticPolicy):
+    """k = num_speculative_tokens for every decoding sequence (vLLM's behaviour)."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def k_for(self, shape: StepShape) -> int:
+        return self.k
+
+
+class BatchSizeTablePolicy(_StaticPolicy):
+    """k from a static table of batch-size bounds: the hand-tuned alternative to AdaptivePolicy.
+
+    table: (max_batch, k) pairs; a step whose speculating decoding sequences number at most
+    max_batch drafts k (the smallest such bound wins), and k = 0 above the largest bound,
+    e.g. [(4, 4), (16, 3), (64, 2), (128, 1)].
+    """
+
+    def __init__(self, table: list[tuple[int, int]]):
+        super().__init__()
+        bounds = [n for n, _ in table]
+        if not table or len(set(bounds)) != len(bounds) or any(n < 1 or k < 0 for n, k in table):
+            raise ValueError(f"table must be (max_batch >= 1, k >= 0) pairs with distinct bounds, got {table!r}.")
+        self.table = sorted(table)
+
+    def k_for(self, shape: StepShape) -> int:
+        n = len(shape.seq_ids)
+        return next((k for bound, k in self.table if n <= bound), 0)
 
 
 class _LinearFit:
