@@ -42,10 +42,11 @@ SHAPES = {
 VOCAB = 128256
 
 
-def write_config(folder: Path, shape: str, max_len: int) -> str:
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, rms_norm_eps=1e-5, rope_theta=500000.0,
+def write_config(folder: Path, shape: str, max_len: int, vocab: int = VOCAB, dims: dict | None = None) -> str:
+    """config.json of a Llama of the named shape (or of `dims`) in folder/shape."""
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=500000.0,
                max_position_embeddings=max_len, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
-               torch_dtype="bfloat16", **SHAPES[shape])
+               torch_dtype="bfloat16", **(dims or SHAPES[shape]))
     path = folder / shape
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg))
@@ -86,20 +87,31 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 20 / (start.elapsed_time(end) / 1e3)
 
 
+def sync() -> None:
+    """Wait for the device (no-op on CPU), so wall-clock times cover the work."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def metric(engine: LLMEngine, name: str) -> float:
     m = next((m for m in engine.get_metrics() if m.name == name), None)
     return 0.0 if m is None else float(getattr(m, "value"))
 
 
-def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_len: int, seed: int) -> dict:
-    """Time the decode phase: from the step after every prompt is prefilled to the end."""
+def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_len: int, seed: int,
+               extra_args: list[dict | None] | None = None, vocab: int = VOCAB) -> dict:
+    """Time the decode phase: from the step after every prompt is prefilled to the end.
+
+    extra_args: per request (SamplingParams.extra_args), e.g. a synthetic acceptance rate each.
+    """
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"r{seed}-{i}", [rng.randrange(2, VOCAB) for _ in range(prompt_len)], params)
+        params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True,
+                                extra_args=extra_args[i] if extra_args else None)
+        engine.add_request(f"r{seed}-{i}", [rng.randrange(2, vocab) for _ in range(prompt_len)], params)
     while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    torch.cuda.synchronize()
+    sync()
     before = {n: metric(engine, n) for n in (
         "vllm:engine_steps", "vllm:engine_host_schedule_seconds", "vllm:engine_host_output_seconds",
         "vllm:generation_tokens", "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
@@ -108,7 +120,7 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_len: int, see
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-    torch.cuda.synchronize()
+    sync()
     elapsed = time.perf_counter() - t0
     delta = {n: metric(engine, n) - v for n, v in before.items()}
     steps = max(delta["vllm:engine_steps"], 1)
@@ -137,13 +149,14 @@ def floor_ms(engine: LLMEngine, batch: int, context: int, bandwidth: float) -> f
     return (weight_bytes + kv_bytes) / bandwidth * 1e3
 
 
-def build(target: str, draft: str | None, k: int, max_len: int, max_seqs: int) -> LLMEngine:
+def build(target: str, draft: str | None, k: int, max_len: int, max_seqs: int, **overrides) -> LLMEngine:
+    """A dummy-weight engine, speculative with fixed k when draft is given; overrides: other EngineArgs."""
     spec = dict(speculative_config={"model": draft, "num_speculative_tokens": k, "policy": "fixed",
                                     "synthetic_acceptance_rate": 0.0}) if draft else {}
-    args = EngineArgs(model=target, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-                      max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=8192,
-                      gpu_memory_utilization=0.85, **spec)
-    return LLMEngine.from_engine_args(args)
+    args = dict(model=target, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=8192,
+                gpu_memory_utilization=0.85, **spec)
+    return LLMEngine.from_engine_args(EngineArgs(**{**args, **overrides}))
 
 
 def hf_generate(target_dir: str, batch: int, prompt_len: int, gen_len: int) -> float:

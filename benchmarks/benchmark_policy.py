@@ -1,0 +1,217 @@
+"""Dynamic speculation (issue #7): which k policy gives the most tokens/s at each batch size.
+
+8B-shape target with random weights (load_format="dummy"), bf16, draft shapes 68m and 1b. For
+each draft, synthetic acceptance A (the verifier accepts each draft token with probability A;
+both models still run their real forward passes) and batch size, in the same run: no
+speculation (a plain engine; measured once per batch size, its work depends on neither the
+draft nor A), fixed k=2, fixed k=4, a static batch-size table (TABLE) and the adaptive policy.
+The "mixed" workload gives half the requests A=0.9 and half A=0.3 (SamplingParams.extra_args
+synthetic_acceptance_rate), where per-sequence choices should pay. One speculative engine per
+draft (k=4); policies are swapped in place. Every policy gets the same warm-up run before each
+timed run; the adaptive policy is fresh per (draft, workload) and keeps what it learned across
+batch sizes. Reports decode tokens/s per policy, adaptive/plain and adaptive/best-fixed, writes
+JSON (--out) and a plot of tokens/s vs batch size (--plot), then prints the table.
+
+    PYTHONPATH=. python benchmarks/benchmark_policy.py --out policy.json --plot policy.png
+    PYTHONPATH=. python benchmarks/benchmark_policy.py --tiny --batch-sizes 1 4   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from benchmark_spec_decode import VOCAB, build, run_decode, write_config
+
+from vllm_spec import LLMEngine
+from vllm_spec.spec_decode.policy import AdaptivePolicy, BatchSizeTablePolicy, FixedPolicy
+
+MAX_K = 4
+TABLE = [(4, 4), (16, 3), (64, 2), (128, 1)]   # k for batches of at most N sequences, 0 above 128
+FIXED_KS = (2, 4)
+MIXED_RATES = (0.9, 0.3)
+POLICIES = ("plain", *(f"fixed-{k}" for k in FIXED_KS), "table", "adaptive")
+# --tiny: CPU-sized shapes under the same names, for a smoke test of the whole sweep.
+TINY_VOCAB = 512
+TINY_TARGET = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=128)
+TINY_SHAPES = {"8b": TINY_TARGET, "1b": {**TINY_TARGET, "num_hidden_layers": 1},
+               "68m": {**TINY_TARGET, "num_hidden_layers": 1, "intermediate_size": 32}}
+TINY_ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 26)
+
+
+@dataclass
+class Row:
+    """One timed decode run."""
+
+    draft: str | None      # None: the plain engine
+    workload: str | None   # "A=0.5", ..., "mixed"; None: the plain engine (it ignores acceptance)
+    batch: int
+    policy: str
+    tokens_per_s: float
+    ms_per_step: float
+    mean_accepted_length: float = 0.0
+
+
+@dataclass
+class Summary:
+    """The policies side by side for one (draft, workload, batch)."""
+
+    draft: str
+    workload: str
+    batch: int
+    tokens_per_s: dict[str, float]   # policy -> tokens/s, plain included
+    best_fixed: str
+    adaptive_over_plain: float
+    adaptive_over_best_fixed: float
+
+
+@dataclass
+class Sweep:
+    """What every run shares."""
+
+    batch_sizes: list[int]
+    prompt_len: int
+    gen_len: int
+    warmup_len: int
+    vocab: int
+
+    def measure(self, engine: LLMEngine, batch: int, extra_args: list[dict] | None = None) -> dict:
+        """The warm-up run every policy gets, then the timed run."""
+        run_decode(engine, batch, self.prompt_len, self.warmup_len, 0, extra_args, self.vocab)
+        return run_decode(engine, batch, self.prompt_len, self.gen_len, 1, extra_args, self.vocab)
+
+
+def plain_rows(sweep: Sweep, target: str, max_len: int, engine_kw: dict) -> list[Row]:
+    engine = build(target, None, 1, max_len, max(sweep.batch_sizes), **engine_kw)
+    rows = []
+    for b in sweep.batch_sizes:
+        r = sweep.measure(engine, b)
+        rows.append(Row(None, None, b, "plain", r["tokens_per_s"], r["ms_per_step"]))
+        print(asdict(rows[-1]), flush=True)
+    return rows
+
+
+def spec_rows(sweep: Sweep, target: str, draft_shape: str, draft: str, acceptance: list[float],
+              max_len: int, engine_kw: dict) -> list[Row]:
+    engine = build(target, draft, MAX_K, max_len, max(sweep.batch_sizes), **engine_kw)
+    worker = engine.executor.worker
+    # Start-up captures verification graphs for k = MAX_K only; the other k must not capture inside a timed run.
+    worker.target.runner.capture_graphs(list(range(2, MAX_K + 1)), max(sweep.batch_sizes))
+    cost_ratio = (sum(p.numel() for p in worker.draft_runner.model.parameters())
+                  / sum(p.numel() for p in worker.target.runner.model.parameters()))
+    rows = []
+    for name, rate in [(f"A={a}", a) for a in acceptance] + [("mixed", None)]:
+        worker.config.speculative.synthetic_acceptance_rate = rate
+        policies = {**{f"fixed-{k}": FixedPolicy(k) for k in FIXED_KS}, "table": BatchSizeTablePolicy(TABLE),
+                    "adaptive": AdaptivePolicy(MAX_K, draft_cost_ratio=cost_ratio)}
+        for b in sweep.batch_sizes:
+            # Mixed: every request brings its own rate; the engine-wide one (None) applies to nobody.
+            extra_args = [{"synthetic_acceptance_rate": MIXED_RATES[i % 2]} for i in range(b)] if rate is None else None
+            for policy_name, policy in policies.items():
+                worker.policy = policy
+                r = sweep.measure(engine, b, extra_args)
+                rows.append(Row(draft_shape, name, b, policy_name, r["tokens_per_s"], r["ms_per_step"],
+                                r["mean_accepted_length"]))
+                print(asdict(rows[-1]), flush=True)
+    return rows
+
+
+def summarise(rows: list[Row]) -> list[Summary]:
+    plain = {r.batch: r.tokens_per_s for r in rows if r.policy == "plain"}
+    groups: dict[tuple[str, str, int], dict[str, float]] = {}
+    for r in rows:
+        if r.draft is not None:
+            groups.setdefault((r.draft, r.workload, r.batch), {"plain": plain[r.batch]})[r.policy] = r.tokens_per_s
+    out = []
+    for (draft, workload, batch), tps in groups.items():
+        best = max((f"fixed-{k}" for k in FIXED_KS), key=tps.__getitem__)
+        out.append(Summary(draft, workload, batch, tps, best, tps["adaptive"] / tps["plain"],
+                           tps["adaptive"] / tps[best]))
+    return out
+
+
+def print_table(summary: list[Summary]) -> None:
+    print(f"\ntokens/s per policy (decode phase); ratios of the adaptive policy\n"
+          f"{'draft':5} {'workload':8} {'B':>4} " + " ".join(f"{p:>9}" for p in POLICIES)
+          + f" {'best fixed':>10} {'ad/plain':>8} {'ad/best':>8}")
+    for s in summary:
+        print(f"{s.draft:5} {s.workload:8} {s.batch:4d} " + " ".join(f"{s.tokens_per_s[p]:9.1f}" for p in POLICIES)
+              + f" {s.best_fixed:>10} {s.adaptive_over_plain:8.2f} {s.adaptive_over_best_fixed:8.2f}")
+
+
+def plot(summary: list[Summary], path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drafts = list(dict.fromkeys(s.draft for s in summary))
+    workloads = list(dict.fromkeys(s.workload for s in summary))
+    fig, axes = plt.subplots(len(drafts), len(workloads), figsize=(4 * len(workloads), 3.5 * len(drafts)),
+                             squeeze=False, sharex=True)
+    for ax, (draft, workload) in zip(axes.flat, [(d, w) for d in drafts for w in workloads]):
+        points = sorted((s.batch, s.tokens_per_s) for s in summary if (s.draft, s.workload) == (draft, workload))
+        for policy in POLICIES:
+            ax.plot([b for b, _ in points], [tps[policy] for _, tps in points], marker="o", label=policy)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set(title=f"draft {draft}, {workload}", xlabel="batch size", ylabel="tokens/s")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--drafts", nargs="+", default=["68m", "1b"], choices=["68m", "1b"])
+    ap.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.8])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--warmup-len", type=int, default=16, help="tokens per request of each warm-up run")
+    ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU, float32 (smoke test)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", default=None, help="PNG of tokens/s vs batch size per policy")
+    args = ap.parse_args(argv)
+
+    start = time.perf_counter()
+    sweep = Sweep(sorted(set(args.batch_sizes)), args.prompt_len, args.gen_len, args.warmup_len,
+                  TINY_VOCAB if args.tiny else VOCAB)
+    shapes = TINY_SHAPES if args.tiny else {}
+    engine_kw = TINY_ENGINE if args.tiny else {}
+    tmp = Path(tempfile.mkdtemp())
+    max_len = args.prompt_len + args.gen_len + 32
+    target = write_config(tmp, "8b", max_len, sweep.vocab, shapes.get("8b"))
+    rows = plain_rows(sweep, target, max_len, engine_kw)
+    for draft_shape in args.drafts:
+        gc.collect()   # the previous engine's memory, before the next one is built
+        torch.cuda.empty_cache()
+        draft = write_config(tmp, draft_shape, max_len, sweep.vocab, shapes.get(draft_shape))
+        rows += spec_rows(sweep, target, draft_shape, draft, args.acceptance, max_len, engine_kw)
+    summary = summarise(rows)
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu"
+    out = Path(args.out or f"benchmarks/results/policy_{time.strftime('%Y%m%d_%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(device=device, args=vars(args), table=TABLE, seconds=time.perf_counter() - start,
+                                   rows=[asdict(r) for r in rows], summary=[asdict(s) for s in summary]), indent=1))
+    print(f"wrote {out}")
+    if args.plot:
+        plot(summary, args.plot)
+    print(f"total {time.perf_counter() - start:.0f} s")
+    print_table(summary)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Smoke test of the issue #7 policy benchmark: the whole sweep on tiny CPU models."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_policy_benchmark_tiny_sweep(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import benchmark_policy as bench
+
+    out = tmp_path / "policy.json"
+    bench.main(["--tiny", "--batch-sizes", "1", "3", "--prompt-len", "8", "--gen-len", "8", "--warmup-len", "4",
+                "--out", str(out), "--plot", str(tmp_path / "policy.png")])
+    result = json.loads(out.read_text())
+    rows = {(r["draft"], r["workload"], r["batch"], r["policy"]) for r in result["rows"]}
+    plain = {(None, None, b, "plain") for b in (1, 3)}
+    workloads = ("A=0.5", "A=0.8", "mixed")
+    spec_policies = [p for p in bench.POLICIES if p != "plain"]
+    expected = {(d, w, b, p) for d in ("68m", "1b") for w in workloads for b in (1, 3) for p in spec_policies}
+    assert rows == plain | expected
+    assert all(r["tokens_per_s"] > 0 for r in result["rows"])
+    assert len(result["summary"]) == 2 * len(workloads) * 2
+    for s in result["summary"]:
+        assert set(s["tokens_per_s"]) == set(bench.POLICIES)
+        assert s["adaptive_over_plain"] > 0 and s["adaptive_over_best_fixed"] > 0
+    assert (tmp_path / "policy.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
