@@ -40,31 +40,35 @@ class GreedyDraftLoop:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}   # each graph's drafts, in its pool
         self.pool = pool
 
-    def _metadata(self, positions: torch.Tensor, q_len: int, batch: int,
-                  max_seq_len: int) -> tuple[AttentionMetadata, torch.Tensor]:
-        """Rows of q_len tokens ending at `positions` (the last token of each row); and their positions."""
-        dev = positions.device
-        rows = torch.arange(batch, device=dev).repeat_interleave(q_len)
-        tok_pos = (positions.unsqueeze(1) - q_len + 1 + torch.arange(q_len, device=dev)).reshape(-1)
-        tables = self.block_tables[:batch]
-        return AttentionMetadata(
-            query_start_loc=torch.arange(batch + 1, device=dev) * q_len, seq_lens=positions + 1,
-            block_tables=tables, slot_mapping=compute_slot_mapping(tables, rows, tok_pos, self.block_size),
-            max_query_len=q_len, max_seq_len=max_seq_len, block_size=self.block_size,
-        ), tok_pos
-
     def _run(self, batch: int, k: int, max_seq_len: int) -> torch.Tensor:
-        """The device program over the first `batch` rows of the static buffers: drafts [batch, k]."""
-        last = self.first_pos[:batch] + 1
-        md, pos2 = self._metadata(last, 2, batch, max_seq_len)
-        hidden = self.model(self.tokens[:batch].reshape(-1), pos2, md)
+        """The device program over the first `batch` rows of the static buffers: drafts [batch, k].
+
+        Every position the program feeds is known up front (p-1 and p, then one per draft
+        step, clamped to the row's limit), so slots and lengths are computed once, not per step.
+        """
+        dev = self.tokens.device
+        tables = self.block_tables[:batch]
+        steps = torch.arange(k + 1, device=dev)
+        rows = torch.arange(batch, device=dev)
+        positions = torch.minimum(self.first_pos[:batch, None] + steps, self.limits[:batch, None])   # [B, k+1]
+        slots = compute_slot_mapping(tables, rows[:, None], positions, self.block_size)
+        by_step = torch.stack([positions, slots], dim=0).transpose(1, 2).contiguous()    # [2, k+1, B]
+
+        def metadata(q_len: int, lens: torch.Tensor, slot_mapping: torch.Tensor) -> AttentionMetadata:
+            return AttentionMetadata(
+                query_start_loc=torch.arange(batch + 1, device=dev) * q_len, seq_lens=lens, block_tables=tables,
+                slot_mapping=slot_mapping, max_query_len=q_len, max_seq_len=max_seq_len,
+                block_size=self.block_size)
+
+        # Catch-up: [t_{p-1}, t_p] per row; the draft follows the row's last token.
+        md = metadata(2, positions[:, 1] + 1, slots[:, :2].reshape(-1))
+        hidden = self.model(self.tokens[:batch].reshape(-1), positions[:, :2].reshape(-1), md)
         token = argmax_rows(self.model.compute_logits(hidden[1::2]))
         drafts = [token]
-        positions, limits = last, self.limits[:batch]
-        for _ in range(k - 1):
-            positions = torch.minimum(positions + 1, limits)
-            md, _ = self._metadata(positions, 1, batch, max_seq_len)
-            token = argmax_rows(self.model.compute_logits(self.model(token, positions, md)))
+        lens = by_step[0] + 1
+        for j in range(2, k + 1):
+            md = metadata(1, lens[j], by_step[1, j])
+            token = argmax_rows(self.model.compute_logits(self.model(token, by_step[0, j], md)))
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 
