@@ -29,6 +29,7 @@ import torch
 
 from vllm_spec import LLMEngine, SamplingParams
 from vllm_spec.engine.arg_utils import EngineArgs
+from vllm_spec.sampling_params import RequestOutputKind
 from vllm_spec.spec_decode.policy import FixedPolicy
 
 SHAPES = {
@@ -106,7 +107,9 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_len: int, see
     """
     rng = random.Random(seed)
     for i in range(batch):
+        # FINAL_ONLY, as LLM.generate: no per-step outputs in the host time.
         params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY,
                                 extra_args=extra_args[i] if extra_args else None)
         engine.add_request(f"r{seed}-{i}", [rng.randrange(2, vocab) for _ in range(prompt_len)], params)
     while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:

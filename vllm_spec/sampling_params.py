@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import numbers
 from dataclasses import dataclass, field
 
@@ -13,6 +14,14 @@ SAMPLING_EPS = 1e-5
 def _check(ok: bool, name: str, allowed: str, value) -> None:
     if not ok:
         raise ValueError(f"{name} must be {allowed}, got {value!r}.")
+
+
+class RequestOutputKind(enum.Enum):
+    """What each engine step reports for a request (vLLM's names)."""
+
+    CUMULATIVE = 0   # everything generated so far, every step
+    DELTA = 1        # only what this step added
+    FINAL_ONLY = 2   # nothing until the request finishes
 
 
 @dataclass
@@ -42,6 +51,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Free-form arguments for custom sampling code (vLLM's extra_args), passed through untouched.
     # Recognised here: "synthetic_acceptance_rate" (benchmarks only), see synthetic_acceptance_rate.
     extra_args: dict | None = None
@@ -103,6 +113,8 @@ class SamplingParams:
             all(is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids", "a list of non-negative integers", self.stop_token_ids,
         )
+        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+               f"one of {[k.name for k in RequestOutputKind]}", self.output_kind)
         _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", "a dict or None",
                self.extra_args)
         rate = self.synthetic_acceptance_rate

@@ -84,7 +84,7 @@ class Scheduler:
         for seq in order:
             if budget <= 0:
                 break
-            if seq not in self.running:  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
             lookahead = self.num_lookahead_slots if n == seq.num_uncomputed_tokens else 0

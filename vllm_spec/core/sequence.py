@@ -24,13 +24,15 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                        SequenceStatus.FINISHED_ABORTED)
+        return self in _FINISH_REASONS
 
     @property
     def finish_reason(self) -> str | None:
-        return {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
-                SequenceStatus.FINISHED_ABORTED: "abort"}.get(self)
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
+                   SequenceStatus.FINISHED_ABORTED: "abort"}
 
 
 _seq_ids = itertools.count()
@@ -65,6 +67,9 @@ class Sequence:
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
+    # What the last DELTA output reported (tokens, characters).
+    num_reported_tokens: int = 0
+    num_reported_chars: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

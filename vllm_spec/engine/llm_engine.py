@@ -16,7 +16,7 @@ from vllm_spec.engine.stats import EngineStats
 from vllm_spec.executor import create_executor
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import CompletionOutput, RequestOutput
-from vllm_spec.sampling_params import SamplingParams
+from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
 from vllm_spec.tokenizer import get_tokenizer
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput
@@ -179,30 +179,36 @@ class LLMEngine:
             if seq.is_finished:
                 self._finish(seq, seq.status)
             touched[seq.request_id] = self.requests[seq.request_id]
-        outputs = [self._request_output(r) for r in touched.values()]
-        for output in outputs:
-            if output.finished:
-                request = self.requests.pop(output.request_id)
-                self.stats.on_finished(request, now)
+        outputs = []
+        for request in touched.values():
+            finished = request.is_finished
+            if finished or request.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._request_output(request, finished))
+            if finished:
+                self.stats.on_finished(self.requests.pop(request.request_id), now)
         t3 = time.perf_counter()
         self.stats.on_step(t3 - t0, t1 - t0, t3 - t2)
         return outputs
 
-    def _request_output(self, request: Request) -> RequestOutput:
-        completions = [
-            CompletionOutput(
+    @staticmethod
+    def _request_output(request: Request, finished: bool) -> RequestOutput:
+        delta = request.sampling_params.output_kind is RequestOutputKind.DELTA
+        completions = []
+        for seq in request.seqs:
+            tok, chars = (seq.num_reported_tokens, seq.num_reported_chars) if delta else (0, 0)
+            with_logprobs = seq.sampling_params.logprobs is not None
+            completions.append(CompletionOutput(
                 index=seq.index,
-                text=seq.output_text,
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob if seq.sampling_params.logprobs is not None else None,
-                logprobs=list(seq.output_logprobs) if seq.sampling_params.logprobs is not None else None,
+                text=seq.output_text[chars:],
+                token_ids=seq.output_token_ids[tok:],
+                cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
+                logprobs=seq.output_logprobs[tok:] if with_logprobs else None,
                 finish_reason=seq.status.finish_reason,
                 stop_reason=seq.stop_reason,
-            )
-            for seq in request.seqs
-        ]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.is_finished)
+            ))
+            if delta:
+                seq.num_reported_tokens, seq.num_reported_chars = seq.num_output_tokens, len(seq.output_text)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished)
 
     # Metrics ------------------------------------------------------------------------
     def get_metrics(self) -> list[Metric]:

@@ -12,7 +12,7 @@ from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.llm_engine import LLMEngine, PromptType
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
-from vllm_spec.sampling_params import SamplingParams
+from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -48,7 +48,8 @@ class LLM:
         try:
             for prompt, params in zip(prompt_list, params_list):
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, params)
+                # generate() returns finished requests only: no per-step outputs to build.
+                engine.add_request(rid, prompt, _final_only(params))
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)
@@ -104,3 +105,11 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single prompt given as token ids
     return prompts
+
+
+def _final_only(params):
+    if not isinstance(params, SamplingParams):
+        return params   # add_request names the bad type
+    params = params.clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
