@@ -102,8 +102,6 @@ def spec_rows(sweep: Sweep, target: str, draft_shape: str, draft: str, acceptanc
               max_len: int, engine_kw: dict) -> list[Row]:
     engine = build(target, draft, MAX_K, max_len, max(sweep.batch_sizes), **engine_kw)
     worker = engine.executor.worker
-    # Start-up captures verification graphs for k = MAX_K only; the other k must not capture inside a timed run.
-    worker.target.runner.capture_graphs(list(range(2, MAX_K + 1)), max(sweep.batch_sizes))
     cost_ratio = (sum(p.numel() for p in worker.draft_runner.model.parameters())
                   / sum(p.numel() for p in worker.target.runner.model.parameters()))
     rows = []

@@ -75,13 +75,14 @@ class SpecDecodeWorker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.target.init_kv_cache(num_blocks)
         max_batch = self.config.scheduler.max_num_seqs
-        # Plain decode, and verification when every sequence drafts the full k.
-        self.target.runner.capture_graphs([1, self.config.speculative.num_speculative_tokens + 1], max_batch)
+        # Plain decode, and verification of any k up to the configured one (the policy varies it).
+        k = self.config.speculative.num_speculative_tokens
+        self.target.runner.capture_graphs(list(range(1, k + 2)), max_batch)
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(num_blocks, self.config.model.dtype)
             # Draft steps (1 token) and the catch-up after a fully accepted step (2 tokens).
             self.draft_runner.capture_graphs([1, 2], max_batch)
-            self.draft_proposer.capture_graphs(self.config.speculative.num_speculative_tokens, max_batch)
+            self.draft_proposer.capture_graphs(k, max_batch)
 
     # Steps ------------------------------------------------------------------------------
     def num_drafts(self, req: ExecuteModelRequest) -> tuple[list[int], StepShape]:
