@@ -270,3 +270,24 @@ def test_layer_selects_triton_on_cuda():
     torch_backend.write_kv_cache(k, v, ref_k, ref_v, md.slot_mapping)
     assert torch.equal(layer.k_cache, ref_k) and torch.equal(layer.v_cache, ref_v)
     assert rel_err(out, reference(q, (ref_k, ref_v), md, D ** -0.5, None)) < 1e-2
+
+
+def _compiled(kernel) -> int:
+    return sum(len(entry[0]) for entry in kernel.device_caches.values())
+
+
+@pytest.mark.parametrize("H, KVH, D", [(32, 8, 128), (12, 12, 64), (14, 2, 64)])
+def test_warm_up_compiles_every_variant_serving_needs(H, KVH, D):
+    tb = _tb()
+    dtype = torch.bfloat16
+    cache = torch.zeros((64, 16, KVH, D), dtype=dtype, device=DEVICE)
+    tb.warm_up(H, cache, cache, D ** -0.5, None, dtype)
+    before = _compiled(tb._paged_attn_kernel) + _compiled(tb._combine_kernel)
+    rng = random.Random(0)
+    for seed in range(12):   # decode, verification, catch-up and prefill shapes, long and short contexts
+        B = rng.choice([1, 3, 16, 64])
+        q_lens = [rng.choice([1, 2, 3, 5, 9, 40, 200]) for _ in range(B)]
+        seq_lens = [q + rng.choice([0, 7, 300, 900]) for q in q_lens]
+        q, clean, _, md = make_case(q_lens, seq_lens, H, KVH, D, 16, dtype, seed)
+        tb.paged_attention(q, *clean, md, D ** -0.5)
+    assert _compiled(tb._paged_attn_kernel) + _compiled(tb._combine_kernel) == before

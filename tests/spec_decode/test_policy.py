@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_spec.spec_decode.policy import AdaptivePolicy, BatchSizeTablePolicy, FixedPolicy, StepShape
+from vllm_spec.spec_decode.policy import (ALWAYS_PAD_BATCH, AdaptivePolicy, BatchSizeTablePolicy, FixedPolicy,
+                                          StepShape, pads_verification)
 from vllm_spec.worker.batch import SpecStepStats
 
 
@@ -17,8 +18,10 @@ def _train(policy: AdaptivePolicy, shape: StepShape, alphas: list[float], target
             chosen = [min(2, c) for c in shape.caps]  # as an exploration step would
         accepted = [min(k, round(k * a)) for k, a in zip(chosen, alphas)]
         q = shape.num_other_tokens + len(chosen) + sum(chosen)
+        if shape.num_other_tokens == 0 and pads_verification(len(chosen), max(chosen), q):
+            q = len(chosen) * (max(chosen) + 1)   # as the worker pads it
         stats = SpecStepStats(len(chosen), sum(chosen), sum(accepted), [], max(chosen) * draft_per_forward,
-                              target_fixed + target_per_token * q)
+                              target_fixed + target_per_token * q, num_verified_tokens=q)
         policy.observe(shape, chosen, accepted, stats, 0.0)
 
 
@@ -51,12 +54,30 @@ def test_memory_bound_batches_speculate():
 
 
 def test_low_acceptance_sequences_get_fewer_drafts():
+    # A batch large enough that verification is not padded: fewer drafts verify fewer tokens.
     policy = AdaptivePolicy(max_k=6, draft_cost_ratio=0.05)
-    shape = StepShape(list(range(16)), [6] * 16, 0)
-    alphas = [0.95] * 8 + [0.2] * 8
+    shape = StepShape(list(range(64)), [6] * 64, 0)
+    alphas = [0.95] * 32 + [0.2] * 32
     _train(policy, shape, alphas, target_fixed=5e-3, target_per_token=2e-5, draft_per_forward=3e-4)
     chosen = policy.choose(shape)
-    assert min(chosen[:8]) > max(chosen[8:])
+    assert min(chosen[:32]) > max(chosen[32:])
+
+
+def test_padded_verification_gives_every_sequence_the_same_k():
+    # At most ALWAYS_PAD_BATCH decoding sequences: verification runs K+1 tokens per sequence
+    # whatever each one drafted, so a draft up to K costs nothing more to verify.
+    policy = AdaptivePolicy(max_k=6, draft_cost_ratio=0.05)
+    shape = StepShape(list(range(ALWAYS_PAD_BATCH)), [6] * ALWAYS_PAD_BATCH, 0)
+    alphas = [0.95] * 8 + [0.2] * (ALWAYS_PAD_BATCH - 8)
+    _train(policy, shape, alphas, target_fixed=5e-3, target_per_token=2e-5, draft_per_forward=3e-4)
+    chosen = policy.choose(shape)
+    assert len(set(chosen)) == 1 and chosen[0] > 0
+
+
+@pytest.mark.parametrize("seqs, k, real, padded", [(16, 8, 16, True), (17, 4, 17 * 5, True),
+                                                  (64, 4, 64 * 4 + 64, True), (64, 4, 64 + 64, False)])
+def test_pads_verification(seqs, k, real, padded):
+    assert pads_verification(seqs, k, real) is padded
 
 
 def test_policy_explores_after_a_long_pause():

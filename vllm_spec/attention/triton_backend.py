@@ -292,3 +292,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, H, D] -> [T, H, D], attending to keys already written into the cache."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return paged_attention_out(q, k_cache, v_cache, md, scale, sliding_window, out)
+
+
+def warm_up(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+            sliding_window: int | None, dtype: torch.dtype) -> None:
+    """Compile now every attention variant a step can ask for, instead of in the middle of serving.
+
+    Variants differ by query tile (from the longest query of a batch: decode, verification,
+    a draft catching up after idle steps, prefill chunks) and by key splitting; a first-time
+    compile takes around a second, a hundred decode steps of a large model.
+    """
+    kvh, D, block_size = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
+    dev = k_cache.device
+    seen = set()
+    for mq in (1, 2, 3, 5, 9, 17, 33, 65, 129):
+        block_q, gp, block_n, _, warps, stages = _plan(1, kvh, num_heads // kvh, D, mq, mq, _num_sms(dev))
+        split_options = (1, 2, 4, 8, 16, CONFIG["max_splits"]) if mq * gp <= 64 else (1,)
+        for splits in split_options:
+            key = (block_q, block_n, warps, stages, triton.next_power_of_2(splits) if splits > 1 else 1)
+            if key in seen:
+                continue
+            seen.add(key)
+            blocks = triton.cdiv(mq, block_size)
+            md = AttentionMetadata(
+                query_start_loc=torch.tensor([0, mq], device=dev), seq_lens=torch.tensor([mq], device=dev),
+                block_tables=torch.zeros((1, blocks), dtype=torch.long, device=dev),   # the null block
+                slot_mapping=torch.zeros(mq, dtype=torch.long, device=dev),
+                max_query_len=mq, max_seq_len=mq, block_size=block_size)
+            q = torch.zeros((mq, num_heads, D), dtype=dtype, device=dev)
+            paged_attention_out(q, k_cache, v_cache, md, scale, sliding_window, torch.empty_like(q), splits)

@@ -25,6 +25,18 @@ from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
 POLICIES = ("fixed", "adaptive")
 
 
+# Verification of decoding sequences is padded to the longest draft (one query length, so a
+# CUDA graph replays) for batches this small, or when padding adds at most this factor of tokens:
+# small batches are bound by launches and weight reads, large ones by compute.
+ALWAYS_PAD_BATCH = 16
+MAX_PAD_RATIO = 1.25
+
+
+def pads_verification(num_seqs: int, max_k: int, real_tokens: int) -> bool:
+    """Whether a verification pass of all-decoding sequences is padded to num_seqs * (max_k + 1) tokens."""
+    return num_seqs <= ALWAYS_PAD_BATCH or num_seqs * (max_k + 1) <= MAX_PAD_RATIO * real_tokens
+
+
 @dataclass
 class StepShape:
     """What the policy knows about the coming step."""
@@ -192,6 +204,14 @@ class AdaptivePolicy:
         gains = alpha[:, None] ** j[None, :]                         # value of the j-th draft token
         for K in range(1, int(min(self.max_k, caps.max())) + 1):
             draft_time = K * self._draft_forward(n)
+            if shape.num_other_tokens == 0 and n <= ALWAYS_PAD_BATCH:
+                # Padded to K+1 tokens per sequence anyway: every draft up to K is free to verify.
+                k = np.minimum(caps, K)
+                tokens = n + float((gains[:, :K] * (j[None, :K] <= k[:, None])).sum())
+                rate_new = tokens / (draft_time + self._target(n * (K + 1)))
+                if rate_new > best_rate:
+                    best_k, best_rate = k, rate_new
+                continue
             rate = plain_rate
             # Dinkelbach: keep a token when its expected value beats its verify cost at the current rate.
             for _ in range(3):
@@ -227,7 +247,8 @@ class AdaptivePolicy:
         if stats is None:
             self._target.update(q, step_time)
             return
-        self._target.update(q, stats.verify_time)
+        # The pass may have been padded to one query length: fit on what the target really ran.
+        self._target.update(stats.num_verified_tokens or q, stats.verify_time)
         forwards = max(chosen, default=0)
         if forwards > 0:
             self._draft.update(sum(1 for k in chosen if k > 0), stats.draft_time / forwards)

@@ -17,7 +17,8 @@ from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
 from vllm_spec.sample.sampler import SamplerOutput, gather_logprobs, process_logits
 from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer
 from vllm_spec.spec_decode.ngram_proposer import NgramProposer
-from vllm_spec.spec_decode.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy, StepShape
+from vllm_spec.spec_decode.policy import (AdaptivePolicy, FixedPolicy, SpeculationPolicy, StepShape,
+                                          pads_verification)
 from vllm_spec.spec_decode.proposer import Proposals, Proposer
 from vllm_spec.spec_decode.rejection_sampler import rejection_sample
 from vllm_spec.spec_decode.timer import StepTimer
@@ -147,11 +148,13 @@ class SpecDecodeWorker:
         found = dict(zip(spec_idx, proposals.num_drafts))            # seq index -> drafts proposed
         spec_row = {i: r for r, i in enumerate(spec_idx)}             # seq index -> row in proposals
         # Score: each speculating sequence feeds [last token, draft_1..draft_n] in one target pass.
-        # When every sequence is decoding, all are padded to the longest draft (placeholder tokens in
+        # When every sequence is decoding, all may be padded to the longest draft (placeholder tokens in
         # reserved slots, ignored by the verifier) so the pass has one query length and replays a graph.
         k = max(found.values(), default=0)
         max_len = self.config.model.max_model_len
-        uniform = all(s.sample and len(s.token_ids) == 1 and s.seq_len + k <= max_len for s in req.seqs)
+        real = len(req.seqs) + sum(found.values())
+        uniform = pads_verification(len(req.seqs), k, real) and all(
+            s.sample and len(s.token_ids) == 1 and s.seq_len + k <= max_len for s in req.seqs)
         verify = [SeqInput(s.seq_id, s.token_ids + [0] * (k if uniform else found.get(i, 0)), s.start_pos,
                            s.block_table, s.sample, s.sampling_params, s.prompt_token_ids, s.output_token_ids)
                   for i, s in enumerate(req.seqs)]
@@ -217,7 +220,7 @@ class SpecDecodeWorker:
         self.proposer.on_verified([req.seqs[i].seq_id for i in spec_idx], proposals.num_drafts, accepted)
         per_pos = [sum(1 for a in accepted if a > j) for j in range(k)]
         stats = SpecStepStats(sum(1 for n in proposals.num_drafts if n > 0), sum(proposals.num_drafts),
-                              sum(accepted), per_pos, 0.0, 0.0)
+                              sum(accepted), per_pos, 0.0, 0.0, num_verified_tokens=int(batch.input_ids.shape[0]))
         return outputs, stats
 
     def _position_rows(self, seq: SeqInput, n: int, drafts: list[int] | None) -> list[SamplingRow]:

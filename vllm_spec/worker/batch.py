@@ -68,6 +68,7 @@ class SpecStepStats:
     draft_time: float                # seconds
     verify_time: float
     policy: PolicyEstimates | None = None
+    num_verified_tokens: int = 0     # query tokens of the target pass, padding included
 
 
 @dataclass

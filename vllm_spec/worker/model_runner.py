@@ -58,6 +58,10 @@ class ModelRunner:
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        attn = self.model.attention_layers()[0]
+        backend = attn.backend_for(attn.k_cache)
+        if hasattr(backend, "warm_up"):   # compiled kernels (Triton): compile them before serving
+            backend.warm_up(attn.num_heads, attn.k_cache, attn.v_cache, attn.scale, attn.sliding_window, dtype)
 
     def prepare(self, seqs: list[SeqInput]) -> PreparedBatch:
         """Flatten the sequences' new tokens and build the attention metadata.
