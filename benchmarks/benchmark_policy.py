@@ -81,11 +81,12 @@ class Sweep:
     gen_len: int
     warmup_len: int
     vocab: int
+    window: int
 
     def measure(self, engine: LLMEngine, batch: int, extra_args: list[dict] | None = None) -> dict:
-        """The warm-up run every policy gets, then the timed run."""
+        """The warm-up run every policy gets, then `window` timed steps with all `batch` requests running."""
         run_decode(engine, batch, self.prompt_len, self.warmup_len, 0, extra_args, self.vocab)
-        return run_decode(engine, batch, self.prompt_len, self.gen_len, 1, extra_args, self.vocab)
+        return run_decode(engine, batch, self.prompt_len, self.gen_len, 1, extra_args, self.vocab, self.window)
 
 
 def plain_rows(sweep: Sweep, target: str, max_len: int, engine_kw: dict) -> list[Row]:
@@ -176,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drafts", nargs="+", default=["68m", "1b"], choices=["68m", "1b"])
     ap.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.8])
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--gen-len", type=int, default=192, help="max tokens per request (> window * (k + 1))")
+    ap.add_argument("--window", type=int, default=32, help="timed steps, every request running throughout")
     ap.add_argument("--warmup-len", type=int, default=16, help="tokens per request of each warm-up run")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU, float32 (smoke test)")
     ap.add_argument("--out", default=None)
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
 
     start = time.perf_counter()
     sweep = Sweep(sorted(set(args.batch_sizes)), args.prompt_len, args.gen_len, args.warmup_len,
-                  TINY_VOCAB if args.tiny else VOCAB)
+                  TINY_VOCAB if args.tiny else VOCAB, args.window)
     shapes = TINY_SHAPES if args.tiny else {}
     engine_kw = TINY_ENGINE if args.tiny else {}
     tmp = Path(tempfile.mkdtemp())

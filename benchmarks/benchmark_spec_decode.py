@@ -100,10 +100,13 @@ def metric(engine: LLMEngine, name: str) -> float:
 
 
 def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_len: int, seed: int,
-               extra_args: list[dict | None] | None = None, vocab: int = VOCAB) -> dict:
+               extra_args: list[dict | None] | None = None, vocab: int = VOCAB, window: int | None = None) -> dict:
     """Time the decode phase: from the step after every prompt is prefilled to the end.
 
     extra_args: per request (SamplingParams.extra_args), e.g. a synthetic acceptance rate each.
+    window: time only this many steps, during which every request is still running (gen_len must
+    be long enough), then abort them: throughput at exactly `batch` concurrent requests, without
+    the tail where requests that accept more have finished and the batch has shrunk.
     """
     rng = random.Random(seed)
     for i in range(batch):
@@ -121,11 +124,17 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_len: int, see
     spec = engine.spec_metrics
     d0, v0, s0 = (spec.draft_time, spec.verify_time, spec.num_steps) if spec else (0, 0, 0)
     t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
+    steps_left = window if window is not None else float("inf")
+    while engine.has_unfinished_requests() and steps_left > 0:
         engine.step()
+        steps_left -= 1
     sync()
     elapsed = time.perf_counter() - t0
     delta = {n: metric(engine, n) - v for n, v in before.items()}
+    if window is not None:
+        if len(engine.scheduler.running) != batch:
+            raise RuntimeError(f"a request finished inside the {window}-step window: raise gen_len ({gen_len}).")
+        engine.abort_request([f"r{seed}-{i}" for i in range(batch)])
     steps = max(delta["vllm:engine_steps"], 1)
     out = dict(
         ms_per_step=elapsed / steps * 1e3,

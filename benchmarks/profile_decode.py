@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 
 import torch
-from benchmark_spec_decode import build, run_decode, write_config
+from benchmark_spec_decode import build, run_decode, sync, write_config
 from torch.profiler import ProfilerActivity, profile
+
+from vllm_spec.spec_decode.policy import AdaptivePolicy
 
 
 def triton_compiled_kernels() -> int:
@@ -36,30 +38,45 @@ def triton_compiled_kernels() -> int:
     return total
 
 
-def trace_steps(engine, batch: int, steps: int) -> None:
+def trace_steps(engine, batch: int, steps: int, mixed: bool) -> None:
+    """Per step: wall, draft and verify times, drafts per sequence, verified tokens, the draft's path."""
     import random
 
     from vllm_spec import SamplingParams
 
     rng = random.Random(2)
-    params = SamplingParams(temperature=0, max_tokens=steps * 8, ignore_eos=True)
+    vocab = engine.config.model.arch.vocab_size
     for i in range(batch):
-        engine.add_request(f"t{i}", [rng.randrange(2, 128256) for _ in range(128)], params)
+        extra = {"synthetic_acceptance_rate": 0.9 if i % 2 else 0.3} if mixed else None
+        params = SamplingParams(temperature=0, max_tokens=steps * 8, ignore_eos=True, extra_args=extra)
+        engine.add_request(f"t{i}", [rng.randrange(2, vocab) for _ in range(128)], params)
     while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    spec = engine.spec_metrics
+    last: list = [None]
+    if engine.spec_metrics:
+        add = engine.spec_metrics.add
+        engine.spec_metrics.add = lambda s: (last.__setitem__(0, s), add(s))
+    proposer = getattr(engine.executor.worker, "draft_proposer", None)
+    loop_calls = [0]
+    if proposer is not None:
+        run_loop = proposer.loop.__call__
+        proposer.loop = lambda *a, **k: (loop_calls.__setitem__(0, loop_calls[0] + 1), run_loop(*a, **k))[1]
     compiled = triton_compiled_kernels()
-    print(f"{'step':>4} {'wall ms':>8} {'draft ms':>8} {'verify ms':>9} {'compiled':>8}")
+    print(f"{'step':>4} {'wall ms':>8} {'draft ms':>8} {'verify ms':>9} {'drafts':>6} {'verified':>8} "
+          f"{'loop':>4} {'mean k':>6} {'compiled':>8}")
     for n in range(steps):
-        d0, v0 = (spec.draft_time, spec.verify_time) if spec else (0.0, 0.0)
-        torch.cuda.synchronize()
+        last[0], calls = None, loop_calls[0]
+        sync()
         t0 = time.perf_counter()
         engine.step()
-        torch.cuda.synchronize()
+        sync()
         wall = (time.perf_counter() - t0) * 1e3
-        d, v = ((spec.draft_time - d0) * 1e3, (spec.verify_time - v0) * 1e3) if spec else (0.0, 0.0)
+        s = last[0]
         now = triton_compiled_kernels()
-        print(f"{n:4d} {wall:8.3f} {d:8.3f} {v:9.3f} {now - compiled:8d}", flush=True)
+        print(f"{n:4d} {wall:8.3f} {s.draft_time * 1e3 if s else 0:8.3f} {s.verify_time * 1e3 if s else 0:9.3f} "
+              f"{s.num_draft_tokens if s else 0:6d} {s.num_verified_tokens if s else 0:8d} "
+              f"{loop_calls[0] - calls:4d} {s.policy.mean_k if s and s.policy else 0:6.2f} {now - compiled:8d}",
+              flush=True)
         compiled = now
     engine.abort_request([f"t{i}" for i in range(batch)])
 
@@ -72,6 +89,8 @@ def main() -> None:
     ap.add_argument("--acceptance", type=float, default=0.8)
     ap.add_argument("--eager", action="store_true", help="profile without CUDA graphs (per-kernel detail)")
     ap.add_argument("--trace-steps", type=int, default=0, help="print per-step timings instead of a profile")
+    ap.add_argument("--policy", choices=["fixed", "adaptive"], default="fixed")
+    ap.add_argument("--mixed", action="store_true", help="half the requests accept 0.9, half 0.3")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     target = write_config(tmp, "8b", 512)
@@ -83,10 +102,15 @@ def main() -> None:
             if runner is not None:
                 runner.cuda_graphs = False
     if draft:
-        engine.executor.worker.config.speculative.synthetic_acceptance_rate = args.acceptance
+        worker = engine.executor.worker
+        worker.config.speculative.synthetic_acceptance_rate = args.acceptance
+        if args.policy == "adaptive":
+            ratio = sum(p.numel() for p in worker.draft_runner.model.parameters()) / sum(
+                p.numel() for p in worker.target.runner.model.parameters())
+            worker.policy = AdaptivePolicy(args.k, draft_cost_ratio=ratio)
     run_decode(engine, args.batch, 128, 16, seed=0)
     if args.trace_steps:
-        trace_steps(engine, args.batch, args.trace_steps)
+        trace_steps(engine, args.batch, args.trace_steps, args.mixed)
         return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run_decode(engine, args.batch, 128, 24, seed=1)
