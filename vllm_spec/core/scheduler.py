@@ -86,8 +86,9 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            lookahead = self.num_lookahead_slots if n == seq.num_uncomputed_tokens else 0
+            uncomputed = seq.num_uncomputed_tokens
+            n = min(uncomputed, budget)
+            lookahead = self.num_lookahead_slots if n == uncomputed else 0
             while not bm.can_append_slots(seq, n, lookahead):
                 # Newest first, never one already scheduled this step; last resort: seq itself.
                 scheduled = {id(s.seq) for s in out.scheduled}

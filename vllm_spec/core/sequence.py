@@ -24,7 +24,9 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISH_REASONS
+        # Identity tests: hashing an Enum member runs Python code, and this is asked per sequence per step.
+        return (self is SequenceStatus.FINISHED_STOPPED or self is SequenceStatus.FINISHED_LENGTH
+                or self is SequenceStatus.FINISHED_ABORTED)
 
     @property
     def finish_reason(self) -> str | None:
