@@ -23,7 +23,9 @@ HF row, and the fraction of prompts whose token ids equal HF greedy's. transform
 statistics, so for HF they are counted from forward calls: each target forward is one verification round,
 each draft forward proposes one candidate, and every round emits its accepted candidates plus one target
 token. Before timing, the HF draft's greedy next-token predictions are checked against our engine's draft on
-two prompts (every prompt position).
+two prompts (every prompt position). Where the draft config restricts the draft's vocabulary
+("vllm_spec_draft_vocab", as the default draft does), our engine proposes from that subset only (a cheaper
+head) while transformers' assistant keeps the whole vocabulary; the check compares the subset's columns.
 
     OMP_NUM_THREADS=1 python benchmarks/benchmark_assisted.py --num-prompts 4 --max-tokens 48
     python benchmarks/benchmark_assisted.py --device cuda          # bfloat16 by default on CUDA
@@ -157,6 +159,8 @@ def check_draft(llm: LLM, draft_hf, prompts: list[list[int]]) -> dict:
         # forward + logits rather than run(): run() would capture a CUDA graph for this one prompt length.
         ours = runner.logits(runner.forward(batch), torch.arange(len(ids), device=runner.device))
         theirs = draft_hf(torch.tensor([ids], device=draft_hf.device)).logits[0].float().to(ours.device)
+        if runner.model.output_ids is not None:   # the engine's draft proposes from a vocabulary subset
+            theirs = theirs[:, runner.model.output_ids]
         match += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
         positions += len(ids)
         max_diff = max(max_diff, float((ours - theirs).abs().max()))

@@ -38,6 +38,9 @@ class ArchConfig:
     torch_dtype: str | None = None
     # A draft shipped without an embedding matrix borrows its target's (same hidden size).
     embeddings_from_target: bool = False
+    # A draft that proposes only these token ids (its LM head keeps their rows: a cheaper step;
+    # verification stays exact). None: the whole vocabulary.
+    draft_vocab: tuple[int, ...] | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ArchConfig":
@@ -85,4 +88,20 @@ class ArchConfig:
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             embeddings_from_target=bool(cfg.get("vllm_spec_embeddings_from_target", False)),
+            draft_vocab=_draft_vocab(cfg.get("vllm_spec_draft_vocab"), cfg["vocab_size"]),
         )
+
+
+def _draft_vocab(value: Any, vocab_size: int) -> tuple[int, ...] | None:
+    """"vllm_spec_draft_vocab": N (token ids 0..N-1, BPE ids come roughly by frequency) or a list of ids."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        ids = tuple(range(value))
+    elif isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        ids = tuple(sorted(set(value)))
+    else:
+        raise ValueError(f"vllm_spec_draft_vocab must be an integer or a list of token ids, got {type(value).__name__}.")
+    if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
+        raise ValueError(f"vllm_spec_draft_vocab must name token ids in [0, {vocab_size}) (at least one).")
+    return ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vllm_spec.attention import Attention, AttentionMetadata
@@ -92,6 +93,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.output_ids: torch.Tensor | None = None     # see restrict_output_vocab
+        self.output_weight: torch.Tensor | None = None
         self.rope = RotaryEmbedding(cfg.head_dim, max(max_positions, cfg.max_position_embeddings),
                                     cfg.rope_theta, cfg.rope_scaling)
 
@@ -107,7 +110,25 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the vocabulary, or over `output_ids` once restrict_output_vocab was called."""
+        if self.output_ids is not None:
+            return F.linear(hidden, self.output_weight)
         return self.lm_head(hidden)
+
+    def restrict_output_vocab(self, ids: torch.Tensor) -> None:
+        """Compute logits for these token ids only (column j of the logits is token ids[j]).
+
+        Called once the LM head's weight is final (after share_embeddings); a sharded head keeps
+        the whole vocabulary (its logits are gathered across ranks).
+        """
+        if self.lm_head.tp.world_size > 1:
+            return
+        self.output_ids = ids.to(self.lm_head.weight.device)
+        self.output_weight = self.lm_head.weight.detach()[self.output_ids].clone()
+
+    def token_ids_of(self, columns: torch.Tensor) -> torch.Tensor:
+        """Token ids of logit columns (the identity without a restricted vocabulary)."""
+        return columns if self.output_ids is None else self.output_ids[columns]
 
     def share_embeddings(self, target: "LlamaForCausalLM") -> None:
         """Use the target's embedding (and tied LM head) instead of a copy of our own."""

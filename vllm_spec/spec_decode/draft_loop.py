@@ -63,12 +63,13 @@ class GreedyDraftLoop:
         # Catch-up: [t_{p-1}, t_p] per row; the draft follows the row's last token.
         md = metadata(2, positions[:, 1] + 1, slots[:, :2].reshape(-1))
         hidden = self.model(self.tokens[:batch].reshape(-1), positions[:, :2].reshape(-1), md)
-        token = argmax_rows(self.model.compute_logits(hidden[1::2]))
+        token = self.model.token_ids_of(argmax_rows(self.model.compute_logits(hidden[1::2])))
         drafts = [token]
         lens = by_step[0] + 1
         for j in range(2, k + 1):
             md = metadata(1, lens[j], by_step[1, j])
-            token = argmax_rows(self.model.compute_logits(self.model(token, by_step[0, j], md)))
+            logits = self.model.compute_logits(self.model(token, by_step[0, j], md))
+            token = self.model.token_ids_of(argmax_rows(logits))
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 

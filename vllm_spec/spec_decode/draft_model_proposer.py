@@ -125,13 +125,19 @@ class DraftModelProposer:
                 self._computed[sid] -= fed - min(accepted, fed)
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens from logits over the draft's vocabulary (maybe a subset of the target's), and
+        for sampled rows the distribution q they came from, over the target's whole vocabulary."""
+        model = self.runner.model
         if md.all_greedy:
-            return argmax_rows(logits), None
+            return model.token_ids_of(argmax_rows(logits)), None
         logits = apply_top_k_top_p_min_p(logits / md.temperature.unsqueeze(1), md)
         probs = logits.softmax(dim=-1)
         noise = exponential_noise(tuple(probs.shape), md, probs.device, self.generator)
         sampled = argmax_rows(probs / noise)
-        return torch.where(md.greedy, argmax_rows(logits), sampled), probs
+        tokens = model.token_ids_of(torch.where(md.greedy, argmax_rows(logits), sampled))
+        if model.output_ids is not None:   # q is 0 outside the subset: verification stays exact
+            probs = probs.new_zeros(probs.shape[0], model.config.vocab_size).index_copy_(1, model.output_ids, probs)
+        return tokens, probs
 
     @staticmethod
     def _decode_metadata(block_tables: torch.Tensor, positions: torch.Tensor, max_seq_len: int,

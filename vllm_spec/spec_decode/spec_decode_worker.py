@@ -53,6 +53,8 @@ class SpecDecodeWorker:
                 draft = load_model(spec.draft, draft_tp)
                 if spec.draft.arch.embeddings_from_target:
                     draft.share_embeddings(self.target.runner.model)
+                if spec.draft.arch.draft_vocab is not None:
+                    draft.restrict_output_vocab(torch.tensor(spec.draft.arch.draft_vocab, dtype=torch.long))
                 self.draft_runner = ModelRunner(draft, self.device, config.cache.block_size,
                                                 config.model.max_model_len, cuda_graphs=not config.enforce_eager)
                 proposer = self.draft_proposer = DraftModelProposer(self.draft_runner,
