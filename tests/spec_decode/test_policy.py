@@ -14,8 +14,10 @@ def _train(policy: AdaptivePolicy, shape: StepShape, alphas: list[float], target
     """Feed observations from a known cost model and per-sequence acceptance (expected values)."""
     for _ in range(steps):
         chosen = policy.choose(shape)
-        if max(chosen, default=0) == 0:
-            chosen = [min(2, c) for c in shape.caps]  # as an exploration step would
+        if max(chosen, default=0) == 0:   # a plain step
+            policy.observe(shape, chosen, [0] * len(chosen), None,
+                           target_fixed + target_per_token * (shape.num_other_tokens + len(chosen)))
+            continue
         accepted = [min(k, round(k * a)) for k, a in zip(chosen, alphas)]
         q = shape.num_other_tokens + len(chosen) + sum(chosen)
         if shape.num_other_tokens == 0 and pads_verification(len(chosen), max(chosen), q):
@@ -84,7 +86,12 @@ def test_pads_verification(seqs, k, real, padded):
 def test_policy_explores_after_a_long_pause():
     policy = AdaptivePolicy(max_k=4, draft_cost_ratio=5.0, explore_every=10)  # draft looks hopeless
     shape = StepShape([1, 2], [4, 4], 0)
-    choices = [max(policy.choose(shape)) for _ in range(20)]
+    choices = []
+    for _ in range(20):
+        chosen = policy.choose(shape)
+        choices.append(max(chosen))
+        stats = SpecStepStats(2, sum(chosen), 0, [], 0.5, 0.01, num_verified_tokens=2 * (max(chosen) + 1))
+        policy.observe(shape, chosen, [0, 0], stats if max(chosen) else None, 0.01)
     assert 0 < sum(1 for c in choices if c > 0) <= 2
 
 

@@ -23,7 +23,8 @@ def draft_time(n: int) -> float:
     return 0.2e-3 + 0.004e-3 * n
 
 
-def tokens_per_s(policy, alphas: list[float], steps: int = 600, seed: int = 0) -> float:
+def tokens_per_s(policy, alphas: list[float], steps: int = 600, seed: int = 0,
+                 target_time=target_time, draft_time=draft_time) -> float:
     rng = random.Random(seed)
     B = len(alphas)
     shape = StepShape(list(range(B)), [4] * B, 0)
@@ -64,3 +65,19 @@ def test_adaptive_tracks_the_best_choice(workload, batch):
     adaptive = tokens_per_s(AdaptivePolicy(4, draft_cost_ratio=0.01), alphas)
     assert adaptive >= 0.98 * plain
     assert adaptive >= 0.97 * best_fixed
+
+
+# One sequence on a CPU (SmolLM2-135M, float32, one thread, measured 2026-12-02): verification
+# time is not monotone in the query length (3 rows slower than 5), which no linear model fits.
+CPU_VERIFY_MS = {1: 62.0, 2: 90.0, 3: 135.0, 4: 100.0, 5: 100.0}
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.8])
+def test_adaptive_on_a_non_monotone_cost_surface(alpha):
+    costs = dict(target_time=lambda q: CPU_VERIFY_MS[q] * 1e-3, draft_time=lambda n: 17e-3)
+    plain = tokens_per_s(FixedPolicy(0), [alpha], **costs)
+    best_fixed = max(tokens_per_s(FixedPolicy(k), [alpha], **costs) for k in (1, 2, 3, 4))
+    adaptive = tokens_per_s(AdaptivePolicy(4, draft_cost_ratio=0.2), [alpha], **costs)
+    # One sequence: its acceptance estimate (about ten recent trials) is noisy, so k near the
+    # optimum (3 vs 4 here) alternates; a linear cost model would sit at the slow k = 2 instead.
+    assert adaptive >= 0.94 * max(plain, best_fixed)

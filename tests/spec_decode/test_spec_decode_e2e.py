@@ -236,10 +236,10 @@ def test_greedy_equality_every_policy(spec_pair, greedy_reference, policy):
     assert 0.0 <= m["vllm:spec_decode_policy_mean_k"] <= 4.0
 
 
-def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair):
-    # Draft == target: on CPU a draft forward costs as much as a target forward, so the
-    # policy must measure a high draft cost ratio and speculate only on exploration steps.
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=4, **KV)
+def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair, random_draft):
+    # An unrelated draft (acceptance near 0) whose forward costs on CPU about as much as the
+    # target's: the policy must measure a high draft cost ratio and speculate only to explore.
+    llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=4, **KV)
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     llm.generate(_prompts(2), params, use_tqdm=False)
     m = _metrics(llm)
@@ -247,7 +247,6 @@ def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair):
     steps = m["vllm:engine_steps"]
     # Exploration every 50 steps: at least one speculative step, and only a few.
     assert 1 <= m["vllm:spec_decode_num_drafts"] / 2 <= steps / 50 + 1
-    assert m["vllm:spec_decode_acceptance_rate"] == 1.0
 
 
 class _VaryingK:

@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
+from vllm_spec.worker.cuda_graph import bucket_for
 
 POLICIES = ("fixed", "adaptive")
 
@@ -36,6 +37,15 @@ MAX_PAD_RATIO = 2.0
 def pads_verification(num_seqs: int, max_k: int, real_tokens: int) -> bool:
     """Whether a verification pass of all-decoding sequences is padded to num_seqs * (max_k + 1) tokens."""
     return num_seqs <= ALWAYS_PAD_BATCH or num_seqs * (max_k + 1) <= MAX_PAD_RATIO * real_tokens
+
+
+# Weight of the newest measurement in the per-(batch bucket, k) step costs.
+_COST_EMA = 0.3
+
+
+def _bucket(n: int) -> int:
+    """Batch sizes that cost alike share measurements (the CUDA-graph buckets; exact past them)."""
+    return bucket_for(n) or n
 
 
 @dataclass
@@ -141,7 +151,8 @@ class _LinearFit:
         self.count += 1
 
     def __call__(self, x: float) -> float:
-        return max(float(self.w[0] + self.w[1] * x), 1e-9)
+        # More tokens never cost less: a negative fitted slope (noise, odd kernels) predicts nothing.
+        return max(float(self.w[0] + max(self.w[1], 0.0) * x), 1e-9)
 
 
 @dataclass
@@ -178,6 +189,10 @@ class AdaptivePolicy:
     _seqs: dict[int, _Acceptance] = field(default_factory=dict)
     _target: _LinearFit | None = None
     _draft: _LinearFit | None = None
+    # Measured (draft, verify) seconds of all-decoding steps per (batch bucket, k): real costs
+    # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
+    _measured: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     last_mean_k: float = 0.0
 
     def __post_init__(self) -> None:
@@ -186,35 +201,42 @@ class AdaptivePolicy:
         self._target = _LinearFit(1.0, 1.0 / 512)
         self._draft = _LinearFit(max(self.draft_cost_ratio, 0.01), 1.0 / 4096)
 
-    def acceptance(self, seq_id: int) -> float:
+    def _posterior(self, seq_id: int) -> tuple[float, float]:
+        """Beta(a, b) belief about a sequence's per-token acceptance, shrunk towards the global rate."""
         g = self._global
         prior = (g.accepted + self.prior_acceptance * self.prior_strength) / (g.trials + self.prior_strength)
         s = self._seqs.get(seq_id, _Acceptance())
-        return float(np.clip((s.accepted + prior * self.prior_strength) / (s.trials + self.prior_strength),
-                             0.0, 0.999))
+        return s.accepted + prior * self.prior_strength, s.trials - s.accepted + (1 - prior) * self.prior_strength
+
+    def acceptance(self, seq_id: int) -> float:
+        a, b = self._posterior(seq_id)
+        return float(np.clip(a / (a + b), 0.0, 0.999))
 
     def choose(self, shape: StepShape) -> list[int]:
         n = len(shape.seq_ids)
         if n == 0:
             return []
-        alpha = np.array([self.acceptance(s) for s in shape.seq_ids])
+        # Thompson sampling: a draw from each belief, not its mean, so an estimate that argues
+        # against speculating (or for it) is tested again as often as it is uncertain.
+        alpha = np.clip(np.array([self._rng.beta(*self._posterior(s)) for s in shape.seq_ids]), 0.0, 0.999)
         caps = np.array(shape.caps)
         base_q = shape.num_other_tokens + n
-        plain_rate = n / self._target(base_q)
+        decoding = shape.num_other_tokens == 0
+        plain_rate = n / (sum(self._decode_step_cost(n, 0)) if decoding else self._target(base_q))
         best_k, best_rate = np.zeros(n, dtype=int), 0.0
         j = np.arange(1, self.max_k + 1)
         gains = alpha[:, None] ** j[None, :]                         # value of the j-th draft token
         for K in range(1, int(min(self.max_k, caps.max())) + 1):
-            draft_time = K * self._draft_forward(n)
-            if shape.num_other_tokens == 0:
+            if decoding:
                 # All decoding: verification is padded to K+1 tokens per sequence (one CUDA graph;
                 # ragged verification runs eagerly, slower), so every draft up to K is free to verify.
                 k = np.minimum(caps, K)
                 tokens = n + float((gains[:, :K] * (j[None, :K] <= k[:, None])).sum())
-                rate_new = tokens / (draft_time + self._target(n * (K + 1)))
+                rate_new = tokens / sum(self._decode_step_cost(n, K))
                 if rate_new > best_rate:
                     best_k, best_rate = k, rate_new
                 continue
+            draft_time = K * self._draft_forward(n)
             rate = plain_rate
             # Dinkelbach: keep a token when its expected value beats its verify cost at the current rate.
             for _ in range(3):
@@ -232,14 +254,23 @@ class AdaptivePolicy:
         self._since_plain += 1
         if best_rate <= plain_rate and self._since_spec < self.explore_every:
             best_k = np.zeros(n, dtype=int)
-        elif self._since_plain >= self.explore_every:
-            best_k = np.zeros(n, dtype=int)   # re-measure plain steps too, or their cost goes stale
+        elif self._since_plain >= self.explore_every or (decoding and (_bucket(n), 0) not in self._measured):
+            # Measure plain steps at each batch size before trusting the model's guess of them,
+            # and re-measure them now and then, or their cost goes stale.
+            best_k = np.zeros(n, dtype=int)
         if best_k.max() > 0:
             self._since_spec = 0
         else:
             self._since_plain = 0
         self.last_mean_k = float(best_k.mean())
         return best_k.tolist()
+
+    def _decode_step_cost(self, n: int, k: int) -> tuple[float, float]:
+        """(draft, verify) seconds of an all-decoding step of n sequences drafting k: measured, else modelled."""
+        measured = self._measured.get((_bucket(n), k))
+        if measured is not None:
+            return measured
+        return (k * self._draft_forward(n) if k else 0.0), self._target(n * (k + 1))
 
     def _draft_forward(self, n: int) -> float:
         """Cost of one draft forward over n sequences (the prior ratio until measured)."""
@@ -252,6 +283,12 @@ class AdaptivePolicy:
                 self._seqs.setdefault(sid, _Acceptance()).add(a, k, self.decay)
                 self._global.add(a, k, 0.995)
         q = shape.num_other_tokens + len(shape.seq_ids) + sum(chosen)
+        if shape.num_other_tokens == 0 and shape.seq_ids:
+            key = (_bucket(len(shape.seq_ids)), max(chosen, default=0))
+            cost = (0.0, step_time) if stats is None else (stats.draft_time, stats.verify_time)
+            old = self._measured.get(key)
+            self._measured[key] = cost if old is None else tuple(
+                (1 - _COST_EMA) * o + _COST_EMA * c for o, c in zip(old, cost))
         if stats is None:
             self._target.update(q, step_time)
             return
