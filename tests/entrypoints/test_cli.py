@@ -50,6 +50,18 @@ def test_generate_with_draft_reports_acceptance(tiny_llama, tmp_path):
     assert m, proc.stdout
     assert 0.0 <= float(m.group(1)) <= 1.0 and 1.0 <= float(m.group(2)) <= 3.0
     assert re.search(r"draft [\d.]+ ms/step, verify [\d.]+ ms/step", proc.stdout), proc.stdout
+    assert re.search(r"policy: mean k 2\.00 \(last step\)", proc.stdout), proc.stdout
+
+
+def test_generate_reports_the_adaptive_policy_estimates(tiny_llama, tmp_path):
+    proc = run_cli("generate", "--model", str(tiny_llama), *SMALL, "--speculative-model", str(tiny_llama),
+                   "--num-speculative-tokens", "3", "--max-tokens", "8", "--ignore-eos", "hello world",
+                   tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(r"policy: mean k ([\d.]+) \(last step\), acceptance estimate ([\d.]+), "
+                  r"draft/target cost ([\d.]+)", proc.stdout)
+    assert m, proc.stdout
+    assert 0.0 <= float(m.group(1)) <= 3.0 and 0.0 <= float(m.group(2)) <= 1.0 and float(m.group(3)) > 0
 
 
 def test_bad_dtype_exits_2_without_traceback(tiny_llama, tmp_path):

@@ -154,6 +154,13 @@ def spec_summary(metrics) -> str | None:
                        ("vllm:spec_decode_verify_time_per_step_seconds", "verify")):
         if key in v:
             parts.append(f"{label} {v[key] * 1e3:.1f} ms/step")
+    if "vllm:spec_decode_policy_mean_k" in v:
+        policy = f"policy: mean k {v['vllm:spec_decode_policy_mean_k']:.2f} (last step)"
+        for key, label in (("vllm:spec_decode_policy_acceptance_estimate", "acceptance estimate"),
+                           ("vllm:spec_decode_policy_draft_cost_ratio", "draft/target cost")):
+            if v.get(key) == v.get(key):   # NaN where the policy keeps no such estimate
+                policy += f", {label} {v[key]:.2f}"
+        parts.append(policy)
     return "speculative decoding: " + ", ".join(parts)
 
 
