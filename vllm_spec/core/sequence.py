@@ -9,6 +9,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_spec.outputs import Logprob
 from vllm_spec.sampling_params import SamplingParams
@@ -62,8 +63,10 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_preemptions: int = 0
-    # Detokenized output and its incremental-decoding offsets.
+    # Detokenized output and its incremental-decoding state: a tokenizers DecodeStream for fast
+    # tokenizers, else the offsets of the window decoded around each new token.
     output_text: str = ""
+    detok_stream: Any = field(default=None, repr=False)
     prefix_offset: int = 0
     read_offset: int = 0
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
