@@ -67,3 +67,20 @@ def test_whole_proposal_graph(spec_pair, eager_reference, k):
     assert m["vllm:spec_decode_acceptance_rate"] >= 0.99
     loop = llm.llm_engine.executor.worker.draft_proposer.loop
     assert loop.use_graphs and len(loop.graphs) >= k, "the whole-proposal graphs were not captured"
+
+
+def test_draft_vocab_subset_in_graphs(spec_pair, eager_reference, tmp_path):
+    # The whole-proposal graph maps the subset head's argmax back to token ids on the device.
+    import json
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(spec_pair[1], draft)
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["vllm_spec_draft_vocab"] = list(range(0, cfg["vocab_size"], 2))
+    (draft / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(spec_pair[0], speculative_model=str(draft), num_speculative_tokens=3, speculative_policy="fixed", **KV)
+    assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == eager_reference
+    m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
+    assert m["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert llm.llm_engine.executor.worker.draft_proposer.loop.graphs
