@@ -1,0 +1,88 @@
+"""The Prometheus collector behind GET /metrics: renders the engine's latest metric snapshot (plus
+the server's own gauges) with vLLM's metric names, each labelled with the served model name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_spec.engine.async_llm_engine import AsyncLLMEngine
+from vllm_spec.metrics import Counter, Gauge, Histogram, Vector
+
+_METRIC_HELP = {
+    "vllm:num_requests_running": "Number of requests in model execution batches.",
+    "vllm:num_requests_waiting": "Number of requests waiting to be processed.",
+    "vllm:kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+    "vllm:num_preemptions": "Cumulative number of preemptions.",
+    "vllm:prompt_tokens": "Number of prefill tokens processed.",
+    "vllm:generation_tokens": "Number of generation tokens processed.",
+    "vllm:engine_steps": "Number of engine steps run.",
+    "vllm:request_success": "Count of successfully processed requests.",
+    "vllm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
+    "vllm:e2e_request_latency_seconds": "Histogram of end-to-end request latency in seconds.",
+    "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+    "vllm:spec_decode_num_accepted_tokens_per_pos": "Accepted tokens per draft position.",
+    "vllm:spec_decode_acceptance_rate": "Speculative token acceptance rate (accepted / draft tokens).",
+    "vllm:spec_decode_mean_accepted_length": "Mean tokens emitted per speculating sequence and step.",
+    "vllm:kv_cache_free_blocks": "Free KV-cache blocks.",
+    "vllm:kv_cache_total_blocks": "Usable KV-cache blocks (free when idle).",
+    "vllm:num_requests_in_flight": "Requests with an open output stream in the server.",
+    "vllm:engine_step_errors": "Engine steps that raised (their in-flight requests failed).",
+}
+
+
+class EngineCollector:
+    """Prometheus collector: renders the engine's latest metric snapshot at scrape time."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        metrics, free_blocks = self.engine.get_metrics_nowait()
+        metrics = list(metrics) + [
+            Gauge("vllm:kv_cache_free_blocks", value=free_blocks),
+            Gauge("vllm:kv_cache_total_blocks", value=self.engine.num_usable_blocks),
+            Gauge("vllm:num_requests_in_flight", value=self.engine.num_in_flight),
+            Counter("vllm:engine_step_errors", value=self.engine.num_step_errors),
+        ]
+        families: dict[str, Any] = {}
+        label_names: dict[str, list[str]] = {}
+        for m in metrics:
+            extra = sorted(m.labels)
+            if isinstance(m, Vector):
+                extra = ["position"]
+            names = ["model_name", *extra]
+            fam = families.get(m.name)
+            if fam is None:
+                doc = _METRIC_HELP.get(m.name, m.name)
+                if isinstance(m, (Counter, Vector)):
+                    fam = CounterMetricFamily(m.name, doc, labels=names)
+                elif isinstance(m, Gauge):
+                    fam = GaugeMetricFamily(m.name, doc, labels=names)
+                elif isinstance(m, Histogram):
+                    fam = HistogramMetricFamily(m.name, doc, labels=names)
+                else:
+                    continue
+                families[m.name] = fam
+                label_names[m.name] = names
+            if label_names[m.name] != names:
+                continue  # inconsistent labels for one name: keep the first form
+            values = [self.model_name, *(m.labels[k] for k in sorted(m.labels))]
+            if isinstance(m, Vector):
+                for pos, v in enumerate(m.values):
+                    fam.add_metric([self.model_name, str(pos)], v)
+            elif isinstance(m, Histogram):
+                buckets = [(b, v) for b, v in m.buckets.items()]
+                if not buckets or buckets[-1][0] != "+Inf":
+                    buckets.append(("+Inf", m.count))
+                fam.add_metric(values, buckets, m.sum)
+            else:
+                fam.add_metric(values, float(m.value))
+        yield from families.values()

@@ -1,0 +1,371 @@
+"""What /v1/completions and /v1/chat/completions share: the server state, OpenAI-style errors,
+request checks, submitting prompts to the engine (`submit`), and delivering the outputs either as
+one final result (`Submission.collect`) or as an SSE stream (`Submission.stream`), with usage and
+the logprob values both wire formats use. The endpoint modules only turn requests into prompts and
+outputs into their own response models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from vllm_spec.engine.async_llm_engine import (
+    AsyncLLMEngine,
+    AsyncStream,
+    EngineDeadError,
+    EngineStepError,
+    RequestAbortedError,
+)
+from vllm_spec.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    OpenAIServingError,
+    StreamOptions,
+    UsageInfo,
+    random_id,
+)
+from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
+from vllm_spec.sampling_params import SamplingParams
+
+MIN_LOGPROB = -9999.0
+
+# Engine failures that end a request early; the other exceptions are the server's own bugs.
+_ENGINE_ERRORS = (EngineStepError, EngineDeadError, RequestAbortedError)
+
+
+# Server state ---------------------------------------------------------------------------------------
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    served_model_names: list[str]
+    model_path: str
+    tokenizer: Any = None
+    api_key: str | None = None
+    max_model_len: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+# Errors ---------------------------------------------------------------------------------------------
+def error_response(status: int, message: str, err_type: str = "BadRequestError",
+                   param: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
+
+
+def _engine_error_status(exc: BaseException) -> int:
+    # A failed step is the server's fault (500); a dead engine or an abort means "try again" (503).
+    return 500 if isinstance(exc, EngineStepError) else 503
+
+
+# Request checks -------------------------------------------------------------------------------------
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is None or model in state.served_model_names:
+        return
+    raise OpenAIServingError(f"The model `{model}` does not exist; this server serves "
+                             f"{', '.join(repr(n) for n in state.served_model_names)}.", param="model")
+
+
+def _check_length(state: ServerState, num_prompt_tokens: int, params: SamplingParams) -> None:
+    max_len = state.max_model_len
+    if num_prompt_tokens == 0:
+        raise OpenAIServingError("The prompt cannot be empty.", param="prompt")
+    if num_prompt_tokens > max_len or (params.max_tokens is None and num_prompt_tokens >= max_len):
+        raise OpenAIServingError(
+            f"This model's maximum context length is {max_len} tokens. However, your prompt has "
+            f"{num_prompt_tokens} tokens. Please reduce the length of the prompt.", param="prompt")
+    if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > max_len:
+        raise OpenAIServingError(
+            f"This model's maximum context length is {max_len} tokens. However, you requested "
+            f"{num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+            f"{params.max_tokens} in the completion). Please reduce the length of the prompt or the "
+            "completion (max_tokens).", param="max_tokens")
+
+
+def need_tokenizer(state: ServerState):
+    if state.tokenizer is None:
+        raise OpenAIServingError("This server has no tokenizer (skip_tokenizer_init): send token-id prompts.")
+    return state.tokenizer
+
+
+# Engine requests ------------------------------------------------------------------------------------
+async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any]],
+                   params: SamplingParams) -> tuple[list[str], list[AsyncStream]]:
+    """Add one engine request per prompt; on any failure abort those already added."""
+    ids: list[str] = []
+    streams: list[AsyncStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = f"{base_id}-{i}"
+            streams.append(await state.engine.add_request(rid, prompt, params))
+            ids.append(rid)
+    except ValueError as e:
+        state.engine.abort(ids)
+        raise OpenAIServingError(str(e)) from e
+    except EngineDeadError as e:
+        state.engine.abort(ids)
+        raise OpenAIServingError(str(e), 503, "ServiceUnavailableError") from e
+    except BaseException:
+        state.engine.abort(ids)
+        raise
+    return ids, streams
+
+
+async def _merge(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (prompt index, output)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, done))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _listen_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _run_unless_disconnected(request: Request, coro) -> Any:
+    """Await coro; if the client goes away first, cancel it (the caller's finally aborts)."""
+    work = asyncio.ensure_future(coro)
+    listener = asyncio.ensure_future(_listen_for_disconnect(request))
+    try:
+        await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        work.cancel()
+        with contextlib.suppress(BaseException):
+            await work
+        return None
+    finally:
+        listener.cancel()
+        if not work.done():
+            work.cancel()
+
+
+def count_usage(prompt_lens: Sequence[int], outputs: Sequence[RequestOutput | None]) -> UsageInfo:
+    prompt = sum(prompt_lens)
+    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+# Logprob values (both wire formats) -----------------------------------------------------------------
+def clamp_logprob(value: float) -> float:
+    # JSON has no -inf/NaN; OpenAI clients expect a large negative number instead.
+    return MIN_LOGPROB if math.isnan(value) else max(value, MIN_LOGPROB)
+
+
+def token_text(state: ServerState, tid: int, lp: Logprob) -> str:
+    if lp.decoded_token is not None:
+        return lp.decoded_token
+    if state.tokenizer is not None:
+        return state.tokenizer.decode([tid])
+    return f"token_id:{tid}"
+
+
+def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
+                                                   -kv[1].logprob))
+    return [(t, lp) for t, lp in ranked if lp.rank is not None and lp.rank <= k][:k] if k else []
+
+
+# Streaming ------------------------------------------------------------------------------------------
+class ChoiceState:
+    """What has been streamed of one choice: text length, token count, logprob text offset."""
+
+    def __init__(self, holdback: int, text_prefix: str = ""):
+        self.holdback = holdback
+        self.sent_text = 0
+        self.sent_tokens = 0
+        self.text_offset = len(text_prefix)
+        self.done = False
+
+    def advance(self, comp: CompletionOutput) -> tuple[str, int, int]:
+        """(new text, first new token index, end token index) to send now."""
+        finished = comp.finish_reason is not None
+        text = comp.text
+        # Hold back what could still become a stop string (it would be cut from the output).
+        limit = len(text) if finished else max(self.sent_text, len(text) - self.holdback)
+        delta = text[self.sent_text:limit] if limit > self.sent_text else ""
+        self.sent_text = max(self.sent_text, limit)
+        start, end = self.sent_tokens, len(comp.token_ids)
+        self.sent_tokens = end
+        self.done = finished
+        return delta, start, end
+
+
+def _holdback(params: SamplingParams) -> int:
+    return max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
+
+
+def _sse(payload: Any) -> str:
+    if hasattr(payload, "model_dump_json"):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _stream_error(exc: BaseException) -> str:
+    status = _engine_error_status(exc)
+    body = ErrorResponse(error=ErrorInfo(message=str(exc), type=ERROR_TYPES[status], code=status))
+    return _sse(body)
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its generator, so its cleanup (the abort) runs as
+    soon as the client is gone rather than whenever the generator is garbage-collected."""
+
+    def __init__(self, content: AsyncIterator[str], on_close=None, **kwargs):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kwargs)
+        self._gen = content
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self._gen.aclose()
+            if self._on_close is not None:
+                self._on_close()  # also covers a generator that never started
+
+
+# Builds one streamed choice: (choice index, output, new text, new tokens' start and end, its state).
+MakeChoice = Callable[[int, CompletionOutput, str, int, int, ChoiceState], Any]
+
+
+# Submission -----------------------------------------------------------------------------------------
+@dataclass
+class Submission:
+    """One API request's engine requests (one per prompt, each with params.n choices). collect()
+    and stream() abort them all when they end, so a failure or a gone client frees the KV cache."""
+
+    state: ServerState
+    base_id: str
+    model: str
+    params: SamplingParams
+    prompt_lens: list[int]
+    ids: list[str]
+    streams: list[AsyncStream]
+
+    def abort(self) -> None:
+        self.state.engine.abort(self.ids)
+
+    async def collect(self, raw_request: Request) -> list[RequestOutput | None] | None:
+        """Each prompt's final output, or None when the client went away first."""
+
+        async def gather() -> list[RequestOutput | None]:
+            final: list[RequestOutput | None] = [None] * len(self.streams)
+            async for i, out in _merge(self.streams):
+                final[i] = out
+            return final
+
+        try:
+            return await _run_unless_disconnected(raw_request, gather())
+        except _ENGINE_ERRORS as e:
+            status = _engine_error_status(e)
+            raise OpenAIServingError(str(e), status, ERROR_TYPES[status]) from e
+        finally:
+            self.abort()
+
+    def stream(self, chunk_type: type, options: StreamOptions | None, text_prefixes: Sequence[str],
+               opening: Sequence[Any], make_choice: MakeChoice) -> StreamingResponse:
+        """The SSE response: one chunk per opening choice, then one per choice that has something
+        new (text, tokens with logprobs, or its finish), then the usage chunk if asked, then [DONE].
+        chunk_type is the endpoint's stream response model; text_prefixes (one per prompt) are
+        already sent text, which logprob text offsets count from."""
+        events = self._events(chunk_type, options, text_prefixes, opening, make_choice)
+        return _SSEResponse(events, on_close=self.abort)
+
+    async def _events(self, chunk_type: type, options: StreamOptions | None, text_prefixes: Sequence[str],
+                      opening: Sequence[Any], make_choice: MakeChoice) -> AsyncIterator[str]:
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        n, k = self.params.n, self.params.logprobs
+        states = [ChoiceState(_holdback(self.params), text_prefixes[i // n]) for i in range(len(self.streams) * n)]
+        last: list[RequestOutput | None] = [None] * len(self.streams)
+        chunk = functools.partial(chunk_type, id=self.base_id, created=int(time.time()), model=self.model)
+        try:
+            for choice in opening:
+                yield _sse(chunk(choices=[choice]))
+            async for i, out in _merge(self.streams):
+                last[i] = out
+                for comp in out.outputs:
+                    idx = i * n + comp.index
+                    st = states[idx]
+                    if st.done:
+                        continue
+                    delta, start, end = st.advance(comp)
+                    if not delta and comp.finish_reason is None and (k is None or start == end):
+                        continue
+                    event = chunk(choices=[make_choice(idx, comp, delta, start, end, st)])
+                    if continuous:
+                        event.usage = count_usage(self.prompt_lens, last)
+                    yield _sse(event)
+            if include_usage:
+                yield _sse(chunk(choices=[], usage=count_usage(self.prompt_lens, last)))
+        except _ENGINE_ERRORS as e:
+            yield _stream_error(e)
+        finally:
+            self.abort()
+        yield "data: [DONE]\n\n"
+
+
+async def submit(state: ServerState, id_prefix: str, model: str | None, prompts: list[dict[str, Any]],
+                 params: SamplingParams) -> Submission:
+    """Check each prompt's length, then add them all to the engine as one Submission."""
+    for p in prompts:
+        _check_length(state, len(p["prompt_token_ids"]), params)
+    base_id = random_id(id_prefix)
+    prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
+    ids, streams = await _add_all(state, base_id, prompts, params)
+    return Submission(state, base_id, model or state.model_name, params, prompt_lens, ids, streams)

@@ -1,0 +1,96 @@
+"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template, n choices of one
+assistant message, chat-style logprobs; streamed as SSE deltas with stream=true."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from vllm_spec.entrypoints.openai import serving
+from vllm_spec.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    DeltaMessage,
+    OpenAIServingError,
+)
+from vllm_spec.outputs import CompletionOutput, Logprob
+
+
+def _chat_prompt(state: serving.ServerState, request: ChatCompletionRequest) -> dict[str, Any]:
+    tok = serving.need_tokenizer(state)
+    messages = [m.to_template_dict() for m in request.messages]
+    kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
+    if request.continue_final_message:
+        kwargs["continue_final_message"] = True
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=request.add_generation_prompt,
+                                       chat_template=request.chat_template, **kwargs)
+    except Exception as e:
+        raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
+    if not isinstance(text, str):
+        raise OpenAIServingError("the chat template did not render to text.", param="messages")
+    return {"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids}
+
+
+def _chat_logprobs(state: serving.ServerState, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]],
+                   k: int) -> ChatCompletionLogProbs:
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        lp = entry.get(tid)
+        text = serving.token_text(state, tid, lp) if lp is not None else ""
+        tops = [ChatCompletionLogProb(token=(s := serving.token_text(state, t, v)),
+                                      logprob=serving.clamp_logprob(v.logprob),
+                                      bytes=list(s.encode("utf-8", errors="replace")))
+                for t, v in serving.top_entries(entry, k)]
+        content.append(ChatCompletionLogProbsContent(
+            token=text, logprob=serving.clamp_logprob(lp.logprob) if lp is not None else serving.MIN_LOGPROB,
+            bytes=list(text.encode("utf-8", errors="replace")), top_logprobs=tops))
+    return ChatCompletionLogProbs(content=content)
+
+
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+    state = serving.server_state(raw_request)
+    serving.check_model(state, request.model)
+    params = request.to_sampling_params()
+    prompt = _chat_prompt(state, request)
+    sub = await serving.submit(state, "chatcmpl", request.model, [prompt], params)
+    k = params.logprobs
+
+    if request.stream:
+        def choice(idx: int, comp: CompletionOutput, delta: str, start: int, end: int,
+                   st: serving.ChoiceState) -> ChatCompletionResponseStreamChoice:
+            lps = None
+            if k is not None and comp.logprobs is not None:
+                lps = _chat_logprobs(state, comp.token_ids[start:end], comp.logprobs[start:end], k)
+            return ChatCompletionResponseStreamChoice(
+                index=idx, delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
+                logprobs=lps, finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
+
+        # As OpenAI: each choice opens with a delta that carries only the role.
+        opening = [ChatCompletionResponseStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content=""))
+                   for idx in range(params.n)]
+        return sub.stream(ChatCompletionStreamResponse, request.stream_options, [""], opening, choice)
+
+    final = await sub.collect(raw_request)
+    if final is None or final[0] is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    choices = [
+        ChatCompletionResponseChoice(
+            index=comp.index, message=ChatResponseMessage(content=comp.text),
+            logprobs=(_chat_logprobs(state, comp.token_ids, comp.logprobs, k)
+                      if k is not None and comp.logprobs is not None else None),
+            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
+        for comp in final[0].outputs
+    ]
+    return JSONResponse(ChatCompletionResponse(id=sub.base_id, model=sub.model, choices=choices,
+                                               usage=serving.count_usage(sub.prompt_lens, final)).model_dump())

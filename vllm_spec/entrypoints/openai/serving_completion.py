@@ -1,0 +1,101 @@
+"""POST /v1/completions: text or token-id prompts (one or a batch), optional echo, legacy logprobs
+(tokens, token_logprobs, top_logprobs, text_offset); streamed as SSE with stream=true."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from vllm_spec.entrypoints.openai import serving
+from vllm_spec.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    OpenAIServingError,
+)
+from vllm_spec.outputs import CompletionOutput, Logprob
+
+
+def _completion_prompts(state: serving.ServerState, request: CompletionRequest) -> list[dict[str, Any]]:
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        items: list[str | list[int]] = [prompt]
+    elif not prompt:
+        raise OpenAIServingError("prompt must not be empty.", param="prompt")
+    elif all(isinstance(p, int) for p in prompt):
+        items = [list(prompt)]
+    else:
+        items = list(prompt)
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            tok = serving.need_tokenizer(state)
+            out.append({"prompt": item, "prompt_token_ids": tok(item).input_ids})
+        else:
+            text = state.tokenizer.decode(item) if (state.tokenizer is not None and request.echo) else None
+            out.append({"prompt": text, "prompt_token_ids": list(item)})
+    return out
+
+
+def _completion_logprobs(state: serving.ServerState, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]],
+                         k: int, offset: int) -> tuple[CompletionLogProbs, int]:
+    out = CompletionLogProbs()
+    for tid, entry in zip(token_ids, entries):
+        lp = entry.get(tid)
+        text = serving.token_text(state, tid, lp) if lp is not None else (state.tokenizer.decode([tid])
+                                                                  if state.tokenizer else "")
+        out.tokens.append(text)
+        out.token_logprobs.append(serving.clamp_logprob(lp.logprob) if lp is not None else None)
+        top = {serving.token_text(state, t, v): serving.clamp_logprob(v.logprob)
+               for t, v in serving.top_entries(entry, k)}
+        if lp is not None:
+            top.setdefault(text, serving.clamp_logprob(lp.logprob))  # as vLLM: the sampled token is always listed
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out, offset
+
+
+async def create_completion(request: CompletionRequest, raw_request: Request):
+    state = serving.server_state(raw_request)
+    serving.check_model(state, request.model)
+    params = request.to_sampling_params()
+    prompts = _completion_prompts(state, request)
+    sub = await serving.submit(state, "cmpl", request.model, prompts, params)
+    n, k = params.n, params.logprobs
+    echo = [(p["prompt"] or "") if request.echo else "" for p in prompts]
+
+    if request.stream:
+        def choice(idx: int, comp: CompletionOutput, delta: str, start: int, end: int,
+                   st: serving.ChoiceState) -> CompletionResponseChoice:
+            lps = None
+            if k is not None and comp.logprobs is not None:
+                lps, st.text_offset = _completion_logprobs(
+                    state, comp.token_ids[start:end], comp.logprobs[start:end], k, st.text_offset)
+            return CompletionResponseChoice(index=idx, text=delta, logprobs=lps, finish_reason=comp.finish_reason,
+                                            stop_reason=comp.stop_reason)
+
+        # With echo, each choice first gets its prompt text as a chunk of its own.
+        opening = ([CompletionResponseChoice(index=idx, text=echo[idx // n]) for idx in range(len(prompts) * n)]
+                   if request.echo else [])
+        return sub.stream(CompletionStreamResponse, request.stream_options, echo, opening, choice)
+
+    final = await sub.collect(raw_request)
+    if final is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    choices = []
+    for i, out in enumerate(final):
+        for comp in out.outputs:
+            lps = None
+            if k is not None and comp.logprobs is not None:
+                lps, _ = _completion_logprobs(state, comp.token_ids, comp.logprobs, k, len(echo[i]))
+            choices.append(CompletionResponseChoice(index=i * n + comp.index, text=echo[i] + comp.text,
+                                                    logprobs=lps, finish_reason=comp.finish_reason,
+                                                    stop_reason=comp.stop_reason))
+    return JSONResponse(CompletionResponse(id=sub.base_id, model=sub.model, choices=choices,
+                                           usage=serving.count_usage(sub.prompt_lens, final)).model_dump())
