@@ -33,6 +33,18 @@ def test_greedy_accepts_matching_prefix_then_emits_target_token():
     assert out.num_accepted.tolist() == [3, 1, 0]
 
 
+def test_greedy_from_precomputed_target_tokens():
+    # The engine's greedy fast path passes the target's tokens, no [B, k+1, V] distributions.
+    drafts = torch.tensor([[1, 2, 3], [1, 5, 3], [0, 2, 3]])
+    greedy = _md([SamplingParams(temperature=0)] * 3)
+    out = rejection_sample(None, drafts, None, torch.tensor([3, 2, 3]), greedy,
+                           target_argmax=torch.tensor([[1, 2, 3, 4]] * 3))
+    assert out.tokens.tolist() == [[1, 2, 3, 4], [1, 2, -1, -1], [1, -1, -1, -1]]
+    with pytest.raises(AssertionError, match="distributions"):
+        rejection_sample(None, drafts, None, torch.tensor([3, 3, 3]), _md([SamplingParams(temperature=1)] * 3),
+                         target_argmax=torch.tensor([[1, 2, 3, 4]] * 3))
+
+
 def test_rows_with_fewer_drafts_take_their_bonus_early():
     V = 6
     target = _one_hot([1, 2, 3, 4], V).unsqueeze(0).repeat(3, 1, 1)

@@ -45,18 +45,22 @@ def _synthetic_rates(md: SamplingMetadata, engine_rate: float | None, B: int,
 
 
 def rejection_sample(
-    target_probs: torch.Tensor,
+    target_probs: torch.Tensor | None,
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     num_drafts: torch.Tensor,
     md: SamplingMetadata,
     generator: torch.Generator | None = None,
     synthetic_acceptance_rate: float | None = None,
+    target_argmax: torch.Tensor | None = None,
 ) -> VerifyOutput:
     """Verify drafts against the target.
 
     target_probs: [B, k+1, V] the target's processed distributions (greedy rows: any
-        distribution whose argmax is the greedy token).
+        distribution whose argmax is the greedy token). May be None when every row is
+        greedy and target_argmax is given.
+    target_argmax: [B, k+1] the target's greedy tokens, when the caller has them already
+        (then no [B, k+1, V] tensor needs to exist for an all-greedy batch).
     draft_tokens: [B, k]; entries past num_drafts[b] are ignored.
     draft_probs: [B, k, V] the draft's distributions the tokens were sampled from,
         or None for a deterministic proposer (q is one-hot at the draft token).
@@ -66,12 +70,15 @@ def rejection_sample(
         (the output is then NOT the target's distribution). Rows with their own rate
         (md.synthetic_acceptance) use theirs.
     """
-    B, k1, _ = target_probs.shape
+    if target_argmax is None:
+        B, k1, _ = target_probs.shape
+        target_argmax = argmax_rows(target_probs.reshape(B * k1, -1)).view(B, k1)
+    B, k1 = target_argmax.shape
     k = k1 - 1
-    device = target_probs.device
+    device = target_argmax.device
+    assert target_probs is not None or md.all_greedy, "sampled rows need the target's distributions"
     pos = torch.arange(k, device=device).unsqueeze(0)
     in_range = pos < num_drafts.unsqueeze(1)                                   # [B, k]
-    target_argmax = argmax_rows(target_probs.reshape(B * k1, -1)).view(B, k1)    # [B, k+1]
     safe_drafts = draft_tokens.clamp(min=0)
     accept = target_argmax[:, :k] == safe_drafts
     if not md.all_greedy:

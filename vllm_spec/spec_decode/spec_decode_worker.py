@@ -13,6 +13,7 @@ import torch
 from vllm_spec.config import EngineConfig
 from vllm_spec.distributed.parallel_state import get_draft_tp_group
 from vllm_spec.model.loader import load_model
+from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
 from vllm_spec.sample.sampler import SamplerOutput, gather_logprobs, process_logits
 from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer
@@ -190,18 +191,20 @@ class SpecDecodeWorker:
             if not plain_greedy:
                 exp_rows += self._position_rows(seq, n, drafts_host and drafts_host[spec_row[i]])
         raw = self.target.runner.run(batch, torch.tensor(logit_rows, device=dev))
-        if plain_greedy:
-            probs = raw
+        R = len(sampled)
+        grid = (torch.tensor(grid_r, device=dev), torch.tensor(grid_j, device=dev))
+        target_probs = target_argmax = None
+        if plain_greedy:   # the greedy tokens are all the verifier needs: no [R, k+1, V] tensor
+            target_argmax = torch.zeros(R, k + 1, dtype=torch.long, device=dev)
+            target_argmax[grid] = argmax_rows(raw)
         else:
             exp_md = self._metadata(exp_rows)
             processed = process_logits(raw, exp_md)
             probs = processed if exp_md.all_greedy else processed.softmax(dim=-1)
-        R = len(sampled)
-        grid = (torch.tensor(grid_r, device=dev), torch.tensor(grid_j, device=dev))
-        target_probs = probs.new_zeros(R, k + 1, self.vocab_size)
-        target_probs[grid] = probs
+            target_probs = probs.new_zeros(R, k + 1, self.vocab_size)
+            target_probs[grid] = probs
         draft_tokens = torch.zeros(R, k, dtype=torch.long, device=dev)
-        draft_probs = None if proposals.probs is None else probs.new_zeros(R, k, self.vocab_size)
+        draft_probs = None if proposals.probs is None else raw.new_zeros(R, k, self.vocab_size)
         row_of = {i: r for r, i in enumerate(sampled)}
         rows_of_spec = torch.tensor([row_of[i] for i in spec_idx], device=dev)
         draft_tokens[rows_of_spec] = proposals.token_ids[:, :k]
@@ -212,7 +215,8 @@ class SpecDecodeWorker:
         row_md = draft_md if spec_idx == sampled else self._metadata(
             [self.target.sampling_row(req.seqs[i]) for i in sampled], for_draft=True)
         result = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, row_md,
-                                  self.target.sampler.generator, self.config.speculative.synthetic_acceptance_rate)
+                                  self.target.sampler.generator, self.config.speculative.synthetic_acceptance_rate,
+                                  target_argmax)
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
         emitted = [[t for t in row if t >= 0] for row in tokens.tolist()]   # the step's one D2H copy
 
