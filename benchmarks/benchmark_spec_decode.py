@@ -7,8 +7,9 @@ HF transformers greedy `generate` on the same target. Reports ms/step, tokens/s,
 the memory-bandwidth floor (weights + KV read per step over a copy bandwidth measured
 in this run), speedup over plain, and the ratio to the theoretical speedup
 E / (k*c + V) with E = (1 - A^(k+1)) / (1 - A), c = draft step / target step and
-V = verify step / target step, all measured here. Host time per step (scheduling +
-output processing) is reported separately.
+V = verify step / target step, all measured here. Host time per step (scheduling, the
+worker's input preparation and launches, output processing; not the time spent waiting for
+the device) is reported separately.
 
     python benchmarks/benchmark_spec_decode.py --batch-sizes 1 4 16 64 256 --ks 1 2 4 8 \\
         --acceptance 0.5 0.7 0.9 --drafts 68m 1b --hf
@@ -120,6 +121,7 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_len: int, see
     sync()
     before = {n: metric(engine, n) for n in (
         "vllm:engine_steps", "vllm:engine_host_schedule_seconds", "vllm:engine_host_output_seconds",
+        "vllm:engine_host_worker_seconds",
         "vllm:generation_tokens", "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
     spec = engine.spec_metrics
     d0, v0, s0 = (spec.draft_time, spec.verify_time, spec.num_steps) if spec else (0, 0, 0)
@@ -140,8 +142,8 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_len: int, see
         ms_per_step=elapsed / steps * 1e3,
         tokens_per_s=delta["vllm:generation_tokens"] / elapsed,
         ms_per_token_per_seq=elapsed / (delta["vllm:generation_tokens"] / batch) * 1e3,
-        host_ms_per_step=(delta["vllm:engine_host_schedule_seconds"] + delta["vllm:engine_host_output_seconds"])
-        / steps * 1e3,
+        host_ms_per_step=(delta["vllm:engine_host_schedule_seconds"] + delta["vllm:engine_host_worker_seconds"]
+                          + delta["vllm:engine_host_output_seconds"]) / steps * 1e3,
     )
     if spec:
         n = max(spec.num_steps - s0, 1)

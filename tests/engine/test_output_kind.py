@@ -49,3 +49,4 @@ def test_final_only_reports_once(engine):
 def test_output_kind_is_validated():
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="delta")
+

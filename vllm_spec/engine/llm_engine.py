@@ -187,7 +187,7 @@ class LLMEngine:
             if finished:
                 self.stats.on_finished(self.requests.pop(request.request_id), now)
         t3 = time.perf_counter()
-        self.stats.on_step(t3 - t0, t1 - t0, t3 - t2)
+        self.stats.on_step(t3 - t0, t1 - t0, (t2 - t1) - result.device_wait_time, t3 - t2)
         return outputs
 
     @staticmethod

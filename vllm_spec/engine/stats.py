@@ -16,8 +16,10 @@ class EngineStats:
         self.generation_tokens = 0
         self.num_steps = 0
         self.step_time = 0.0
-        # Host-side phases of a step: scheduling + building the batch, and output processing.
+        # Host-side phases of a step: scheduling + building the batch, the worker's host work
+        # (input preparation, launches; on a CPU device also the model itself), output processing.
         self.schedule_time = 0.0
+        self.worker_host_time = 0.0
         self.output_time = 0.0
         self.finished: TallyCounter[str] = TallyCounter()
         self.ttft = HistogramRecorder("vllm:time_to_first_token_seconds")
@@ -37,10 +39,11 @@ class EngineStats:
         for seq in request.seqs:
             self.finished[seq.status.finish_reason or "abort"] += 1
 
-    def on_step(self, total: float, schedule: float, output: float) -> None:
+    def on_step(self, total: float, schedule: float, worker_host: float, output: float) -> None:
         self.num_steps += 1
         self.step_time += total
         self.schedule_time += schedule
+        self.worker_host_time += worker_host
         self.output_time += output
 
     def snapshot(self, running: int, waiting: int, kv_usage: float, num_preemptions: int) -> list[Metric]:
@@ -54,6 +57,7 @@ class EngineStats:
             Counter("vllm:engine_steps", value=self.num_steps),
             Counter("vllm:engine_step_seconds", value=self.step_time),
             Counter("vllm:engine_host_schedule_seconds", value=self.schedule_time),
+            Counter("vllm:engine_host_worker_seconds", value=self.worker_host_time),
             Counter("vllm:engine_host_output_seconds", value=self.output_time),
         ]
         metrics += [Counter("vllm:request_success", {"finished_reason": r}, v) for r, v in sorted(self.finished.items())]

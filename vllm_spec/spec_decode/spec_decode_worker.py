@@ -8,6 +8,8 @@ or not speculating this step) is the k = 0 case of the same thing.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from vllm_spec.config import EngineConfig
@@ -42,6 +44,7 @@ class SpecDecodeWorker:
         self.vocab_size = self.target.vocab_size
         self.draft_runner: ModelRunner | None = None
         self.draft_proposer: DraftModelProposer | None = None   # on ranks of the draft's group
+        self._device_wait = 0.0   # of the last verification's device->host copy
         self.proposer: Proposer
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min, self.device)
@@ -130,8 +133,10 @@ class SpecDecodeWorker:
         timer.mark()
         if spec_idx:
             outputs, stats = self._score_and_verify(req, spec_idx, proposals, draft_md)
+            device_wait = self._device_wait
         else:
-            outputs = self.target.execute_model(req).outputs
+            plain = self.target.execute_model(req)
+            outputs, device_wait = plain.outputs, plain.device_wait_time
             stats = SpecStepStats(0, 0, 0, [], 0.0, 0.0)
         stats.draft_time, stats.verify_time = timer.finish()
         by_id = {o.seq_id: len(o.token_ids) - 1 for o in outputs}
@@ -140,7 +145,7 @@ class SpecDecodeWorker:
                             [by_id.get(sid, 0) for sid in shape.seq_ids],
                             stats if spec_idx else None, stats.draft_time + stats.verify_time)
         stats.policy = self.policy.estimates()
-        return StepOutput(outputs, stats)
+        return StepOutput(outputs, stats, device_wait)
 
     def _metadata(self, rows: list[SamplingRow], for_draft: bool = False) -> SamplingMetadata | None:
         return SamplingMetadata.build(rows, self.vocab_size, self.device, for_draft) if rows else None
@@ -218,7 +223,9 @@ class SpecDecodeWorker:
                                   self.target.sampler.generator, self.config.speculative.synthetic_acceptance_rate,
                                   target_argmax)
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
+        wait = time.perf_counter()
         emitted = [[t for t in row if t >= 0] for row in tokens.tolist()]   # the step's one D2H copy
+        self._device_wait = time.perf_counter() - wait
 
         logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
         outputs = [SeqOutput(req.seqs[i].seq_id, toks, lps) for i, toks, lps in zip(sampled, emitted, logprobs)]

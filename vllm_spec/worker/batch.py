@@ -75,3 +75,6 @@ class SpecStepStats:
 class StepOutput:
     outputs: list[SeqOutput]
     spec: SpecStepStats | None = None
+    # Seconds the worker's host thread waited for the device (the step's device->host copy):
+    # the rest of the worker's time is host work (input preparation, launches, sampling metadata).
+    device_wait_time: float = 0.0

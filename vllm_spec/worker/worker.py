@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from vllm_spec.config import EngineConfig
@@ -87,10 +89,12 @@ class Worker:
         seqs = [req.seqs[i] for i in sampled]
         md = SamplingMetadata.build([self.sampling_row(s) for s in seqs], self.vocab_size, self.device)
         out = self.sampler(logits, md)
-        tokens = out.sampled.tolist()
+        wait = time.perf_counter()
+        tokens = out.sampled.tolist()   # the step's device->host copy: waits for the device
+        wait = time.perf_counter() - wait
         logprobs = logprob_dicts(out, [s.sampling_params.logprobs for s in seqs])
         return StepOutput([SeqOutput(s.seq_id, [t], None if lp is None else [lp])
-                           for s, t, lp in zip(seqs, tokens, logprobs)])
+                           for s, t, lp in zip(seqs, tokens, logprobs)], device_wait_time=wait)
 
 
 def logprob_dicts(out: SamplerOutput, num_logprobs: list[int | None]) -> list[dict[int, Logprob] | None]:
