@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then the speculative-decoding benchmark. Logs go to $OUT.
-# Usage (on the device machine, repo root): bash benchmarks/gpu_session.sh [benchmark args...]
+# One device call: GPU tests, the speculative-decoding benchmark, optionally the policy benchmark.
+# Logs and JSON go to $OUT.
+# Usage (on the device machine, repo root): [SKIP_TESTS=1] [POLICY=1] bash benchmarks/gpu_session.sh [spec args...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -13,4 +14,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 fi
 python3 benchmarks/benchmark_spec_decode.py --out "$OUT/spec_decode.json" --plot "$OUT/speedup.png" "$@" \
-    2>&1 | tee "$OUT/bench.log" | tail -60
+    2>&1 | tee "$OUT/bench.log" | grep -v "^{" | tail -60
+if [ "${POLICY:-0}" = 1 ]; then
+    python3 benchmarks/benchmark_policy.py --out "$OUT/policy.json" --plot "$OUT/policy.png" \
+        2>&1 | tee "$OUT/policy.log" | grep -v "^{" | tail -45
+fi
