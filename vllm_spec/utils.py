@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 def concat_slice(first: list[int], second: list[int], start: int, stop: int) -> list[int]:
     """(first + second)[start:stop] without building the concatenation."""
@@ -11,3 +13,13 @@ def concat_slice(first: list[int], second: list[int], start: int, stop: int) -> 
     if start >= n:
         return second[start - n: stop - n]
     return first[start:] + second[: stop - n]
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list as a device tensor, queued behind the device's work instead of waiting for it.
+
+    torch.tensor(values, device="cuda") copies synchronously: the host blocks until every kernel
+    already queued has run, and the device then idles while the host catches up. Mid-step index
+    tensors go through here instead.
+    """
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_spec.sampling_params import SamplingParams
+from vllm_spec.utils import to_device
 
 
 @dataclass
@@ -56,17 +57,16 @@ class SamplingMetadata:
         """`for_draft` keeps only what shapes a proposal distribution (temperature and truncation):
         the verifier corrects for any draft distribution, so penalties are not worth their cost there."""
         ps = [r.params for r in rows]
-        f32 = dict(dtype=torch.float32, device=device)
+        f32 = dict(device=device, dtype=torch.float32)
         greedy = [p.is_greedy for p in ps]
-        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(ps, greedy)], **f32)
+        temperature = to_device([1.0 if g else p.temperature for p, g in zip(ps, greedy)], **f32)
         top_k = top_p = min_p = None
         if any(p.top_k > 0 for p in ps):
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps],
-                                 dtype=torch.long, device=device)
+            top_k = to_device([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps], device)
         if any(p.top_p < 1.0 for p in ps):
-            top_p = torch.tensor([p.top_p for p in ps], **f32)
+            top_p = to_device([p.top_p for p in ps], **f32)
         if any(p.min_p > 0.0 for p in ps):
-            min_p = torch.tensor([p.min_p for p in ps], **f32)
+            min_p = to_device([p.min_p for p in ps], **f32)
         banned_r, banned_t = [], []
         for i, r in enumerate(rows):
             if not for_draft and len(r.output_token_ids) + r.num_pending < r.params.min_tokens:
@@ -77,16 +77,16 @@ class SamplingMetadata:
         rates = [p.synthetic_acceptance_rate for p in ps]
         return cls(
             temperature=temperature,
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy=to_device(greedy, device, torch.bool),
             all_greedy=all(greedy),
             top_k=top_k, top_p=top_p, min_p=min_p,
             penalties=(_penalties(rows, vocab_size, device)
                        if not for_draft and any(p.has_penalties for p in ps) else None),
-            banned_rows=torch.tensor(banned_r, dtype=torch.long, device=device) if banned_r else None,
-            banned_tokens=torch.tensor(banned_t, dtype=torch.long, device=device) if banned_t else None,
+            banned_rows=to_device(banned_r, device) if banned_r else None,
+            banned_tokens=to_device(banned_t, device) if banned_t else None,
             generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None},
             max_num_logprobs=max(logprobs) if logprobs else None,
-            synthetic_acceptance=(torch.tensor([float("nan") if r is None else r for r in rates], **f32)
+            synthetic_acceptance=(to_device([float("nan") if r is None else r for r in rates], **f32)
                                   if any(r is not None for r in rates) else None),
         )
 
@@ -99,19 +99,19 @@ def _token_matrix(seqs: list[list[int]], vocab_size: int, device: torch.device) 
         padded = torch.full((len(seqs), width), vocab_size, dtype=torch.long)
         for i, s in enumerate(seqs):
             padded[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        padded = padded.clamp(max=vocab_size).to(device)
+        padded = padded.clamp(max=vocab_size).to(device, non_blocking=True)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
 
 
 def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> Penalties:
-    f32 = dict(dtype=torch.float32, device=device)
+    f32 = dict(device=device, dtype=torch.float32)
     out_counts = _token_matrix([r.output_token_ids for r in rows], vocab_size, device)
     prompt_counts = _token_matrix([r.prompt_token_ids for r in rows], vocab_size, device)
     return Penalties(
-        presence=torch.tensor([r.params.presence_penalty for r in rows], **f32),
-        frequency=torch.tensor([r.params.frequency_penalty for r in rows], **f32),
-        repetition=torch.tensor([r.params.repetition_penalty for r in rows], **f32),
+        presence=to_device([r.params.presence_penalty for r in rows], **f32),
+        frequency=to_device([r.params.frequency_penalty for r in rows], **f32),
+        repetition=to_device([r.params.repetition_penalty for r in rows], **f32),
         output_counts=out_counts,
         seen=(out_counts > 0) | (prompt_counts > 0),
     )

@@ -35,7 +35,8 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         logits = logits - pen.frequency.unsqueeze(1) * pen.output_counts
         logits = logits - pen.presence.unsqueeze(1) * (pen.output_counts > 0).to(logits.dtype)
     if md.banned_rows is not None:
-        logits = logits.index_put((md.banned_rows, md.banned_tokens), torch.tensor(float("-inf"), device=logits.device))
+        logits = logits.index_put((md.banned_rows, md.banned_tokens),
+                                  torch.full((), float("-inf"), device=logits.device, dtype=logits.dtype))
     return logits
 
 
@@ -43,7 +44,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
     """Mask to -inf everything outside each row's top-k, nucleus (top-p) and min-p sets."""
     if md.top_k is None and md.top_p is None and md.min_p is None:
         return logits
-    neg_inf = torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype)
+    neg_inf = torch.full((), float("-inf"), device=logits.device, dtype=logits.dtype)
     if md.top_k is not None or md.top_p is not None:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         remove = torch.zeros_like(sorted_logits, dtype=torch.bool)

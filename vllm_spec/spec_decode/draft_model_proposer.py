@@ -20,6 +20,7 @@ from vllm_spec.sample.metadata import SamplingMetadata
 from vllm_spec.sample.sampler import apply_top_k_top_p_min_p, exponential_noise
 from vllm_spec.spec_decode.draft_loop import GreedyDraftLoop
 from vllm_spec.spec_decode.proposer import Proposals, tokens_from
+from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import SeqInput
 from vllm_spec.worker.cuda_graph import BATCH_BUCKETS
 from vllm_spec.worker.model_runner import ModelRunner, to_device_aligned
@@ -69,16 +70,16 @@ class DraftModelProposer:
         row_in_batch = {i: r for r, i in enumerate(fed)}
         spec_rows = [row_in_batch[i] for i in spec]
         dev = self.runner.device
-        ends = batch.md.query_start_loc[1:][torch.tensor(spec_rows, device=dev)] - 1
+        ends = batch.md.query_start_loc[1:][to_device(spec_rows, dev)] - 1
         tokens, probs = self._sample(self.runner.run(batch, ends), md)
         all_tokens, all_probs = [tokens], [probs]
         if k > 1:
             lens = [catch_up[r].seq_len for r in spec_rows]
             # A row asking fewer than k drafts keeps rewriting its last legal slot (a
             # position the target overwrites when verifying), never past its reservation.
-            limits = torch.tensor([n + num_drafts[i] - 1 for n, i in zip(lens, spec)], device=dev)
-            positions = torch.tensor(lens, device=dev)
-            md_step = self._decode_metadata(batch.md.block_tables[torch.tensor(spec_rows, device=dev)],
+            limits = to_device([n + num_drafts[i] - 1 for n, i in zip(lens, spec)], dev)
+            positions = to_device(lens, dev)
+            md_step = self._decode_metadata(batch.md.block_tables[to_device(spec_rows, dev)],
                                             positions, max(lens) + 1, batch.md.block_size)
             graph = self.runner.graph_for(1, len(spec_rows))
             for _ in range(k - 1):

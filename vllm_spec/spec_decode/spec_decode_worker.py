@@ -26,6 +26,7 @@ from vllm_spec.spec_decode.proposer import Proposals, Proposer
 from vllm_spec.spec_decode.rejection_sampler import rejection_sample
 from vllm_spec.spec_decode.timer import StepTimer
 from vllm_spec.spec_decode.tp_proposer import TPProposer
+from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, SpecStepStats, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner
 from vllm_spec.worker.worker import Worker, logprob_dicts
@@ -176,8 +177,7 @@ class SpecDecodeWorker:
             src_row += [spec_row[i]] * n
             src_pos += range(n)
         if dst:
-            batch.input_ids[torch.tensor(dst, device=dev)] = proposals.token_ids[
-                torch.tensor(src_row, device=dev), torch.tensor(src_pos, device=dev)]
+            batch.input_ids[to_device(dst, dev)] = proposals.token_ids[to_device(src_row, dev), to_device(src_pos, dev)]
 
         sampled = [i for i, s in enumerate(req.seqs) if s.sample]
         drafts_host = proposals.token_ids.tolist() if any(
@@ -195,9 +195,9 @@ class SpecDecodeWorker:
             grid_j += range(n + 1)
             if not plain_greedy:
                 exp_rows += self._position_rows(seq, n, drafts_host and drafts_host[spec_row[i]])
-        raw = self.target.runner.run(batch, torch.tensor(logit_rows, device=dev))
+        raw = self.target.runner.run(batch, to_device(logit_rows, dev))
         R = len(sampled)
-        grid = (torch.tensor(grid_r, device=dev), torch.tensor(grid_j, device=dev))
+        grid = (to_device(grid_r, dev), to_device(grid_j, dev))
         target_probs = target_argmax = None
         if plain_greedy:   # the greedy tokens are all the verifier needs: no [R, k+1, V] tensor
             target_argmax = torch.zeros(R, k + 1, dtype=torch.long, device=dev)
@@ -211,11 +211,11 @@ class SpecDecodeWorker:
         draft_tokens = torch.zeros(R, k, dtype=torch.long, device=dev)
         draft_probs = None if proposals.probs is None else raw.new_zeros(R, k, self.vocab_size)
         row_of = {i: r for r, i in enumerate(sampled)}
-        rows_of_spec = torch.tensor([row_of[i] for i in spec_idx], device=dev)
+        rows_of_spec = to_device([row_of[i] for i in spec_idx], dev)
         draft_tokens[rows_of_spec] = proposals.token_ids[:, :k]
         if draft_probs is not None:
             draft_probs[rows_of_spec] = proposals.probs[:, :k]
-        num_drafts = torch.tensor([found.get(i, 0) for i in sampled], device=dev)
+        num_drafts = to_device([found.get(i, 0) for i in sampled], dev)
         # The verifier's per-row metadata is the draft's when every sampled sequence speculated.
         row_md = draft_md if spec_idx == sampled else self._metadata(
             [self.target.sampling_row(req.seqs[i]) for i in sampled], for_draft=True)
@@ -253,8 +253,8 @@ class SpecDecodeWorker:
         if all(w is None for w in wanted):
             return [None] * len(seqs)
         keep = [n for n, (r, j) in enumerate(zip(grid_r, grid_j)) if j < len(emitted[r])]
-        tokens = torch.tensor([emitted[grid_r[n]][grid_j[n]] for n in keep], device=raw.device)
-        ids, lps, ranks = gather_logprobs(raw[torch.tensor(keep, device=raw.device)], tokens,
+        tokens = to_device([emitted[grid_r[n]][grid_j[n]] for n in keep], raw.device)
+        ids, lps, ranks = gather_logprobs(raw[to_device(keep, raw.device)], tokens,
                                           max(w for w in wanted if w is not None))
         dicts = logprob_dicts(SamplerOutput(tokens, ids, lps, ranks), [wanted[grid_r[n]] for n in keep])
         per_seq: list[list | None] = [[] if w is not None else None for w in wanted]

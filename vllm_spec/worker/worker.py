@@ -12,6 +12,7 @@ from vllm_spec.model.loader import load_model
 from vllm_spec.outputs import Logprob
 from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
 from vllm_spec.sample.sampler import Sampler, SamplerOutput
+from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner
 
@@ -85,7 +86,7 @@ class Worker:
             self.runner.forward(batch)
             return StepOutput([])
         ends = batch.md.query_start_loc[1:] - 1
-        logits = self.runner.run(batch, ends[torch.tensor(sampled, device=self.device)])
+        logits = self.runner.run(batch, ends[to_device(sampled, self.device)])
         seqs = [req.seqs[i] for i in sampled]
         md = SamplingMetadata.build([self.sampling_row(s) for s in seqs], self.vocab_size, self.device)
         out = self.sampler(logits, md)
