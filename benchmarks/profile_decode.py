@@ -108,12 +108,14 @@ def main() -> None:
             ratio = sum(p.numel() for p in worker.draft_runner.model.parameters()) / sum(
                 p.numel() for p in worker.target.runner.model.parameters())
             worker.policy = AdaptivePolicy(args.k, draft_cost_ratio=ratio)
-    run_decode(engine, args.batch, 128, 16, seed=0)
+    mixed = [{"synthetic_acceptance_rate": 0.9 if i % 2 else 0.3} for i in range(args.batch)] if args.mixed else None
+    vocab = engine.config.model.arch.vocab_size
+    run_decode(engine, args.batch, 128, 16, seed=0, extra_args=mixed, vocab=vocab)
     if args.trace_steps:
         trace_steps(engine, args.batch, args.trace_steps, args.mixed)
         return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run_decode(engine, args.batch, 128, 24, seed=1)
+        run_decode(engine, args.batch, 128, 24, seed=1, extra_args=mixed, vocab=vocab)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
