@@ -344,6 +344,20 @@ def test_metrics_spec_decode_counters_move(server):
     assert 'vllm:e2e_request_latency_seconds_bucket{le="+Inf"' in after_text
 
 
+def test_vllm_xargs_reach_sampling_params(server):
+    # vLLM's vllm_xargs become SamplingParams.extra_args: a synthetic acceptance of 1 accepts every draft.
+    names = ["vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"]
+    before_text = _metrics_text(server)
+    before = {n: _metric(before_text, n, model_name=MODEL_NAME) for n in names}
+    r = _post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": PROMPTS[2], "max_tokens": 13,
+                                          "temperature": 0, "ignore_eos": True,
+                                          "vllm_xargs": {"synthetic_acceptance_rate": 1.0}})
+    assert r.status_code == 200, r.text
+    after_text = _metrics_text(server)
+    drafted, accepted = (_metric(after_text, n, model_name=MODEL_NAME) - before[n] for n in names)
+    assert drafted > 0 and accepted == drafted
+
+
 # Errors -------------------------------------------------------------------------------------------------
 def test_bad_inputs_get_400_and_server_keeps_serving(server):
     good = {"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
@@ -373,6 +387,7 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server):
         ("/v1/completions", {"model": MODEL_NAME}, "json", "prompt"),
         ("/v1/chat/completions", {**chat_good, "messages": []}, "json", "messages"),
         ("/v1/chat/completions", {**chat_good, "top_logprobs": 2}, "json", "top_logprobs"),
+        ("/v1/completions", {**good, "vllm_xargs": {"synthetic_acceptance_rate": 2}}, "json", "vllm_xargs"),
         ("/v1/chat/completions", {**chat_good, "messages": [{"role": "user", "content": "x " * 600}]}, "json",
          "prompt"),
     ]

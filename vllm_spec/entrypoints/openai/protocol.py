@@ -84,6 +84,8 @@ class _SamplingFields(OpenAIBaseModel):
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's extension: free-form arguments passed to SamplingParams.extra_args.
+    vllm_xargs: dict[str, str | int | float] | None = None
 
     def _check_unsupported(self) -> None:
         if self.best_of is not None and self.best_of != self.n:
@@ -113,13 +115,15 @@ class _SamplingFields(OpenAIBaseModel):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            extra_args=self.vllm_xargs,
         )
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
             msg = str(e)
             first = msg.split(" ", 1)[0]
-            raise OpenAIServingError(msg, param=first if first in kwargs else None) from e
+            param = "vllm_xargs" if first.startswith("extra_args") else first if first in kwargs else None
+            raise OpenAIServingError(msg, param=param) from e
 
 
 # /v1/completions ----------------------------------------------------------------------------------
