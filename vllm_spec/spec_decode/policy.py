@@ -1,16 +1,21 @@
 """How many tokens each sequence drafts this step.
 
-"fixed" always drafts num_speculative_tokens. "adaptive" picks, per sequence,
-the k in 0..num_speculative_tokens that maximises expected goodput
+"fixed" always drafts num_speculative_tokens. "adaptive" picks the k in
+0..num_speculative_tokens that maximises expected goodput
 
-    sum_i E_i(k_i) / (draft_time(K) + verify_time(Q)),   E_i(k) = (1 - a_i^(k+1)) / (1 - a_i)
+    sum_i E_i(k_i) / (draft_time + verify_time),   E_i(k) = (1 - a_i^(k+1)) / (1 - a_i)
 
-with a_i an online estimate of the sequence's per-token acceptance (a shrunk
-towards a global estimate), K = max_i k_i draft forwards, and Q the target's
-query tokens. Both times come from a cost model fitted online to the measured
-step times. k = 0 for everyone is always a candidate, so speculation is only
-used when it is expected to pay. BatchSizeTablePolicy (a static table of k per
-batch size, the usual hand-tuned heuristic) is what benchmarks compare it with.
+with a_i the sequence's per-token acceptance, drawn each step from a Beta belief
+(its own decayed counts shrunk towards a global rate: Thompson sampling, so a
+pessimistic estimate is re-tested as often as it is uncertain). When every
+sequence of the step is decoding, verification is padded to one query length
+(a CUDA graph), so all sequences get the same k and the step times come from
+measurements per (batch-size bucket, k), with a linear model in the query
+tokens for what is not measured yet; with prefill chunks in the step, k is
+chosen per sequence (Dinkelbach) on that model. k = 0 is always a candidate and
+is measured first and re-measured now and then, so speculation is only used
+when it pays. BatchSizeTablePolicy (a static table of k per batch size, the
+usual hand-tuned heuristic) is what benchmarks compare it with.
 """
 
 from __future__ import annotations
@@ -169,7 +174,7 @@ class _Acceptance:
 
 @dataclass
 class AdaptivePolicy:
-    """Goodput-maximising k per sequence from online acceptance estimates and a fitted cost model.
+    """Goodput-maximising k from online acceptance beliefs and measured step costs (see the module doc).
 
     draft_cost_ratio: prior draft forward cost / target forward cost (e.g. the parameter ratio),
     replaced by measurements after the first speculative steps.
