@@ -250,10 +250,13 @@ def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair, random_dr
 
 
 class _VaryingK:
-    """A policy giving neighbouring sequences different k (0 included): exercises padded verification."""
+    """A policy giving neighbouring sequences different k (from `least` to 3): exercises padded verification."""
+
+    def __init__(self, least: int = 0):
+        self.least = least
 
     def choose(self, shape):
-        return [min(cap, (i + len(shape.seq_ids)) % 4) for i, cap in enumerate(shape.caps)]
+        return [min(cap, self.least + (i + len(shape.seq_ids)) % (4 - self.least)) for i, cap in enumerate(shape.caps)]
 
     def observe(self, *args) -> None:
         pass
@@ -272,6 +275,15 @@ def test_greedy_equality_with_different_k_per_sequence(spec_pair, greedy_referen
     assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
     m = _metrics(llm)
     assert m["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_draft_equal_to_target_with_different_k_per_sequence(spec_pair, greedy_reference):
+    # Every row drafts (k 1..3, so the whole-proposal loop runs) and rows asking fewer drafts than
+    # the step's most keep rewriting their last legal slot: their drafts must still be exact.
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, **KV)
+    llm.llm_engine.executor.worker.policy = _VaryingK(least=1)
+    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    assert _metrics(llm)["vllm:spec_decode_acceptance_rate"] == 1.0
 
 
 def test_per_request_synthetic_acceptance_in_one_batch(spec_pair, baseline):
