@@ -43,5 +43,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = field(default=None)

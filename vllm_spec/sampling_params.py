@@ -48,6 +48,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
@@ -107,6 +108,10 @@ class SamplingParams:
         _check(
             self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             "logprobs", "None or an integer in [0, 20]", self.logprobs,
+        )
+        _check(
+            self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+            "prompt_logprobs", "None or an integer in [0, 20]", self.prompt_logprobs,
         )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them", self.stop)
         _check(

@@ -70,6 +70,8 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # Requested prompt logprobs: one entry per prompt token (None for the first, which nothing scores).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
     # What the last DELTA output reported (tokens, characters).

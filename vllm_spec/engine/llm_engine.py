@@ -98,6 +98,8 @@ class LLMEngine:
             seq = Sequence(request_id, i, ids, params.for_child(i) if params.n > 1 else params, max(1, max_tokens))
             self.output_processor.start(seq)
             seqs.append(seq)
+        if params.prompt_logprobs is not None:   # scored once, by the first sequence's prefill
+            seqs[0].prompt_logprobs = [None] * len(ids)
         request = Request(request_id, text, ids, params, seqs)
         self.requests[request_id] = request
         for seq in seqs:
@@ -141,6 +143,8 @@ class LLMEngine:
                 sampling_params=seq.sampling_params if sample else None,
                 prompt_token_ids=seq.prompt_token_ids,
                 output_token_ids=seq.output_token_ids,
+                prompt_logprobs=(seq.sampling_params.prompt_logprobs
+                                 if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens else None),
             ))
         released, self._released = self._released, []
         return ExecuteModelRequest(seqs, released, sched.num_lookahead_slots)
@@ -162,6 +166,12 @@ class LLMEngine:
         t2 = time.perf_counter()
         if result.spec is not None:
             self.spec_metrics.add(result.spec)
+        for scored in result.prompt_logprobs:
+            seq = self._seqs.get(scored.seq_id)
+            if seq is not None:   # a recomputed prefill (after preemption) rewrites the same entries
+                for entry in scored.entries:
+                    self.output_processor.decode_logprobs(entry)
+                seq.prompt_logprobs[scored.start: scored.start + len(scored.entries)] = scored.entries
         touched: dict[str, Request] = {}
         for item in sched.scheduled:
             if not item.samples:
@@ -208,7 +218,8 @@ class LLMEngine:
             ))
             if delta:
                 seq.num_reported_tokens, seq.num_reported_chars = seq.num_output_tokens, len(seq.output_text)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
+                             prompt_logprobs=request.seqs[0].prompt_logprobs)
 
     # Metrics ------------------------------------------------------------------------
     def get_metrics(self) -> list[Metric]:

@@ -41,14 +41,15 @@ class OutputProcessor:
                 entry = logprobs[i]
                 seq.output_logprobs.append(entry)
                 seq.cumulative_logprob += entry[token].logprob
-                self._decode_logprobs(entry)
+                self.decode_logprobs(entry)
             status = self._check_stop(seq, token)
             if status is not None:
                 seq.status = status
                 return i + 1
         return len(token_ids)
 
-    def _decode_logprobs(self, entry: dict[int, Logprob]) -> None:
+    def decode_logprobs(self, entry: dict[int, Logprob]) -> None:
+        """Fill in each candidate token's text."""
         if self.tokenizer is None:
             return
         for tid, lp in entry.items():

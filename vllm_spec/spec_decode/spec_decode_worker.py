@@ -29,7 +29,7 @@ from vllm_spec.spec_decode.tp_proposer import TPProposer
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, SpecStepStats, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner
-from vllm_spec.worker.worker import Worker, logprob_dicts
+from vllm_spec.worker.worker import PromptLogprobRows, Worker, logprob_dicts
 
 
 class SpecDecodeWorker:
@@ -46,6 +46,7 @@ class SpecDecodeWorker:
         self.draft_runner: ModelRunner | None = None
         self.draft_proposer: DraftModelProposer | None = None   # on ranks of the draft's group
         self._device_wait = 0.0   # of the last verification's device->host copy
+        self._prompt_logprobs: list = []   # of the last verification's prefill chunks
         self.proposer: Proposer
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min, self.device)
@@ -134,10 +135,10 @@ class SpecDecodeWorker:
         timer.mark()
         if spec_idx:
             outputs, stats = self._score_and_verify(req, spec_idx, proposals, draft_md)
-            device_wait = self._device_wait
+            device_wait, prompt_logprobs = self._device_wait, self._prompt_logprobs
         else:
             plain = self.target.execute_model(req)
-            outputs, device_wait = plain.outputs, plain.device_wait_time
+            outputs, device_wait, prompt_logprobs = plain.outputs, plain.device_wait_time, plain.prompt_logprobs
             stats = SpecStepStats(0, 0, 0, [], 0.0, 0.0)
         stats.draft_time, stats.verify_time = timer.finish()
         by_id = {o.seq_id: len(o.token_ids) - 1 for o in outputs}
@@ -146,7 +147,7 @@ class SpecDecodeWorker:
                             [by_id.get(sid, 0) for sid in shape.seq_ids],
                             stats if spec_idx else None, stats.draft_time + stats.verify_time)
         stats.policy = self.policy.estimates()
-        return StepOutput(outputs, stats, device_wait)
+        return StepOutput(outputs, stats, prompt_logprobs, device_wait)
 
     def _metadata(self, rows: list[SamplingRow], for_draft: bool = False) -> SamplingMetadata | None:
         return SamplingMetadata.build(rows, self.vocab_size, self.device, for_draft) if rows else None
@@ -195,7 +196,10 @@ class SpecDecodeWorker:
             grid_j += range(n + 1)
             if not plain_greedy:
                 exp_rows += self._position_rows(seq, n, drafts_host and drafts_host[spec_row[i]])
-        raw = self.target.runner.run(batch, to_device(logit_rows, dev))
+        prompt_rows = PromptLogprobRows.of(req.seqs, starts[:-1])
+        all_logits = self.target.runner.run(batch, to_device(logit_rows + prompt_rows.rows, dev))
+        raw = all_logits[: len(logit_rows)]
+        self._prompt_logprobs = prompt_rows.results(all_logits[len(logit_rows):], req.seqs)
         R = len(sampled)
         grid = (to_device(grid_r, dev), to_device(grid_j, dev))
         target_probs = target_argmax = None

@@ -25,6 +25,8 @@ class SeqInput:
     sampling_params: SamplingParams | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # A prefill chunk of a request that asked for prompt logprobs: how many top entries.
+    prompt_logprobs: int | None = None
 
     @property
     def seq_len(self) -> int:
@@ -72,9 +74,19 @@ class SpecStepStats:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens start, start+1, ... of one sequence (computed by a prefill chunk)."""
+
+    seq_id: int
+    start: int
+    entries: list[dict[int, Logprob]]
+
+
+@dataclass
 class StepOutput:
     outputs: list[SeqOutput]
     spec: SpecStepStats | None = None
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     # Seconds the worker's host thread waited for the device (the step's device->host copy):
     # the rest of the worker's time is host work (input preparation, launches, sampling metadata).
     device_wait_time: float = 0.0

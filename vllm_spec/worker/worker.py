@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -11,9 +12,9 @@ from vllm_spec.distributed.parallel_state import GroupCoordinator, get_tp_group
 from vllm_spec.model.loader import load_model
 from vllm_spec.outputs import Logprob
 from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
-from vllm_spec.sample.sampler import Sampler, SamplerOutput
+from vllm_spec.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from vllm_spec.utils import to_device
-from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, StepOutput
+from vllm_spec.worker.batch import ExecuteModelRequest, PromptLogprobs, SeqInput, SeqOutput, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner
 
 _CPU_KV_CACHE_BYTES = 2 << 30
@@ -82,11 +83,17 @@ class Worker:
             return StepOutput([])
         batch = self.runner.prepare(req.seqs)
         sampled = [i for i, s in enumerate(req.seqs) if s.sample]
-        if not sampled:
+        starts = token_starts(req.seqs)
+        prompt_rows = PromptLogprobRows.of(req.seqs, starts)
+        if not sampled and not prompt_rows.rows:
             self.runner.forward(batch)
             return StepOutput([])
-        ends = batch.md.query_start_loc[1:] - 1
-        logits = self.runner.run(batch, ends[to_device(sampled, self.device)])
+        ends = [starts[i] + len(req.seqs[i].token_ids) - 1 for i in sampled]
+        all_logits = self.runner.run(batch, to_device(ends + prompt_rows.rows, self.device))
+        logits = all_logits[: len(ends)]
+        prompt_logprobs = prompt_rows.results(all_logits[len(ends):], req.seqs)
+        if not sampled:
+            return StepOutput([], prompt_logprobs=prompt_logprobs)
         seqs = [req.seqs[i] for i in sampled]
         md = SamplingMetadata.build([self.sampling_row(s) for s in seqs], self.vocab_size, self.device)
         out = self.sampler(logits, md)
@@ -95,7 +102,8 @@ class Worker:
         wait = time.perf_counter() - wait
         logprobs = logprob_dicts(out, [s.sampling_params.logprobs for s in seqs])
         return StepOutput([SeqOutput(s.seq_id, [t], None if lp is None else [lp])
-                           for s, t, lp in zip(seqs, tokens, logprobs)], device_wait_time=wait)
+                           for s, t, lp in zip(seqs, tokens, logprobs)], device_wait_time=wait,
+                          prompt_logprobs=prompt_logprobs)
 
 
 def logprob_dicts(out: SamplerOutput, num_logprobs: list[int | None]) -> list[dict[int, Logprob] | None]:
@@ -113,3 +121,49 @@ def logprob_dicts(out: SamplerOutput, num_logprobs: list[int | None]) -> list[di
             entry.setdefault(ids[row][j], Logprob(lps[row][j], j))
         result.append(entry)
     return result
+
+
+def token_starts(seqs: list[SeqInput]) -> list[int]:
+    """Offset of each sequence's first token in the flat batch."""
+    starts, total = [], 0
+    for s in seqs:
+        starts.append(total)
+        total += len(s.token_ids)
+    return starts
+
+
+@dataclass
+class PromptLogprobRows:
+    """The batch rows whose logits score a next prompt token, for chunks that asked for prompt logprobs.
+
+    Row of position p predicts prompt token p+1; spans: (sequence index, first row in `rows`, count).
+    """
+
+    rows: list[int]
+    targets: list[int]
+    spans: list[tuple[int, int, int]]
+
+    @classmethod
+    def of(cls, seqs: list[SeqInput], starts: list[int]) -> "PromptLogprobRows":
+        rows, targets, spans = [], [], []
+        for i, s in enumerate(seqs):
+            last = min(s.seq_len, len(s.prompt_token_ids) - 1)   # positions [start_pos, last) score tokens
+            if s.prompt_logprobs is None or last <= s.start_pos:
+                continue
+            n = last - s.start_pos
+            spans.append((i, len(rows), n))
+            rows += range(starts[i], starts[i] + n)
+            targets += s.prompt_token_ids[s.start_pos + 1: last + 1]
+        return cls(rows, targets, spans)
+
+    def results(self, logits: torch.Tensor, seqs: list[SeqInput]) -> list[PromptLogprobs]:
+        """Per chunk: {token: Logprob} for each scored prompt token and the top prompt_logprobs others."""
+        if not self.spans:
+            return []
+        k = max(seqs[i].prompt_logprobs for i, _, _ in self.spans)
+        tokens = to_device(self.targets, logits.device)
+        ids, lps, ranks = gather_logprobs(logits.float(), tokens, k)
+        dicts = logprob_dicts(SamplerOutput(tokens, ids, lps, ranks),
+                              [seqs[i].prompt_logprobs for i, _, n in self.spans for _ in range(n)])
+        return [PromptLogprobs(seqs[i].seq_id, seqs[i].start_pos + 1, dicts[first: first + n])
+                for i, first, n in self.spans]
