@@ -306,3 +306,14 @@ def test_get_metrics(tiny_llama):
 def test_tqdm_does_not_break_generation(llm, reference, capsys):
     out = llm.generate(PROMPT, greedy(ignore_eos=True), use_tqdm=True)
     assert out[0].outputs[0].token_ids == reference.token_ids
+
+
+def test_vllm_flags_with_their_supported_values(tiny_llama):
+    # vLLM configurations often spell these out; the supported value works, the other is a clear error.
+    llm = LLM(str(tiny_llama), enable_chunked_prefill=True, enable_prefix_caching=False,
+              kv_cache_memory_bytes=1 << 24)
+    assert len(llm.generate("hi", greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="enable_prefix_caching must be False"):
+        LLM(str(tiny_llama), enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="enable_chunked_prefill must be True"):
+        LLM(str(tiny_llama), enable_chunked_prefill=False)

@@ -46,6 +46,9 @@ class EngineArgs:
     max_num_seqs: int = _opt(256, "Maximum number of sequences per step.")
     max_num_batched_tokens: int | None = _opt(None, "Token budget per step (default 2048; prompts are chunked).")
     enforce_eager: bool = _opt(False, "Disable CUDA graphs.")
+    enable_chunked_prefill: bool = _opt(True, "Split prompts over steps to fit max_num_batched_tokens (always on, "
+                                              "as in vLLM V1; False is refused).")
+    enable_prefix_caching: bool = _opt(False, "Share KV blocks of common prompt prefixes (not supported: False).")
     speculative_model: str | None = _opt(None, "Draft model (folder or .gguf), or '[ngram]' for prompt lookup.")
     num_speculative_tokens: int | None = _opt(None, "Draft tokens per step, k in [1, 16].")
     speculative_config: dict | None = _opt(
@@ -85,6 +88,13 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         if not self.model:
             raise ValueError("model must be given: an HF model folder or a .gguf file.")
+        # Accepted under vLLM's names so that vLLM configurations run; only their supported value.
+        if self.enable_chunked_prefill is not True:
+            raise ValueError("enable_chunked_prefill must be True (prompts are always chunked to fit "
+                             f"max_num_batched_tokens), got {self.enable_chunked_prefill!r}.")
+        if self.enable_prefix_caching is not False:
+            raise ValueError(f"enable_prefix_caching must be False (prefix caching is not supported), "
+                             f"got {self.enable_prefix_caching!r}.")
         model = ModelConfig.create(self.model, self.tokenizer, self.dtype, self.device, self.max_model_len,
                                    self.load_format, self.seed)
         return EngineConfig(
