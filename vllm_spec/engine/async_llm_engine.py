@@ -27,70 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_spec.engine.arg_utils import EngineArgs
+from vllm_spec.engine.async_stream import AsyncStream, EngineDeadError, EngineStepError, RequestAbortedError
 from vllm_spec.engine.llm_engine import LLMEngine, PromptType
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
-from vllm_spec.sampling_params import SamplingParams
+from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop is shut down (or died) and accepts no more requests."""
-
-
-class EngineStepError(RuntimeError):
-    """An engine step failed; every request that was in flight at that time fails with it."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The request was aborted (by abort() or shutdown()) before it finished."""
-
-
-_FINISHED = object()  # end-of-stream marker
-
-
-class AsyncStream:
-    """The outputs of one request, consumed with `async for`.
-
-    Outputs carry the full text/token_ids so far, so when the consumer is slower than the
-    engine the stream yields only the newest one (nothing is lost)."""
-
-    def __init__(self, request_id: str):
-        self.request_id = request_id
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        if not self.finished:
-            self._queue.put_nowait(item)
-
-    def finish(self, exc: BaseException | None = None) -> None:
-        if not self.finished:
-            if exc is not None:
-                self._queue.put_nowait(exc)
-            self._queue.put_nowait(_FINISHED)
-            self.finished = True
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iter()
-
-    async def _iter(self) -> AsyncIterator[RequestOutput]:
-        while True:
-            item = await self._queue.get()
-            # Coalesce: keep only the newest output among those already queued.
-            while isinstance(item, RequestOutput) and not self._queue.empty():
-                nxt = self._queue.get_nowait()
-                if not isinstance(nxt, RequestOutput):
-                    yield item
-                    item = nxt
-                    break
-                item = nxt
-            if item is _FINISHED:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
 
 
 @dataclass
@@ -303,7 +246,7 @@ class AsyncLLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
-        stream = AsyncStream(request_id)
+        stream = AsyncStream(request_id, coalesce=params.output_kind is not RequestOutputKind.DELTA)
         self._streams[request_id] = stream
         fut = self._loop.create_future()
         self._pending_adds.append(_PendingAdd(request_id, prompt, params, fut))
@@ -322,7 +265,7 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """Stream the RequestOutputs of one request (each carries the full output so far).
+        """Stream the RequestOutputs of one request (by default each carries the full output so far).
 
         Leaving the loop early (break, cancellation, client disconnect) aborts the request
         and frees its KV blocks before the next engine step."""
