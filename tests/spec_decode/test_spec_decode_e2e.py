@@ -245,8 +245,9 @@ def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair, random_dr
     m = _metrics(llm)
     assert m["vllm:spec_decode_policy_draft_cost_ratio"] > 0.3
     steps = m["vllm:engine_steps"]
-    # Exploration every 50 steps: at least one speculative step, and only a few.
-    assert 1 <= m["vllm:spec_decode_num_drafts"] / 2 <= steps / 50 + 1
+    # Exploration: at least one speculative step, and only a few (one every 50 steps, plus early
+    # probes while the sampled acceptance belief is still wide): at most 5% of the steps.
+    assert 1 <= m["vllm:spec_decode_num_drafts"] / 2 <= steps / 20 + 1
 
 
 class _VaryingK:

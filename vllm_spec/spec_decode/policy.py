@@ -44,8 +44,11 @@ def pads_verification(num_seqs: int, max_k: int, real_tokens: int) -> bool:
     return num_seqs <= ALWAYS_PAD_BATCH or num_seqs * (max_k + 1) <= MAX_PAD_RATIO * real_tokens
 
 
-# Weight of the newest measurement in the per-(batch bucket, k) step costs.
-_COST_EMA = 0.3
+# Weight of the newest measurement in the per-(batch bucket, k) step costs: step times are noisy
+# upwards (a cold first step, other work on the machine), so a faster step counts more than a slower one.
+_COST_EMA_FASTER, _COST_EMA_SLOWER = 0.7, 0.3
+# Plain steps are measured this many times at a batch size before the policy trusts them.
+_PLAIN_SAMPLES = 2
 
 
 def _bucket(n: int) -> int:
@@ -197,6 +200,7 @@ class AdaptivePolicy:
     # Measured (draft, verify) seconds of all-decoding steps per (batch bucket, k): real costs
     # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
     _measured: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    _samples: dict[tuple[int, int], int] = field(default_factory=dict)
     _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     last_mean_k: float = 0.0
 
@@ -259,7 +263,8 @@ class AdaptivePolicy:
         self._since_plain += 1
         if best_rate <= plain_rate and self._since_spec < self.explore_every:
             best_k = np.zeros(n, dtype=int)
-        elif self._since_plain >= self.explore_every or (decoding and (_bucket(n), 0) not in self._measured):
+        elif self._since_plain >= self.explore_every or (
+                decoding and self._samples.get((_bucket(n), 0), 0) < _PLAIN_SAMPLES):
             # Measure plain steps at each batch size before trusting the model's guess of them,
             # and re-measure them now and then, or their cost goes stale.
             best_k = np.zeros(n, dtype=int)
@@ -292,8 +297,12 @@ class AdaptivePolicy:
             key = (_bucket(len(shape.seq_ids)), max(chosen, default=0))
             cost = (0.0, step_time) if stats is None else (stats.draft_time, stats.verify_time)
             old = self._measured.get(key)
-            self._measured[key] = cost if old is None else tuple(
-                (1 - _COST_EMA) * o + _COST_EMA * c for o, c in zip(old, cost))
+            if old is None:
+                self._measured[key] = cost
+            else:
+                w = _COST_EMA_FASTER if sum(cost) < sum(old) else _COST_EMA_SLOWER
+                self._measured[key] = tuple((1 - w) * o + w * c for o, c in zip(old, cost))
+            self._samples[key] = self._samples.get(key, 0) + 1
         if stats is None:
             self._target.update(q, step_time)
             return
