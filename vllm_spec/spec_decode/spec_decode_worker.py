@@ -29,7 +29,7 @@ from vllm_spec.spec_decode.tp_proposer import TPProposer
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, SpecStepStats, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner
-from vllm_spec.worker.worker import PromptLogprobRows, Worker, logprob_dicts
+from vllm_spec.worker.worker import PromptLogprobRows, Worker, logprob_dicts, token_starts
 
 
 class SpecDecodeWorker:
@@ -45,8 +45,6 @@ class SpecDecodeWorker:
         self.vocab_size = self.target.vocab_size
         self.draft_runner: ModelRunner | None = None
         self.draft_proposer: DraftModelProposer | None = None   # on ranks of the draft's group
-        self._device_wait = 0.0   # of the last verification's device->host copy
-        self._prompt_logprobs: list = []   # of the last verification's prefill chunks
         self.proposer: Proposer
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min, self.device)
@@ -134,26 +132,25 @@ class SpecDecodeWorker:
         proposals = self.proposer.propose(req.seqs, asked, draft_md)
         timer.mark()
         if spec_idx:
-            outputs, stats = self._score_and_verify(req, spec_idx, proposals, draft_md)
-            device_wait, prompt_logprobs = self._device_wait, self._prompt_logprobs
+            result = self._score_and_verify(req, spec_idx, proposals, draft_md)
         else:
-            plain = self.target.execute_model(req)
-            outputs, device_wait, prompt_logprobs = plain.outputs, plain.device_wait_time, plain.prompt_logprobs
-            stats = SpecStepStats(0, 0, 0, [], 0.0, 0.0)
+            result = self.target.execute_model(req)
+            result.spec = SpecStepStats(0, 0, 0, [], 0.0, 0.0)
+        stats = result.spec
         stats.draft_time, stats.verify_time = timer.finish()
-        by_id = {o.seq_id: len(o.token_ids) - 1 for o in outputs}
+        by_id = {o.seq_id: len(o.token_ids) - 1 for o in result.outputs}
         index = {s.seq_id: i for i, s in enumerate(req.seqs)}
         self.policy.observe(shape, [asked[index[sid]] for sid in shape.seq_ids],
                             [by_id.get(sid, 0) for sid in shape.seq_ids],
                             stats if spec_idx else None, stats.draft_time + stats.verify_time)
         stats.policy = self.policy.estimates()
-        return StepOutput(outputs, stats, prompt_logprobs, device_wait)
+        return result
 
     def _metadata(self, rows: list[SamplingRow], for_draft: bool = False) -> SamplingMetadata | None:
         return SamplingMetadata.build(rows, self.vocab_size, self.device, for_draft) if rows else None
 
     def _score_and_verify(self, req: ExecuteModelRequest, spec_idx: list[int], proposals: Proposals,
-                          draft_md: SamplingMetadata) -> tuple[list[SeqOutput], SpecStepStats]:
+                          draft_md: SamplingMetadata) -> StepOutput:
         dev = self.device
         found = dict(zip(spec_idx, proposals.num_drafts))            # seq index -> drafts proposed
         spec_row = {i: r for r, i in enumerate(spec_idx)}             # seq index -> row in proposals
@@ -169,9 +166,7 @@ class SpecDecodeWorker:
                            s.block_table, s.sample, s.sampling_params, s.prompt_token_ids, s.output_token_ids)
                   for i, s in enumerate(req.seqs)]
         batch = self.target.runner.prepare(verify)
-        starts = [0]
-        for s in verify:
-            starts.append(starts[-1] + len(s.token_ids))
+        starts = token_starts(verify)
         dst, src_row, src_pos = [], [], []
         for i, n in found.items():
             dst += range(starts[i] + 1, starts[i] + 1 + n)
@@ -196,10 +191,10 @@ class SpecDecodeWorker:
             grid_j += range(n + 1)
             if not plain_greedy:
                 exp_rows += self._position_rows(seq, n, drafts_host and drafts_host[spec_row[i]])
-        prompt_rows = PromptLogprobRows.of(req.seqs, starts[:-1])
+        prompt_rows = PromptLogprobRows.of(req.seqs, starts)
         all_logits = self.target.runner.run(batch, to_device(logit_rows + prompt_rows.rows, dev))
         raw = all_logits[: len(logit_rows)]
-        self._prompt_logprobs = prompt_rows.results(all_logits[len(logit_rows):], req.seqs)
+        prompt_logprobs = prompt_rows.results(all_logits[len(logit_rows):], req.seqs)
         R = len(sampled)
         grid = (to_device(grid_r, dev), to_device(grid_j, dev))
         target_probs = target_argmax = None
@@ -229,7 +224,7 @@ class SpecDecodeWorker:
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
         wait = time.perf_counter()
         emitted = [[t for t in row if t >= 0] for row in tokens.tolist()]   # the step's one D2H copy
-        self._device_wait = time.perf_counter() - wait
+        wait = time.perf_counter() - wait
 
         logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
         outputs = [SeqOutput(req.seqs[i].seq_id, toks, lps) for i, toks, lps in zip(sampled, emitted, logprobs)]
@@ -238,7 +233,7 @@ class SpecDecodeWorker:
         per_pos = [sum(1 for a in accepted if a > j) for j in range(k)]
         stats = SpecStepStats(sum(1 for n in proposals.num_drafts if n > 0), sum(proposals.num_drafts),
                               sum(accepted), per_pos, 0.0, 0.0, num_verified_tokens=int(batch.input_ids.shape[0]))
-        return outputs, stats
+        return StepOutput(outputs, stats, prompt_logprobs, device_wait_time=wait)
 
     def _position_rows(self, seq: SeqInput, n: int, drafts: list[int] | None) -> list[SamplingRow]:
         """Sampling rows for the n+1 verified positions: position j follows the first j drafts."""
