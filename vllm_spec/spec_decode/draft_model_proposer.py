@@ -14,7 +14,7 @@ import torch
 
 import numpy as np
 
-from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata, compute_slot_mapping
+from vllm_spec.attention.metadata import AttentionMetadata, compute_slot_mapping
 from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.sample.metadata import SamplingMetadata
 from vllm_spec.sample.sampler import apply_top_k_top_p_min_p, exponential_noise
@@ -23,7 +23,7 @@ from vllm_spec.spec_decode.proposer import Proposals, tokens_from
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import SeqInput
 from vllm_spec.worker.cuda_graph import BATCH_BUCKETS
-from vllm_spec.worker.model_runner import ModelRunner, to_device_aligned
+from vllm_spec.worker.model_runner import ModelRunner, block_table_array, to_device_aligned
 
 
 class DraftModelProposer:
@@ -102,16 +102,13 @@ class DraftModelProposer:
     def _propose_in_loop(self, seqs: list[SeqInput], num_drafts: list[int], k: int) -> Proposals:
         """Every row feeds its last two tokens (see draft_loop); one device program proposes all."""
         B = len(seqs)
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.full((B, width), NULL_BLOCK, dtype=np.int64)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
+        tables = block_table_array(seqs)
         lens = np.fromiter((s.seq_len for s in seqs), dtype=np.int64, count=B)
         limits = lens + np.asarray(num_drafts, dtype=np.int64) - 1
         tokens = np.fromiter((t for s in seqs for t in tokens_from(s, s.seq_len - 2)), dtype=np.int64, count=2 * B)
         tokens_t, first_t, limits_t, tables_t = to_device_aligned([tokens, lens - 2, limits, tables.ravel()],
                                                                   self.runner.device)
-        drafts = self.loop(tokens_t.view(B, 2), first_t, limits_t, tables_t.view(B, width), k,
+        drafts = self.loop(tokens_t.view(B, 2), first_t, limits_t, tables_t.view(tables.shape), k,
                            max_seq_len=int(limits.max()) + 1)
         for s, n in zip(seqs, num_drafts):
             self._computed[s.seq_id] = s.seq_len + n - 1

@@ -75,10 +75,8 @@ class ModelRunner:
         T = int(q_lens.sum())
         qsl = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.full((B, width), NULL_BLOCK, dtype=np.int64)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
+        tables = block_table_array(seqs)
+        width = tables.shape[1]
         req_idx = np.repeat(np.arange(B), q_lens)
         positions = np.arange(T) - qsl[req_idx] + starts[req_idx]
         slots = compute_slot_mapping(torch.from_numpy(tables), torch.from_numpy(req_idx),
@@ -127,6 +125,14 @@ class ModelRunner:
             graph = self.graph_for(q, 1)
             if graph is not None:
                 graph.capture(max_batch)
+
+
+def block_table_array(seqs: list[SeqInput]) -> np.ndarray:
+    """[B, longest table] int64 block tables, NULL_BLOCK past each sequence's end."""
+    tables = np.full((len(seqs), max(len(s.block_table) for s in seqs)), NULL_BLOCK, dtype=np.int64)
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.block_table)] = s.block_table
+    return tables
 
 
 # Each view starts on a 64-byte boundary: Triton specialises kernels on pointer alignment, so
