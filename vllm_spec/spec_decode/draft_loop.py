@@ -18,7 +18,7 @@ import torch
 from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata, compute_slot_mapping
 from vllm_spec.model.llama import LlamaForCausalLM
 from vllm_spec.sample.argmax import argmax_rows
-from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for
+from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for, capture_graph
 
 
 class GreedyDraftLoop:
@@ -36,8 +36,8 @@ class GreedyDraftLoop:
         self.first_pos = torch.zeros(n, **long)           # p - 1
         self.limits = torch.zeros(n, **long)              # last position a row's draft steps may write
         self.block_tables = torch.full((n, max_blocks), NULL_BLOCK, **long)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}   # each graph's drafts, in its pool
+        # (batch bucket, k) -> the graph and its drafts tensor (in the graph's pool)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = pool
 
     def _run(self, batch: int, k: int, max_seq_len: int) -> torch.Tensor:
@@ -73,20 +73,11 @@ class GreedyDraftLoop:
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 
-    def _capture(self, batch: int, k: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, batch: int, k: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self._pad(0, batch)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: autotuning and lazy initialisation stay out of the graph
-                self._run(batch, k, self.max_model_len)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            drafts = self._run(batch, k, self.max_model_len)
+        graph, drafts = capture_graph(lambda: self._run(batch, k, self.max_model_len), self.pool)
         self.pool = graph.pool()
-        self.outputs[(batch, k)] = drafts
-        return graph
+        return graph, drafts
 
     def _pad(self, start: int, stop: int) -> None:
         """Rows [start, stop) feed token 0 at positions 0, 1 of the null block."""
@@ -119,5 +110,6 @@ class GreedyDraftLoop:
             return self._run(batch, k, max_seq_len)
         if bucket > batch:
             self._pad(batch, bucket)
-        self.graphs[(bucket, k)].replay()
-        return self.outputs[(bucket, k)][:batch].clone()
+        graph, drafts = self.graphs[(bucket, k)]
+        graph.replay()
+        return drafts[:batch].clone()

@@ -10,6 +10,8 @@ block, so they read and write nothing real.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata
@@ -20,6 +22,20 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 def bucket_for(batch: int) -> int | None:
     return next((b for b in BATCH_BUCKETS if b >= batch), None)
+
+
+def capture_graph(run: Callable[[], torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Capture `run` (over static buffers) into a CUDA graph in `pool`; returns the graph and its output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up: autotuning and lazy initialisation stay out of the graph
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
 
 
 class GraphedForward:
@@ -61,16 +77,8 @@ class GraphedForward:
         self._reset_padding(0, batch)
         md = self._metadata(batch)
         tokens = batch * self.q_len
-        run = lambda: self.model(self.input_ids[:tokens], self.positions[:tokens], md)  # noqa: E731
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: autotuning and lazy initialisation stay out of the graph
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = run()
+        graph, out = capture_graph(lambda: self.model(self.input_ids[:tokens], self.positions[:tokens], md),
+                                   self.pool)
         self.pool = graph.pool()
         return graph, out
 
