@@ -164,6 +164,21 @@ class _LinearFit:
 
 
 @dataclass
+class _StepCost:
+    """Measured (draft, verify) seconds of one kind of step, and how many steps were measured."""
+
+    draft: float
+    verify: float
+    samples: int = 1
+
+    def update(self, draft: float, verify: float) -> None:
+        w = _COST_EMA_FASTER if draft + verify < self.draft + self.verify else _COST_EMA_SLOWER
+        self.draft += w * (draft - self.draft)
+        self.verify += w * (verify - self.verify)
+        self.samples += 1
+
+
+@dataclass
 class _Acceptance:
     """Decayed counts of accepted draft tokens and trials (a trial ends at the first rejection)."""
 
@@ -199,8 +214,7 @@ class AdaptivePolicy:
     _draft: _LinearFit | None = None
     # Measured (draft, verify) seconds of all-decoding steps per (batch bucket, k): real costs
     # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
-    _measured: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
-    _samples: dict[tuple[int, int], int] = field(default_factory=dict)
+    _measured: dict[tuple[int, int], _StepCost] = field(default_factory=dict)
     _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     last_mean_k: float = 0.0
 
@@ -264,7 +278,7 @@ class AdaptivePolicy:
         if best_rate <= plain_rate and self._since_spec < self.explore_every:
             best_k = np.zeros(n, dtype=int)
         elif self._since_plain >= self.explore_every or (
-                decoding and self._samples.get((_bucket(n), 0), 0) < _PLAIN_SAMPLES):
+                decoding and self._plain_samples(n) < _PLAIN_SAMPLES):
             # Measure plain steps at each batch size before trusting the model's guess of them,
             # and re-measure them now and then, or their cost goes stale.
             best_k = np.zeros(n, dtype=int)
@@ -279,8 +293,12 @@ class AdaptivePolicy:
         """(draft, verify) seconds of an all-decoding step of n sequences drafting k: measured, else modelled."""
         measured = self._measured.get((_bucket(n), k))
         if measured is not None:
-            return measured
+            return measured.draft, measured.verify
         return (k * self._draft_forward(n) if k else 0.0), self._target(n * (k + 1))
+
+    def _plain_samples(self, n: int) -> int:
+        cost = self._measured.get((_bucket(n), 0))
+        return 0 if cost is None else cost.samples
 
     def _draft_forward(self, n: int) -> float:
         """Cost of one draft forward over n sequences (the prior ratio until measured)."""
@@ -295,14 +313,11 @@ class AdaptivePolicy:
         q = shape.num_other_tokens + len(shape.seq_ids) + sum(chosen)
         if shape.num_other_tokens == 0 and shape.seq_ids:
             key = (_bucket(len(shape.seq_ids)), max(chosen, default=0))
-            cost = (0.0, step_time) if stats is None else (stats.draft_time, stats.verify_time)
-            old = self._measured.get(key)
-            if old is None:
-                self._measured[key] = cost
+            draft, verify = (0.0, step_time) if stats is None else (stats.draft_time, stats.verify_time)
+            if key in self._measured:
+                self._measured[key].update(draft, verify)
             else:
-                w = _COST_EMA_FASTER if sum(cost) < sum(old) else _COST_EMA_SLOWER
-                self._measured[key] = tuple((1 - w) * o + w * c for o, c in zip(old, cost))
-            self._samples[key] = self._samples.get(key, 0) + 1
+                self._measured[key] = _StepCost(draft, verify)
         if stats is None:
             self._target.update(q, step_time)
             return
