@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Sequence as SequenceABC
 from typing import Any
@@ -110,6 +111,7 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
 def _final_only(params):
     if not isinstance(params, SamplingParams):
         return params   # add_request names the bad type
-    params = params.clone()
+    # A shallow copy keeps the caller's object unchanged; add_request deep-copies what it keeps.
+    params = copy.copy(params)
     params.output_kind = RequestOutputKind.FINAL_ONLY
     return params
