@@ -8,8 +8,6 @@ or not speculating this step) is the k = 0 case of the same thing.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from vllm_spec.config import EngineConfig
@@ -29,7 +27,7 @@ from vllm_spec.spec_decode.tp_proposer import TPProposer
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, SpecStepStats, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner
-from vllm_spec.worker.worker import PromptLogprobRows, Worker, logprob_dicts, token_starts
+from vllm_spec.worker.worker import PromptLogprobRows, Worker, logprob_dicts, to_host, token_starts
 
 
 class SpecDecodeWorker:
@@ -222,9 +220,8 @@ class SpecDecodeWorker:
                                   self.target.sampler.generator, self.config.speculative.synthetic_acceptance_rate,
                                   target_argmax)
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
-        wait = time.perf_counter()
-        emitted = [[t for t in row if t >= 0] for row in tokens.tolist()]   # the step's one D2H copy
-        wait = time.perf_counter() - wait
+        rows, wait = to_host(tokens)   # the step's one device->host copy
+        emitted = [[t for t in row if t >= 0] for row in rows]
 
         logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
         outputs = [SeqOutput(req.seqs[i].seq_id, toks, lps) for i, toks, lps in zip(sampled, emitted, logprobs)]

@@ -97,9 +97,7 @@ class Worker:
         seqs = [req.seqs[i] for i in sampled]
         md = SamplingMetadata.build([self.sampling_row(s) for s in seqs], self.vocab_size, self.device)
         out = self.sampler(logits, md)
-        wait = time.perf_counter()
-        tokens = out.sampled.tolist()   # the step's device->host copy: waits for the device
-        wait = time.perf_counter() - wait
+        tokens, wait = to_host(out.sampled)
         logprobs = logprob_dicts(out, [s.sampling_params.logprobs for s in seqs])
         return StepOutput([SeqOutput(s.seq_id, [t], None if lp is None else [lp])
                            for s, t, lp in zip(seqs, tokens, logprobs)], device_wait_time=wait,
@@ -121,6 +119,13 @@ def logprob_dicts(out: SamplerOutput, num_logprobs: list[int | None]) -> list[di
             entry.setdefault(ids[row][j], Logprob(lps[row][j], j))
         result.append(entry)
     return result
+
+
+def to_host(t: torch.Tensor) -> tuple[list, float]:
+    """The step's device->host copy, and the seconds the host waited for the device to get there."""
+    start = time.perf_counter()
+    values = t.tolist()
+    return values, time.perf_counter() - start
 
 
 def token_starts(seqs: list[SeqInput]) -> list[int]:
