@@ -101,7 +101,8 @@ def _draft_vocab(value: Any, vocab_size: int) -> tuple[int, ...] | None:
     elif isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         ids = tuple(sorted(set(value)))
     else:
-        raise ValueError(f"vllm_spec_draft_vocab must be an integer or a list of token ids, got {type(value).__name__}.")
+        raise ValueError("vllm_spec_draft_vocab must be an integer or a list of token ids, "
+                         f"got {type(value).__name__}.")
     if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
         raise ValueError(f"vllm_spec_draft_vocab must name token ids in [0, {vocab_size}) (at least one).")
     return ids

@@ -27,7 +27,7 @@ from vllm_spec.spec_decode.tp_proposer import TPProposer
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, SpecStepStats, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner
-from vllm_spec.worker.worker import PromptLogprobRows, Worker, logprob_dicts, to_host, token_starts
+from vllm_spec.worker.worker import PromptLogprobRows, Worker, logprob_dicts, to_host
 
 
 class SpecDecodeWorker:
@@ -164,7 +164,7 @@ class SpecDecodeWorker:
                            s.block_table, s.sample, s.sampling_params, s.prompt_token_ids, s.output_token_ids)
                   for i, s in enumerate(req.seqs)]
         batch = self.target.runner.prepare(verify)
-        starts = token_starts(verify)
+        starts = batch.token_starts
         dst, src_row, src_pos = [], [], []
         for i, n in found.items():
             dst += range(starts[i] + 1, starts[i] + 1 + n)

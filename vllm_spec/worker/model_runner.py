@@ -21,6 +21,7 @@ class PreparedBatch:
     positions: torch.Tensor    # [T]
     md: AttentionMetadata
     uniform_q: int | None      # tokens per sequence when every sequence feeds the same number
+    token_starts: list[int]    # host copy of query_start_loc[:-1]: each sequence's first row
 
 
 class ModelRunner:
@@ -89,7 +90,7 @@ class ModelRunner:
             max_query_len=int(q_lens.max()), max_seq_len=int((starts + q_lens).max()), block_size=self.block_size,
         )
         uniform = int(q_lens[0]) if (q_lens == q_lens[0]).all() else None
-        return PreparedBatch(input_ids, pos_t, md, uniform)
+        return PreparedBatch(input_ids, pos_t, md, uniform, qsl[:-1].tolist())
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:

@@ -83,7 +83,7 @@ class Worker:
             return StepOutput([])
         batch = self.runner.prepare(req.seqs)
         sampled = [i for i, s in enumerate(req.seqs) if s.sample]
-        starts = token_starts(req.seqs)
+        starts = batch.token_starts
         prompt_rows = PromptLogprobRows.of(req.seqs, starts)
         if not sampled and not prompt_rows.rows:
             self.runner.forward(batch)
@@ -126,15 +126,6 @@ def to_host(t: torch.Tensor) -> tuple[list, float]:
     start = time.perf_counter()
     values = t.tolist()
     return values, time.perf_counter() - start
-
-
-def token_starts(seqs: list[SeqInput]) -> list[int]:
-    """Offset of each sequence's first token in the flat batch."""
-    starts, total = [], 0
-    for s in seqs:
-        starts.append(total)
-        total += len(s.token_ids)
-    return starts
 
 
 @dataclass
