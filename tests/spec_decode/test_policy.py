@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_spec.spec_decode.policy import (ALWAYS_PAD_BATCH, AdaptivePolicy, BatchSizeTablePolicy, FixedPolicy,
-                                          StepShape, pads_verification)
+from vllm_spec.spec_decode.policy import (
+    ALWAYS_PAD_BATCH,
+    AdaptivePolicy,
+    BatchSizeTablePolicy,
+    FixedPolicy,
+    StepShape,
+    pads_verification,
+)
 from vllm_spec.worker.batch import SpecStepStats
 
 
@@ -15,8 +21,8 @@ def _train(policy: AdaptivePolicy, shape: StepShape, alphas: list[float], target
     for _ in range(steps):
         chosen = policy.choose(shape)
         if max(chosen, default=0) == 0:   # a plain step
-            policy.observe(shape, chosen, [0] * len(chosen), None,
-                           target_fixed + target_per_token * (shape.num_other_tokens + len(chosen)))
+            t = target_fixed + target_per_token * (shape.num_other_tokens + len(chosen))
+            policy.observe(shape, chosen, [0] * len(chosen), SpecStepStats(0, 0, 0, [], 0.0, t), t)
             continue
         accepted = [min(k, round(k * a)) for k, a in zip(chosen, alphas)]
         q = shape.num_other_tokens + len(chosen) + sum(chosen)
@@ -24,7 +30,7 @@ def _train(policy: AdaptivePolicy, shape: StepShape, alphas: list[float], target
             q = len(chosen) * (max(chosen) + 1)   # as the worker pads it
         stats = SpecStepStats(len(chosen), sum(chosen), sum(accepted), [], max(chosen) * draft_per_forward,
                               target_fixed + target_per_token * q, num_verified_tokens=q)
-        policy.observe(shape, chosen, accepted, stats, 0.0)
+        policy.observe(shape, chosen, accepted, stats, stats.draft_time + stats.verify_time)
 
 
 def test_fixed_policy_respects_caps():
@@ -90,8 +96,9 @@ def test_policy_explores_after_a_long_pause():
     for _ in range(20):
         chosen = policy.choose(shape)
         choices.append(max(chosen))
-        stats = SpecStepStats(2, sum(chosen), 0, [], 0.5, 0.01, num_verified_tokens=2 * (max(chosen) + 1))
-        policy.observe(shape, chosen, [0, 0], stats if max(chosen) else None, 0.01)
+        draft = 0.5 if max(chosen) else 0.0
+        stats = SpecStepStats(2, sum(chosen), 0, [], draft, 0.01, num_verified_tokens=2 * (max(chosen) + 1))
+        policy.observe(shape, chosen, [0, 0], stats, draft + 0.01)
     assert 0 < sum(1 for c in choices if c > 0) <= 2
 
 

@@ -1,70 +1,147 @@
-"""The adaptive policy against fixed k on a simulated engine (cost surface shaped like an H200 run:
-8B target, 68M draft). Checks the issue's goals in simulation: never below plain decoding by more
-than 2%, never below the best fixed k by more than 3%, at every batch size and workload (600 steps,
-learning from scratch included)."""
+"""The adaptive policy against fixed k on a simulated engine (cost surfaces shaped like H200 runs:
+8B target, 68M and 1B drafts). Checks the issue's goals in simulation: never below plain decoding
+by more than 2%, never below the best fixed k by more than 3%, at every batch size and workload,
+both over long runs learned from scratch and under the benchmark's protocol (a short window per
+batch size, one policy across them), with what real steps bring: host time per step that the
+device does not overlap, a slow first step of each kind, and the draft's catch-up after steps
+that did not speculate."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 
 from vllm_spec.spec_decode.policy import AdaptivePolicy, FixedPolicy, StepShape, pads_verification
 from vllm_spec.worker.batch import SpecStepStats
 
-HOST = 0.1e-3
+
+@dataclass
+class Costs:
+    """Seconds of the parts of a step."""
+
+    target: callable                         # query tokens -> target pass
+    draft: callable                          # sequences -> one draft forward
+    host: callable = lambda batch: 0.1e-3    # sequences -> host work the device does not overlap
+    catch_up_per_token: float = 0.0          # draft forward over tokens it missed
+    first_step_factor: float = 1.0           # the first step of each kind is this much slower
 
 
-def target_time(q: int) -> float:
-    return 5.5e-3 + 0.027e-3 * q      # flat while memory-bound, then linear in the query tokens
+H200_68M = Costs(lambda q: 4.4e-3 + 0.017e-3 * q, lambda n: 0.19e-3 + 0.0017e-3 * n,
+                 lambda b: 0.5e-3 + 0.015e-3 * b, 0.0002e-3, 1.25)
+H200_1B = Costs(H200_68M.target, lambda n: 0.8e-3 + 0.017e-3 * n, H200_68M.host, 0.003e-3, 1.25)
 
 
-def draft_time(n: int) -> float:
-    return 0.2e-3 + 0.004e-3 * n
+@dataclass
+class SimEngine:
+    """Runs steps of a policy on a cost model; acceptance is sampled per draft token (rates < 1)."""
 
+    costs: Costs
+    seed: int = 0
+    max_k: int = 4
+    rng: random.Random = field(init=False)
+    seen: set = field(default_factory=set)   # step kinds already run (the first is slow)
+    lag: dict = field(default_factory=dict)  # seq id -> tokens the draft has not seen
+    next_id: int = 0
 
-def tokens_per_s(policy, alphas: list[float], steps: int = 600, seed: int = 0,
-                 target_time=target_time, draft_time=draft_time) -> float:
-    rng = random.Random(seed)
-    B = len(alphas)
-    shape = StepShape(list(range(B)), [4] * B, 0)
-    tokens = elapsed = 0.0
-    for _ in range(steps):
-        chosen = policy.choose(shape)
-        accepted = []
-        for k, a in zip(chosen, alphas):
-            n = 0
-            while n < k and rng.random() < a:
-                n += 1
-            accepted.append(n)
-        K = max(chosen)
-        if K == 0:
-            t = target_time(B) + HOST
-            policy.observe(shape, chosen, accepted, None, t)
-        else:
-            real = B + sum(chosen)
-            q = B * (K + 1) if pads_verification(B, K, real) else real
-            d, v = K * draft_time(sum(1 for k in chosen if k)), target_time(q)
-            t = d + v + HOST
-            policy.observe(shape, chosen, accepted, SpecStepStats(1, 1, 1, [], d, v, num_verified_tokens=q), t)
-        tokens += B + sum(accepted)
-        elapsed += t
-    return tokens / elapsed
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    def _first(self, kind) -> float:
+        new = kind not in self.seen
+        self.seen.add(kind)
+        return self.costs.first_step_factor if new else 1.0
+
+    def run(self, policy, alphas: list[float], steps: int) -> float:
+        """tokens/s of `steps` steps of fresh requests with these per-token acceptance rates."""
+        B, c = len(alphas), self.costs
+        ids = list(range(self.next_id, self.next_id + B))
+        self.next_id += B
+        shape = StepShape(ids, [self.max_k] * B, 0)
+        tokens = elapsed = 0.0
+        for _ in range(steps):
+            chosen = policy.choose(shape)
+            accepted = []
+            for k, a in zip(chosen, alphas):
+                n = 0
+                while n < k and self.rng.random() < a:
+                    n += 1
+                accepted.append(n)
+            K = max(chosen)
+            if K == 0:
+                verify = c.target(B) * self._first((0, B))
+                stats = SpecStepStats(0, 0, 0, [], 0.0, verify)
+                for i in ids:
+                    self.lag[i] = self.lag.get(i, 1) + 1
+            else:
+                q = B * (K + 1) if pads_verification(B, K, B + sum(chosen)) else B + sum(chosen)
+                behind = sum(max(self.lag.get(i, 1) - 2, 0) for i in ids)
+                catch_up = c.draft(B) + c.catch_up_per_token * behind if behind else 0.0
+                draft = K * c.draft(sum(1 for k in chosen if k)) * self._first((K, B))
+                verify = c.target(q)
+                stats = SpecStepStats(1, sum(chosen), sum(accepted), [], catch_up + draft, verify,
+                                      num_verified_tokens=q, catch_up_time=catch_up)
+                for i, a, k in zip(ids, accepted, chosen):
+                    self.lag[i] = 2 if a == k else 1
+            step = stats.draft_time - stats.catch_up_time + stats.verify_time + c.host(B)
+            policy.observe(shape, chosen, accepted, stats, step)
+            # Scored on expected tokens (the policy learns from the sampled ones): comparisons of
+            # policies over short windows are then not decided by the luck of the draws.
+            tokens += B + sum((a - a ** (k + 1)) / (1 - a) for a, k in zip(alphas, chosen))
+            elapsed += step + stats.catch_up_time
+        policy.release(ids)
+        return tokens / elapsed
 
 
 WORKLOADS = {"A=0.5": lambda B: [0.5] * B, "A=0.8": lambda B: [0.8] * B,
              "mixed": lambda B: [0.9 if i % 2 else 0.3 for i in range(B)]}
+FIXED_KS = (1, 2, 3, 4)
+
+
+def _long_run(policy, alphas, costs: Costs, seed: int = 0) -> float:
+    return SimEngine(costs, seed).run(policy, alphas, 600)
 
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 @pytest.mark.parametrize("batch", [1, 32, 256])
 def test_adaptive_tracks_the_best_choice(workload, batch):
     alphas = WORKLOADS[workload](batch)
-    plain = tokens_per_s(FixedPolicy(0), alphas)
-    best_fixed = max(tokens_per_s(FixedPolicy(k), alphas) for k in (1, 2, 3, 4))
-    adaptive = tokens_per_s(AdaptivePolicy(4, draft_cost_ratio=0.01), alphas)
+    costs = Costs(lambda q: 5.5e-3 + 0.027e-3 * q, lambda n: 0.2e-3 + 0.004e-3 * n)
+    plain = _long_run(FixedPolicy(0), alphas, costs)
+    best_fixed = max(_long_run(FixedPolicy(k), alphas, costs) for k in FIXED_KS)
+    adaptive = _long_run(AdaptivePolicy(4, draft_cost_ratio=0.01), alphas, costs)
     assert adaptive >= 0.98 * plain
     assert adaptive >= 0.97 * best_fixed
+
+
+BENCH_BATCHES = (1, 8, 32, 64, 128, 256)
+
+
+def _protocol(make_policy, workload: str, costs: Costs, seeds: int = 3) -> np.ndarray:
+    """benchmark_policy.py's protocol: per batch size a short warm-up and a 32-step window, one
+    policy across batch sizes; tokens/s per batch size, averaged over seeds."""
+    runs = []
+    for seed in range(seeds):
+        engine, policy = SimEngine(costs, seed), make_policy()
+        per_batch = []
+        for B in BENCH_BATCHES:
+            alphas = WORKLOADS[workload](B)
+            engine.run(policy, alphas, 6)
+            per_batch.append(engine.run(policy, alphas, 32))
+        runs.append(per_batch)
+    return np.mean(runs, axis=0)
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+@pytest.mark.parametrize("costs, cost_ratio", [(H200_68M, 0.01), (H200_1B, 0.15)], ids=["68m", "1b"])
+def test_adaptive_under_the_benchmark_protocol(workload, costs, cost_ratio):
+    plain = _protocol(lambda: FixedPolicy(0), workload, costs)
+    best_fixed = np.max([_protocol(lambda k=k: FixedPolicy(k), workload, costs) for k in (2, 4)], axis=0)
+    adaptive = _protocol(lambda: AdaptivePolicy(4, draft_cost_ratio=cost_ratio), workload, costs)
+    assert np.all(adaptive >= 0.98 * plain), adaptive / plain
+    assert np.all(adaptive >= 0.97 * best_fixed), adaptive / best_fixed
 
 
 # One sequence on a CPU (SmolLM2-135M, float32, one thread, measured 2026-12-02): verification
@@ -74,10 +151,10 @@ CPU_VERIFY_MS = {1: 62.0, 2: 90.0, 3: 135.0, 4: 100.0, 5: 100.0}
 
 @pytest.mark.parametrize("alpha", [0.3, 0.8])
 def test_adaptive_on_a_non_monotone_cost_surface(alpha):
-    costs = dict(target_time=lambda q: CPU_VERIFY_MS[q] * 1e-3, draft_time=lambda n: 17e-3)
-    plain = tokens_per_s(FixedPolicy(0), [alpha], **costs)
-    best_fixed = max(tokens_per_s(FixedPolicy(k), [alpha], **costs) for k in (1, 2, 3, 4))
-    adaptive = tokens_per_s(AdaptivePolicy(4, draft_cost_ratio=0.2), [alpha], **costs)
+    costs = Costs(lambda q: CPU_VERIFY_MS[q] * 1e-3, lambda n: 17e-3)
+    plain = _long_run(FixedPolicy(0), [alpha], costs)
+    best_fixed = max(_long_run(FixedPolicy(k), [alpha], costs) for k in FIXED_KS)
+    adaptive = _long_run(AdaptivePolicy(4, draft_cost_ratio=0.2), [alpha], costs)
     # One sequence: its acceptance estimate (about ten recent trials) is noisy, so k near the
     # optimum (3 vs 4 here) alternates; a linear cost model would sit at the slow k = 2 instead.
     assert adaptive >= 0.94 * max(plain, best_fixed)

@@ -287,6 +287,41 @@ def test_draft_equal_to_target_with_different_k_per_sequence(spec_pair, greedy_r
     assert _metrics(llm)["vllm:spec_decode_acceptance_rate"] == 1.0
 
 
+class _Bursts(_VaryingK):
+    """Speculates (k = 3) on one step in `period`, not at all on the others."""
+
+    def __init__(self, period: int):
+        self.period, self.steps = period, 0
+
+    def choose(self, shape):
+        self.steps += 1
+        return [min(cap, 3) if self.steps % self.period == 0 else 0 for cap in shape.caps]
+
+
+def test_speculating_after_plain_steps_catches_the_draft_up(spec_pair, greedy_reference):
+    # The draft does not run on steps without speculation; the next speculative step must feed it the
+    # missed tokens (greedy equality) and still propose on the whole-proposal path.
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, **KV)
+    worker = llm.llm_engine.executor.worker
+    worker.policy = _Bursts(period=4)
+    proposer = worker.draft_proposer
+    calls = {"propose": 0, "loop": 0}
+
+    def count(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    propose, proposer._propose_in_loop = proposer.propose, count("loop", proposer._propose_in_loop)
+    proposer.propose = lambda seqs, num_drafts, md: count("propose", propose)(seqs, num_drafts, md) \
+        if any(num_drafts) else propose(seqs, num_drafts, md)
+    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    # Draft = target: every draft of every burst is kept, three plain steps in between notwithstanding.
+    assert _metrics(llm)["vllm:spec_decode_acceptance_rate"] == 1.0
+    assert calls["propose"] > 0 and calls["loop"] == calls["propose"]
+
+
 def test_per_request_synthetic_acceptance_in_one_batch(spec_pair, baseline):
     """extra_args synthetic_acceptance_rate 1.0 keeps every draft, 0.0 none, side by side in one batch."""
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **FIXED, **KV)

@@ -38,6 +38,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._released: list[int] = []
+        self._engine_host_time = 0.0   # the last step's host seconds outside the worker
         self.stats = EngineStats()
         self.spec_metrics = SpecDecodeMetrics() if config.speculative else None
 
@@ -147,7 +148,7 @@ class LLMEngine:
                                  if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens else None),
             ))
         released, self._released = self._released, []
-        return ExecuteModelRequest(seqs, released, sched.num_lookahead_slots)
+        return ExecuteModelRequest(seqs, released, sched.num_lookahead_slots, self._engine_host_time)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the outputs of every request that advanced."""
@@ -197,6 +198,7 @@ class LLMEngine:
             if finished:
                 self.stats.on_finished(self.requests.pop(request.request_id), now)
         t3 = time.perf_counter()
+        self._engine_host_time = (t1 - t0) + (t3 - t2)
         self.stats.on_step(t3 - t0, t1 - t0, (t2 - t1) - result.device_wait_time, t3 - t2)
         return outputs
 

@@ -10,9 +10,8 @@ batch (the steady state) runs all of it as one device program: `GreedyDraftLoop`
 
 from __future__ import annotations
 
-import torch
-
 import numpy as np
+import torch
 
 from vllm_spec.attention.metadata import AttentionMetadata, compute_slot_mapping
 from vllm_spec.sample.argmax import argmax_rows
@@ -49,6 +48,24 @@ class DraftModelProposer:
     def _start(self, seq: SeqInput) -> int:
         # After preemption the target restarts from 0 on new blocks: so must the draft.
         return min(self._computed.get(seq.seq_id, 0), seq.start_pos)
+
+    @torch.inference_mode()
+    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> None:
+        """Feed speculating decoding sequences all but the last two tokens the draft has not seen.
+
+        A sequence lags by more than two after steps that did not speculate (the draft does not
+        run then); one ragged forward brings it back, so the proposal itself feeds at most two
+        tokens per decoding sequence and stays on the whole-proposal graph.
+        """
+        behind = [s for s, n in zip(seqs, num_drafts)
+                  if n > 0 and s.sample and len(s.token_ids) == 1 and s.seq_len - self._start(s) > 2]
+        if not behind:
+            return
+        feed = [SeqInput(s.seq_id, tokens_from(s, self._start(s))[:-2], self._start(s), s.block_table,
+                         sample=False) for s in behind]
+        self.runner.forward(self.runner.prepare(feed))
+        for s in feed:
+            self._computed[s.seq_id] = s.seq_len
 
     @torch.inference_mode()
     def propose(self, seqs: list[SeqInput], num_drafts: list[int], md: SamplingMetadata) -> Proposals:

@@ -3,19 +3,20 @@
 "fixed" always drafts num_speculative_tokens. "adaptive" picks the k in
 0..num_speculative_tokens that maximises expected goodput
 
-    sum_i E_i(k_i) / (draft_time + verify_time),   E_i(k) = (1 - a_i^(k+1)) / (1 - a_i)
+    sum_i E_i(k_i) / step_time,   E_i(k) = (1 - a_i^(k+1)) / (1 - a_i)
 
-with a_i the sequence's per-token acceptance, drawn each step from a Beta belief
-(its own decayed counts shrunk towards a global rate: Thompson sampling, so a
-pessimistic estimate is re-tested as often as it is uncertain). When every
-sequence of the step is decoding, verification is padded to one query length
-(a CUDA graph), so all sequences get the same k and the step times come from
-measurements per (batch-size bucket, k), with a linear model in the query
-tokens for what is not measured yet; with prefill chunks in the step, k is
-chosen per sequence (Dinkelbach) on that model. k = 0 is always a candidate and
-is measured first and re-measured now and then, so speculation is only used
-when it pays. BatchSizeTablePolicy (a static table of k per batch size, the
-usual hand-tuned heuristic) is what benchmarks compare it with.
+with a_i the sequence's per-token acceptance: its own decayed counts shrunk
+towards a global rate (a Beta belief). When every sequence of the step is
+decoding, verification is padded to one query length (a CUDA graph), so all
+sequences get the same k, chosen on measured step times per (batch-size
+bucket, k) - end to end, host work included, since that is what tokens/s pays -
+with a linear model of device time in the query tokens for what is not measured
+yet. Choices near the best are re-measured now and then; when the mean belief
+says not to speculate, a draw from the belief (Thompson sampling) may still
+say to, and speculation is probed ever more rarely where it keeps not paying.
+With prefill chunks in the step, k is chosen per sequence (Dinkelbach) on the
+model. BatchSizeTablePolicy (a static table of k per batch size, the usual
+hand-tuned heuristic) is what benchmarks compare it with.
 """
 
 from __future__ import annotations
@@ -48,7 +49,12 @@ def pads_verification(num_seqs: int, max_k: int, real_tokens: int) -> bool:
 # upwards (a cold first step, other work on the machine), so a faster step counts more than a slower one.
 _COST_EMA_FASTER, _COST_EMA_SLOWER = 0.7, 0.3
 # Plain steps are measured this many times at a batch size before the policy trusts them.
-_PLAIN_SAMPLES = 2
+_PLAIN_SAMPLES = 1
+# A step kind's cost is the minimum of its first samples, then an average.
+_MIN_SAMPLES = 3
+# Choices whose expected rate is within this factor of the best one are kept measured.
+_NEAR_BEST = 0.9
+_MAX_PROBE_EVERY = 800
 
 
 def _bucket(n: int) -> int:
@@ -69,7 +75,11 @@ class SpeculationPolicy(Protocol):
     def choose(self, shape: StepShape) -> list[int]: ...
 
     def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
-                stats: SpecStepStats | None, step_time: float) -> None: ...
+                stats: SpecStepStats, step_time: float) -> None:
+        """Learn from a finished step: `stats` holds the device time of its phases (a step without
+        speculation: no drafts, the target pass as verify_time), `step_time` the seconds the step
+        cost end to end, host work included, catching the draft up on earlier steps excluded."""
+        ...
 
     def release(self, seq_ids: list[int]) -> None: ...
 
@@ -165,17 +175,34 @@ class _LinearFit:
 
 @dataclass
 class _StepCost:
-    """Measured (draft, verify) seconds of one kind of step, and how many steps were measured."""
+    """Measured seconds of one kind of step, how many steps were measured, and the visit of its
+    bucket at which it was last measured."""
 
-    draft: float
-    verify: float
+    seconds: float
+    at: int
     samples: int = 1
 
-    def update(self, draft: float, verify: float) -> None:
-        w = _COST_EMA_FASTER if draft + verify < self.draft + self.verify else _COST_EMA_SLOWER
-        self.draft += w * (draft - self.draft)
-        self.verify += w * (verify - self.verify)
+    def update(self, seconds: float, at: int) -> None:
+        faster = seconds < self.seconds
+        # The first samples may include one-off costs (cold caches, a first replay): keep their minimum.
+        w = (1.0 if faster else 0.0) if self.samples < _MIN_SAMPLES else \
+            _COST_EMA_FASTER if faster else _COST_EMA_SLOWER
+        self.seconds += w * (seconds - self.seconds)
         self.samples += 1
+        self.at = at
+
+
+@dataclass
+class _BucketState:
+    """Exploration bookkeeping of all-decoding steps at one batch-size bucket."""
+
+    probe_every: int       # steps without speculation before it is probed again
+    visits: int = 0
+    last_spec: int = 0     # the visit of the last speculative step
+    host: float = 0.0      # average seconds of a step's host work the device does not overlap
+
+    def observe_host(self, seconds: float) -> None:
+        self.host += (0.3 if self.visits > 1 else 1.0) * (seconds - self.host)
 
 
 @dataclass
@@ -203,11 +230,10 @@ class AdaptivePolicy:
     prior_acceptance: float = 0.6
     prior_strength: float = 4.0
     decay: float = 0.9
-    # Speculate at least once in this many steps (and skip speculation as often), so
-    # estimates that argue for one choice get re-measured instead of going stale.
+    # Re-measure a near-best choice after this many steps at its batch size; probe speculation
+    # that does not pay after as many (doubling each time it still does not pay).
     explore_every: int = 50
-    _since_spec: int = 0
-    _since_plain: int = 0
+    _buckets: dict[int, _BucketState] = field(default_factory=dict)
     _global: _Acceptance = field(default_factory=_Acceptance)
     _seqs: dict[int, _Acceptance] = field(default_factory=dict)
     _target: _LinearFit | None = None
@@ -239,62 +265,98 @@ class AdaptivePolicy:
         n = len(shape.seq_ids)
         if n == 0:
             return []
-        # Thompson sampling: a draw from each belief, not its mean, so an estimate that argues
-        # against speculating (or for it) is tested again as often as it is uncertain.
-        alpha = np.clip(np.array([self._rng.beta(*self._posterior(s)) for s in shape.seq_ids]), 0.0, 0.999)
+        posteriors = [self._posterior(s) for s in shape.seq_ids]
+        j = np.arange(1, self.max_k + 1)[None, :]
+        # Value of the j-th draft token: from the mean belief, and (Thompson sampling) from a draw of
+        # each belief, so an estimate that argues against speculating is tested again as often as
+        # it is uncertain.
+        mean = np.clip(np.array([a / (a + b) for a, b in posteriors]), 0.0, 0.999)[:, None] ** j
+        draw = np.clip(np.array([self._rng.beta(a, b) for a, b in posteriors]), 0.0, 0.999)[:, None] ** j
         caps = np.array(shape.caps)
-        base_q = shape.num_other_tokens + n
-        decoding = shape.num_other_tokens == 0
-        plain_rate = n / (sum(self._decode_step_cost(n, 0)) if decoding else self._target(base_q))
-        best_k, best_rate = np.zeros(n, dtype=int), 0.0
+        chosen = self._choose_decoding(mean, draw, caps) if shape.num_other_tokens == 0 \
+            else self._choose_ragged(draw, caps, shape.num_other_tokens)
+        self.last_mean_k = float(chosen.mean())
+        return chosen.tolist()
+
+    def _choose_decoding(self, gains: np.ndarray, draw: np.ndarray, caps: np.ndarray) -> np.ndarray:
+        """Every sequence decoding: verification is padded to K+1 tokens per sequence (one CUDA
+        graph; ragged verification runs eagerly, slower), so each sequence drafts min(K, cap) and
+        K is chosen on the measured costs of such steps."""
+        n = len(caps)
         j = np.arange(1, self.max_k + 1)
-        gains = alpha[:, None] ** j[None, :]                         # value of the j-th draft token
+        drafts = {K: np.minimum(caps, K) for K in range(int(min(self.max_k, caps.max())) + 1)}
+        def goodput(gains: np.ndarray) -> dict[int, float]:
+            return {K: (n + float((gains * (j[None, :] <= k[:, None])).sum())) / self._decode_step_cost(n, K)
+                    for K, k in drafts.items()}
+
+        rates = goodput(gains)
+        best = max(rates, key=rates.__getitem__)
+        if best == 0:
+            # The mean belief says do not speculate; the drawn one may say otherwise (exploration).
+            rates = goodput(draw)
+            best = max(rates, key=rates.__getitem__)
+        state = self._buckets.setdefault(_bucket(n), _BucketState(probe_every=self.explore_every))
+        state.visits += 1
+        if self._plain_samples(n) < _PLAIN_SAMPLES:
+            # Plain steps are measured at each batch size before the model's guess of them is trusted.
+            K = 0
+        else:
+            # A choice within reach of the best whose measurement is old (or missing) is measured
+            # again: step costs drift, and an unlucky first measurement must not stick.
+            stale = [K for K in rates if rates[K] >= _NEAR_BEST * rates[best]
+                     and state.visits - self._measured_at(n, K) >= self.explore_every]
+            K = min(stale, key=lambda K: self._measured_at(n, K)) if stale else best
+            if K == 0 and len(rates) > 1 and state.visits - state.last_spec >= state.probe_every:
+                # Speculation that does not pay here is still probed, ever more rarely (each probe
+                # also feeds the draft every token it missed): acceptance may change.
+                K = max(range(1, len(rates)), key=rates.__getitem__)
+                state.probe_every = min(2 * state.probe_every, _MAX_PROBE_EVERY)
+            elif best > 0:
+                state.probe_every = self.explore_every
+        if K > 0:
+            state.last_spec = state.visits
+        return drafts[K]
+
+    def _choose_ragged(self, gains: np.ndarray, caps: np.ndarray, num_other_tokens: int) -> np.ndarray:
+        """Prefill chunks in the step: verification is ragged, so k is chosen per sequence
+        (Dinkelbach on the linear cost model: keep a token while its expected value beats its
+        verification cost at the current rate)."""
+        n = len(caps)
+        j = np.arange(1, self.max_k + 1)
+        base_q = num_other_tokens + n
+        plain_rate = n / self._target(base_q)
+        best_k, best_rate = np.zeros(n, dtype=int), plain_rate
         for K in range(1, int(min(self.max_k, caps.max())) + 1):
-            if decoding:
-                # All decoding: verification is padded to K+1 tokens per sequence (one CUDA graph;
-                # ragged verification runs eagerly, slower), so every draft up to K is free to verify.
-                k = np.minimum(caps, K)
-                tokens = n + float((gains[:, :K] * (j[None, :K] <= k[:, None])).sum())
-                rate_new = tokens / sum(self._decode_step_cost(n, K))
-                if rate_new > best_rate:
-                    best_k, best_rate = k, rate_new
-                continue
             draft_time = K * self._draft_forward(n)
             rate = plain_rate
-            # Dinkelbach: keep a token when its expected value beats its verify cost at the current rate.
             for _ in range(3):
                 per_token = self._target(base_q + 1) - self._target(base_q)
-                take = (gains[:, :K] >= rate * per_token) & (j[None, :K] <= caps[:, None])
-                k = np.cumprod(take, axis=1).sum(axis=1)
-                tokens = n + float((np.cumprod(take, axis=1) * gains[:, :K]).sum())
-                rate_new = tokens / (draft_time + self._target(base_q + int(k.sum())))
+                take = np.cumprod((gains[:, :K] >= rate * per_token) & (j[None, :K] <= caps[:, None]), axis=1)
+                k = take.sum(axis=1)
+                rate_new = (n + float((take * gains[:, :K]).sum())) / (draft_time + self._target(base_q + int(k.sum())))
                 if abs(rate_new - rate) < 1e-6 * rate:
                     break
                 rate = rate_new
             if rate_new > best_rate and k.max() > 0:
                 best_k, best_rate = k, rate_new
-        self._since_spec += 1
-        self._since_plain += 1
-        if best_rate <= plain_rate and self._since_spec < self.explore_every:
-            best_k = np.zeros(n, dtype=int)
-        elif self._since_plain >= self.explore_every or (
-                decoding and self._plain_samples(n) < _PLAIN_SAMPLES):
-            # Measure plain steps at each batch size before trusting the model's guess of them,
-            # and re-measure them now and then, or their cost goes stale.
-            best_k = np.zeros(n, dtype=int)
-        if best_k.max() > 0:
-            self._since_spec = 0
-        else:
-            self._since_plain = 0
-        self.last_mean_k = float(best_k.mean())
-        return best_k.tolist()
+        return best_k
 
-    def _decode_step_cost(self, n: int, k: int) -> tuple[float, float]:
-        """(draft, verify) seconds of an all-decoding step of n sequences drafting k: measured, else modelled."""
-        measured = self._measured.get((_bucket(n), k))
-        if measured is not None:
-            return measured.draft, measured.verify
-        return (k * self._draft_forward(n) if k else 0.0), self._target(n * (k + 1))
+    def _measured_at(self, n: int, k: int) -> float:
+        """The bucket visit at which steps of n sequences drafting k were last measured (-inf: never)."""
+        cost = self._measured.get((_bucket(n), k))
+        return -np.inf if cost is None else cost.at
+
+    def _decode_step_cost(self, n: int, k: int) -> float:
+        """Seconds of an all-decoding step of n sequences drafting k: measured, else modelled (device
+        time, plus the host time measured at this batch size); while few samples were taken, the
+        lower of the two (one slow first step must not rule a choice out before it is measured again)."""
+        bucket = _bucket(n)
+        measured = self._measured.get((bucket, k))
+        if measured is not None and measured.samples >= _MIN_SAMPLES:
+            return measured.seconds
+        state = self._buckets.get(bucket)
+        model = (k * self._draft_forward(n) if k else 0.0) + self._target(n * (k + 1)) + (state.host if state else 0.0)
+        return model if measured is None else min(model, measured.seconds)
 
     def _plain_samples(self, n: int) -> int:
         cost = self._measured.get((_bucket(n), 0))
@@ -305,27 +367,27 @@ class AdaptivePolicy:
         return self._draft(n) if self._draft.count else self.draft_cost_ratio * self._target(n)
 
     def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
-                stats: SpecStepStats | None, step_time: float) -> None:
+                stats: SpecStepStats, step_time: float) -> None:
         for sid, k, a in zip(shape.seq_ids, chosen, accepted):
             if k > 0:
                 self._seqs.setdefault(sid, _Acceptance()).add(a, k, self.decay)
                 self._global.add(a, k, 0.995)
-        q = shape.num_other_tokens + len(shape.seq_ids) + sum(chosen)
+        draft = stats.draft_time - stats.catch_up_time
         if shape.num_other_tokens == 0 and shape.seq_ids:
-            key = (_bucket(len(shape.seq_ids)), max(chosen, default=0))
-            draft, verify = (0.0, step_time) if stats is None else (stats.draft_time, stats.verify_time)
+            bucket = _bucket(len(shape.seq_ids))
+            state = self._buckets.setdefault(bucket, _BucketState(probe_every=self.explore_every))
+            state.observe_host(max(step_time - draft - stats.verify_time, 0.0))
+            key = (bucket, max(chosen, default=0))
             if key in self._measured:
-                self._measured[key].update(draft, verify)
+                self._measured[key].update(step_time, state.visits)
             else:
-                self._measured[key] = _StepCost(draft, verify)
-        if stats is None:
-            self._target.update(q, step_time)
-            return
+                self._measured[key] = _StepCost(step_time, state.visits)
         # The pass may have been padded to one query length: fit on what the target really ran.
+        q = shape.num_other_tokens + len(shape.seq_ids) + sum(chosen)
         self._target.update(stats.num_verified_tokens or q, stats.verify_time)
         forwards = max(chosen, default=0)
         if forwards > 0:
-            self._draft.update(sum(1 for k in chosen if k > 0), stats.draft_time / forwards)
+            self._draft.update(sum(1 for k in chosen if k > 0), draft / forwards)
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:

@@ -27,6 +27,13 @@ class Proposals:
 
 
 class Proposer(Protocol):
+    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> None:
+        """Before `propose`: bring the proposer's own state up to date where it fell behind.
+
+        Timed apart from the proposal: it is a debt of earlier steps, not a cost of this one's k.
+        """
+        ...
+
     def propose(self, seqs: list[SeqInput], num_drafts: list[int], md: SamplingMetadata) -> Proposals:
         """Propose num_drafts[i] tokens after seqs[i] for every i with num_drafts[i] > 0.
 

@@ -8,6 +8,8 @@ or not speculating this step) is the k = 0 case of the same thing.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from vllm_spec.config import EngineConfig
@@ -18,8 +20,7 @@ from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
 from vllm_spec.sample.sampler import SamplerOutput, gather_logprobs, process_logits
 from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer
 from vllm_spec.spec_decode.ngram_proposer import NgramProposer
-from vllm_spec.spec_decode.policy import (AdaptivePolicy, FixedPolicy, SpeculationPolicy, StepShape,
-                                          pads_verification)
+from vllm_spec.spec_decode.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy, StepShape, pads_verification
 from vllm_spec.spec_decode.proposer import Proposals, Proposer
 from vllm_spec.spec_decode.rejection_sampler import rejection_sample
 from vllm_spec.spec_decode.timer import StepTimer
@@ -121,11 +122,14 @@ class SpecDecodeWorker:
         self.policy.release(req.finished_seq_ids)
         if not req.seqs:
             return StepOutput([])
+        start = time.perf_counter()
         asked, shape = self.num_drafts(req)
         if self.tp.world_size > 1:  # rank 0's policy decides (its timings differ from the other ranks')
             asked = self.tp.broadcast(torch.tensor(asked, dtype=torch.long, device=self.device)).tolist()
         spec_idx = [i for i, n in enumerate(asked) if n > 0]
         timer = StepTimer(self.device)
+        self.proposer.catch_up(req.seqs, asked)
+        timer.mark()
         draft_md = self._metadata([self.target.sampling_row(req.seqs[i]) for i in spec_idx], for_draft=True)
         proposals = self.proposer.propose(req.seqs, asked, draft_md)
         timer.mark()
@@ -135,12 +139,14 @@ class SpecDecodeWorker:
             result = self.target.execute_model(req)
             result.spec = SpecStepStats(0, 0, 0, [], 0.0, 0.0)
         stats = result.spec
-        stats.draft_time, stats.verify_time = timer.finish()
+        stats.catch_up_time, draft_time, stats.verify_time = timer.finish()
+        stats.draft_time = stats.catch_up_time + draft_time
         by_id = {o.seq_id: len(o.token_ids) - 1 for o in result.outputs}
         index = {s.seq_id: i for i, s in enumerate(req.seqs)}
+        # What the step cost end to end: host work around the device's included, as it is in tokens/s.
+        wall = time.perf_counter() - start - stats.catch_up_time + req.engine_host_time
         self.policy.observe(shape, [asked[index[sid]] for sid in shape.seq_ids],
-                            [by_id.get(sid, 0) for sid in shape.seq_ids],
-                            stats if spec_idx else None, stats.draft_time + stats.verify_time)
+                            [by_id.get(sid, 0) for sid in shape.seq_ids], stats, wall)
         stats.policy = self.policy.estimates()
         return result
 

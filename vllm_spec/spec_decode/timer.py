@@ -1,4 +1,4 @@
-"""Draft and verify time of one step: CUDA events on the GPU (the host only enqueues), a clock on CPU."""
+"""Phase times of one step: CUDA events on the GPU (the host only enqueues), a clock on CPU."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 
 class StepTimer:
-    """Marks the end of the draft phase; finish() returns (draft, verify) seconds.
+    """Marks the end of each phase of a step; finish() returns the seconds each phase took.
 
     Call finish() after the step's device->host copy: by then the events have completed.
     """
@@ -27,9 +27,10 @@ class StepTimer:
     def mark(self) -> None:
         self.marks.append(self._now())
 
-    def finish(self) -> tuple[float, float]:
-        start, mid, end = self.marks[0], self.marks[1], self._now()
+    def finish(self) -> list[float]:
+        """Seconds between consecutive marks, the last phase ending now."""
+        self.mark()
         if self.cuda:
-            end.synchronize()
-            return start.elapsed_time(mid) / 1e3, mid.elapsed_time(end) / 1e3
-        return mid - start, end - mid
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]

@@ -29,6 +29,10 @@ class TPProposer:
         self.vocab_size = vocab_size
         self.device = device
 
+    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> None:
+        if self.inner is not None:
+            self.inner.catch_up(seqs, num_drafts)
+
     def propose(self, seqs: list[SeqInput], num_drafts: list[int], md: SamplingMetadata | None) -> Proposals:
         asked = [n for n in num_drafts if n > 0]
         own = self.inner.propose(seqs, num_drafts, md) if self.inner is not None else None

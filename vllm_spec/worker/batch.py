@@ -39,6 +39,9 @@ class ExecuteModelRequest:
     # Sequences that ended since the last step: the worker drops their state.
     finished_seq_ids: list[int] = field(default_factory=list)
     num_lookahead_slots: int = 0
+    # Host seconds the engine spent on the previous step outside the worker (scheduling, output
+    # processing): part of what a step costs, for the speculation policy.
+    engine_host_time: float = 0.0
 
 
 @dataclass
@@ -71,6 +74,7 @@ class SpecStepStats:
     verify_time: float
     policy: PolicyEstimates | None = None
     num_verified_tokens: int = 0     # query tokens of the target pass, padding included
+    catch_up_time: float = 0.0       # seconds of draft_time spent feeding tokens of earlier steps
 
 
 @dataclass
