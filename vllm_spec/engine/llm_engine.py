@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from typing import Any
@@ -41,6 +42,11 @@ class LLMEngine:
         self._engine_host_time = 0.0   # the last step's host seconds outside the worker
         self.stats = EngineStats()
         self.spec_metrics = SpecDecodeMetrics() if config.speculative else None
+        # Everything built so far (models, graphs, compiled kernels) lives as long as the engine:
+        # out of the collector's sight, a full collection mid-serving no longer walks it (an H200
+        # trace showed a 60 ms pause in a 9 ms decode step at batch 128).
+        gc.collect()
+        gc.freeze()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
