@@ -48,9 +48,8 @@ def pads_verification(num_seqs: int, max_k: int, real_tokens: int) -> bool:
 # Weight of the newest measurement in the per-(batch bucket, k) step costs: step times are noisy
 # upwards (a cold first step, other work on the machine), so a faster step counts more than a slower one.
 _COST_EMA_FASTER, _COST_EMA_SLOWER = 0.7, 0.3
-# Plain steps are measured this many times at a batch size before the policy trusts them.
-_PLAIN_SAMPLES = 1
-# A step kind's cost is the minimum of its first samples, then an average.
+# A step kind's cost is the minimum of its first samples, then an average; plain steps are
+# measured this often at a batch size before anything else is tried there.
 _MIN_SAMPLES = 3
 # Choices whose expected rate is within this factor of the best one are kept measured.
 _NEAR_BEST = 0.9
@@ -200,9 +199,14 @@ class _BucketState:
     visits: int = 0
     last_spec: int = 0     # the visit of the last speculative step
     host: float = 0.0      # average seconds of a step's host work the device does not overlap
+    calibration: float = 1.0   # measured / modelled seconds of the steps measured here
+    observed: int = 0
 
-    def observe_host(self, seconds: float) -> None:
-        self.host += (0.3 if self.visits > 1 else 1.0) * (seconds - self.host)
+    def observe(self, host: float, calibration: float) -> None:
+        w = 0.3 if self.observed else 1.0
+        self.host += w * (host - self.host)
+        self.calibration += w * (calibration - self.calibration)
+        self.observed += 1
 
 
 @dataclass
@@ -297,7 +301,7 @@ class AdaptivePolicy:
             best = max(rates, key=rates.__getitem__)
         state = self._buckets.setdefault(_bucket(n), _BucketState(probe_every=self.explore_every))
         state.visits += 1
-        if self._plain_samples(n) < _PLAIN_SAMPLES:
+        if self._plain_samples(n) < _MIN_SAMPLES:
             # Plain steps are measured at each batch size before the model's guess of them is trusted.
             K = 0
         else:
@@ -355,8 +359,14 @@ class AdaptivePolicy:
         if measured is not None and measured.samples >= _MIN_SAMPLES:
             return measured.seconds
         state = self._buckets.get(bucket)
-        model = (k * self._draft_forward(n) if k else 0.0) + self._target(n * (k + 1)) + (state.host if state else 0.0)
+        model = self._modelled_cost(n, k, state)
         return model if measured is None else min(model, measured.seconds)
+
+    def _modelled_cost(self, n: int, k: int, state: _BucketState | None) -> float:
+        """Device time from the linear fits plus the host time measured at this batch size, scaled
+        by how far measured steps here were from the model (the fits span all batch sizes)."""
+        device = (k * self._draft_forward(n) if k else 0.0) + self._target(n * (k + 1))
+        return device if state is None else (device + state.host) * state.calibration
 
     def _plain_samples(self, n: int) -> int:
         cost = self._measured.get((_bucket(n), 0))
@@ -376,7 +386,9 @@ class AdaptivePolicy:
         if shape.num_other_tokens == 0 and shape.seq_ids:
             bucket = _bucket(len(shape.seq_ids))
             state = self._buckets.setdefault(bucket, _BucketState(probe_every=self.explore_every))
-            state.observe_host(max(step_time - draft - stats.verify_time, 0.0))
+            modelled = self._modelled_cost(len(shape.seq_ids), max(chosen, default=0), None)
+            host = max(step_time - draft - stats.verify_time, 0.0)
+            state.observe(host, step_time / (modelled + host))
             key = (bucket, max(chosen, default=0))
             if key in self._measured:
                 self._measured[key].update(step_time, state.visits)
