@@ -6,6 +6,8 @@ import copy
 import enum
 import numbers
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple
 
 # Temperatures below this are treated as greedy, as in vLLM.
 SAMPLING_EPS = 1e-5
@@ -144,6 +146,14 @@ class SamplingParams:
         with this probability, whatever the models say (its output is then NOT the target's)."""
         return (self.extra_args or {}).get("synthetic_acceptance_rate")
 
+    @cached_property
+    def batch_fields(self) -> BatchFields:
+        """What batched sampling reads of these parameters, computed once per request (the
+        engine's copy of a request's parameters never changes)."""
+        return BatchFields(self.is_greedy, 1.0 if self.is_greedy else self.temperature, self.top_k, self.top_p,
+                           self.min_p, self.has_penalties, self.logprobs, self.synthetic_acceptance_rate,
+                           self.min_tokens)
+
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
 
@@ -154,3 +164,17 @@ class SamplingParams:
         if child.seed is not None:
             child.seed = self.seed + index
         return child
+
+
+class BatchFields(NamedTuple):
+    """SamplingParams.batch_fields: one row of a batch's sampling columns."""
+
+    greedy: bool
+    temperature: float   # 1.0 on greedy rows (never divides by 0)
+    top_k: int
+    top_p: float
+    min_p: float
+    has_penalties: bool
+    logprobs: int | None
+    synthetic_acceptance_rate: float | None
+    min_tokens: int

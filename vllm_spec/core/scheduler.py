@@ -21,11 +21,7 @@ from vllm_spec.core.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so the step produces a token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    samples: bool   # the chunk reaches the end of the sequence, so the step produces a token
 
 
 @dataclass
@@ -80,25 +76,31 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
         # Decodes first, then partially prefilled sequences, oldest first within each.
-        order = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)
-        for seq in order:
+        decodes, prefills = [], []
+        for seq in self.running:
+            uncomputed = seq.num_uncomputed_tokens
+            (decodes if uncomputed <= 1 else prefills).append((seq, uncomputed))
+        for seq, uncomputed in decodes + prefills if prefills else decodes:
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            uncomputed = seq.num_uncomputed_tokens
             n = min(uncomputed, budget)
             lookahead = self.num_lookahead_slots if n == uncomputed else 0
-            while not bm.can_append_slots(seq, n, lookahead):
-                # Newest first, never one already scheduled this step; last resort: seq itself.
-                scheduled = {id(s.seq) for s in out.scheduled}
-                victim = next((s for s in reversed(self.running) if id(s) not in scheduled and s is not seq), seq)
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
+            # Most steps of a decoding sequence stay inside its last block: nothing to allocate.
+            if bm.blocks_needed(seq, n, lookahead):
+                while not bm.can_append_slots(seq, n, lookahead):
+                    # Newest first, never one already scheduled this step; last resort: seq itself.
+                    scheduled = {id(s.seq) for s in out.scheduled}
+                    victim = next((s for s in reversed(self.running) if id(s) not in scheduled and s is not seq),
+                                  seq)
+                    self._preempt(victim, out)
+                    if victim is seq:
+                        break
+                if seq.status is SequenceStatus.RUNNING:
+                    bm.append_slots(seq, n, lookahead)
             if seq.status is SequenceStatus.RUNNING:
-                bm.append_slots(seq, n, lookahead)
-                out.scheduled.append(ScheduledSeq(seq, n))
+                out.scheduled.append(ScheduledSeq(seq, n, n == uncomputed))
                 budget -= n
         if out.preempted:
             return out
@@ -112,6 +114,6 @@ class Scheduler:
             bm.allocate(seq, n, lookahead)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, n == seq.num_uncomputed_tokens))
             budget -= n
         return out

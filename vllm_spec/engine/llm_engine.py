@@ -141,9 +141,12 @@ class LLMEngine:
         for item in sched.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             sample = item.samples
+            # A decoding sequence feeds its newest token (the common case, kept cheap).
+            tokens = [seq.output_token_ids[-1]] if sample and item.num_new_tokens == 1 and seq.output_token_ids \
+                else seq.token_slice(start, start + item.num_new_tokens)
             seqs.append(SeqInput(
                 seq_id=seq.seq_id,
-                token_ids=seq.token_slice(start, start + item.num_new_tokens),
+                token_ids=tokens,
                 start_pos=start,
                 block_table=seq.block_table,
                 sample=sample,
@@ -179,23 +182,27 @@ class LLMEngine:
                 for entry in scored.entries:
                     self.output_processor.decode_logprobs(entry)
                 seq.prompt_logprobs[scored.start: scored.start + len(scored.entries)] = scored.entries
+        # Requests to report on: every one that advanced, except FINAL_ONLY ones still running.
         touched: dict[str, Request] = {}
         for item in sched.scheduled:
             if not item.samples:
                 item.seq.num_computed_tokens += item.num_new_tokens
         now = time.monotonic()
+        generated = 0
         for out in result.outputs:
             seq = self._seqs[out.seq_id]
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self.stats.on_first_token(now - seq.arrival_time)
-            kept = self.output_processor.append(seq, out.token_ids, out.logprobs)
-            self.stats.on_generated(kept)
+            generated += self.output_processor.append(seq, out.token_ids, out.logprobs)
             # Every token but the newest now has its K/V in the cache.
             seq.num_computed_tokens = seq.num_tokens - 1
-            if seq.is_finished:
+            if seq.status.finished:
                 self._finish(seq, seq.status)
+            elif seq.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
             touched[seq.request_id] = self.requests[seq.request_id]
+        self.stats.on_generated(generated)
         outputs = []
         for request in touched.values():
             finished = request.is_finished

@@ -58,36 +58,36 @@ class SamplingMetadata:
         the verifier corrects for any draft distribution, so penalties are not worth their cost there."""
         ps = [r.params for r in rows]
         f32 = dict(device=device, dtype=torch.float32)
-        greedy = [p.is_greedy for p in ps]
-        temperature = to_device([1.0 if g else p.temperature for p, g in zip(ps, greedy)], **f32)
+        # One pass over the rows' cached fields, transposed into columns in C.
+        (greedy, temperature, top_ks, top_ps, min_ps, penalized, logprobs, rates,
+         min_tokens) = zip(*(p.batch_fields for p in ps))
         top_k = top_p = min_p = None
-        if any(p.top_k > 0 for p in ps):
-            top_k = to_device([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps], device)
-        if any(p.top_p < 1.0 for p in ps):
-            top_p = to_device([p.top_p for p in ps], **f32)
-        if any(p.min_p > 0.0 for p in ps):
-            min_p = to_device([p.min_p for p in ps], **f32)
+        if any(top_ks):
+            top_k = to_device([k if 0 < k < vocab_size else vocab_size for k in top_ks], device)
+        if min(top_ps) < 1.0:
+            top_p = to_device(top_ps, **f32)
+        if max(min_ps) > 0.0:
+            min_p = to_device(min_ps, **f32)
         banned_r, banned_t = [], []
-        for i, r in enumerate(rows):
-            if not for_draft and len(r.output_token_ids) + r.num_pending < r.params.min_tokens:
-                ids = sorted(t for t in r.params.all_stop_token_ids if t < vocab_size)
-                banned_r += [i] * len(ids)
-                banned_t += ids
-        logprobs = [p.logprobs for p in ps if p.logprobs is not None]
-        rates = [p.synthetic_acceptance_rate for p in ps]
+        if not for_draft and any(min_tokens):
+            for i, r in enumerate(rows):
+                if len(r.output_token_ids) + r.num_pending < r.params.min_tokens:
+                    ids = sorted(t for t in r.params.all_stop_token_ids if t < vocab_size)
+                    banned_r += [i] * len(ids)
+                    banned_t += ids
+        num_logprobs = [n for n in logprobs if n is not None]
         return cls(
-            temperature=temperature,
+            temperature=to_device(temperature, **f32),
             greedy=to_device(greedy, device, torch.bool),
             all_greedy=all(greedy),
             top_k=top_k, top_p=top_p, min_p=min_p,
-            penalties=(_penalties(rows, vocab_size, device)
-                       if not for_draft and any(p.has_penalties for p in ps) else None),
+            penalties=_penalties(rows, vocab_size, device) if not for_draft and any(penalized) else None,
             banned_rows=to_device(banned_r, device) if banned_r else None,
             banned_tokens=to_device(banned_t, device) if banned_t else None,
             generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None},
-            max_num_logprobs=max(logprobs) if logprobs else None,
+            max_num_logprobs=max(num_logprobs) if num_logprobs else None,
             synthetic_acceptance=(to_device([float("nan") if r is None else r for r in rates], **f32)
-                                  if any(r is not None for r in rates) else None),
+                                  if rates.count(None) < len(rates) else None),
         )
 
 

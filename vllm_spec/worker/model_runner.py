@@ -130,9 +130,11 @@ class ModelRunner:
 
 def block_table_array(seqs: list[SeqInput]) -> np.ndarray:
     """[B, longest table] int64 block tables, NULL_BLOCK past each sequence's end."""
-    tables = np.full((len(seqs), max(len(s.block_table) for s in seqs)), NULL_BLOCK, dtype=np.int64)
-    for i, s in enumerate(seqs):
-        tables[i, : len(s.block_table)] = s.block_table
+    lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
+    flat = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int64,
+                       count=int(lens.sum()))
+    tables = np.full((len(seqs), int(lens.max())), NULL_BLOCK, dtype=np.int64)
+    tables[np.arange(tables.shape[1])[None, :] < lens[:, None]] = flat   # row-major, as `flat`
     return tables
 
 
