@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from vllm_spec.config import EngineConfig
@@ -27,7 +28,7 @@ from vllm_spec.spec_decode.timer import StepTimer
 from vllm_spec.spec_decode.tp_proposer import TPProposer
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, SpecStepStats, StepOutput
-from vllm_spec.worker.model_runner import ModelRunner
+from vllm_spec.worker.model_runner import ModelRunner, to_device_aligned
 from vllm_spec.worker.worker import PromptLogprobRows, Worker, logprob_dicts, to_host
 
 
@@ -171,36 +172,43 @@ class SpecDecodeWorker:
                   for i, s in enumerate(req.seqs)]
         batch = self.target.runner.prepare(verify)
         starts = batch.token_starts
-        dst, src_row, src_pos = [], [], []
-        for i, n in found.items():
-            dst += range(starts[i] + 1, starts[i] + 1 + n)
-            src_row += [spec_row[i]] * n
-            src_pos += range(n)
-        if dst:
-            batch.input_ids[to_device(dst, dev)] = proposals.token_ids[to_device(src_row, dev), to_device(src_pos, dev)]
-
+        starts_np = np.asarray(starts, dtype=np.int64)
         sampled = [i for i, s in enumerate(req.seqs) if s.sample]
+        # Index arrays, built in numpy and sent in one copy: the j-th draft of speculating row r goes
+        # right after its sequence's last token; sampled row r is scored at its last token and at
+        # each of its drafts (grid: row r, position j).
+        drafted = np.asarray(proposals.num_drafts, dtype=np.int64)
+        src_row, src_pos = _ragged_grid(drafted)
+        dst = starts_np[np.asarray(spec_idx, dtype=np.int64)][src_row] + 1 + src_pos
+        found_np = np.zeros(len(req.seqs), dtype=np.int64)
+        found_np[spec_idx] = drafted
+        sampled_np = np.asarray(sampled, dtype=np.int64)
+        grid_r, grid_j = _ragged_grid(found_np[sampled_np] + 1)
+        last = starts_np[sampled_np] + np.fromiter((len(req.seqs[i].token_ids) for i in sampled), dtype=np.int64,
+                                                   count=len(sampled)) - 1
+        logit_rows = last[grid_r] + grid_j
+        prompt_rows = PromptLogprobRows.of(req.seqs, starts)
+        row_of = {i: r for r, i in enumerate(sampled)}
+        dst_t, src_row_t, src_pos_t, rows_t, grid_r_t, grid_j_t, spec_rows_t, num_drafts_t = to_device_aligned(
+            [dst, src_row, src_pos, np.concatenate([logit_rows, np.asarray(prompt_rows.rows, dtype=np.int64)]),
+             grid_r, grid_j, np.asarray([row_of[i] for i in spec_idx], dtype=np.int64), found_np[sampled_np]], dev)
+        if len(dst):
+            batch.input_ids[dst_t] = proposals.token_ids[src_row_t, src_pos_t]
+
         drafts_host = proposals.token_ids.tolist() if any(
             req.seqs[i].sampling_params.has_penalties for i in spec_idx) else None
         # Plain greedy rows (no penalties, min_tokens met) verify against argmax of the raw
         # logits: no per-position sampling metadata, no softmax over [rows, V].
         plain_greedy = all(p.is_greedy and not p.has_penalties and p.min_tokens <= len(s.output_token_ids)
                            for s, p in ((req.seqs[i], req.seqs[i].sampling_params) for i in sampled))
-        logit_rows, grid_r, grid_j, exp_rows = [], [], [], []
-        for r, i in enumerate(sampled):
-            seq, n = req.seqs[i], found.get(i, 0)
-            first = starts[i] + len(seq.token_ids) - 1          # the sequence's last real token
-            logit_rows += range(first, first + n + 1)
-            grid_r += [r] * (n + 1)
-            grid_j += range(n + 1)
-            if not plain_greedy:
-                exp_rows += self._position_rows(seq, n, drafts_host and drafts_host[spec_row[i]])
-        prompt_rows = PromptLogprobRows.of(req.seqs, starts)
-        all_logits = self.target.runner.run(batch, to_device(logit_rows + prompt_rows.rows, dev))
+        exp_rows = [] if plain_greedy else [
+            row for i in sampled for row in self._position_rows(req.seqs[i], found.get(i, 0),
+                                                                drafts_host and drafts_host[spec_row[i]])]
+        all_logits = self.target.runner.run(batch, rows_t)
         raw = all_logits[: len(logit_rows)]
         prompt_logprobs = prompt_rows.results(all_logits[len(logit_rows):], req.seqs)
         R = len(sampled)
-        grid = (to_device(grid_r, dev), to_device(grid_j, dev))
+        grid = (grid_r_t, grid_j_t)
         target_probs = target_argmax = None
         if plain_greedy:   # the greedy tokens are all the verifier needs: no [R, k+1, V] tensor
             target_argmax = torch.zeros(R, k + 1, dtype=torch.long, device=dev)
@@ -213,27 +221,24 @@ class SpecDecodeWorker:
             target_probs[grid] = probs
         draft_tokens = torch.zeros(R, k, dtype=torch.long, device=dev)
         draft_probs = None if proposals.probs is None else raw.new_zeros(R, k, self.vocab_size)
-        row_of = {i: r for r, i in enumerate(sampled)}
-        rows_of_spec = to_device([row_of[i] for i in spec_idx], dev)
-        draft_tokens[rows_of_spec] = proposals.token_ids[:, :k]
+        draft_tokens[spec_rows_t] = proposals.token_ids[:, :k]
         if draft_probs is not None:
-            draft_probs[rows_of_spec] = proposals.probs[:, :k]
-        num_drafts = to_device([found.get(i, 0) for i in sampled], dev)
+            draft_probs[spec_rows_t] = proposals.probs[:, :k]
         # The verifier's per-row metadata is the draft's when every sampled sequence speculated.
         row_md = draft_md if spec_idx == sampled else self._metadata(
             [self.target.sampling_row(req.seqs[i]) for i in sampled], for_draft=True)
-        result = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, row_md,
+        result = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts_t, row_md,
                                   self.target.sampler.generator, self.config.speculative.synthetic_acceptance_rate,
                                   target_argmax)
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
         rows, wait = to_host(tokens)   # the step's one device->host copy
-        emitted = [[t for t in row if t >= 0] for row in rows]
+        emitted = [row[: row.index(-1)] if row[-1] < 0 else row for row in rows]   # -1 past each row's end
 
-        logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
+        logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r.tolist(), grid_j.tolist())
         outputs = [SeqOutput(req.seqs[i].seq_id, toks, lps) for i, toks, lps in zip(sampled, emitted, logprobs)]
         accepted = [len(emitted[row_of[i]]) - 1 for i in spec_idx]
         self.proposer.on_verified([req.seqs[i].seq_id for i in spec_idx], proposals.num_drafts, accepted)
-        per_pos = [sum(1 for a in accepted if a > j) for j in range(k)]
+        per_pos = np.bincount(np.minimum(np.asarray(accepted, dtype=np.int64), k), minlength=k + 1)[::-1].cumsum()[::-1][1:].tolist()
         stats = SpecStepStats(sum(1 for n in proposals.num_drafts if n > 0), sum(proposals.num_drafts),
                               sum(accepted), per_pos, 0.0, 0.0, num_verified_tokens=int(batch.input_ids.shape[0]))
         return StepOutput(outputs, stats, prompt_logprobs, device_wait_time=wait)
@@ -264,6 +269,12 @@ class SpecDecodeWorker:
             if d is not None:
                 per_seq[grid_r[n]].append(d)
         return per_seq
+
+
+def _ragged_grid(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, position) of every cell of rows holding counts[r] cells each, row-major."""
+    rows = np.repeat(np.arange(len(counts)), counts)
+    return rows, np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _num_params(model: torch.nn.Module) -> int:
