@@ -209,16 +209,7 @@ class _BucketState:
         self.observed += 1
 
 
-@dataclass
-class _Acceptance:
-    """Decayed counts of accepted draft tokens and trials (a trial ends at the first rejection)."""
-
-    accepted: float = 0.0
-    trials: float = 0.0
-
-    def add(self, accepted: int, drafted: int, decay: float) -> None:
-        self.accepted = self.accepted * decay + accepted
-        self.trials = self.trials * decay + accepted + (1 if accepted < drafted else 0)
+_NO_TRIALS = (0.0, 0.0)
 
 
 @dataclass
@@ -238,8 +229,11 @@ class AdaptivePolicy:
     # that does not pay after as many (doubling each time it still does not pay).
     explore_every: int = 50
     _buckets: dict[int, _BucketState] = field(default_factory=dict)
-    _global: _Acceptance = field(default_factory=_Acceptance)
-    _seqs: dict[int, _Acceptance] = field(default_factory=dict)
+    # Decayed counts of accepted draft tokens and of trials (a trial ends at the first rejection):
+    # over all sequences, and per sequence as (accepted, trials).
+    _global_accepted: float = 0.0
+    _global_trials: float = 0.0
+    _seqs: dict[int, tuple[float, float]] = field(default_factory=dict)
     _target: _LinearFit | None = None
     _draft: _LinearFit | None = None
     # Measured (draft, verify) seconds of all-decoding steps per (batch bucket, k): real costs
@@ -254,28 +248,32 @@ class AdaptivePolicy:
         self._target = _LinearFit(1.0, 1.0 / 512)
         self._draft = _LinearFit(max(self.draft_cost_ratio, 0.01), 1.0 / 4096)
 
-    def _posterior(self, seq_id: int) -> tuple[float, float]:
-        """Beta(a, b) belief about a sequence's per-token acceptance, shrunk towards the global rate."""
-        g = self._global
-        prior = (g.accepted + self.prior_acceptance * self.prior_strength) / (g.trials + self.prior_strength)
-        s = self._seqs.get(seq_id, _Acceptance())
-        return s.accepted + prior * self.prior_strength, s.trials - s.accepted + (1 - prior) * self.prior_strength
+    def _global_rate(self) -> float:
+        return ((self._global_accepted + self.prior_acceptance * self.prior_strength)
+                / (self._global_trials + self.prior_strength))
+
+    def _posteriors(self, seq_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Beta(a, b) beliefs about the sequences' per-token acceptance, shrunk towards the global rate."""
+        counts = np.array([self._seqs.get(s, _NO_TRIALS) for s in seq_ids], dtype=np.float64).reshape(-1, 2)
+        prior = self._global_rate()
+        return (counts[:, 0] + prior * self.prior_strength,
+                counts[:, 1] - counts[:, 0] + (1 - prior) * self.prior_strength)
 
     def acceptance(self, seq_id: int) -> float:
-        a, b = self._posterior(seq_id)
-        return float(np.clip(a / (a + b), 0.0, 0.999))
+        a, b = self._posteriors([seq_id])
+        return float(np.clip(a[0] / (a[0] + b[0]), 0.0, 0.999))
 
     def choose(self, shape: StepShape) -> list[int]:
         n = len(shape.seq_ids)
         if n == 0:
             return []
-        posteriors = [self._posterior(s) for s in shape.seq_ids]
+        a, b = self._posteriors(shape.seq_ids)
         j = np.arange(1, self.max_k + 1)[None, :]
         # Value of the j-th draft token: from the mean belief, and (Thompson sampling) from a draw of
         # each belief, so an estimate that argues against speculating is tested again as often as
         # it is uncertain.
-        mean = np.clip(np.array([a / (a + b) for a, b in posteriors]), 0.0, 0.999)[:, None] ** j
-        draw = np.clip(np.array([self._rng.beta(a, b) for a, b in posteriors]), 0.0, 0.999)[:, None] ** j
+        mean = np.clip(a / (a + b), 0.0, 0.999)[:, None] ** j
+        draw = np.clip(self._rng.beta(a, b), 0.0, 0.999)[:, None] ** j
         caps = np.array(shape.caps)
         chosen = self._choose_decoding(mean, draw, caps) if shape.num_other_tokens == 0 \
             else self._choose_ragged(draw, caps, shape.num_other_tokens)
@@ -378,10 +376,19 @@ class AdaptivePolicy:
 
     def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
                 stats: SpecStepStats, step_time: float) -> None:
+        decay, accepted_sum, trials_sum, drafted = self.decay, 0, 0, 0
         for sid, k, a in zip(shape.seq_ids, chosen, accepted):
             if k > 0:
-                self._seqs.setdefault(sid, _Acceptance()).add(a, k, self.decay)
-                self._global.add(a, k, 0.995)
+                trials = a + (a < k)
+                acc, tr = self._seqs.get(sid, _NO_TRIALS)
+                self._seqs[sid] = (acc * decay + a, tr * decay + trials)
+                accepted_sum += a
+                trials_sum += trials
+                drafted += 1
+        if drafted:   # the global counts decay per speculating sequence
+            forget = 0.995 ** drafted
+            self._global_accepted = self._global_accepted * forget + accepted_sum
+            self._global_trials = self._global_trials * forget + trials_sum
         draft = stats.draft_time - stats.catch_up_time
         if shape.num_other_tokens == 0 and shape.seq_ids:
             bucket = _bucket(len(shape.seq_ids))
@@ -406,6 +413,4 @@ class AdaptivePolicy:
             self._seqs.pop(sid, None)
 
     def estimates(self) -> PolicyEstimates:
-        g = self._global
-        acceptance = (g.accepted + self.prior_acceptance * self.prior_strength) / (g.trials + self.prior_strength)
-        return PolicyEstimates(self.last_mean_k, acceptance, self._draft_forward(1) / self._target(1))
+        return PolicyEstimates(self.last_mean_k, self._global_rate(), self._draft_forward(1) / self._target(1))
