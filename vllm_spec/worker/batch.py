@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from vllm_spec.outputs import Logprob
 from vllm_spec.sampling_params import SamplingParams
@@ -29,9 +28,8 @@ class SeqInput:
     # A prefill chunk of a request that asked for prompt logprobs: how many top entries.
     prompt_logprobs: int | None = None
 
-    @cached_property
+    @property
     def seq_len(self) -> int:
-        # Cached: asked several times per sequence per step, and a SeqInput is never modified.
         return self.start_pos + len(self.token_ids)
 
 

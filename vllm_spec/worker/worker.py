@@ -143,8 +143,10 @@ class PromptLogprobRows:
     def of(cls, seqs: list[SeqInput], starts: list[int]) -> "PromptLogprobRows":
         rows, targets, spans = [], [], []
         for i, s in enumerate(seqs):
+            if s.prompt_logprobs is None:
+                continue
             last = min(s.seq_len, len(s.prompt_token_ids) - 1)   # positions [start_pos, last) score tokens
-            if s.prompt_logprobs is None or last <= s.start_pos:
+            if last <= s.start_pos:
                 continue
             n = last - s.start_pos
             spans.append((i, len(rows), n))
