@@ -26,6 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
+from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, LinearFit, StepCost
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
 from vllm_spec.worker.cuda_graph import bucket_for
 
@@ -45,12 +46,6 @@ def pads_verification(num_seqs: int, max_k: int, real_tokens: int) -> bool:
     return num_seqs <= ALWAYS_PAD_BATCH or num_seqs * (max_k + 1) <= MAX_PAD_RATIO * real_tokens
 
 
-# Weight of the newest measurement in the per-(batch bucket, k) step costs: step times are noisy
-# upwards (a cold first step, other work on the machine), so a faster step counts more than a slower one.
-_COST_EMA_FASTER, _COST_EMA_SLOWER = 0.7, 0.3
-# A step kind's cost is the minimum of its first samples, then an average; plain steps are
-# measured this often at a batch size before anything else is tried there.
-_MIN_SAMPLES = 3
 # Choices whose expected rate is within this factor of the best one are kept measured.
 _NEAR_BEST = 0.9
 _MAX_PROBE_EVERY = 800
@@ -141,74 +136,6 @@ class BatchSizeTablePolicy(_StaticPolicy):
         return next((k for bound, k in self.table if n <= bound), 0)
 
 
-class _LinearFit:
-    """Recursive least squares for y = w0 + w1 * x with exponential forgetting.
-
-    The prior fixes only the shape (w1 / w0); the first observation sets the scale,
-    so priors need no units.
-    """
-
-    def __init__(self, w0: float, w1: float, forget: float = 0.98):
-        self.forget = forget
-        self.w = np.array([w0, w1], dtype=np.float64)
-        self.P = np.zeros((2, 2))
-        self.count = 0
-
-    def update(self, x: float, y: float) -> None:
-        phi = np.array([1.0, x])
-        if self.count == 0:
-            self.w *= y / float(phi @ self.w)
-            # Prior spread: w0 within ~50%, w1 within ~200%, against 5% noise on y.
-            self.P = np.diag([(0.5 * self.w[0]) ** 2, (2.0 * self.w[1]) ** 2]) / (0.05 * y) ** 2
-        else:
-            Pphi = self.P @ phi
-            gain = Pphi / (self.forget + phi @ Pphi)
-            self.w = self.w + gain * (y - phi @ self.w)
-            self.P = (self.P - np.outer(gain, Pphi)) / self.forget
-        self.count += 1
-
-    def __call__(self, x: float) -> float:
-        # More tokens never cost less: a negative fitted slope (noise, odd kernels) predicts nothing.
-        return max(float(self.w[0] + max(self.w[1], 0.0) * x), 1e-9)
-
-
-@dataclass
-class _StepCost:
-    """Measured seconds of one kind of step, how many steps were measured, and the visit of its
-    bucket at which it was last measured."""
-
-    seconds: float
-    at: int
-    samples: int = 1
-
-    def update(self, seconds: float, at: int) -> None:
-        faster = seconds < self.seconds
-        # The first samples may include one-off costs (cold caches, a first replay): keep their minimum.
-        w = (1.0 if faster else 0.0) if self.samples < _MIN_SAMPLES else \
-            _COST_EMA_FASTER if faster else _COST_EMA_SLOWER
-        self.seconds += w * (seconds - self.seconds)
-        self.samples += 1
-        self.at = at
-
-
-@dataclass
-class _BucketState:
-    """Exploration bookkeeping of all-decoding steps at one batch-size bucket."""
-
-    probe_every: int       # steps without speculation before it is probed again
-    visits: int = 0
-    last_spec: int = 0     # the visit of the last speculative step
-    host: float = 0.0      # average seconds of a step's host work the device does not overlap
-    calibration: float = 1.0   # measured / modelled seconds of the steps measured here
-    observed: int = 0
-
-    def observe(self, host: float, calibration: float) -> None:
-        w = 0.3 if self.observed else 1.0
-        self.host += w * (host - self.host)
-        self.calibration += w * (calibration - self.calibration)
-        self.observed += 1
-
-
 _NO_TRIALS = (0.0, 0.0)
 
 
@@ -228,25 +155,25 @@ class AdaptivePolicy:
     # Re-measure a near-best choice after this many steps at its batch size; probe speculation
     # that does not pay after as many (doubling each time it still does not pay).
     explore_every: int = 50
-    _buckets: dict[int, _BucketState] = field(default_factory=dict)
+    _buckets: dict[int, BucketState] = field(default_factory=dict)
     # Decayed counts of accepted draft tokens and of trials (a trial ends at the first rejection):
     # over all sequences, and per sequence as (accepted, trials).
     _global_accepted: float = 0.0
     _global_trials: float = 0.0
     _seqs: dict[int, tuple[float, float]] = field(default_factory=dict)
-    _target: _LinearFit | None = None
-    _draft: _LinearFit | None = None
+    _target: LinearFit | None = None
+    _draft: LinearFit | None = None
     # Measured (draft, verify) seconds of all-decoding steps per (batch bucket, k): real costs
     # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
-    _measured: dict[tuple[int, int], _StepCost] = field(default_factory=dict)
+    _measured: dict[tuple[int, int], StepCost] = field(default_factory=dict)
     _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     last_mean_k: float = 0.0
 
     def __post_init__(self) -> None:
         # Until measured: a target forward costs 1 plus 1/512 per query token, a draft
         # forward draft_cost_ratio plus 1/4096 per sequence (memory-bound decoding).
-        self._target = _LinearFit(1.0, 1.0 / 512)
-        self._draft = _LinearFit(max(self.draft_cost_ratio, 0.01), 1.0 / 4096)
+        self._target = LinearFit(1.0, 1.0 / 512)
+        self._draft = LinearFit(max(self.draft_cost_ratio, 0.01), 1.0 / 4096)
 
     def _global_rate(self) -> float:
         return ((self._global_accepted + self.prior_acceptance * self.prior_strength)
@@ -297,9 +224,9 @@ class AdaptivePolicy:
             # The mean belief says do not speculate; the drawn one may say otherwise (exploration).
             rates = goodput(draw)
             best = max(rates, key=rates.__getitem__)
-        state = self._buckets.setdefault(_bucket(n), _BucketState(probe_every=self.explore_every))
+        state = self._buckets.setdefault(_bucket(n), BucketState(probe_every=self.explore_every))
         state.visits += 1
-        if self._plain_samples(n) < _MIN_SAMPLES:
+        if self._plain_samples(n) < MIN_SAMPLES:
             # Plain steps are measured at each batch size before the model's guess of them is trusted.
             K = 0
         else:
@@ -354,13 +281,13 @@ class AdaptivePolicy:
         lower of the two (one slow first step must not rule a choice out before it is measured again)."""
         bucket = _bucket(n)
         measured = self._measured.get((bucket, k))
-        if measured is not None and measured.samples >= _MIN_SAMPLES:
+        if measured is not None and measured.samples >= MIN_SAMPLES:
             return measured.seconds
         state = self._buckets.get(bucket)
         model = self._modelled_cost(n, k, state)
         return model if measured is None else min(model, measured.seconds)
 
-    def _modelled_cost(self, n: int, k: int, state: _BucketState | None) -> float:
+    def _modelled_cost(self, n: int, k: int, state: BucketState | None) -> float:
         """Device time from the linear fits plus the host time measured at this batch size, scaled
         by how far measured steps here were from the model (the fits span all batch sizes)."""
         device = (k * self._draft_forward(n) if k else 0.0) + self._target(n * (k + 1))
@@ -392,7 +319,7 @@ class AdaptivePolicy:
         draft = stats.draft_time - stats.catch_up_time
         if shape.num_other_tokens == 0 and shape.seq_ids:
             bucket = _bucket(len(shape.seq_ids))
-            state = self._buckets.setdefault(bucket, _BucketState(probe_every=self.explore_every))
+            state = self._buckets.setdefault(bucket, BucketState(probe_every=self.explore_every))
             modelled = self._modelled_cost(len(shape.seq_ids), max(chosen, default=0), None)
             host = max(step_time - draft - stats.verify_time, 0.0)
             state.observe(host, step_time / (modelled + host))
@@ -400,7 +327,7 @@ class AdaptivePolicy:
             if key in self._measured:
                 self._measured[key].update(step_time, state.visits)
             else:
-                self._measured[key] = _StepCost(step_time, state.visits)
+                self._measured[key] = StepCost(step_time, state.visits)
         # The pass may have been padded to one query length: fit on what the target really ran.
         q = shape.num_other_tokens + len(shape.seq_ids) + sum(chosen)
         self._target.update(stats.num_verified_tokens or q, stats.verify_time)

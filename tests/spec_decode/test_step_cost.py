@@ -1,0 +1,38 @@
+"""The online step-cost estimates the adaptive policy decides on."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, LinearFit, StepCost
+
+
+def test_first_samples_keep_their_minimum_then_faster_samples_weigh_more():
+    cost = StepCost(3.0, at=0)                 # a slow first step (cold caches)
+    cost.update(1.0, at=1)
+    for at in range(2, MIN_SAMPLES):
+        cost.update(2.0, at=at)
+    assert cost.seconds == 1.0 and cost.samples == MIN_SAMPLES and cost.at == MIN_SAMPLES - 1
+    cost.update(2.0, at=9)                     # slower: weight 0.3
+    assert cost.seconds == pytest.approx(1.3)
+    cost.update(1.0, at=10)                    # faster: weight 0.7
+    assert cost.seconds == pytest.approx(1.09)
+
+
+def test_bucket_state_averages_host_time_and_calibration():
+    state = BucketState(probe_every=50)
+    state.observe(host=2e-3, calibration=1.5)   # the first observation is taken as is
+    assert (state.host, state.calibration) == (2e-3, 1.5)
+    state.observe(host=1e-3, calibration=1.0)
+    assert state.host == pytest.approx(1.7e-3) and state.calibration == pytest.approx(1.35)
+
+
+def test_linear_fit_learns_a_line_and_never_predicts_a_negative_slope():
+    fit = LinearFit(1.0, 0.01)
+    for x in (1, 50, 100, 200, 400) * 20:
+        fit.update(x, 5e-3 + 2e-5 * x)
+    assert fit(300) == pytest.approx(5e-3 + 2e-5 * 300, rel=1e-3)
+    falling = LinearFit(1.0, 0.01)
+    for x in (1, 100) * 20:
+        falling.update(x, 5e-3 - 1e-5 * x)
+    assert falling(1000) >= falling(1)

@@ -1,0 +1,84 @@
+"""What steps cost, learned online: a linear fit of device time, measured costs per step kind,
+and per batch-size bucket the host time and how far measurements sit from the fit. The adaptive
+speculation policy (policy.py) decides on these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# Weight of the newest measurement in the per-(batch bucket, k) step costs: step times are noisy
+# upwards (a cold first step, other work on the machine), so a faster step counts more than a slower one.
+_COST_EMA_FASTER, _COST_EMA_SLOWER = 0.7, 0.3
+# A step kind's cost is the minimum of its first samples, then an average; plain steps are
+# measured this often at a batch size before anything else is tried there.
+MIN_SAMPLES = 3
+
+
+class LinearFit:
+    """Recursive least squares for y = w0 + w1 * x with exponential forgetting.
+
+    The prior fixes only the shape (w1 / w0); the first observation sets the scale,
+    so priors need no units.
+    """
+
+    def __init__(self, w0: float, w1: float, forget: float = 0.98):
+        self.forget = forget
+        self.w = np.array([w0, w1], dtype=np.float64)
+        self.P = np.zeros((2, 2))
+        self.count = 0
+
+    def update(self, x: float, y: float) -> None:
+        phi = np.array([1.0, x])
+        if self.count == 0:
+            self.w *= y / float(phi @ self.w)
+            # Prior spread: w0 within ~50%, w1 within ~200%, against 5% noise on y.
+            self.P = np.diag([(0.5 * self.w[0]) ** 2, (2.0 * self.w[1]) ** 2]) / (0.05 * y) ** 2
+        else:
+            Pphi = self.P @ phi
+            gain = Pphi / (self.forget + phi @ Pphi)
+            self.w = self.w + gain * (y - phi @ self.w)
+            self.P = (self.P - np.outer(gain, Pphi)) / self.forget
+        self.count += 1
+
+    def __call__(self, x: float) -> float:
+        # More tokens never cost less: a negative fitted slope (noise, odd kernels) predicts nothing.
+        return max(float(self.w[0] + max(self.w[1], 0.0) * x), 1e-9)
+
+
+@dataclass
+class StepCost:
+    """Measured seconds of one kind of step, how many steps were measured, and the visit of its
+    bucket at which it was last measured."""
+
+    seconds: float
+    at: int
+    samples: int = 1
+
+    def update(self, seconds: float, at: int) -> None:
+        faster = seconds < self.seconds
+        # The first samples may include one-off costs (cold caches, a first replay): keep their minimum.
+        w = (1.0 if faster else 0.0) if self.samples < MIN_SAMPLES else \
+            _COST_EMA_FASTER if faster else _COST_EMA_SLOWER
+        self.seconds += w * (seconds - self.seconds)
+        self.samples += 1
+        self.at = at
+
+
+@dataclass
+class BucketState:
+    """Exploration bookkeeping of all-decoding steps at one batch-size bucket."""
+
+    probe_every: int       # steps without speculation before it is probed again
+    visits: int = 0
+    last_spec: int = 0     # the visit of the last speculative step
+    host: float = 0.0      # average seconds of a step's host work the device does not overlap
+    calibration: float = 1.0   # measured / modelled seconds of the steps measured here
+    observed: int = 0
+
+    def observe(self, host: float, calibration: float) -> None:
+        w = 0.3 if self.observed else 1.0
+        self.host += w * (host - self.host)
+        self.calibration += w * (calibration - self.calibration)
+        self.observed += 1
