@@ -10,7 +10,8 @@ synthetic_acceptance_rate), where per-sequence choices should pay. One speculati
 draft (k=4); policies are swapped in place. Every policy gets the same warm-up run before each
 timed run; the adaptive policy is fresh per (draft, workload) and keeps what it learned across
 batch sizes. Reports decode tokens/s per policy, adaptive/plain and adaptive/best-fixed, writes
-JSON (--out) and a plot of tokens/s vs batch size (--plot), then prints the table.
+JSON (--out) and a plot of tokens/s vs batch size (--plot), then prints the table. --trace adds
+every step the adaptive policy observed (k, step time, catch-up) to the JSON.
 
     PYTHONPATH=. python benchmarks/benchmark_policy.py --out policy.json --plot policy.png
     PYTHONPATH=. python benchmarks/benchmark_policy.py --tiny --batch-sizes 1 4   # CPU smoke run
@@ -60,6 +61,34 @@ class Row:
 
 
 @dataclass
+class TracedStep:
+    """One step the adaptive policy observed (--trace): what it chose and what the step cost."""
+
+    draft: str
+    workload: str
+    batch: int
+    k: int                 # drafts of the step's longest row (0: a plain step)
+    step_ms: float         # what the policy was charged: end to end, catch-up excluded
+    catch_up_ms: float
+    draft_ms: float        # device time of the proposal (catch-up included)
+    verify_ms: float
+    accepted: int
+
+
+def traced(policy: AdaptivePolicy, into: list[TracedStep], draft: str, workload: str, batch: int) -> None:
+    """Record every step the policy observes from now on (replaces its observe; the last call wins)."""
+    observe = type(policy).observe
+
+    def record(shape, chosen, accepted, stats, step_time):
+        into.append(TracedStep(draft, workload, batch, max(chosen, default=0), step_time * 1e3,
+                               stats.catch_up_time * 1e3, stats.draft_time * 1e3, stats.verify_time * 1e3,
+                               sum(accepted)))
+        observe(policy, shape, chosen, accepted, stats, step_time)
+
+    policy.observe = record
+
+
+@dataclass
 class Summary:
     """The policies side by side for one (draft, workload, batch)."""
 
@@ -100,7 +129,7 @@ def plain_rows(sweep: Sweep, target: str, max_len: int, engine_kw: dict) -> list
 
 
 def spec_rows(sweep: Sweep, target: str, draft_shape: str, draft: str, acceptance: list[float],
-              max_len: int, engine_kw: dict) -> list[Row]:
+              max_len: int, engine_kw: dict, trace: list[TracedStep] | None = None) -> list[Row]:
     engine = build(target, draft, MAX_K, max_len, max(sweep.batch_sizes), **engine_kw)
     worker = engine.executor.worker
     cost_ratio = (sum(p.numel() for p in worker.draft_runner.model.parameters())
@@ -114,6 +143,8 @@ def spec_rows(sweep: Sweep, target: str, draft_shape: str, draft: str, acceptanc
             # Mixed: every request brings its own rate; the engine-wide one (None) applies to nobody.
             extra_args = [{"synthetic_acceptance_rate": MIXED_RATES[i % 2]} for i in range(b)] if rate is None else None
             for policy_name, policy in policies.items():
+                if trace is not None and policy_name == "adaptive":
+                    traced(policy, trace, draft_shape, name, b)
                 worker.policy = policy
                 r = sweep.measure(engine, b, extra_args)
                 rows.append(Row(draft_shape, name, b, policy_name, r["tokens_per_s"], r["ms_per_step"],
@@ -181,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--window", type=int, default=32, help="timed steps, every request running throughout")
     ap.add_argument("--warmup-len", type=int, default=16, help="tokens per request of each warm-up run")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU, float32 (smoke test)")
+    ap.add_argument("--trace", action="store_true", help="every step of the adaptive policy into the JSON")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None, help="PNG of tokens/s vs batch size per policy")
     args = ap.parse_args(argv)
@@ -194,18 +226,20 @@ def main(argv: list[str] | None = None) -> None:
     max_len = args.prompt_len + args.gen_len + 32
     target = write_config(tmp, "8b", max_len, sweep.vocab, shapes.get("8b"))
     rows = plain_rows(sweep, target, max_len, engine_kw)
+    trace: list[TracedStep] | None = [] if args.trace else None
     for draft_shape in args.drafts:
         gc.collect()   # the previous engine's memory, before the next one is built
         torch.cuda.empty_cache()
         draft = write_config(tmp, draft_shape, max_len, sweep.vocab, shapes.get(draft_shape))
-        rows += spec_rows(sweep, target, draft_shape, draft, args.acceptance, max_len, engine_kw)
+        rows += spec_rows(sweep, target, draft_shape, draft, args.acceptance, max_len, engine_kw, trace)
     summary = summarise(rows)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu"
     out = Path(args.out or f"benchmarks/results/policy_{time.strftime('%Y%m%d_%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(device=device, args=vars(args), table=TABLE, seconds=time.perf_counter() - start,
-                                   rows=[asdict(r) for r in rows], summary=[asdict(s) for s in summary]), indent=1))
+                                   rows=[asdict(r) for r in rows], summary=[asdict(s) for s in summary],
+                                   adaptive_trace=[asdict(t) for t in trace or []]), indent=1))
     print(f"wrote {out}")
     if args.plot:
         plot(summary, args.plot)

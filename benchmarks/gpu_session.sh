@@ -16,6 +16,6 @@ fi
 python3 benchmarks/benchmark_spec_decode.py --out "$OUT/spec_decode.json" --plot "$OUT/speedup.png" "$@" \
     2>&1 | tee "$OUT/bench.log" | grep -v "^{" | tail -60
 if [ "${POLICY:-0}" = 1 ]; then
-    python3 benchmarks/benchmark_policy.py --out "$OUT/policy.json" --plot "$OUT/policy.png" \
+    python3 benchmarks/benchmark_policy.py --trace --out "$OUT/policy.json" --plot "$OUT/policy.png" \
         2>&1 | tee "$OUT/policy.log" | grep -v "^{" | tail -45
 fi

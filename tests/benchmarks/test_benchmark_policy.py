@@ -15,7 +15,7 @@ def test_policy_benchmark_tiny_sweep(tmp_path, monkeypatch):
 
     out = tmp_path / "policy.json"
     bench.main(["--tiny", "--batch-sizes", "1", "3", "--prompt-len", "8", "--gen-len", "24", "--warmup-len", "4",
-                "--window", "4",
+                "--window", "4", "--trace",
                 "--out", str(out), "--plot", str(tmp_path / "policy.png")])
     result = json.loads(out.read_text())
     rows = {(r["draft"], r["workload"], r["batch"], r["policy"]) for r in result["rows"]}
@@ -29,4 +29,10 @@ def test_policy_benchmark_tiny_sweep(tmp_path, monkeypatch):
     for s in result["summary"]:
         assert set(s["tokens_per_s"]) == set(bench.POLICIES)
         assert s["adaptive_over_plain"] > 0 and s["adaptive_over_best_fixed"] > 0
+    # --trace: every step the adaptive policies observed, warm-ups included (at least the timed windows).
+    trace = result["adaptive_trace"]
+    assert len(trace) >= 2 * len(workloads) * 2 * 4
+    assert {(t["draft"], t["workload"], t["batch"]) for t in trace} == {
+        (d, w, b) for d in ("68m", "1b") for w in workloads for b in (1, 3)}
+    assert all(t["step_ms"] > 0 and 0 <= t["k"] <= bench.MAX_K for t in trace)
     assert (tmp_path / "policy.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
