@@ -124,3 +124,17 @@ def test_batch_size_table_respects_caps_and_empty_steps():
 def test_batch_size_table_rejects_bad_tables(table):
     with pytest.raises(ValueError, match="table"):
         BatchSizeTablePolicy(table)
+
+
+def test_modelled_costs_are_in_seconds_when_decoding_comes_first():
+    # No prefill step before (1-token prompts): the first steps the policy sees are plain decodes.
+    # Its model of steps not measured yet must be calibrated against seconds, not the fit's prior.
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=0.05)
+    shape = StepShape(list(range(8)), [4] * 8, 0)
+    for _ in range(3):
+        chosen = policy.choose(shape)
+        assert max(chosen) == 0   # plain steps are measured first
+        policy.observe(shape, chosen, [0] * 8, SpecStepStats(0, 0, 0, [], 0.0, 8e-3), 10e-3)
+    assert policy._decode_step_cost(8, 0) == pytest.approx(10e-3)
+    # Drafting and verifying more tokens never looks cheaper than the measured plain step.
+    assert all(policy._decode_step_cost(8, k) >= 10e-3 for k in range(1, 5))

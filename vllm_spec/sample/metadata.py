@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_spec.sampling_params import SamplingParams
+from vllm_spec.sampling_params import BatchFields, SamplingParams
 from vllm_spec.utils import to_device
 
 
@@ -60,13 +60,13 @@ class SamplingMetadata:
         f32 = dict(device=device, dtype=torch.float32)
         # One pass over the rows' cached fields, transposed into columns in C.
         (greedy, temperature, top_ks, top_ps, min_ps, penalized, logprobs, rates,
-         min_tokens) = zip(*(p.batch_fields for p in ps))
+         min_tokens) = tuple(zip(*(p.batch_fields for p in ps))) or ((),) * len(BatchFields._fields)
         top_k = top_p = min_p = None
         if any(top_ks):
             top_k = to_device([k if 0 < k < vocab_size else vocab_size for k in top_ks], device)
-        if min(top_ps) < 1.0:
+        if min(top_ps, default=1.0) < 1.0:
             top_p = to_device(top_ps, **f32)
-        if max(min_ps) > 0.0:
+        if max(min_ps, default=0.0) > 0.0:
             min_p = to_device(min_ps, **f32)
         banned_r, banned_t = [], []
         if not for_draft and any(min_tokens):

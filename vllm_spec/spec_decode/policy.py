@@ -317,6 +317,14 @@ class AdaptivePolicy:
             self._global_accepted = self._global_accepted * forget + accepted_sum
             self._global_trials = self._global_trials * forget + trials_sum
         draft = stats.draft_time - stats.catch_up_time
+        # The fits first: the calibration below compares a step with a model in seconds (before its
+        # first update the target fit holds a prior without units).
+        # The pass may have been padded to one query length: fit on what the target really ran.
+        q = shape.num_other_tokens + len(shape.seq_ids) + sum(chosen)
+        self._target.update(stats.num_verified_tokens or q, stats.verify_time)
+        forwards = max(chosen, default=0)
+        if forwards > 0:
+            self._draft.update(sum(1 for k in chosen if k > 0), draft / forwards)
         if shape.num_other_tokens == 0 and shape.seq_ids:
             bucket = _bucket(len(shape.seq_ids))
             state = self._buckets.setdefault(bucket, BucketState(probe_every=self.explore_every))
@@ -328,12 +336,6 @@ class AdaptivePolicy:
                 self._measured[key].update(step_time, state.visits)
             else:
                 self._measured[key] = StepCost(step_time, state.visits)
-        # The pass may have been padded to one query length: fit on what the target really ran.
-        q = shape.num_other_tokens + len(shape.seq_ids) + sum(chosen)
-        self._target.update(stats.num_verified_tokens or q, stats.verify_time)
-        forwards = max(chosen, default=0)
-        if forwards > 0:
-            self._draft.update(sum(1 for k in chosen if k > 0), draft / forwards)
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:

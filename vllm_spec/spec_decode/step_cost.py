@@ -32,6 +32,8 @@ class LinearFit:
     def update(self, x: float, y: float) -> None:
         phi = np.array([1.0, x])
         if self.count == 0:
+            if y <= 0:   # nothing to scale the prior by (a step too short for the clock)
+                return
             self.w *= y / float(phi @ self.w)
             # Prior spread: w0 within ~50%, w1 within ~200%, against 5% noise on y.
             self.P = np.diag([(0.5 * self.w[0]) ** 2, (2.0 * self.w[1]) ** 2]) / (0.05 * y) ** 2
