@@ -62,7 +62,7 @@ class StepShape:
 
     seq_ids: list[int]        # decoding sequences that may speculate
     caps: list[int]           # most drafts each may take (num_speculative_tokens, max_model_len)
-    num_other_tokens: int     # query tokens of sequences that do not speculate (prefill chunks)
+    num_other_tokens: int     # query tokens the policy does not choose (prefill chunks, seeded rows)
 
 
 class SpeculationPolicy(Protocol):

@@ -104,9 +104,12 @@ class SpecDecodeWorker:
         caps = [min(req.num_lookahead_slots, max_len - req.seqs[i].seq_len) for i in decoding]
         seeded = [not req.seqs[i].sampling_params.is_greedy and req.seqs[i].sampling_params.seed is not None
                   for i in decoding]
+        # Tokens the policy does not choose: prefill chunks, and seeded rows with their full drafts
+        # (so a step with them is not costed as an all-decoding step of the policy's own k).
+        seeded_tokens = sum(1 + c for c, s in zip(caps, seeded) if s)
         shape = StepShape([req.seqs[i].seq_id for i, s in zip(decoding, seeded) if not s],
                           [c for c, s in zip(caps, seeded) if not s],
-                          sum(len(s.token_ids) for s in req.seqs) - len(decoding))
+                          sum(len(s.token_ids) for s in req.seqs) - len(decoding) + seeded_tokens)
         if spec.disable_by_batch_size is not None and len(req.seqs) >= spec.disable_by_batch_size:
             chosen = iter([0] * len(shape.seq_ids))
         else:
