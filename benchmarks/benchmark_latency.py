@@ -2,7 +2,7 @@
 
     python benchmarks/benchmark_latency.py --batch-sizes 1 16 --new-tokens 64
 
-Both sides run greedy, in float32 on the same device, generate exactly --new-tokens tokens
+Both sides run greedy, in the same dtype (--dtype, float32 by default) on the same device, generate exactly --new-tokens tokens
 per prompt (ignore_eos for us, min_new_tokens = max_new_tokens for HF) from the same
 token-id prompts, after a warmup run. Timing covers the whole batch (prefill + decode).
 Default model: the embedded default (SmolLM2-135M-Instruct GGUF); HF gets the same
@@ -119,14 +119,15 @@ def main() -> int:
     p.add_argument("--speculative-model", default=None, help="also time our engine with this draft model")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both sides")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
 
     if args.model is None:
         from vllm_spec.model.default_model import default_model_path
         args.model = str(default_model_path())
-    dtype = torch.float32
-    common = dict(dtype="float32", device="cpu", max_model_len=1024, max_num_seqs=max(args.batch_sizes),
+    dtype = getattr(torch, args.dtype)
+    common = dict(dtype=args.dtype, device="cpu", max_model_len=1024, max_num_seqs=max(args.batch_sizes),
                   kv_cache_memory_bytes=512 << 20)
 
     t0 = time.perf_counter()
@@ -179,7 +180,7 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "model": args.model, "speculative_model": args.speculative_model,
         "num_speculative_tokens": args.num_speculative_tokens if args.speculative_model else None,
-        "dtype": "float32", "device": "cpu", "torch_threads": torch.get_num_threads(),
+        "dtype": args.dtype, "device": "cpu", "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
         "torch": torch.__version__, "rows": rows,
     }
