@@ -1,0 +1,1 @@
+"""The stages of tools/train_draft.py (run that script; these modules are its parts)."""
