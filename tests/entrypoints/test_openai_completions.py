@@ -1,0 +1,101 @@
+"""/v1/completions and /v1/chat/completions vs the offline greedy references: streaming, usage, stop, logprobs, n."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from .openai_server_helpers import AUTH, MAX_TOKENS, MESSAGES, MODEL_NAME, PROMPTS, _post, _sse_events
+
+
+def test_completions_greedy_match_offline(server):
+    client = server.client()
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[:4], max_tokens=MAX_TOKENS,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    for prompt, choice in zip(PROMPTS[:4], resp.choices):
+        assert choice.text == server.ref_text[prompt]
+        assert choice.finish_reason == "length"
+    prompt_tokens = sum(len(server.llm.get_tokenizer()(p).input_ids) for p in PROMPTS[:4])
+    assert resp.usage.prompt_tokens == prompt_tokens
+    assert resp.usage.completion_tokens == 4 * MAX_TOKENS
+    assert resp.usage.total_tokens == prompt_tokens + 4 * MAX_TOKENS
+    assert resp.model == MODEL_NAME and resp.object == "text_completion"
+
+    # Streaming: the concatenated deltas are the same text; usage comes last.
+    stream = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[4], max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == server.ref_text[PROMPTS[4]]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_chat_greedy_match_offline(server):
+    client = server.client()
+    for messages, ref in zip(MESSAGES, server.ref_chat):
+        resp = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS,
+                                              temperature=0, extra_body={"ignore_eos": True})
+        assert resp.choices[0].message.role == "assistant"
+        assert resp.choices[0].message.content == ref
+        assert resp.usage.completion_tokens == MAX_TOKENS and resp.object == "chat.completion"
+        stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_streaming_and_not(server):
+    prompt = PROMPTS[0]
+    ref = server.ref_text[prompt]
+    m = re.search(r"[A-Za-z]{2,}", ref[1:])
+    if m is None:
+        pytest.skip(f"no ASCII word in the reference text {ref!r}")
+    stop = m.group(0)[:2]
+    expected = ref[: ref.index(stop)]
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stop": [stop],
+            "ignore_eos": True}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == expected and choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=60.0) as s:
+        events = _sse_events(s.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected  # nothing past the stop leaked
+
+
+def test_logprobs_and_n(server):
+    client = server.client()
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=2)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(2 <= len(t) <= 3 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == resp.choices[0].text
+
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES[0], max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
+    # Greedy: the chosen token is the top-1 alternative.
+    assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-5) for c in content)
+
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=6, n=3, seed=7,
+                                     temperature=1.0, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
+                                     extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 2,
+                                                 "stop_token_ids": [5], "ignore_eos": True})
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2]
+    assert 3 * 2 <= resp.usage.completion_tokens <= 3 * 6  # min_tokens 2, max_tokens 6, three choices
+    assert all(c.finish_reason in ("length", "stop") for c in resp.choices)

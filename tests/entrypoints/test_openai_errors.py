@@ -1,0 +1,157 @@
+"""Error paths: 400 on bad inputs, 401 without the key, JSON 404s; AsyncLLMEngine's failing step, bad request, abort."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from vllm_spec.sampling_params import SamplingParams
+
+from .openai_server_helpers import AUTH, MAX_TOKENS, MESSAGES, MODEL_NAME, PROMPTS, _post, _wait_all_blocks_free
+
+
+def _assert_error(r: httpx.Response, status: int, param: str | None = "any") -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}, err
+    assert err["code"] == status and err["message"]
+    if status == 400:
+        assert err["type"] == "BadRequestError"
+    if param != "any":
+        assert err["param"] == param, err
+    return err
+
+
+# Errors -------------------------------------------------------------------------------------------------
+def test_bad_inputs_get_400_and_server_keeps_serving(server):
+    good = {"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    chat_good = {"model": MODEL_NAME, "messages": MESSAGES[0], "max_tokens": 3}
+    cases = [
+        ("/v1/completions", b'{"prompt": "hi", ', "raw", None),
+        ("/v1/completions", b"not json at all", "raw", None),
+        ("/v1/chat/completions", b'{"messages": [', "raw", None),
+        ("/v1/completions", {**good, "model": "no-such-model"}, "json", "model"),
+        ("/v1/chat/completions", {**chat_good, "model": "no-such-model"}, "json", "model"),
+        ("/v1/completions", {**good, "temperature": -1.0}, "json", "temperature"),
+        ("/v1/completions", {**good, "top_p": 0.0}, "json", "top_p"),
+        ("/v1/completions", {**good, "top_k": -5}, "json", "top_k"),
+        ("/v1/completions", {**good, "min_p": 1.5}, "json", "min_p"),
+        ("/v1/completions", {**good, "n": 0}, "json", "n"),
+        ("/v1/completions", {**good, "max_tokens": 0}, "json", "max_tokens"),
+        ("/v1/completions", {**good, "presence_penalty": 3.0}, "json", "presence_penalty"),
+        ("/v1/completions", {**good, "repetition_penalty": 0.0}, "json", "repetition_penalty"),
+        ("/v1/completions", {**good, "logprobs": 50}, "json", "logprobs"),
+        ("/v1/completions", {**good, "min_tokens": 5, "max_tokens": 2}, "json", "min_tokens"),
+        ("/v1/completions", {**good, "stop_token_ids": [-1]}, "json", "stop_token_ids"),
+        ("/v1/completions", {**good, "temperature": "hot"}, "json", "temperature"),
+        ("/v1/completions", {**good, "prompt": "hello " * 600}, "json", "prompt"),
+        ("/v1/completions", {**good, "max_tokens": 510}, "json", "max_tokens"),
+        ("/v1/completions", {**good, "prompt": [1, 2, 100000]}, "json", None),
+        ("/v1/completions", {**good, "prompt": ""}, "json", "prompt"),
+        ("/v1/completions", {"model": MODEL_NAME}, "json", "prompt"),
+        ("/v1/chat/completions", {**chat_good, "messages": []}, "json", "messages"),
+        ("/v1/chat/completions", {**chat_good, "top_logprobs": 2}, "json", "top_logprobs"),
+        ("/v1/completions", {**good, "vllm_xargs": {"synthetic_acceptance_rate": 2}}, "json", "vllm_xargs"),
+        ("/v1/chat/completions", {**chat_good, "messages": [{"role": "user", "content": "x " * 600}]}, "json",
+         "prompt"),
+    ]
+    for path, body, kind, param in cases:
+        if kind == "raw":
+            r = httpx.post(server.url + path, content=body, timeout=30.0,
+                           headers={**AUTH, "Content-Type": "application/json"})
+        else:
+            r = _post(server, path, body)
+        _assert_error(r, 400, param)
+        # ... and the next request is served.
+        ok = _post(server, "/v1/completions", {**good, "max_tokens": 1})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1, (body, ok.text)
+    # The official client maps it to BadRequestError too.
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model=MODEL_NAME, prompt="x", temperature=-2)
+    # Still serving, with the right output.
+    r = _post(server, "/v1/completions", {**good, "max_tokens": MAX_TOKENS, "prompt": PROMPTS[2]})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == server.ref_text[PROMPTS[2]]
+    _wait_all_blocks_free(server)
+
+
+def test_api_key_required(server):
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+    _assert_error(_post(server, "/v1/completions", body, headers={}), 401)
+    _assert_error(_post(server, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401)
+    _assert_error(_post(server, "/v1/chat/completions", {"messages": MESSAGES[0]}, headers={}), 401)
+    assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").models.list()
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # health stays open
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert _post(server, "/v1/completions", body).status_code == 200
+
+
+def test_unknown_route_is_404_json(server):
+    r = httpx.get(server.url + "/v1/nope", headers=AUTH, timeout=10)
+    _assert_error(r, 404)
+
+
+# In-process AsyncLLMEngine ----------------------------------------------------------------------------
+def test_async_engine_step_failure_and_abort(server):
+    from vllm_spec.engine.async_llm_engine import AsyncLLMEngine, EngineStepError, RequestAbortedError
+
+    engine = server.llm.llm_engine  # the offline references are done; reuse its engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def main():
+        aeng = AsyncLLMEngine(engine)
+        try:
+            # A bad request fails only its caller.
+            with pytest.raises(ValueError, match="empty"):
+                async for _ in aeng.generate("", params, "bad"):
+                    pass
+            # A failing step fails every request in flight; the loop keeps serving.
+            real = engine.executor.execute_model
+
+            def boom(*args, **kwargs):
+                raise RuntimeError("injected failure")
+
+            engine.executor.execute_model = boom
+            try:
+                async def consume(rid):
+                    async for _ in aeng.generate(PROMPTS[0], params, rid):
+                        pass
+
+                results = await asyncio.gather(consume("f1"), consume("f2"), return_exceptions=True)
+            finally:
+                engine.executor.execute_model = real
+            assert all(isinstance(r, EngineStepError) and "injected failure" in str(r) for r in results), results
+            assert not engine.has_unfinished_requests()
+            assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+            last = None
+            async for last in aeng.generate(PROMPTS[0], params, "ok"):
+                pass
+            assert last.finished and last.outputs[0].text == server.ref_text[PROMPTS[0]]
+            # abort(): the stream ends with RequestAbortedError and the blocks come back.
+            long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+            stream = await aeng.add_request("ab", PROMPTS[1], long)
+            got = []
+            with pytest.raises(RequestAbortedError):
+                async for out in stream:
+                    got.append(out)
+                    aeng.abort("ab")
+            assert got and not got[-1].finished
+            for _ in range(200):
+                if aeng.num_free_blocks == engine.block_manager.num_usable_blocks:
+                    break
+                await asyncio.sleep(0.02)
+            assert aeng.num_free_blocks == engine.block_manager.num_usable_blocks
+            assert not engine.has_unfinished_requests()
+        finally:
+            await aeng.shutdown()
+        assert not aeng.is_running
+
+    asyncio.run(asyncio.wait_for(main(), 120.0))
