@@ -2,6 +2,7 @@
 
     python benchmarks/profile_decode.py --batch 1 [--draft 68m --k 4] [--eager]   # torch.profiler table
     python benchmarks/profile_decode.py --batch 16 --draft 68m --trace-steps 20   # per-step times, compiles
+    python benchmarks/profile_decode.py --batch 256 --host-profile               # where the host's time goes
 
 --trace-steps prints every engine step's wall time and draft/verify times, and how
 many Triton kernels were compiled during the traced steps (a recompiling kernel in
@@ -91,6 +92,8 @@ def main() -> None:
     ap.add_argument("--trace-steps", type=int, default=0, help="print per-step timings instead of a profile")
     ap.add_argument("--policy", choices=["fixed", "adaptive"], default="fixed")
     ap.add_argument("--mixed", action="store_true", help="half the requests accept 0.9, half 0.3")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="cProfile of the host side of decode steps (Python functions by own time)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     target = write_config(tmp, "8b", 512)
@@ -113,6 +116,16 @@ def main() -> None:
     run_decode(engine, args.batch, 128, 16, seed=0, extra_args=mixed, vocab=vocab)
     if args.trace_steps:
         trace_steps(engine, args.batch, args.trace_steps, args.mixed)
+        return
+    if args.host_profile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        run_decode(engine, args.batch, 128, 24, seed=1, extra_args=mixed, vocab=vocab)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run_decode(engine, args.batch, 128, 24, seed=1, extra_args=mixed, vocab=vocab)
