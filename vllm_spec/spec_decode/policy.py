@@ -163,7 +163,7 @@ class AdaptivePolicy:
     _seqs: dict[int, tuple[float, float]] = field(default_factory=dict)
     _target: LinearFit | None = None
     _draft: LinearFit | None = None
-    # Measured (draft, verify) seconds of all-decoding steps per (batch bucket, k): real costs
+    # Measured seconds of all-decoding steps per (batch bucket, k): real costs
     # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
     _measured: dict[tuple[int, int], StepCost] = field(default_factory=dict)
     _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
@@ -185,10 +185,6 @@ class AdaptivePolicy:
         prior = self._global_rate()
         return (counts[:, 0] + prior * self.prior_strength,
                 counts[:, 1] - counts[:, 0] + (1 - prior) * self.prior_strength)
-
-    def acceptance(self, seq_id: int) -> float:
-        a, b = self._posteriors([seq_id])
-        return float(np.clip(a[0] / (a[0] + b[0]), 0.0, 0.999))
 
     def choose(self, shape: StepShape) -> list[int]:
         n = len(shape.seq_ids)
@@ -214,6 +210,7 @@ class AdaptivePolicy:
         n = len(caps)
         j = np.arange(1, self.max_k + 1)
         drafts = {K: np.minimum(caps, K) for K in range(int(min(self.max_k, caps.max())) + 1)}
+
         def goodput(gains: np.ndarray) -> dict[int, float]:
             return {K: (n + float((gains * (j[None, :] <= k[:, None])).sum())) / self._decode_step_cost(n, K)
                     for K, k in drafts.items()}
@@ -224,7 +221,7 @@ class AdaptivePolicy:
             # The mean belief says do not speculate; the drawn one may say otherwise (exploration).
             rates = goodput(draw)
             best = max(rates, key=rates.__getitem__)
-        state = self._buckets.setdefault(_bucket(n), BucketState(probe_every=self.explore_every))
+        state = self._bucket_state(n)
         state.visits += 1
         if self._plain_samples(n) < MIN_SAMPLES:
             # Plain steps are measured at each batch size before the model's guess of them is trusted.
@@ -269,6 +266,9 @@ class AdaptivePolicy:
             if rate_new > best_rate and k.max() > 0:
                 best_k, best_rate = k, rate_new
         return best_k
+
+    def _bucket_state(self, n: int) -> BucketState:
+        return self._buckets.setdefault(_bucket(n), BucketState(probe_every=self.explore_every))
 
     def _measured_at(self, n: int, k: int) -> float:
         """The bucket visit at which steps of n sequences drafting k were last measured (-inf: never)."""
@@ -326,12 +326,11 @@ class AdaptivePolicy:
         if forwards > 0:
             self._draft.update(sum(1 for k in chosen if k > 0), draft / forwards)
         if shape.num_other_tokens == 0 and shape.seq_ids:
-            bucket = _bucket(len(shape.seq_ids))
-            state = self._buckets.setdefault(bucket, BucketState(probe_every=self.explore_every))
+            state = self._bucket_state(len(shape.seq_ids))
             modelled = self._modelled_cost(len(shape.seq_ids), max(chosen, default=0), None)
             host = max(step_time - draft - stats.verify_time, 0.0)
             state.observe(host, step_time / (modelled + host))
-            key = (bucket, max(chosen, default=0))
+            key = (_bucket(len(shape.seq_ids)), max(chosen, default=0))
             if key in self._measured:
                 self._measured[key].update(step_time, state.visits)
             else:

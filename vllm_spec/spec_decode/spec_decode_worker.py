@@ -28,7 +28,7 @@ from vllm_spec.spec_decode.timer import StepTimer
 from vllm_spec.spec_decode.tp_proposer import TPProposer
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, SpecStepStats, StepOutput
-from vllm_spec.worker.model_runner import ModelRunner, to_device_aligned
+from vllm_spec.worker.model_runner import ModelRunner, ragged_grid, to_device_aligned
 from vllm_spec.worker.worker import PromptLogprobRows, Worker, logprob_dicts, to_host
 
 
@@ -181,12 +181,12 @@ class SpecDecodeWorker:
         # right after its sequence's last token; sampled row r is scored at its last token and at
         # each of its drafts (grid: row r, position j).
         drafted = np.asarray(proposals.num_drafts, dtype=np.int64)
-        src_row, src_pos = _ragged_grid(drafted)
+        src_row, src_pos = ragged_grid(drafted)
         dst = starts_np[np.asarray(spec_idx, dtype=np.int64)][src_row] + 1 + src_pos
         found_np = np.zeros(len(req.seqs), dtype=np.int64)
         found_np[spec_idx] = drafted
         sampled_np = np.asarray(sampled, dtype=np.int64)
-        grid_r, grid_j = _ragged_grid(found_np[sampled_np] + 1)
+        grid_r, grid_j = ragged_grid(found_np[sampled_np] + 1)
         last = starts_np[sampled_np] + np.fromiter((len(req.seqs[i].token_ids) for i in sampled), dtype=np.int64,
                                                    count=len(sampled)) - 1
         logit_rows = last[grid_r] + grid_j
@@ -241,7 +241,7 @@ class SpecDecodeWorker:
         outputs = [SeqOutput(req.seqs[i].seq_id, toks, lps) for i, toks, lps in zip(sampled, emitted, logprobs)]
         accepted = [len(emitted[row_of[i]]) - 1 for i in spec_idx]
         self.proposer.on_verified([req.seqs[i].seq_id for i in spec_idx], proposals.num_drafts, accepted)
-        per_pos = np.bincount(np.minimum(np.asarray(accepted, dtype=np.int64), k), minlength=k + 1)[::-1].cumsum()[::-1][1:].tolist()
+        per_pos = (np.asarray(accepted, dtype=np.int64)[:, None] > np.arange(k)).sum(axis=0).tolist()
         stats = SpecStepStats(sum(1 for n in proposals.num_drafts if n > 0), sum(proposals.num_drafts),
                               sum(accepted), per_pos, 0.0, 0.0, num_verified_tokens=int(batch.input_ids.shape[0]))
         return StepOutput(outputs, stats, prompt_logprobs, device_wait_time=wait)
@@ -272,12 +272,6 @@ class SpecDecodeWorker:
             if d is not None:
                 per_seq[grid_r[n]].append(d)
         return per_seq
-
-
-def _ragged_grid(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(row, position) of every cell of rows holding counts[r] cells each, row-major."""
-    rows = np.repeat(np.arange(len(counts)), counts)
-    return rows, np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _num_params(model: torch.nn.Module) -> int:

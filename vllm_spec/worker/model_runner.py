@@ -78,8 +78,8 @@ class ModelRunner:
         np.cumsum(q_lens, out=qsl[1:])
         tables = block_table_array(seqs)
         width = tables.shape[1]
-        req_idx = np.repeat(np.arange(B), q_lens)
-        positions = np.arange(T) - qsl[req_idx] + starts[req_idx]
+        req_idx, offsets = ragged_grid(q_lens)
+        positions = starts[req_idx] + offsets
         slots = compute_slot_mapping(torch.from_numpy(tables), torch.from_numpy(req_idx),
                                      torch.from_numpy(positions), self.block_size).numpy()
         tokens = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=T)
@@ -126,6 +126,12 @@ class ModelRunner:
             graph = self.graph_for(q, 1)
             if graph is not None:
                 graph.capture(max_batch)
+
+
+def ragged_grid(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, offset within the row) of every cell, row-major, for rows of counts[r] cells."""
+    rows = np.repeat(np.arange(len(counts)), counts)
+    return rows, np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def block_table_array(seqs: list[SeqInput]) -> np.ndarray:
