@@ -87,19 +87,15 @@ class Scheduler:
                 continue
             n = min(uncomputed, budget)
             lookahead = self.num_lookahead_slots if n == uncomputed else 0
-            # Most steps of a decoding sequence stay inside its last block: nothing to allocate.
-            if bm.blocks_needed(seq, n, lookahead):
-                while not bm.can_append_slots(seq, n, lookahead):
-                    # Newest first, never one already scheduled this step; last resort: seq itself.
-                    scheduled = {id(s.seq) for s in out.scheduled}
-                    victim = next((s for s in reversed(self.running) if id(s) not in scheduled and s is not seq),
-                                  seq)
-                    self._preempt(victim, out)
-                    if victim is seq:
-                        break
-                if seq.status is SequenceStatus.RUNNING:
-                    bm.append_slots(seq, n, lookahead)
+            while not bm.can_append_slots(seq, n, lookahead):
+                # Newest first, never one already scheduled this step; last resort: seq itself.
+                scheduled = {id(s.seq) for s in out.scheduled}
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled and s is not seq), seq)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
             if seq.status is SequenceStatus.RUNNING:
+                bm.append_slots(seq, n, lookahead)
                 out.scheduled.append(ScheduledSeq(seq, n, n == uncomputed))
                 budget -= n
         if out.preempted:

@@ -141,12 +141,9 @@ class LLMEngine:
         for item in sched.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             sample = item.samples
-            # A decoding sequence feeds its newest token (the common case, kept cheap).
-            tokens = [seq.output_token_ids[-1]] if sample and item.num_new_tokens == 1 and seq.output_token_ids \
-                else seq.token_slice(start, start + item.num_new_tokens)
             seqs.append(SeqInput(
                 seq_id=seq.seq_id,
-                token_ids=tokens,
+                token_ids=seq.token_slice(start, start + item.num_new_tokens),
                 start_pos=start,
                 block_table=seq.block_table,
                 sample=sample,

@@ -76,8 +76,8 @@ class OutputProcessor:
 
     def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
         params = seq.sampling_params
-        delta = self._detokenize(seq) if self.tokenizer is not None else ""
-        num_output = len(seq.output_token_ids)
+        delta = self._detokenize(seq)
+        num_output = seq.num_output_tokens
         # As vLLM: stop strings count only once more than min_tokens tokens exist.
         if delta and params.stop and not (params.min_tokens and num_output <= params.min_tokens):
             text = seq.output_text
@@ -89,13 +89,13 @@ class OutputProcessor:
                     return SequenceStatus.FINISHED_STOPPED
         if num_output >= params.min_tokens:
             eos = not params.ignore_eos and token in self.eos_token_ids
-            if eos or (params.stop_token_ids and token in params.stop_token_ids):
+            if eos or token in params.stop_token_ids:
                 # As vLLM: the stop token's text is not part of the output unless asked for.
                 if delta and not params.include_stop_str_in_output:
                     seq.output_text = seq.output_text[: len(seq.output_text) - len(delta)]
                 if not eos:
                     seq.stop_reason = token
                 return SequenceStatus.FINISHED_STOPPED
-        if num_output >= seq.max_tokens or num_output + len(seq.prompt_token_ids) >= self.max_model_len:
+        if num_output >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
