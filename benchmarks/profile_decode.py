@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--trace-steps", type=int, default=0, help="print per-step timings instead of a profile")
     ap.add_argument("--policy", choices=["fixed", "adaptive"], default="fixed")
     ap.add_argument("--mixed", action="store_true", help="half the requests accept 0.9, half 0.3")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="speculative_disable_by_batch_size: 1 runs the speculative engine without speculating")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile of the host side of decode steps (Python functions by own time)")
     args = ap.parse_args()
@@ -107,6 +109,7 @@ def main() -> None:
     if draft:
         worker = engine.executor.worker
         worker.config.speculative.synthetic_acceptance_rate = args.acceptance
+        worker.config.speculative.disable_by_batch_size = args.disable_by_batch_size
         if args.policy == "adaptive":
             ratio = sum(p.numel() for p in worker.draft_runner.model.parameters()) / sum(
                 p.numel() for p in worker.target.runner.model.parameters())
