@@ -3,6 +3,7 @@
     python benchmarks/profile_decode.py --batch 1 [--draft 68m --k 4] [--eager]   # torch.profiler table
     python benchmarks/profile_decode.py --batch 16 --draft 68m --trace-steps 20   # per-step times, compiles
     python benchmarks/profile_decode.py --batch 256 --host-profile               # where the host's time goes
+    python benchmarks/profile_decode.py --batch 1 --draft 68m --k 8 --draft-graph  # one draft step in the graph
 
 --trace-steps prints every engine step's wall time and draft/verify times, and how
 many Triton kernels were compiled during the traced steps (a recompiling kernel in
@@ -82,6 +83,46 @@ def trace_steps(engine, batch: int, steps: int, mixed: bool) -> None:
     engine.abort_request([f"t{i}" for i in range(batch)])
 
 
+def draft_graph_steps(engine, batch: int, max_k: int, context: int = 256, reps: int = 200) -> None:
+    """Replay the whole-proposal graph for k = 1..max_k; the slope over k is one draft step inside the graph.
+
+    The rows feed two tokens at positions context-1, context over real (garbage-filled) blocks; the
+    intercept is the two-token catch-up forward, its LM head and the graph launch.
+    """
+    loop = engine.executor.worker.draft_proposer.loop
+    blocks = torch.arange(1, loop.block_tables.shape[1] + 1, device=loop.tokens.device)
+    rows = slice(0, batch)
+    loop.tokens[rows] = 7
+    loop.first_pos[rows] = context - 1
+    loop.limits[rows] = engine.config.model.max_model_len - 1
+    loop.block_tables[rows] = blocks[None, :] + torch.arange(batch, device=blocks.device)[:, None] * len(blocks)
+    times = []
+    for k in range(1, max_k + 1):
+        graph, _ = loop.graphs[(batch, k)]
+        for _ in range(10):
+            graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    ks = torch.arange(1, max_k + 1, dtype=torch.float64)
+    slope, intercept = torch.linalg.lstsq(torch.stack([ks, torch.ones_like(ks)], 1),
+                                          torch.tensor(times, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+    print("k  ms per proposal (graph replay, batch %d)" % batch)
+    for k, t in zip(range(1, max_k + 1), times):
+        print(f"{k}  {t:.4f}")
+    print(f"draft step inside the graph (slope): {slope:.4f} ms; intercept (catch-up forward + launch) {intercept:.4f} ms")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            loop.graphs[(batch, max_k)][0].replay()
+        torch.cuda.synchronize()
+    print(f"kernels of 20 replays of k = {max_k}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
@@ -92,6 +133,8 @@ def main() -> None:
     ap.add_argument("--trace-steps", type=int, default=0, help="print per-step timings instead of a profile")
     ap.add_argument("--policy", choices=["fixed", "adaptive"], default="fixed")
     ap.add_argument("--mixed", action="store_true", help="half the requests accept 0.9, half 0.3")
+    ap.add_argument("--draft-graph", action="store_true",
+                    help="time the whole-proposal graph for k = 1..--k (draft step = slope over k)")
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
                     help="speculative_disable_by_batch_size: 1 runs the speculative engine without speculating")
     ap.add_argument("--host-profile", action="store_true",
@@ -114,6 +157,9 @@ def main() -> None:
             ratio = sum(p.numel() for p in worker.draft_runner.model.parameters()) / sum(
                 p.numel() for p in worker.target.runner.model.parameters())
             worker.policy = AdaptivePolicy(args.k, draft_cost_ratio=ratio)
+    if args.draft_graph:
+        draft_graph_steps(engine, args.batch, args.k)
+        return
     mixed = [{"synthetic_acceptance_rate": 0.9 if i % 2 else 0.3} for i in range(args.batch)] if args.mixed else None
     vocab = engine.config.model.arch.vocab_size
     run_decode(engine, args.batch, 128, 16, seed=0, extra_args=mixed, vocab=vocab)
