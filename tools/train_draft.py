@@ -78,6 +78,9 @@ def main():
     ap.add_argument("--eval", action="store_true", help="evaluate the draft in --out on held-out prompts (HF, CPU)")
     ap.add_argument("--bench", action="store_true", help="with --eval: time real spec decoding vs target alone")
     ap.add_argument("--max-prompt-tokens", type=int, default=320)
+    ap.add_argument("--completion-prompts", action="store_true",
+                    help="prep: add raw-text openings, their chat versions and translations; keep the topics of "
+                         "benchmarks/prompts.py out of training")
     ap.add_argument("--text-chunks", type=int, default=1500)
     ap.add_argument("--text-len", type=int, default=128)
     ap.add_argument("--text-batch", type=int, default=64)

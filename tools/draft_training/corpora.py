@@ -61,6 +61,10 @@ def load_texts(root: Path) -> dict:
     return {"news": news, "verses": verses, "passages": passages}
 
 
+# Topics of benchmarks/prompts.py: prompts mentioning them stay out of training.
+BENCH_MARKERS = ["printing press", "the sea", "hash table", "fibonacci", "primary colo", "small village",
+                 "exercise", "good morning"]
+
 STDLIB_MODULES = """os os.path json re collections itertools functools math statistics random string textwrap datetime
 pathlib shutil subprocess heapq bisect csv argparse logging typing dataclasses enum urllib.parse socket threading
 queue hashlib base64 zlib gzip tarfile zipfile sqlite3 decimal fractions difflib pprint copy pickle struct time
@@ -136,8 +140,54 @@ word in a sentence; transposes a matrix; counts the occurrences of each characte
 CODE_TASKS = [t.strip() for t in CODE_TASKS.split(";") if t.strip()]
 
 
-def build_prompts(src: dict, docs: list, seed: int) -> list:
-    """Return [(key, kind, user_message)] covering all prompt families (train and held-out)."""
+PHRASES = """good night; thank you very much; where is the train station; I love reading books; how are you today;
+the weather is nice; see you tomorrow; happy birthday; I am hungry; what time is it; the cat is sleeping;
+please close the door; I would like a coffee; welcome to our home; the book is on the table; good luck;
+I am learning to cook; it is raining again; where do you live; my brother is a doctor""".replace("\n", " ")
+PHRASES = [t.strip() for t in PHRASES.split(";") if t.strip()]
+LANGUAGES = ["French", "Spanish", "German", "Italian", "Portuguese", "Dutch", "Japanese", "Chinese"]
+PLACES = ["a small village", "a busy city", "a quiet forest", "a castle by the sea", "a faraway kingdom",
+          "a mountain town", "a desert oasis", "an old lighthouse", "a little cottage", "a crowded market"]
+# Raw-text openings the target continues (no chat template): what completion-style requests look like.
+OPENERS = ["The history of {t} begins", "{T} is", "The most important thing to know about {t} is",
+           "Here are three facts about {t}:\n1.", "List three benefits of {t}:", "The main types of {t} are",
+           "In this article, we will discuss {t}.", "Q: What is {t}?\nA:", "A short poem about {t}:\n",
+           "Everyone should know a few things about {t}.", "The three most common questions about {t} are",
+           "{T} can be explained in a few words:"]
+
+
+def completion_prompts(src: dict, docs: list, rng: random.Random) -> list:
+    """[(key, "completion", text)]: openings of news, literature, stories, code, lists and translations."""
+    P = []
+    for t in TOPICS:
+        for tpl in rng.sample(OPENERS, 3):
+            P.append((f"topic/{t}", "completion", tpl.format(t=t, T=t[0].upper() + t[1:])))
+    for key, _, body in rng.sample(src["news"], min(1200, len(src["news"]))):
+        P.append((key, "completion", " ".join(body.split()[:rng.randint(6, 24)])))
+    for key, text in rng.sample(src["passages"], 600):
+        P.append((key, "completion", "\n".join(text.split("\n")[:rng.randint(1, 3)])))
+    for place in PLACES:
+        for tpl in ["Once upon a time, in {p},", "Long ago, in {p}, there lived", "It was a cold morning in {p} when"]:
+            P.append((f"story/{place}", "completion", tpl.format(p=place)))
+    for task in CODE_TASKS:
+        name = "_".join(re.findall(r"[a-z]+", task.lower())[:4])
+        for tpl in ["# A Python function that {x}.\ndef", "def {n}(", "// A JavaScript function that {x}.\nfunction",
+                    "Here is a Python function that {x}:\n\n```python\n"]:
+            P.append((f"code/{task}", "completion", tpl.format(x=task, n=name)))
+    for key, q, _ in docs:
+        P.append((key, "completion", f"import {q.rsplit('.', 1)[0]}\n\n# Example: using {q}\n"))
+    for phrase in PHRASES:
+        for lang in rng.sample(LANGUAGES, 4):
+            P.append((f"translate/{phrase}", "completion", f"Translate '{phrase}' into {lang}:"))
+    return P
+
+
+def build_prompts(src: dict, docs: list, seed: int, completions: bool = False) -> list:
+    """Return [(key, kind, user_message)] covering all prompt families (train and held-out).
+
+    completions: also translations, raw-text openings (sent without the chat template) and the same
+    openings as chat requests.
+    """
     rng = random.Random(seed)
     P = []
     for t in TOPICS:
@@ -180,7 +230,15 @@ def build_prompts(src: dict, docs: list, seed: int) -> list:
                           "A shop has {a} apples and sells {b} of them. How many are left?",
                           "If a train travels {b} km per hour for {a} minutes, how far does it go?"])
         P.append((f"math/{i}", "math", tpl.format(a=a, b=b, op=op)))
-    return P
+    if not completions:
+        return P
+    for phrase in PHRASES:
+        for lang in rng.sample(LANGUAGES, 3):
+            P.append((f"translate/{phrase}", "translate", f"Translate '{phrase}' into {lang}."))
+    # The same openings as chat requests too (users send them either way), then as raw text.
+    completions = completion_prompts(src, docs, rng)
+    P += [(key, "opening", text) for key, _, text in rng.sample(completions, len(completions) // 2)]
+    return P + completions
 
 
 
@@ -194,8 +252,12 @@ def stage_prep(args) -> Path:
     root = fetch_corpora(args.cache_dir)
     src = load_texts(root)
     docs = load_docstrings()
-    prompts = build_prompts(src, docs, args.seed)
-    train_p = [x for x in prompts if not heldout(x[0])]
+    prompts = build_prompts(src, docs, args.seed, args.completion_prompts)
+    bench = load_repo_module("_vs_bench_prompts", "benchmarks/prompts.py").PROMPT_TEXTS
+    # With --completion-prompts the benchmarks' prompts' topics are never trained on: acceptance there is
+    # then measured on prompts of no training group.
+    markers = [m.lower() for m in BENCH_MARKERS] if args.completion_prompts else []
+    train_p = [x for x in prompts if not heldout(x[0]) and not any(m in x[2].lower() for m in markers)]
     held_p = [x for x in prompts if heldout(x[0])]
     random.Random(args.seed).shuffle(train_p)
     random.Random(args.seed + 3).shuffle(held_p)
@@ -206,7 +268,10 @@ def stage_prep(args) -> Path:
         text = tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
         return tok(text, add_special_tokens=False).input_ids
 
-    train_ids = [chat(m) for _, _, m in train_p]
+    def encode(kind, m):   # completions go in raw, as LLM.generate sends a text prompt
+        return tok(m, add_special_tokens=False).input_ids if kind == "completion" else chat(m)
+
+    train_ids = [encode(kind, m) for _, kind, m in train_p]
     keep = [i for i, x in enumerate(train_ids) if len(x) <= args.max_prompt_tokens]
     train_ids = [train_ids[i] for i in keep]
     train_kinds = [train_p[i][1] for i in keep]
@@ -219,7 +284,7 @@ def stage_prep(args) -> Path:
         for kd in sorted(by_kind):
             if by_kind[kd]:
                 held_sel.append(by_kind[kd].pop(0))
-    held_ids = [chat(m) for _, m in held_sel]
+    held_ids = [encode(kind, m) for kind, m in held_sel]
     keep = [i for i, x in enumerate(held_ids) if len(x) <= args.max_prompt_tokens]
     held_ids, held_sel = [held_ids[i] for i in keep], [held_sel[i] for i in keep]
     # plain text (train groups only)
@@ -238,6 +303,7 @@ def stage_prep(args) -> Path:
                     chunks.append(ids)
                     break
     torch.save({"train": train_ids, "train_kinds": train_kinds, "heldout": held_ids,
+                "bench": [chat(m) for m in bench] + [encode("completion", m) for m in bench],
                 "heldout_kinds": [k for k, _ in held_sel], "heldout_text": [m for _, m in held_sel],
                 "text": chunks, "seed": args.seed}, out)
     log(f"prep: {len(train_ids)} train prompts, {len(held_ids)} held-out prompts, {len(chunks)} text chunks -> {out}")

@@ -249,11 +249,15 @@ def stage_distill(args):
     log(f"target loaded on {dev} ({(time.time() - t_start):.0f} s)")
 
     # held-out eval targets first (cheap), then teacher data
-    held = prep["heldout"][:args.eval_prompts]
-    evals = []
-    for i in range(0, len(held), 64):
-        res = generate(target, held[i:i + 64], args.eval_tokens, eos, 0, dev)
-        evals += [(p, o) for p, (o, _, _) in zip(held[i:i + 64], res)]
+    def continuations(prompts: list) -> list:
+        out = []
+        for i in range(0, len(prompts), 64):
+            res = generate(target, prompts[i:i + 64], args.eval_tokens, eos, 0, dev)
+            out += [(p, o) for p, (o, _, _) in zip(prompts[i:i + 64], res)]
+        return out
+
+    evals = continuations(prep["heldout"][:args.eval_prompts])
+    bench_evals = continuations(prep.get("bench", []))
     chat = run_gen(args, target, prep["train"], eos, dev)
     text = run_text(args, target, prep["text"][:args.text_chunks], dev) if args.text_chunks else []
     t_data = time.time() - t_start
@@ -282,7 +286,9 @@ def stage_distill(args):
     draft, st = best
     final = eval_draft(draft, evals, args.k, dev)
     log(f"chosen {st['layers']}: held-out ({len(evals)} prompts) {final}")
-    stats = {"chosen_layers": st["layers"], "heldout_eval": final, "variants": results,
+    bench = eval_draft(draft, bench_evals, args.k, dev) if bench_evals else None
+    log(f"benchmarks/prompts.py (chat, then raw; never trained on): {bench}")
+    stats = {"chosen_layers": st["layers"], "heldout_eval": final, "bench_prompts_eval": bench, "variants": results,
              "data": {"chat_seqs": len(chat), "chat_tokens": sum(r["n"] for r in chat), "text_seqs": len(text),
                       "text_tokens": sum(r["n"] for r in text), "val_seqs": len(val),
                       "val_tokens": sum(r["n"] for r in val), "data_minutes": round(t_data / 60, 2)},
