@@ -147,6 +147,11 @@ class SamplingParams:
         return (self.extra_args or {}).get("synthetic_acceptance_rate")
 
     @cached_property
+    def seeded_sampling(self) -> bool:
+        """Sampled with the request's own seed: its draws may not depend on the batch it shares."""
+        return not self.is_greedy and self.seed is not None
+
+    @cached_property
     def batch_fields(self) -> BatchFields:
         """What batched sampling reads of these parameters, computed once per request (the
         engine's copy of a request's parameters never changes)."""

@@ -92,32 +92,41 @@ class SpecDecodeWorker:
             self.draft_proposer.capture_graphs(k, max_batch)
 
     # Steps ------------------------------------------------------------------------------
-    def num_drafts(self, req: ExecuteModelRequest) -> tuple[list[int], StepShape]:
-        """k per sequence: decoding sequences speculate as the policy says, never past max_model_len.
+    def num_drafts(self, req: ExecuteModelRequest) -> tuple[list[int], StepShape, list[int]]:
+        """k per sequence (and the policy's shape and choices): decoding sequences speculate as the
+        policy says, never past max_model_len.
 
         Seeded sampled requests always draft the full k: their output then depends on
         their seed alone, not on the batch they share (which steers the policy).
         """
         spec = self.config.speculative
-        max_len = self.config.model.max_model_len
-        decoding = [i for i, s in enumerate(req.seqs) if s.sample and len(s.token_ids) == 1]
-        caps = [min(req.num_lookahead_slots, max_len - req.seqs[i].seq_len) for i in decoding]
-        seeded = [not req.seqs[i].sampling_params.is_greedy and req.seqs[i].sampling_params.seed is not None
-                  for i in decoding]
+        lookahead, max_len = req.num_lookahead_slots, self.config.model.max_model_len
+        asked = [0] * len(req.seqs)
+        rows, seq_ids, caps = [], [], []
         # Tokens the policy does not choose: prefill chunks, and seeded rows with their full drafts
         # (so a step with them is not costed as an all-decoding step of the policy's own k).
-        seeded_tokens = sum(1 + c for c, s in zip(caps, seeded) if s)
-        shape = StepShape([req.seqs[i].seq_id for i, s in zip(decoding, seeded) if not s],
-                          [c for c, s in zip(caps, seeded) if not s],
-                          sum(len(s.token_ids) for s in req.seqs) - len(decoding) + seeded_tokens)
+        other_tokens = 0
+        for i, s in enumerate(req.seqs):
+            n = len(s.token_ids)
+            if n != 1 or not s.sample:
+                other_tokens += n
+                continue
+            cap = min(lookahead, max_len - s.start_pos - 1)
+            if s.sampling_params.seeded_sampling:
+                asked[i] = cap
+                other_tokens += 1 + cap
+            else:
+                rows.append(i)
+                seq_ids.append(s.seq_id)
+                caps.append(cap)
+        shape = StepShape(seq_ids, caps, other_tokens)
         if spec.disable_by_batch_size is not None and len(req.seqs) >= spec.disable_by_batch_size:
-            chosen = iter([0] * len(shape.seq_ids))
+            chosen = [0] * len(rows)
         else:
-            chosen = iter(self.policy.choose(shape))
-        asked = [0] * len(req.seqs)
-        for i, cap, s in zip(decoding, caps, seeded):
-            asked[i] = cap if s else next(chosen)
-        return asked, shape
+            chosen = self.policy.choose(shape)
+        for i, k in zip(rows, chosen):
+            asked[i] = k
+        return asked, shape, chosen
 
     @torch.inference_mode()
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
@@ -127,7 +136,7 @@ class SpecDecodeWorker:
         if not req.seqs:
             return StepOutput([])
         start = time.perf_counter()
-        asked, shape = self.num_drafts(req)
+        asked, shape, chosen = self.num_drafts(req)
         if self.tp.world_size > 1:  # rank 0's policy decides (its timings differ from the other ranks')
             asked = self.tp.broadcast(torch.tensor(asked, dtype=torch.long, device=self.device)).tolist()
         spec_idx = [i for i, n in enumerate(asked) if n > 0]
@@ -146,11 +155,9 @@ class SpecDecodeWorker:
         stats.catch_up_time, draft_time, stats.verify_time = timer.finish()
         stats.draft_time = stats.catch_up_time + draft_time
         by_id = {o.seq_id: len(o.token_ids) - 1 for o in result.outputs}
-        index = {s.seq_id: i for i, s in enumerate(req.seqs)}
         # What the step cost end to end: host work around the device's included, as it is in tokens/s.
         wall = time.perf_counter() - start - stats.catch_up_time + req.engine_host_time
-        self.policy.observe(shape, [asked[index[sid]] for sid in shape.seq_ids],
-                            [by_id.get(sid, 0) for sid in shape.seq_ids], stats, wall)
+        self.policy.observe(shape, chosen, [by_id.get(sid, 0) for sid in shape.seq_ids], stats, wall)
         stats.policy = self.policy.estimates()
         return result
 
