@@ -158,3 +158,25 @@ def test_adaptive_on_a_non_monotone_cost_surface(alpha):
     # One sequence: its acceptance estimate (about ten recent trials) is noisy, so k near the
     # optimum (3 vs 4 here) alternates; a linear cost model would sit at the slow k = 2 instead.
     assert adaptive >= 0.94 * max(plain, best_fixed)
+
+
+# The default pair on a CPU in float32 (measured 2026-12-02): plain steps ~57 ms, k = 3 steps
+# ~105 ms; its draft accepts 0.2-0.35 per token on chat prompts, where speculating does not pay.
+CPU_DEFAULT_PAIR = Costs(lambda q: 52e-3 + 12e-3 * (q - 1), lambda n: 5.7e-3 * n, lambda b: 2e-3, 0.4e-3)
+
+
+def _one_after_another(make_policy, alpha: float, seed: int, requests: int = 8, steps: int = 64) -> float:
+    """tokens/s over requests served alone, one after another, by one policy (the CLI's use)."""
+    engine, policy = SimEngine(CPU_DEFAULT_PAIR, seed), make_policy()
+    seconds = sum(steps / engine.run(policy, [alpha], steps) for _ in range(requests))
+    return requests * steps / seconds
+
+
+@pytest.mark.parametrize("alpha, floor", [(0.2, 0.97), (0.3, 0.97), (0.5, 1.05)])
+def test_requests_one_after_another_on_a_slow_draft(alpha, floor):
+    """Each new request starts from the shared belief: exploring it per request must not cost more
+    than speculation can win back; where speculation pays (0.5) it is still found."""
+    def mean(make_policy):
+        return np.mean([_one_after_another(make_policy, alpha, seed) for seed in range(5)])
+
+    assert mean(lambda: AdaptivePolicy(4, draft_cost_ratio=0.1)) >= floor * mean(lambda: FixedPolicy(0))

@@ -12,8 +12,8 @@ sequences get the same k, chosen on measured step times per (batch-size
 bucket, k) - end to end, host work included, since that is what tokens/s pays -
 with a linear model of device time in the query tokens for what is not measured
 yet. Choices near the best are re-measured now and then; when the mean belief
-says not to speculate, a draw from the belief (Thompson sampling) may still
-say to, and speculation is probed ever more rarely where it keeps not paying.
+says not to speculate, a draw of the global rate (Thompson sampling) may
+still say to, and speculation is probed ever more rarely where it keeps not paying.
 With prefill chunks in the step, k is chosen per sequence (Dinkelbach) on the
 model. BatchSizeTablePolicy (a static table of k per batch size, the usual
 hand-tuned heuristic) is what benchmarks compare it with.
@@ -175,9 +175,14 @@ class AdaptivePolicy:
         self._target = LinearFit(1.0, 1.0 / 512)
         self._draft = LinearFit(max(self.draft_cost_ratio, 0.01), 1.0 / 4096)
 
+    def _global_belief(self) -> tuple[float, float]:
+        """Beta(a, b) belief about the acceptance rate over all sequences."""
+        return (self._global_accepted + self.prior_acceptance * self.prior_strength,
+                self._global_trials - self._global_accepted + (1 - self.prior_acceptance) * self.prior_strength)
+
     def _global_rate(self) -> float:
-        return ((self._global_accepted + self.prior_acceptance * self.prior_strength)
-                / (self._global_trials + self.prior_strength))
+        a, b = self._global_belief()
+        return a / (a + b)
 
     def _posteriors(self, seq_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Beta(a, b) beliefs about the sequences' per-token acceptance, shrunk towards the global rate."""
@@ -193,10 +198,16 @@ class AdaptivePolicy:
         a, b = self._posteriors(shape.seq_ids)
         j = np.arange(1, self.max_k + 1)[None, :]
         # Value of the j-th draft token: from the mean belief, and (Thompson sampling) from a draw of
-        # each belief, so an estimate that argues against speculating is tested again as often as
-        # it is uncertain.
-        mean = np.clip(a / (a + b), 0.0, 0.999)[:, None] ** j
-        draw = np.clip(self._rng.beta(a, b), 0.0, 0.999)[:, None] ** j
+        # the global rate, which every sequence's belief is shrunk towards, shifting them all: an
+        # estimate that argues against speculating is tested again as often as it is uncertain.
+        # (Per-sequence draws stay wide while a sequence has few trials of its own, and kept
+        # speculating where it did not pay; without draws, stopping after unlucky trials froze the
+        # estimates low.)
+        rate = a / (a + b)
+        ga, gb = self._global_belief()
+        shift = self._rng.beta(ga, gb) - ga / (ga + gb)
+        mean = np.clip(rate, 0.0, 0.999)[:, None] ** j
+        draw = np.clip(rate + shift, 0.0, 0.999)[:, None] ** j
         caps = np.array(shape.caps)
         chosen = self._choose_decoding(mean, draw, caps) if shape.num_other_tokens == 0 \
             else self._choose_ragged(draw, caps, shape.num_other_tokens)
