@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -97,3 +98,14 @@ def _sse_events(lines) -> list:
 def _post(server: Server, path: str, body, headers=AUTH, **kw) -> httpx.Response:
     return httpx.post(server.url + path, json=body, headers=headers, timeout=60.0, **kw)
 
+
+@contextlib.contextmanager
+def _stream_completion(server: Server, max_tokens: int):
+    """An open streamed greedy completion of PROMPTS[0] (ignore_eos), its status checked; leaving the
+    block closes the connection, mid-stream if the caller stopped reading."""
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60.0) as client, \
+            client.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
+        assert r.status_code == 200
+        yield r

@@ -22,6 +22,7 @@ from .openai_server_helpers import (
     _metrics_text,
     _post,
     _sse_events,
+    _stream_completion,
     _wait_all_blocks_free,
 )
 
@@ -52,17 +53,12 @@ def test_64_concurrent_streams(server):
 
 
 def test_disconnect_mid_stream_frees_blocks(server):
-    body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    with httpx.Client(base_url=server.url, timeout=60.0) as client:
-        with client.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
-                    # Mid-stream: the request holds KV blocks now.
-                    assert _metric(_metrics_text(server), "vllm:kv_cache_free_blocks") < server.total_blocks
-                    break  # (dropping httpx's line iterator closes the connection)
-        # Leaving the block closes the connection mid-stream, if the break did not already.
+    with _stream_completion(server, max_tokens=400) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                # Mid-stream: the request holds KV blocks now.
+                assert _metric(_metrics_text(server), "vllm:kv_cache_free_blocks") < server.total_blocks
+                break  # (dropping httpx's line iterator closes the connection)
     _wait_all_blocks_free(server, timeout=30.0)
     text = _metrics_text(server)
     assert _metric(text, "vllm:num_requests_in_flight") == 0
@@ -115,15 +111,11 @@ def test_vllm_xargs_reach_sampling_params(server):
 
 # Shutdown (last: it stops the module's server) ------------------------------------------------------
 def test_sigterm_graceful_exit_zero(server):
-    body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    with httpx.Client(base_url=server.url, timeout=60.0) as client:
-        with client.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            server.proc.send_signal(signal.SIGTERM)
-            events = _sse_events([first, *lines])  # the in-flight stream still ends cleanly
+    with _stream_completion(server, max_tokens=24) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        server.proc.send_signal(signal.SIGTERM)
+        events = _sse_events([first, *lines])  # the in-flight stream still ends cleanly
     assert events[-1] == "[DONE]"
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert server.proc.wait(timeout=30) == 0, server.logs()
