@@ -236,9 +236,9 @@ def build_prompts(src: dict, docs: list, seed: int, completions: bool = False) -
         for lang in rng.sample(LANGUAGES, 3):
             P.append((f"translate/{phrase}", "translate", f"Translate '{phrase}' into {lang}."))
     # The same openings as chat requests too (users send them either way), then as raw text.
-    completions = completion_prompts(src, docs, rng)
-    P += [(key, "opening", text) for key, _, text in rng.sample(completions, len(completions) // 2)]
-    return P + completions
+    openings = completion_prompts(src, docs, rng)
+    P += [(key, "opening", text) for key, _, text in rng.sample(openings, len(openings) // 2)]
+    return P + openings
 
 
 

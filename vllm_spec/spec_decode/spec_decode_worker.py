@@ -93,8 +93,8 @@ class SpecDecodeWorker:
 
     # Steps ------------------------------------------------------------------------------
     def num_drafts(self, req: ExecuteModelRequest) -> tuple[list[int], StepShape, list[int]]:
-        """k per sequence (and the policy's shape and choices): decoding sequences speculate as the
-        policy says, never past max_model_len.
+        """k per sequence, the policy's shape and the rows of its sequences: decoding sequences
+        speculate as the policy says, never past max_model_len.
 
         Seeded sampled requests always draft the full k: their output then depends on
         their seed alone, not on the batch they share (which steers the policy).
@@ -126,7 +126,7 @@ class SpecDecodeWorker:
             chosen = self.policy.choose(shape)
         for i, k in zip(rows, chosen):
             asked[i] = k
-        return asked, shape, chosen
+        return asked, shape, rows
 
     @torch.inference_mode()
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
@@ -136,7 +136,7 @@ class SpecDecodeWorker:
         if not req.seqs:
             return StepOutput([])
         start = time.perf_counter()
-        asked, shape, chosen = self.num_drafts(req)
+        asked, shape, rows = self.num_drafts(req)
         if self.tp.world_size > 1:  # rank 0's policy decides (its timings differ from the other ranks')
             asked = self.tp.broadcast(torch.tensor(asked, dtype=torch.long, device=self.device)).tolist()
         spec_idx = [i for i, n in enumerate(asked) if n > 0]
@@ -157,7 +157,7 @@ class SpecDecodeWorker:
         by_id = {o.seq_id: len(o.token_ids) - 1 for o in result.outputs}
         # What the step cost end to end: host work around the device's included, as it is in tokens/s.
         wall = time.perf_counter() - start - stats.catch_up_time + req.engine_host_time
-        self.policy.observe(shape, chosen, [by_id.get(sid, 0) for sid in shape.seq_ids], stats, wall)
+        self.policy.observe(shape, [asked[i] for i in rows], [by_id.get(sid, 0) for sid in shape.seq_ids], stats, wall)
         stats.policy = self.policy.estimates()
         return result
 
