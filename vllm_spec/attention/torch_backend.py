@@ -53,6 +53,28 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+# Query lengths up to this (decode, verification of drafts, the draft's catch-up) use
+# _grouped_attention; longer ones (prefill) torch's SDPA.
+SHORT_QUERY = 16
+
+
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """q [B, H, Q, D], k/v [B, KVH, S, D], valid [B, Q, S] -> [B, H, Q, D].
+
+    The query heads sharing a KV head go through one matmul; scores and softmax in float32. For
+    short queries on CPU this is several times faster than SDPA in bfloat16 (batch 16, 64 keys:
+    0.17 vs 0.86 ms; batch 64, 200 keys: 1.1 vs 9.1 ms) and 1.7x at 5 queries in float32.
+    """
+    B, H, Q, D = q.shape
+    kvh = k.shape[1]
+    g = H // kvh
+    scores = torch.matmul(q.reshape(B, kvh, g * Q, D), k.transpose(-1, -2)).float() * scale
+    scores = scores.view(B, kvh, g, Q, -1).masked_fill(~valid.view(B, 1, 1, Q, -1), float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype).view(B, kvh, g * Q, -1)
+    return torch.matmul(probs, v).view(B, H, Q, D)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """q: [T, H, D] -> [T, H, D], attending to keys already written into the cache."""
@@ -70,8 +92,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         q_pad = q.new_zeros(B, Q, H, D)
         q_pad[lay.tok_req, lay.tok_off] = q
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-        attn_mask=lay.key_valid.unsqueeze(1), scale=scale, enable_gqa=H != kvh,
-    ).transpose(1, 2)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    if Q <= SHORT_QUERY:
+        out = _grouped_attention(q_pad.transpose(1, 2), keys, values, lay.key_valid, scale).transpose(1, 2)
+    else:
+        out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, values, attn_mask=lay.key_valid.unsqueeze(1),
+                                             scale=scale, enable_gqa=H != kvh).transpose(1, 2)
     return out.reshape(q.shape) if uniform else out[lay.tok_req, lay.tok_off]
