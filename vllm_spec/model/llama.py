@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm_spec.attention import Attention, AttentionMetadata
@@ -19,6 +18,9 @@ from vllm_spec.model.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    LinearBase,
+    linear,
+    pack_for_cpu,
 )
 from vllm_spec.model.rotary import RotaryEmbedding
 
@@ -112,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the vocabulary, or over `output_ids` once restrict_output_vocab was called."""
         if self.output_ids is not None:
-            return F.linear(hidden, self.output_weight)
+            return linear(hidden, self.output_weight)
         return self.lm_head(hidden)
 
     def restrict_output_vocab(self, ids: torch.Tensor) -> None:
@@ -125,6 +127,14 @@ class LlamaForCausalLM(nn.Module):
             return
         self.output_ids = ids.to(self.lm_head.weight.device)
         self.output_weight = self.lm_head.weight.detach()[self.output_ids].clone()
+
+    def pack_for_cpu(self) -> None:
+        """Keep every matmul weight packed for the CPU's oneDNN (see layers.pack_for_cpu)."""
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                module.pack_for_cpu()
+        if self.output_weight is not None:
+            self.output_weight = pack_for_cpu(self.output_weight)
 
     def token_ids_of(self, columns: torch.Tensor) -> torch.Tensor:
         """Token ids of logit columns (the identity without a restricted vocabulary)."""

@@ -39,6 +39,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.num_blocks = 0
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        if device.type == "cpu":
+            model.pack_for_cpu()
         self._graphs: dict[int, GraphedForward] = {}
         self._graph_pool = None
 

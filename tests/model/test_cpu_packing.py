@@ -1,0 +1,45 @@
+"""Linear weights packed for the CPU's oneDNN give the plain layout's results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_spec.model.layers import linear, pack_for_cpu
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 16, 300])
+def test_packed_linear_matches_plain(dtype, tol, rows):
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(96, 40).to(dtype), torch.randn(96).to(dtype)
+    x = torch.randn(rows * 2, 40).to(dtype)[::2]   # a strided view, as the draft's hidden[1::2]
+    packed = pack_for_cpu(weight)
+    if not torch.backends.mkldnn.is_available():
+        assert packed is weight
+    expected = torch.nn.functional.linear(x, weight, bias)
+    got = linear(x, packed, bias)
+    assert got.dtype == dtype and got.shape == expected.shape
+    if rows:
+        assert (got.float() - expected.float()).abs().max() <= tol * expected.float().abs().max()
+
+
+def test_weights_that_cannot_be_packed_are_used_as_they_are():
+    half = torch.randn(8, 4, dtype=torch.float16)
+    assert pack_for_cpu(half) is half
+    if torch.cuda.is_available():
+        gpu = torch.randn(8, 4, device="cuda")
+        assert pack_for_cpu(gpu) is gpu
+
+
+def test_engine_on_cpu_multiplies_by_packed_weights(tiny_llama):
+    """Built on the CPU, every linear layer of the model multiplies by a packed copy."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    from vllm_spec import LLM
+    from vllm_spec.model.layers import LinearBase
+
+    llm = LLM(model=str(tiny_llama), kv_cache_memory_bytes=1 << 22, device="cpu")
+    model = llm.llm_engine.executor.worker.runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.packed is not None and m.packed.is_mkldnn for m in linears)
