@@ -53,8 +53,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-# Query lengths up to this (decode, verification of drafts, the draft's catch-up) use
-# _grouped_attention; longer ones (prefill) torch's SDPA.
+# On CPU, query lengths up to this (decode, verification of drafts, the draft's catch-up) use
+# _grouped_attention; longer ones (prefill), and CUDA (where this is the kernels' oracle), SDPA.
 SHORT_QUERY = 16
 
 
@@ -93,7 +93,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q_pad = q.new_zeros(B, Q, H, D)
         q_pad[lay.tok_req, lay.tok_off] = q
     keys, values = keys.to(q.dtype), values.to(q.dtype)
-    if Q <= SHORT_QUERY:
+    if Q <= SHORT_QUERY and q.device.type == "cpu":
         out = _grouped_attention(q_pad.transpose(1, 2), keys, values, lay.key_valid, scale).transpose(1, 2)
     else:
         out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, values, attn_mask=lay.key_valid.unsqueeze(1),
