@@ -277,7 +277,7 @@ def stage_prep(args) -> Path:
     train_kinds = [train_p[i][1] for i in keep]
     # held-out eval prompts: round-robin over prompt kinds so every family is represented
     by_kind = {}
-    for key, kind, m in held_p:
+    for _key, kind, m in held_p:
         by_kind.setdefault(kind, []).append((kind, m))
     held_sel = []
     while any(by_kind.values()):
