@@ -36,10 +36,17 @@ def test_engine_on_cpu_multiplies_by_packed_weights(tiny_llama):
     """Built on the CPU, every linear layer of the model multiplies by a packed copy."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
-    from vllm_spec import LLM
+    from vllm_spec import LLM, SamplingParams
     from vllm_spec.model.layers import LinearBase
 
     llm = LLM(model=str(tiny_llama), kv_cache_memory_bytes=1 << 22, device="cpu")
     model = llm.llm_engine.executor.worker.runner.model
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.packed is not None and m.packed.is_mkldnn for m in linears)
+    # The plain copies of unshared weights are released (one element each), shapes kept.
+    released = [m for m in linears if not m.shares_weight]
+    assert released and all(m.weight.untyped_storage().nbytes() == m.weight.element_size() for m in released)
+    assert all(m.weight.numel() == m.packed.numel() for m in linears)
+    assert model.embed_tokens.weight.isfinite().all()
+    out = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8

@@ -51,11 +51,19 @@ class LinearBase(nn.Module):
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
+    # The weight may be another module's too (a tied LM head's is the embedding): keep it.
+    shares_weight = False
 
     def pack_for_cpu(self) -> None:
-        """Multiply by a packed copy from now on (the plain weight stays: loaders and counts use it)."""
+        """Multiply by a packed copy from now on. The plain weight's memory goes unless shared: the
+        parameter keeps its shape (parameter counts, names) over a single NaN element, so a stray
+        read shows in the output and a late load fails."""
         packed = pack_for_cpu(self.weight)
-        self.packed = packed if packed is not self.weight else None
+        if packed is self.weight:
+            return
+        self.packed = packed
+        if not self.shares_weight:
+            self.weight.data = torch.full((1,), float("nan"), dtype=self.weight.dtype).expand(self.weight.shape)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, self.weight if self.packed is None else self.packed, bias)
@@ -164,8 +172,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding, LinearBase):
-    """Output projection sharded over the vocabulary; logits are gathered across ranks.
-    (Its weight may be the embedding's: packing makes a copy and leaves the embedding alone.)"""
+    """Output projection sharded over the vocabulary; logits are gathered across ranks."""
+
+    shares_weight = True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather(self._matmul(hidden), dim=-1)
