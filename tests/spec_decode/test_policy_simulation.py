@@ -8,6 +8,7 @@ that did not speculate."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ class Costs:
     host: callable = lambda batch: 0.1e-3    # sequences -> host work the device does not overlap
     catch_up_per_token: float = 0.0          # draft forward over tokens it missed
     first_step_factor: float = 1.0           # the first step of each kind is this much slower
+    spec_host: callable = lambda batch: 0.0  # sequences -> host work a speculative step adds
 
 
 H200_68M = Costs(lambda q: 4.4e-3 + 0.017e-3 * q, lambda n: 0.19e-3 + 0.0017e-3 * n,
@@ -85,7 +87,7 @@ class SimEngine:
                                       num_verified_tokens=q, catch_up_time=catch_up)
                 for i, a, k in zip(ids, accepted, chosen):
                     self.lag[i] = 2 if a == k else 1
-            step = stats.draft_time - stats.catch_up_time + stats.verify_time + c.host(B)
+            step = stats.draft_time - stats.catch_up_time + stats.verify_time + c.host(B) + (c.spec_host(B) if K else 0.0)
             policy.observe(shape, chosen, accepted, stats, step)
             # Scored on expected tokens (the policy learns from the sampled ones): comparisons of
             # policies over short windows are then not decided by the luck of the draws.
@@ -142,6 +144,26 @@ def test_adaptive_under_the_benchmark_protocol(workload, costs, cost_ratio):
     adaptive = _protocol(lambda: AdaptivePolicy(4, draft_cost_ratio=cost_ratio), workload, costs)
     assert np.all(adaptive >= 0.98 * plain), adaptive / plain
     assert np.all(adaptive >= 0.97 * best_fixed), adaptive / best_fixed
+
+
+# Speculative steps carry more host work than plain ones (drafting, verification bookkeeping): on the
+# H200 about 1 ms plus 10 us per sequence (session 3-4 tables), which plain steps at a new batch size
+# do not show.
+SPEC_HOST = lambda b: 1.0e-3 + 0.01e-3 * b  # noqa: E731
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+@pytest.mark.parametrize("costs, cost_ratio", [(H200_68M, 0.01), (H200_1B, 0.15)], ids=["68m", "1b"])
+def test_speculation_host_time_is_learned_across_batch_sizes(workload, costs, cost_ratio):
+    """The policy models what speculation adds to a step's host time as a function of the batch size,
+    so at a batch size where only plain steps were measured it does not take speculation for cheaper
+    than it is. (Issue #7 asks 0.98x plain; this guards the mechanism where a per-bucket host time
+    alone gave 0.92-0.95x at batch 32-256; batch 1's mixed workload stays at 0.95x either way.)"""
+    costs = dataclasses.replace(costs, spec_host=SPEC_HOST)
+    plain = _protocol(lambda: FixedPolicy(0), workload, costs)
+    adaptive = _protocol(lambda: AdaptivePolicy(4, draft_cost_ratio=cost_ratio), workload, costs)
+    ratio = (adaptive / plain)[list(BENCH_BATCHES).index(8):]
+    assert np.all(ratio >= 0.96), ratio
 
 
 # One sequence on a CPU (SmolLM2-135M, float32, one thread, measured 2026-12-02): verification

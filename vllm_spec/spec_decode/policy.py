@@ -163,6 +163,9 @@ class AdaptivePolicy:
     _seqs: dict[int, tuple[float, float]] = field(default_factory=dict)
     _target: LinearFit | None = None
     _draft: LinearFit | None = None
+    # Host seconds a speculative all-decoding step adds to a plain one's, by batch size (proposal
+    # and verification bookkeeping): a new batch size's plain steps alone do not show it.
+    _spec_host: LinearFit | None = None
     # Measured seconds of all-decoding steps per (batch bucket, k): real costs
     # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
     _measured: dict[tuple[int, int], StepCost] = field(default_factory=dict)
@@ -174,6 +177,7 @@ class AdaptivePolicy:
         # forward draft_cost_ratio plus 1/4096 per sequence (memory-bound decoding).
         self._target = LinearFit(1.0, 1.0 / 512)
         self._draft = LinearFit(max(self.draft_cost_ratio, 0.01), 1.0 / 4096)
+        self._spec_host = LinearFit(1.0, 1.0 / 64)
 
     def _global_belief(self) -> tuple[float, float]:
         """Beta(a, b) belief about the acceptance rate over all sequences."""
@@ -299,10 +303,14 @@ class AdaptivePolicy:
         return model if measured is None else min(model, measured.seconds)
 
     def _modelled_cost(self, n: int, k: int, state: BucketState | None) -> float:
-        """Device time from the linear fits plus the host time measured at this batch size, scaled
-        by how far measured steps here were from the model (the fits span all batch sizes)."""
+        """Device time from the linear fits plus the host time of plain steps at this batch size (and
+        what speculation adds to it), scaled by how far measured steps here were from the model (the
+        fits span all batch sizes)."""
         device = (k * self._draft_forward(n) if k else 0.0) + self._target(n * (k + 1))
-        return device if state is None else (device + state.host) * state.calibration
+        if state is None:
+            return device
+        host = state.host + (self._spec_host(n) if k and self._spec_host.count else 0.0)
+        return (device + host) * state.calibration
 
     def _plain_samples(self, n: int) -> int:
         cost = self._measured.get((_bucket(n), 0))
@@ -338,10 +346,13 @@ class AdaptivePolicy:
             self._draft.update(sum(1 for k in chosen if k > 0), draft / forwards)
         if shape.num_other_tokens == 0 and shape.seq_ids:
             state = self._bucket_state(len(shape.seq_ids))
-            modelled = self._modelled_cost(len(shape.seq_ids), max(chosen, default=0), None)
+            n, K = len(shape.seq_ids), max(chosen, default=0)
+            modelled = self._modelled_cost(n, K, None)
             host = max(step_time - draft - stats.verify_time, 0.0)
-            state.observe(host, step_time / (modelled + host))
-            key = (_bucket(len(shape.seq_ids)), max(chosen, default=0))
+            if K and state.observed:
+                self._spec_host.update(n, max(host - state.host, 0.0))
+            state.observe(host, step_time / (modelled + host), plain=K == 0)
+            key = (_bucket(n), K)
             if key in self._measured:
                 self._measured[key].update(step_time, state.visits)
             else:

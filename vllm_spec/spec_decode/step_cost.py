@@ -75,12 +75,16 @@ class BucketState:
     probe_every: int       # steps without speculation before it is probed again
     visits: int = 0
     last_spec: int = 0     # the visit of the last speculative step
-    host: float = 0.0      # average seconds of a step's host work the device does not overlap
+    host: float = 0.0      # average seconds of a plain step's host work the device does not overlap
     calibration: float = 1.0   # measured / modelled seconds of the steps measured here
-    observed: int = 0
+    observed: int = 0      # plain steps measured here
+    calibrated: int = 0    # steps of any kind measured here
 
-    def observe(self, host: float, calibration: float) -> None:
-        w = 0.3 if self.observed else 1.0
-        self.host += w * (host - self.host)
+    def observe(self, host: float, calibration: float, plain: bool = True) -> None:
+        w = 0.3 if self.calibrated else 1.0
         self.calibration += w * (calibration - self.calibration)
-        self.observed += 1
+        self.calibrated += 1
+        if plain:
+            w = 0.3 if self.observed else 1.0
+            self.host += w * (host - self.host)
+            self.observed += 1
