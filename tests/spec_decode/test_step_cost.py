@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, LinearFit, StepCost
@@ -36,3 +37,17 @@ def test_linear_fit_learns_a_line_and_never_predicts_a_negative_slope():
     for x in (1, 100) * 20:
         falling.update(x, 5e-3 - 1e-5 * x)
     assert falling(1000) >= falling(1)
+
+
+def test_fit_stays_responsive_after_long_runs_at_one_x():
+    """Forgetting must not inflate the covariance without bound where x never changes (one batch
+    size for hours): the fit stays finite and still learns the slope from new batch sizes."""
+    rng = np.random.default_rng(0)
+    fit = LinearFit(1.0, 1.0 / 64)
+    for _ in range(40_000):
+        fit.update(1, 1e-3 + rng.normal(0, 0.2e-3))
+    assert np.all(np.isfinite(fit.w)) and np.all(np.isfinite(fit.P))
+    for n in (8, 32, 64):
+        for _ in range(20):
+            fit.update(n, 1e-3 + 0.01e-3 * n)
+    assert abs(fit(256) - (1e-3 + 0.01e-3 * 256)) < 0.1 * (1e-3 + 0.01e-3 * 256)

@@ -40,7 +40,7 @@ def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor:
     On CPU this made the matmuls of a SmolLM2-sized model 1.7-2.5x faster at 1-16 rows (bf16 and
     fp32, 2 cores): decoding streams every weight once per step and the plain layout is read slowly.
     """
-    if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
+    if (weight.is_mkldnn or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
             or not torch.backends.mkldnn.is_available()):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
@@ -51,13 +51,16 @@ class LinearBase(nn.Module):
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
-    # The weight may be another module's too (a tied LM head's is the embedding): keep it.
+    # The weight may be another module's too (an LM head's may be the embedding, or a target's head
+    # a draft borrows): keep it.
     shares_weight = False
 
     def pack_for_cpu(self) -> None:
         """Multiply by a packed copy from now on. The plain weight's memory goes unless shared: the
         parameter keeps its shape (parameter counts, names) over a single NaN element, so a stray
         read shows in the output and a late load fails."""
+        if self.packed is not None:   # packed already (the plain weight may be gone)
+            return
         packed = pack_for_cpu(self.weight)
         if packed is self.weight:
             return

@@ -349,10 +349,11 @@ class AdaptivePolicy:
             n, K = len(shape.seq_ids), max(chosen, default=0)
             modelled = self._modelled_cost(n, K, None)
             host = max(step_time - draft - stats.verify_time, 0.0)
-            if K and state.observed:
+            key = (_bucket(n), K)
+            if K and state.observed and key in self._measured:
+                # Not from a step kind's first step here: a cold one must not set the fit.
                 self._spec_host.update(n, max(host - state.host, 0.0))
             state.observe(host, step_time / (modelled + host), plain=K == 0)
-            key = (_bucket(n), K)
             if key in self._measured:
                 self._measured[key].update(step_time, state.visits)
             else:

@@ -37,11 +37,17 @@ class LinearFit:
             self.w *= y / float(phi @ self.w)
             # Prior spread: w0 within ~50%, w1 within ~200%, against 5% noise on y.
             self.P = np.diag([(0.5 * self.w[0]) ** 2, (2.0 * self.w[1]) ** 2]) / (0.05 * y) ** 2
+            self._max_trace = float(np.trace(self.P))
         else:
             Pphi = self.P @ phi
             gain = Pphi / (self.forget + phi @ Pphi)
             self.w = self.w + gain * (y - phi @ self.w)
             self.P = (self.P - np.outer(gain, Pphi)) / self.forget
+            # Forgetting inflates P along directions the data never spans (x constant: one batch
+            # size for hours) until the fit stops listening, then overflows; never past the prior.
+            trace = float(np.trace(self.P))
+            if trace > self._max_trace:
+                self.P *= self._max_trace / trace
         self.count += 1
 
     def __call__(self, x: float) -> float:
