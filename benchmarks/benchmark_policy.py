@@ -132,13 +132,11 @@ def spec_rows(sweep: Sweep, target: str, draft_shape: str, draft: str, acceptanc
               max_len: int, engine_kw: dict, trace: list[TracedStep] | None = None) -> list[Row]:
     engine = build(target, draft, MAX_K, max_len, max(sweep.batch_sizes), **engine_kw)
     worker = engine.executor.worker
-    cost_ratio = (sum(p.numel() for p in worker.draft_runner.model.parameters())
-                  / sum(p.numel() for p in worker.target.runner.model.parameters()))
     rows = []
     for name, rate in [(f"A={a}", a) for a in acceptance] + [("mixed", None)]:
         worker.config.speculative.synthetic_acceptance_rate = rate
         policies = {**{f"fixed-{k}": FixedPolicy(k) for k in FIXED_KS}, "table": BatchSizeTablePolicy(TABLE),
-                    "adaptive": AdaptivePolicy(MAX_K, draft_cost_ratio=cost_ratio)}
+                    "adaptive": AdaptivePolicy(MAX_K, draft_cost_ratio=worker.draft_cost_ratio)}
         for b in sweep.batch_sizes:
             # Mixed: every request brings its own rate; the engine-wide one (None) applies to nobody.
             extra_args = [{"synthetic_acceptance_rate": MIXED_RATES[i % 2]} for i in range(b)] if rate is None else None

@@ -46,9 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = build(target, draft, 4, 512, max_batch, **engine_kw)
     worker = spec.executor.worker
     worker.config.speculative.synthetic_acceptance_rate = args.acceptance
-    ratio = (sum(p.numel() for p in worker.draft_runner.model.parameters())
-             / sum(p.numel() for p in worker.target.runner.model.parameters()))
-    adaptive = AdaptivePolicy(4, draft_cost_ratio=ratio)
+    adaptive = AdaptivePolicy(4, draft_cost_ratio=worker.draft_cost_ratio)
     sweep = Sweep(args.batch_sizes, 64, 192, 16, vocab, 32)
     runs: dict[str, list[dict]] = {}
     for _ in range(args.rounds):

@@ -154,9 +154,7 @@ def main() -> None:
         worker.config.speculative.synthetic_acceptance_rate = args.acceptance
         worker.config.speculative.disable_by_batch_size = args.disable_by_batch_size
         if args.policy == "adaptive":
-            ratio = sum(p.numel() for p in worker.draft_runner.model.parameters()) / sum(
-                p.numel() for p in worker.target.runner.model.parameters())
-            worker.policy = AdaptivePolicy(args.k, draft_cost_ratio=ratio)
+            worker.policy = AdaptivePolicy(args.k, draft_cost_ratio=worker.draft_cost_ratio)
     if args.draft_graph:
         draft_graph_steps(engine, args.batch, args.k)
         return

@@ -117,7 +117,12 @@ age; grandparents; birthdays; holidays; gifts; letters; writing an essay; readin
 honesty; patience; gratitude; loneliness; cooperation; competition; curiosity; creativity; the scientific
 method; microscopes; telescopes; batteries; light; sound; heat; plastic pollution; clean water; vitamins;
 antibiotics; hospitals; nurses; teachers; firefighters; farmers; pilots; astronauts; volunteering; charity"""
-TOPICS = [t.strip() for t in TOPICS.replace("\n", " ").split(";") if t.strip()]
+def _items(text: str) -> list[str]:
+    """The entries of a ';'-separated list written over several lines."""
+    return [t.strip() for t in text.replace("\n", " ").split(";") if t.strip()]
+
+
+TOPICS = _items(TOPICS)
 
 TOPIC_TEMPLATES = [
     "Explain {t} in simple terms.", "What is {t}?", "Write a short poem about {t}.",
@@ -136,15 +141,15 @@ dictionaries by a key; reads a text file and counts its words; flattens a nested
 list of numbers; finds the greatest common divisor of two numbers; converts a decimal number to binary; returns
 the most common word in a sentence; checks whether two strings are anagrams; generates a random password;
 computes the sum of digits of an integer; validates an email address; implements binary search; capitalizes every
-word in a sentence; transposes a matrix; counts the occurrences of each character in a string""".replace("\n", " ")
-CODE_TASKS = [t.strip() for t in CODE_TASKS.split(";") if t.strip()]
+word in a sentence; transposes a matrix; counts the occurrences of each character in a string"""
+CODE_TASKS = _items(CODE_TASKS)
 
 
 PHRASES = """good night; thank you very much; where is the train station; I love reading books; how are you today;
 the weather is nice; see you tomorrow; happy birthday; I am hungry; what time is it; the cat is sleeping;
 please close the door; I would like a coffee; welcome to our home; the book is on the table; good luck;
-I am learning to cook; it is raining again; where do you live; my brother is a doctor""".replace("\n", " ")
-PHRASES = [t.strip() for t in PHRASES.split(";") if t.strip()]
+I am learning to cook; it is raining again; where do you live; my brother is a doctor"""
+PHRASES = _items(PHRASES)
 LANGUAGES = ["French", "Spanish", "German", "Italian", "Portuguese", "Dutch", "Japanese", "Chinese"]
 PLACES = ["a small village", "a busy city", "a quiet forest", "a castle by the sea", "a faraway kingdom",
           "a mountain town", "a desert oasis", "an old lighthouse", "a little cottage", "a crowded market"]

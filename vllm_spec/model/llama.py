@@ -13,12 +13,12 @@ from vllm_spec.model.arch_config import ArchConfig
 from vllm_spec.model.fused import rotary, silu_mul
 from vllm_spec.model.layers import (
     ColumnParallelLinear,
+    LinearBase,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
-    LinearBase,
     linear,
     pack_for_cpu,
 )

@@ -68,6 +68,8 @@ class SpecDecodeWorker:
             if self.tp.world_size > 1:
                 self.proposer = TPProposer(proposer, self.tp, draft_tp is self.tp, self.vocab_size, self.device)
         k = spec.num_speculative_tokens
+        # What a draft forward costs against a target forward, before anything is measured.
+        self.draft_cost_ratio = cost_ratio
         self.policy: SpeculationPolicy = (FixedPolicy(k) if spec.policy == "fixed"
                                           else AdaptivePolicy(k, draft_cost_ratio=cost_ratio))
 
