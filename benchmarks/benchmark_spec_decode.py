@@ -65,6 +65,7 @@ class Row:
     tokens_per_s: float
     ms_per_token_per_seq: float
     host_ms_per_step: float
+    device_ms_per_step: float = 0.0   # the step's span on the device's clock
     draft_ms_per_step: float = 0.0
     verify_ms_per_step: float = 0.0
     mean_accepted_length: float = 0.0
@@ -121,15 +122,15 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_len: int, see
     sync()
     before = {n: metric(engine, n) for n in (
         "vllm:engine_steps", "vllm:engine_host_schedule_seconds", "vllm:engine_host_output_seconds",
-        "vllm:engine_host_worker_seconds",
+        "vllm:engine_host_worker_seconds", "vllm:engine_device_seconds",
         "vllm:generation_tokens", "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
     spec = engine.spec_metrics
     d0, v0, s0 = (spec.draft_time, spec.verify_time, spec.num_steps) if spec else (0, 0, 0)
     t0 = time.perf_counter()
-    steps_left = window if window is not None else float("inf")
-    while engine.has_unfinished_requests() and steps_left > 0:
+    # Steps read, not calls: with async scheduling one call may read two steps.
+    last_step = engine.stats.num_steps + window if window is not None else float("inf")
+    while engine.has_unfinished_requests() and engine.stats.num_steps < last_step:
         engine.step()
-        steps_left -= 1
     sync()
     elapsed = time.perf_counter() - t0
     delta = {n: metric(engine, n) - v for n, v in before.items()}
@@ -138,12 +139,15 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_len: int, see
             raise RuntimeError(f"a request finished inside the {window}-step window: raise gen_len ({gen_len}).")
         engine.abort_request([f"r{seed}-{i}" for i in range(batch)])
     steps = max(delta["vllm:engine_steps"], 1)
+    # (A short run may generate everything before the timed part: one call can read two steps.)
+    generated = max(delta["vllm:generation_tokens"], 1)
     out = dict(
         ms_per_step=elapsed / steps * 1e3,
         tokens_per_s=delta["vllm:generation_tokens"] / elapsed,
-        ms_per_token_per_seq=elapsed / (delta["vllm:generation_tokens"] / batch) * 1e3,
+        ms_per_token_per_seq=elapsed / (generated / batch) * 1e3,
         host_ms_per_step=(delta["vllm:engine_host_schedule_seconds"] + delta["vllm:engine_host_worker_seconds"]
                           + delta["vllm:engine_host_output_seconds"]) / steps * 1e3,
+        device_ms_per_step=delta["vllm:engine_device_seconds"] / steps * 1e3,
     )
     if spec:
         n = max(spec.num_steps - s0, 1)
@@ -252,7 +256,7 @@ def main() -> None:
     if args.hf:
         hf[1] = hf_generate(target, 1, args.prompt_len, min(args.gen_len, 64))
 
-    print(f"\n{'system':10} {'B':>4} {'k':>2} {'A':>4} {'ms/step':>8} {'tok/s':>9} {'host ms':>7} "
+    print(f"\n{'system':10} {'B':>4} {'k':>2} {'A':>4} {'ms/step':>8} {'dev ms':>7} {'tok/s':>9} {'host ms':>7} "
           f"{'c':>5} {'V':>5} {'speedup':>7} {'theory':>6} {'%theory':>7} {'floor':>6}")
     for r in rows:
         base = plain[r.batch]
@@ -260,6 +264,7 @@ def main() -> None:
         v = r.verify_ms_per_step / base.ms_per_step if r.k else 0
         pct = 100 * r.speedup / r.theoretical if r.theoretical else 0
         print(f"{r.system:10} {r.batch:4d} {r.k:2d} {r.acceptance or 0:4.2f} {r.ms_per_step:8.3f} "
+              f"{r.device_ms_per_step:7.3f} "
               f"{r.tokens_per_s:9.1f} {r.host_ms_per_step:7.3f} {c:5.3f} {v:5.3f} {r.speedup:7.2f} "
               f"{r.theoretical:6.2f} {pct:7.1f} {r.floor_ms:6.2f}")
     for b, ms in hf.items():

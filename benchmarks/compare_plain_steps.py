@@ -1,11 +1,12 @@
 """The plain engine against the speculative engine's steps, measurements interleaved in one process.
 
 8B-shape target (dummy weights, bf16) twice in one process: a plain engine and a speculative one (--draft
-shape, k = 4, synthetic acceptance --acceptance). Rounds alternate, per batch size: the plain engine; the
-speculative engine without speculating (`disable_by_batch_size=1`); the static batch-size table of
+shape, k = 4, synthetic acceptance --acceptance). Rounds alternate, per batch size: the plain engine, with
+async scheduling (the default on CUDA) and without it; the speculative engine without speculating (`disable_by_batch_size=1`); the static batch-size table of
 benchmark_policy.py; the adaptive policy (one, learning across rounds). Each measurement is the warm-up run
 and the timed window of benchmark_policy.py. Interleaving puts the machine's drift on every system alike,
-which sequential runs minutes apart do not. Prints medians (tokens/s, host ms per step), writes JSON.
+which sequential runs minutes apart do not. Prints medians (tokens/s; per step: wall, device span and host
+work in ms, and the device's idle time between steps = wall - device span), writes JSON.
 
     PYTHONPATH=. python benchmarks/compare_plain_steps.py --draft 68m --out plain_steps.json
     PYTHONPATH=. python benchmarks/compare_plain_steps.py --tiny --batch-sizes 4 --rounds 1   # CPU smoke run
@@ -24,13 +25,13 @@ from benchmark_spec_decode import VOCAB, build, write_config
 
 from vllm_spec.spec_decode.policy import AdaptivePolicy, BatchSizeTablePolicy
 
-SYSTEMS = ("plain", "no-spec", "table", "adaptive")
+SYSTEMS = ("plain", "plain-sync", "no-spec", "table", "adaptive")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default="68m", choices=["68m", "1b"])
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[128, 256])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 128, 256])
     ap.add_argument("--acceptance", type=float, default=0.8)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--kv-gib", type=int, default=24, help="KV cache per engine")
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.rounds):
         for b in args.batch_sizes:
             for system in SYSTEMS:
-                if system == "plain":
+                if system.startswith("plain"):
+                    plain.async_scheduling = system == "plain" and plain.config.uses_async_scheduling
                     r = sweep.measure(plain, b)
                 else:
                     worker.config.speculative.disable_by_batch_size = 1 if system == "no-spec" else None
@@ -60,14 +62,16 @@ def main(argv: list[str] | None = None) -> None:
                     r = sweep.measure(spec, b)
                 runs.setdefault(f"{system}/{b}", []).append(r)
     print(f"\ndraft {args.draft}, A = {args.acceptance}, medians of {args.rounds} interleaved rounds")
-    print(f"{'B':>4} {'system':9} {'tok/s':>8} {'/plain':>7} {'host ms':>8}")
+    print(f"{'B':>4} {'system':10} {'tok/s':>8} {'/plain':>7} {'ms/step':>8} {'device':>7} {'idle':>6} {'host ms':>8}")
     for b in args.batch_sizes:
         base = statistics.median(r["tokens_per_s"] for r in runs[f"plain/{b}"])
         for system in SYSTEMS:
             rs = runs[f"{system}/{b}"]
             tps = statistics.median(r["tokens_per_s"] for r in rs)
-            host = statistics.median(r["host_ms_per_step"] for r in rs)
-            print(f"{b:4d} {system:9} {tps:8.0f} {tps / base:7.2f} {host:8.2f}")
+            host, wall, dev = (statistics.median(r[key] for r in rs)
+                               for key in ("host_ms_per_step", "ms_per_step", "device_ms_per_step"))
+            print(f"{b:4d} {system:10} {tps:8.0f} {tps / base:7.2f} {wall:8.2f} {dev:7.2f} {wall - dev:6.2f} "
+                  f"{host:8.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(args=vars(args), runs=runs), indent=1))
 

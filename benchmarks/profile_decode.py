@@ -4,6 +4,7 @@
     python benchmarks/profile_decode.py --batch 16 --draft 68m --trace-steps 20   # per-step times, compiles
     python benchmarks/profile_decode.py --batch 256 --host-profile               # where the host's time goes
     python benchmarks/profile_decode.py --batch 1 --draft 68m --k 8 --draft-graph  # one draft step in the graph
+    python benchmarks/profile_decode.py --batch 64 --sync-check                  # host waits for the device
 
 --trace-steps prints every engine step's wall time and draft/verify times, and how
 many Triton kernels were compiled during the traced steps (a recompiling kernel in
@@ -83,6 +84,29 @@ def trace_steps(engine, batch: int, steps: int, mixed: bool) -> None:
     engine.abort_request([f"t{i}" for i in range(batch)])
 
 
+def sync_check(engine, batch: int, steps: int = 8) -> None:
+    """Steady-state steps under torch's sync debug mode: every call that makes the host wait for the
+    device, with where it was made. With async scheduling the step's only wait is for the previous
+    step's tokens (an event, which the debug mode does not count); anything listed serialises host and device."""
+    import collections
+    import warnings
+
+    sites: collections.Counter[str] = collections.Counter()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for w in caught:
+        sites[f"{w.filename}:{w.lineno}: {str(w.message)[:80]}"] += 1
+    print(f"synchronizing calls in {steps} steps at batch {batch}: {sum(sites.values())}")
+    for site, n in sites.most_common(20):
+        print(f"{n:4d}  {site}")
+
+
 def draft_graph_steps(engine, batch: int, max_k: int, context: int = 256, reps: int = 200) -> None:
     """Replay the whole-proposal graph for k = 1..max_k; the slope over k is one draft step inside the graph.
 
@@ -137,6 +161,8 @@ def main() -> None:
                     help="time the whole-proposal graph for k = 1..--k (draft step = slope over k)")
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
                     help="speculative_disable_by_batch_size: 1 runs the speculative engine without speculating")
+    ap.add_argument("--sync-check", action="store_true",
+                    help="list the calls that make the host wait for the device in steady-state steps")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile of the host side of decode steps (Python functions by own time)")
     args = ap.parse_args()
@@ -163,6 +189,15 @@ def main() -> None:
     run_decode(engine, args.batch, 128, 16, seed=0, extra_args=mixed, vocab=vocab)
     if args.trace_steps:
         trace_steps(engine, args.batch, args.trace_steps, args.mixed)
+        return
+    if args.sync_check:
+        from vllm_spec import SamplingParams
+
+        for i in range(args.batch):
+            engine.add_request(f"s{i}", [2 + i] * 128, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+        while any(s.num_output_tokens < 2 for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        sync_check(engine, args.batch)
         return
     if args.host_profile:
         import cProfile

@@ -278,9 +278,15 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
     enforce_eager: bool = False
+    async_scheduling: bool | None = None   # None: see uses_async_scheduling
 
     def __post_init__(self) -> None:
         tp = self.parallel.tensor_parallel_size
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None (automatic), got {self.async_scheduling!r}.")
+        if self.async_scheduling and tp > 1:
+            raise ValueError(f"async_scheduling=True needs tensor_parallel_size=1 (got {tp}): the ranks' processes "
+                             "answer a step only once it has run. Leave async_scheduling unset or False.")
         check_tensor_parallel(self.model.arch, tp, "target model")
         if self.speculative is not None:
             draft_tp = self.speculative.draft_tensor_parallel_size
@@ -304,6 +310,13 @@ class EngineConfig:
                 f"tensor_parallel_size ({tp}) is larger than the number of CUDA devices on this machine "
                 f"({torch.cuda.device_count()}); use distributed_executor_backend='ray' for several machines."
             )
+
+    @property
+    def uses_async_scheduling(self) -> bool:
+        """async_scheduling as asked; unset, on where it overlaps anything (CUDA, the engine's own process)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.model.device.type == "cuda" and self.parallel.tensor_parallel_size == 1
 
     @property
     def num_lookahead_slots(self) -> int:

@@ -14,7 +14,7 @@ def test_policy_benchmark_tiny_sweep(tmp_path, monkeypatch):
     import benchmark_policy as bench
 
     out = tmp_path / "policy.json"
-    bench.main(["--tiny", "--batch-sizes", "1", "3", "--prompt-len", "8", "--gen-len", "24", "--warmup-len", "4",
+    bench.main(["--tiny", "--batch-sizes", "1", "3", "--prompt-len", "8", "--gen-len", "32", "--warmup-len", "4",
                 "--window", "4", "--trace",
                 "--out", str(out), "--plot", str(tmp_path / "policy.png")])
     result = json.loads(out.read_text())

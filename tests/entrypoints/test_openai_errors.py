@@ -114,12 +114,12 @@ def test_async_engine_step_failure_and_abort(server):
                 async for _ in aeng.generate("", params, "bad"):
                     pass
             # A failing step fails every request in flight; the loop keeps serving.
-            real = engine.executor.execute_model
+            real = engine.executor.launch
 
             def boom(*args, **kwargs):
                 raise RuntimeError("injected failure")
 
-            engine.executor.execute_model = boom
+            engine.executor.launch = boom
             try:
                 async def consume(rid):
                     async for _ in aeng.generate(PROMPTS[0], params, rid):
@@ -127,7 +127,7 @@ def test_async_engine_step_failure_and_abort(server):
 
                 results = await asyncio.gather(consume("f1"), consume("f2"), return_exceptions=True)
             finally:
-                engine.executor.execute_model = real
+                engine.executor.launch = real
             assert all(isinstance(r, EngineStepError) and "injected failure" in str(r) for r in results), results
             assert not engine.has_unfinished_requests()
             assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks

@@ -78,6 +78,8 @@ class Scheduler:
         # Decodes first, then partially prefilled sequences, oldest first within each.
         decodes, prefills = [], []
         for seq in self.running:
+            if seq.num_in_flight and seq.will_finish_by_length(self.config.max_model_len):
+                continue   # its last token is already being sampled
             uncomputed = seq.num_uncomputed_tokens
             (decodes if uncomputed <= 1 else prefills).append((seq, uncomputed))
         for seq, uncomputed in decodes + prefills if prefills else decodes:
@@ -102,6 +104,8 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_in_flight:   # preempted while a step sampled for it: recompute once it is known
+                break
             n = min(seq.num_uncomputed_tokens, budget)
             lookahead = self.num_lookahead_slots if n == seq.num_uncomputed_tokens else 0
             if not bm.can_allocate(seq, n, lookahead):

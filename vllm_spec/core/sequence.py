@@ -14,6 +14,7 @@ from typing import Any
 from vllm_spec.outputs import Logprob
 from vllm_spec.sampling_params import SamplingParams
 from vllm_spec.utils import concat_slice
+from vllm_spec.worker.batch import PLACEHOLDER_TOKEN
 
 
 class SequenceStatus(enum.Enum):
@@ -58,6 +59,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
+    # Tokens being sampled by launched steps whose outputs the engine has not read yet (async
+    # scheduling): the next step feeds them from the device, and they count as uncomputed.
+    num_in_flight: int = 0
     block_table: list[int] = field(default_factory=list)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     arrival_time: float = field(default_factory=time.monotonic)
@@ -92,15 +96,21 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_in_flight - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
         return self.status.finished
 
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """Tokens [start, stop) of prompt + output."""
-        return concat_slice(self.prompt_token_ids, self.output_token_ids, start, stop)
+        """Tokens [start, stop) of prompt + output; PLACEHOLDER_TOKEN for those still in flight."""
+        known = concat_slice(self.prompt_token_ids, self.output_token_ids, start, stop)
+        return known + [PLACEHOLDER_TOKEN] * (stop - max(start, self.num_tokens)) if stop > self.num_tokens else known
+
+    def will_finish_by_length(self, max_model_len: int) -> bool:
+        """Its tokens in flight already reach max_tokens or max_model_len: no step can add to it."""
+        return bool(self.num_in_flight) and (self.num_output_tokens + self.num_in_flight >= self.max_tokens
+                                             or self.num_tokens + self.num_in_flight >= max_model_len)
 
 
 @dataclass(eq=False)

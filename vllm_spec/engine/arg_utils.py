@@ -46,6 +46,9 @@ class EngineArgs:
     max_num_seqs: int = _opt(256, "Maximum number of sequences per step.")
     max_num_batched_tokens: int | None = _opt(None, "Token budget per step (default 2048; prompts are chunked).")
     enforce_eager: bool = _opt(False, "Disable CUDA graphs.")
+    async_scheduling: bool | None = _opt(
+        None, "Schedule each step while the previous one runs on the device, when that step emits one token "
+              "per sequence (default: on for CUDA with tensor_parallel_size 1).")
     enable_chunked_prefill: bool = _opt(True, "Split prompts over steps to fit max_num_batched_tokens (always on, "
                                               "as in vLLM V1; False is refused).")
     enable_prefix_caching: bool = _opt(False, "Share KV blocks of common prompt prefixes (not supported: False).")
@@ -73,7 +76,7 @@ class EngineArgs:
                 continue
             flag = "--" + f.name.replace("_", "-")
             kind = hints[f.name]
-            if kind is bool:
+            if kind is bool or kind == bool | None:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                     help=f.metadata["help"])
                 continue
@@ -105,6 +108,7 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             speculative=self._speculative_config(model),
             enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling,
         )
 
     def _speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_spec.config import EngineConfig
@@ -21,6 +22,7 @@ from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
 from vllm_spec.tokenizer import get_tokenizer
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput
+from vllm_spec.worker.step_handle import StepHandle
 
 # A prompt: text, {"prompt": text} / {"prompt_token_ids": ids}, or a list of token ids.
 PromptType = str | dict[str, Any] | list[int]
@@ -40,6 +42,8 @@ class LLMEngine:
         self._seqs: dict[int, Sequence] = {}
         self._released: list[int] = []
         self._engine_host_time = 0.0   # the last step's host seconds outside the worker
+        self.async_scheduling = config.uses_async_scheduling
+        self._in_flight: _Launched | None = None   # a step launched and not read yet (async scheduling)
         self.stats = EngineStats()
         self.spec_metrics = SpecDecodeMetrics() if config.speculative else None
         # Everything built so far (models, graphs, compiled kernels) lives as long as the engine:
@@ -157,20 +161,45 @@ class LLMEngine:
         return ExecuteModelRequest(seqs, released, sched.num_lookahead_slots, self._engine_host_time)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns the outputs of every request that advanced."""
+        """Run one scheduled batch; returns the outputs of every request that advanced.
+
+        With async scheduling, a step that emits one token per sequence is left running on the
+        device and read at the next call, after that call has scheduled and launched its own step:
+        the host's work then overlaps the device's, and outputs arrive one call later.
+        """
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        previous, self._in_flight = self._in_flight, None
         if sched.is_empty:
-            return []
+            return [] if previous is None else self._read(previous, time.perf_counter() - t0)
         request = self._model_request(sched)
         t1 = time.perf_counter()
         try:
-            result = self.executor.execute_model(request)
+            handle = self.executor.launch(request)
         except BaseException:
             # The worker never saw these releases: hand them over with the next step.
             self._released = request.finished_seq_ids + self._released
+            self._in_flight = previous
             raise
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            if item.samples:
+                item.seq.num_in_flight += 1
+        launched = _Launched(handle, schedule_time=t1 - t0, launch_time=time.perf_counter() - t1)
+        outputs = []
+        if previous is not None:   # this call's scheduling is reported with the step it overlapped
+            outputs = self._read(previous, launched.schedule_time, launched.launch_time)
+            launched.schedule_time = launched.launch_time = 0.0
+        if self.async_scheduling and handle.one_token_per_seq:
+            self._in_flight = launched
+            return outputs
+        return outputs + self._read(launched, launched.schedule_time, launched.launch_time)
+
+    def _read(self, launched: "_Launched", schedule_time: float, launch_time: float = 0.0) -> list[RequestOutput]:
+        """Wait for a launched step's outputs and apply them; the times are this call's own host work."""
         t2 = time.perf_counter()
+        result = launched.handle.result()
+        t3 = time.perf_counter()
         if result.spec is not None:
             self.spec_metrics.add(result.spec)
         for scored in result.prompt_logprobs:
@@ -181,19 +210,20 @@ class LLMEngine:
                 seq.prompt_logprobs[scored.start: scored.start + len(scored.entries)] = scored.entries
         # Requests to report on: every one that advanced, except FINAL_ONLY ones still running.
         touched: dict[str, Request] = {}
-        for item in sched.scheduled:
-            if not item.samples:
-                item.seq.num_computed_tokens += item.num_new_tokens
         now = time.monotonic()
         generated = 0
         for out in result.outputs:
-            seq = self._seqs[out.seq_id]
+            seq = self._seqs.get(out.seq_id)
+            if seq is None:   # finished or aborted while this step was in flight: its token is void
+                continue
+            seq.num_in_flight -= 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self.stats.on_first_token(now - seq.arrival_time)
             generated += self.output_processor.append(seq, out.token_ids, out.logprobs)
-            # Every token but the newest now has its K/V in the cache.
-            seq.num_computed_tokens = seq.num_tokens - 1
+            if not seq.num_in_flight and seq.status is SequenceStatus.RUNNING:
+                # Every token but the newest now has its K/V in the cache.
+                seq.num_computed_tokens = seq.num_tokens - 1
             if seq.status.finished:
                 self._finish(seq, seq.status)
             elif seq.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
@@ -207,9 +237,11 @@ class LLMEngine:
                 outputs.append(self._request_output(request, finished))
             if finished:
                 self.stats.on_finished(self.requests.pop(request.request_id), now)
-        t3 = time.perf_counter()
-        self._engine_host_time = (t1 - t0) + (t3 - t2)
-        self.stats.on_step(t3 - t0, t1 - t0, (t2 - t1) - result.device_wait_time, t3 - t2)
+        t4 = time.perf_counter()
+        self._engine_host_time = schedule_time + (t4 - t3)
+        worker_host = launch_time + (t3 - t2) - result.device_wait_time
+        self.stats.on_step(schedule_time + launch_time + (t4 - t2), schedule_time, worker_host, t4 - t3,
+                           result.device_time)
         return outputs
 
     @staticmethod
@@ -240,3 +272,12 @@ class LLMEngine:
             kv_usage=self.block_manager.usage, num_preemptions=self.scheduler.num_preemptions,
         )
         return metrics + (self.spec_metrics.snapshot() if self.spec_metrics else [])
+
+
+@dataclass
+class _Launched:
+    """A step on its way: the handle its outputs come from, and the host time it took to get there."""
+
+    handle: StepHandle
+    schedule_time: float
+    launch_time: float

@@ -21,6 +21,7 @@ class EngineStats:
         self.schedule_time = 0.0
         self.worker_host_time = 0.0
         self.output_time = 0.0
+        self.device_time = 0.0   # the steps' spans on the device's clock (0 on CPU)
         self.finished: TallyCounter[str] = TallyCounter()
         self.ttft = HistogramRecorder("vllm:time_to_first_token_seconds")
         self.e2e = HistogramRecorder("vllm:e2e_request_latency_seconds")
@@ -39,8 +40,9 @@ class EngineStats:
         for seq in request.seqs:
             self.finished[seq.status.finish_reason or "abort"] += 1
 
-    def on_step(self, total: float, schedule: float, worker_host: float, output: float) -> None:
+    def on_step(self, total: float, schedule: float, worker_host: float, output: float, device: float) -> None:
         self.num_steps += 1
+        self.device_time += device
         self.step_time += total
         self.schedule_time += schedule
         self.worker_host_time += worker_host
@@ -59,6 +61,7 @@ class EngineStats:
             Counter("vllm:engine_host_schedule_seconds", value=self.schedule_time),
             Counter("vllm:engine_host_worker_seconds", value=self.worker_host_time),
             Counter("vllm:engine_host_output_seconds", value=self.output_time),
+            Counter("vllm:engine_device_seconds", value=self.device_time),
         ]
         metrics += [Counter("vllm:request_success", {"finished_reason": r}, v) for r, v in sorted(self.finished.items())]
         metrics += [self.ttft.snapshot(), self.e2e.snapshot()]

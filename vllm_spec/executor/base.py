@@ -6,6 +6,8 @@ import logging
 import os
 
 from vllm_spec.config import EngineConfig
+from vllm_spec.worker.batch import ExecuteModelRequest, StepOutput
+from vllm_spec.worker.step_handle import DoneStep, StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,13 @@ class RankExecutor:
 
     def _stop_workers(self) -> None:
         raise NotImplementedError
+
+    def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
+        raise NotImplementedError
+
+    def launch(self, req: ExecuteModelRequest) -> StepHandle:
+        """Ranks in other processes answer a step only once it has run: no overlap with the next one."""
+        return DoneStep(self.execute_model(req))
 
     def _fail(self, message: str) -> WorkerError:
         logger.error("%s Stopping all tensor-parallel workers.", message)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from vllm_spec.config import EngineConfig
 from vllm_spec.spec_decode.spec_decode_worker import SpecDecodeWorker
 from vllm_spec.worker.batch import ExecuteModelRequest, StepOutput
+from vllm_spec.worker.step_handle import StepHandle
 from vllm_spec.worker.worker import Worker
 
 
@@ -43,6 +44,9 @@ class UniProcExecutor:
 
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
         return self.worker.execute_model(req)
+
+    def launch(self, req: ExecuteModelRequest) -> StepHandle:
+        return self.worker.launch(req)
 
     def shutdown(self) -> None:
         pass

@@ -9,6 +9,7 @@ or not speculating this step) is the k = 0 case of the same thing.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from vllm_spec.spec_decode.tp_proposer import TPProposer
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, SpecStepStats, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner, ragged_grid, to_device_aligned
+from vllm_spec.worker.step_handle import DoneStep, StepHandle
 from vllm_spec.worker.worker import PromptLogprobRows, Worker, logprob_dicts, to_host
 
 
@@ -72,6 +74,8 @@ class SpecDecodeWorker:
         self.draft_cost_ratio = cost_ratio
         self.policy: SpeculationPolicy = (FixedPolicy(k) if spec.policy == "fixed"
                                           else AdaptivePolicy(k, draft_cost_ratio=cost_ratio))
+        self._last_done = 0.0   # when the latest step's outputs reached the host (perf_counter)
+        self._unread: _SpecStep | None = None   # a launched step that the next may overlap
 
     # KV cache: one block manager, two caches of the same number of blocks ----------------
     def kv_bytes_per_block(self) -> int:
@@ -130,18 +134,29 @@ class SpecDecodeWorker:
             asked[i] = k
         return asked, shape, rows
 
-    @torch.inference_mode()
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
+        return self.launch(req).result()
+
+    @torch.inference_mode()
+    def launch(self, req: ExecuteModelRequest) -> StepHandle:
+        """Queue the step. A step that speculates runs to completion here (its outputs decide what
+        comes next); one that does not is the target's plain step, which may overlap the next."""
         self.target.release(req.finished_seq_ids)
         self.proposer.release(req.finished_seq_ids)
         self.policy.release(req.finished_seq_ids)
         if not req.seqs:
-            return StepOutput([])
-        start = time.perf_counter()
+            return DoneStep(StepOutput([]))
         asked, shape, rows = self.num_drafts(req)
         if self.tp.world_size > 1:  # rank 0's policy decides (its timings differ from the other ranks')
             asked = self.tp.broadcast(torch.tensor(asked, dtype=torch.long, device=self.device)).tolist()
         spec_idx = [i for i, n in enumerate(asked) if n > 0]
+        if spec_idx and self._unread is not None:
+            # The proposer reads every token on the host: read the step still in flight first, so
+            # that its cost is measured before this one starts.
+            self._unread.result()
+            req = self.target.resolve_placeholders(req)
+        self._unread = None
+        start = time.perf_counter()
         timer = StepTimer(self.device)
         self.proposer.catch_up(req.seqs, asked)
         timer.mark()
@@ -149,19 +164,37 @@ class SpecDecodeWorker:
         proposals = self.proposer.propose(req.seqs, asked, draft_md)
         timer.mark()
         if spec_idx:
-            result = self._score_and_verify(req, spec_idx, proposals, draft_md)
+            step: StepHandle = DoneStep(self._score_and_verify(req, spec_idx, proposals, draft_md))
         else:
-            result = self.target.execute_model(req)
+            step = self.target.launch(req)
+        timer.mark()
+        handle = _SpecStep(self, step, timer, _Observation(shape, [asked[i] for i in rows], start,
+                                                           req.engine_host_time))
+        if handle.one_token_per_seq:
+            self._unread = handle
+        return handle
+
+    def _observe(self, result: StepOutput, timer: StepTimer, obs: "_Observation") -> None:
+        """Step statistics and the policy's lesson, once the step's outputs are on the host."""
+        if result.spec is None:
             result.spec = SpecStepStats(0, 0, 0, [], 0.0, 0.0)
         stats = result.spec
         stats.catch_up_time, draft_time, stats.verify_time = timer.finish()
         stats.draft_time = stats.catch_up_time + draft_time
+        if timer.cuda:
+            result.device_time = stats.draft_time + stats.verify_time
         by_id = {o.seq_id: len(o.token_ids) - 1 for o in result.outputs}
-        # What the step cost end to end: host work around the device's included, as it is in tokens/s.
-        wall = time.perf_counter() - start - stats.catch_up_time + req.engine_host_time
-        self.policy.observe(shape, [asked[i] for i in rows], [by_id.get(sid, 0) for sid in shape.seq_ids], stats, wall)
+        done = time.perf_counter()
+        # What the step cost end to end, host work around the device's included, as it is in tokens/s:
+        # launched before the previous step was read, it cost the time since that one was read.
+        if obs.start < self._last_done:
+            wall = done - self._last_done
+        else:
+            wall = done - obs.start + obs.engine_host_time
+        self._last_done = done
+        self.policy.observe(obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids], stats,
+                            max(wall - stats.catch_up_time, 1e-6))
         stats.policy = self.policy.estimates()
-        return result
 
     def _metadata(self, rows: list[SamplingRow], for_draft: bool = False) -> SamplingMetadata | None:
         return SamplingMetadata.build(rows, self.vocab_size, self.device, for_draft) if rows else None
@@ -285,3 +318,30 @@ class SpecDecodeWorker:
 
 def _num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+@dataclass
+class _Observation:
+    """What the policy learns from once a step is read: its shape, the drafts asked, when it began."""
+
+    shape: StepShape
+    asked: list[int]
+    start: float
+    engine_host_time: float
+
+
+class _SpecStep(StepHandle):
+    """A step of the speculative worker: the target's (or the verifier's) handle, plus the step's
+    statistics and the policy's observation when its outputs are read."""
+
+    def __init__(self, worker: SpecDecodeWorker, inner: StepHandle, timer: StepTimer, obs: _Observation):
+        self.one_token_per_seq = inner.one_token_per_seq
+        self._worker, self._inner, self._timer, self._obs = worker, inner, timer, obs
+        self._output: StepOutput | None = None
+
+    def result(self) -> StepOutput:
+        if self._output is None:
+            output = self._inner.result()
+            self._worker._observe(output, self._timer, self._obs)
+            self._output = output
+        return self._output

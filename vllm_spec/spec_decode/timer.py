@@ -10,7 +10,8 @@ import torch
 class StepTimer:
     """Marks the end of each phase of a step; finish() returns the seconds each phase took.
 
-    Call finish() after the step's device->host copy: by then the events have completed.
+    Mark the last phase's end when its work is queued; call finish() once the step's outputs
+    reached the host (by then the events have completed).
     """
 
     def __init__(self, device: torch.device):
@@ -28,8 +29,7 @@ class StepTimer:
         self.marks.append(self._now())
 
     def finish(self) -> list[float]:
-        """Seconds between consecutive marks, the last phase ending now."""
-        self.mark()
+        """Seconds between consecutive marks."""
         if self.cuda:
             self.marks[-1].synchronize()
             return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from vllm_spec.outputs import Logprob
 from vllm_spec.sampling_params import SamplingParams
 
+# A token sampled by a step still on the device (async scheduling): the worker fills it in from
+# that step's output. Only ever the last token of a decoding sequence's chunk.
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass
 class SeqInput:
@@ -94,3 +98,6 @@ class StepOutput:
     # Seconds the worker's host thread waited for the device (the step's device->host copy):
     # the rest of the worker's time is host work (input preparation, launches, sampling metadata).
     device_wait_time: float = 0.0
+    # Seconds from the step's first device operation to its last, on the device's clock (0 on CPU):
+    # against the wall time per step, what the device spent idle between steps.
+    device_time: float = 0.0

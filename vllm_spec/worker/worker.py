@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from vllm_spec.config import EngineConfig
@@ -14,8 +15,9 @@ from vllm_spec.outputs import Logprob
 from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
 from vllm_spec.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from vllm_spec.utils import to_device
-from vllm_spec.worker.batch import ExecuteModelRequest, PromptLogprobs, SeqInput, SeqOutput, StepOutput
-from vllm_spec.worker.model_runner import ModelRunner
+from vllm_spec.worker.batch import PLACEHOLDER_TOKEN, ExecuteModelRequest, PromptLogprobs, SeqInput, SeqOutput, StepOutput
+from vllm_spec.worker.model_runner import ModelRunner, PreparedBatch, to_device_aligned
+from vllm_spec.worker.step_handle import DeviceSpan, DoneStep, HostCopy, StepHandle
 
 _CPU_KV_CACHE_BYTES = 2 << 30
 
@@ -32,6 +34,7 @@ class Worker:
         self.vocab_size = config.model.arch.vocab_size
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
         self._generators: dict[int, torch.Generator] = {}
+        self._last: SampledStep | None = None   # the latest step that sampled: in-flight tokens come from it
 
     # KV cache -----------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -76,32 +79,111 @@ class Worker:
     def sampling_row(self, seq: SeqInput) -> SamplingRow:
         return SamplingRow(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids, self.generator_for(seq))
 
-    @torch.inference_mode()
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
+        return self.launch(req).result()
+
+    @torch.inference_mode()
+    def launch(self, req: ExecuteModelRequest) -> StepHandle:
+        """Queue the step on the device; its tokens come to the host on the handle's result()."""
         self.release(req.finished_seq_ids)
         if not req.seqs:
-            return StepOutput([])
+            return DoneStep(StepOutput([]))
+        if any(self._needs_host_history(s) for s in req.seqs if s.token_ids[-1] == PLACEHOLDER_TOKEN):
+            req = self.resolve_placeholders(req)
+        span = DeviceSpan(self.device)
         batch = self.runner.prepare(req.seqs)
+        self._fill_placeholders(batch, req.seqs)
         sampled = [i for i, s in enumerate(req.seqs) if s.sample]
         starts = batch.token_starts
         prompt_rows = PromptLogprobRows.of(req.seqs, starts)
         if not sampled and not prompt_rows.rows:
             self.runner.forward(batch)
-            return StepOutput([])
+            return DoneStep(StepOutput([]), one_token_per_seq=True)
         ends = [starts[i] + len(req.seqs[i].token_ids) - 1 for i in sampled]
         all_logits = self.runner.run(batch, to_device(ends + prompt_rows.rows, self.device))
-        logits = all_logits[: len(ends)]
-        prompt_logprobs = prompt_rows.results(all_logits[len(ends):], req.seqs)
-        if not sampled:
-            return StepOutput([], prompt_logprobs=prompt_logprobs)
         seqs = [req.seqs[i] for i in sampled]
-        md = SamplingMetadata.build([self.sampling_row(s) for s in seqs], self.vocab_size, self.device)
-        out = self.sampler(logits, md)
-        tokens, wait = to_host(out.sampled)
-        logprobs = logprob_dicts(out, [s.sampling_params.logprobs for s in seqs])
-        return StepOutput([SeqOutput(s.seq_id, [t], None if lp is None else [lp])
-                           for s, t, lp in zip(seqs, tokens, logprobs)], device_wait_time=wait,
-                          prompt_logprobs=prompt_logprobs)
+        out = None
+        if sampled:
+            md = SamplingMetadata.build([self.sampling_row(s) for s in seqs], self.vocab_size, self.device)
+            out = self.sampler(all_logits[: len(ends)], md)
+        span.end()
+        handle = SampledStep(seqs, out, prompt_rows, all_logits[len(ends):], req.seqs, span)
+        if sampled:
+            self._last = handle
+        return handle
+
+    @staticmethod
+    def _needs_host_history(seq: SeqInput) -> bool:
+        """Sampling it reads its previous token on the host (penalties, min_tokens still to reach)."""
+        p = seq.sampling_params
+        return p is not None and (p.has_penalties or p.min_tokens > len(seq.output_token_ids))
+
+    def resolve_placeholders(self, req: ExecuteModelRequest) -> ExecuteModelRequest:
+        """The request with every in-flight token replaced by its value (waits for the step that samples it)."""
+        if not any(s.token_ids[-1] == PLACEHOLDER_TOKEN for s in req.seqs):
+            return req
+        last = self._last_sampled()
+        seqs = []
+        for s in req.seqs:
+            if s.token_ids[-1] == PLACEHOLDER_TOKEN:
+                token = last.token_of(s.seq_id)
+                s = replace(s, token_ids=s.token_ids[:-1] + [token], output_token_ids=s.output_token_ids + [token])
+            seqs.append(s)
+        return replace(req, seqs=seqs)
+
+    def _last_sampled(self) -> "SampledStep":
+        if self._last is None:
+            raise RuntimeError("a step feeds a token in flight, but no earlier step sampled one.")
+        return self._last
+
+    def _fill_placeholders(self, batch: PreparedBatch, seqs: list[SeqInput]) -> None:
+        """Copy, on the device, the tokens the previous step sampled into this step's input rows."""
+        ph = [i for i, s in enumerate(seqs) if s.token_ids[-1] == PLACEHOLDER_TOKEN]
+        if not ph:
+            return
+        last = self._last_sampled()
+        dst = np.asarray([batch.token_starts[i] + len(seqs[i].token_ids) - 1 for i in ph], dtype=np.int64)
+        src = np.asarray([last.row_of(seqs[i].seq_id) for i in ph], dtype=np.int64)
+        dst_t, src_t = to_device_aligned([dst, src], self.device)
+        batch.input_ids[dst_t] = last.sampled[src_t]
+
+
+class SampledStep(StepHandle):
+    """A plain step's handle: one token per sampled sequence, copied to the host without waiting."""
+
+    one_token_per_seq = True
+
+    def __init__(self, seqs: list[SeqInput], out: SamplerOutput | None, prompt_rows: "PromptLogprobRows",
+                 prompt_logits: torch.Tensor, chunk_seqs: list[SeqInput], span: DeviceSpan):
+        self.seqs, self._out, self._span = seqs, out, span
+        self._prompt_rows, self._prompt_logits, self._chunk_seqs = prompt_rows, prompt_logits, chunk_seqs
+        self.sampled = out.sampled if out is not None else None
+        self._copy = HostCopy(out.sampled) if out is not None else None
+        self._rows: dict[int, int] | None = None
+        self._output: StepOutput | None = None
+
+    def row_of(self, seq_id: int) -> int:
+        if self._rows is None:
+            self._rows = {s.seq_id: r for r, s in enumerate(self.seqs)}
+        return self._rows[seq_id]
+
+    def token_of(self, seq_id: int) -> int:
+        return self._copy.values()[self.row_of(seq_id)]
+
+    def result(self) -> StepOutput:
+        if self._output is not None:
+            return self._output
+        prompt_logprobs = self._prompt_rows.results(self._prompt_logits, self._chunk_seqs)
+        if self._out is None:
+            self._output = StepOutput([], prompt_logprobs=prompt_logprobs, device_time=self._span.seconds())
+            return self._output
+        tokens = self._copy.values()
+        logprobs = logprob_dicts(self._out, [s.sampling_params.logprobs for s in self.seqs])
+        self._output = StepOutput([SeqOutput(s.seq_id, [t], None if lp is None else [lp])
+                                   for s, t, lp in zip(self.seqs, tokens, logprobs)],
+                                  device_wait_time=self._copy.wait_time, prompt_logprobs=prompt_logprobs,
+                                  device_time=self._span.seconds())
+        return self._output
 
 
 def logprob_dicts(out: SamplerOutput, num_logprobs: list[int | None]) -> list[dict[int, Logprob] | None]:

@@ -1,0 +1,152 @@
+"""Async scheduling: step N+1 is scheduled and launched before step N's tokens are read.
+
+The outputs must be exactly those of the synchronous engine, whatever ends a request (length,
+stop token, stop string, abort), under preemption, with seeds, penalties, min_tokens, logprobs,
+n > 1, and in the speculative engine (whose steps without drafts overlap the next one).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from vllm_spec import LLM, EngineArgs, LLMEngine, SamplingParams
+from vllm_spec.sampling_params import RequestOutputKind
+
+PROMPTS = ["hello world", "the quick brown fox jumps over", "a", "one two three four five six seven eight nine",
+           "lorem ipsum dolor", "x y"]
+
+
+def _outputs(llm: LLM, prompts, params) -> list:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs)
+             for c in o.outputs] for o in outs]
+
+
+def _tokens(llm: LLM, prompts, params) -> list:
+    """Tokens, text and how each ended, and cumulative logprobs to float noise: a preempted request is
+    recomputed in another batch, whose shapes change the logits' last bits (the tokens stay)."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+              None if c.cumulative_logprob is None else pytest.approx(c.cumulative_logprob, rel=1e-5))
+             for c in o.outputs] for o in outs]
+
+
+def _metric(llm: LLM, name: str) -> float:
+    return next(m.value for m in llm.get_metrics() if m.name == name)
+
+
+def _pair(model: str, **kw) -> tuple[LLM, LLM]:
+    return LLM(model=model, async_scheduling=False, **kw), LLM(model=model, async_scheduling=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_llama) -> tuple[LLM, LLM]:
+    return _pair(str(tiny_llama), kv_cache_memory_bytes=1 << 24)
+
+
+def _mixed_params(ref: LLM) -> list[SamplingParams]:
+    """One request per prompt, each ended differently; ids of tokens the sync run emits as stops."""
+    greedy = ref.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    stop_tok = greedy[1].outputs[0].token_ids[5]
+    stop_str = greedy[4].outputs[0].text[6:9]
+    return [
+        SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_tok]),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=20, logprobs=2),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=15, presence_penalty=0.5, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=24, stop=[stop_str] if stop_str.strip() else None),
+        SamplingParams(temperature=0.7, seed=11, max_tokens=12, min_tokens=6, n=2, top_k=20),
+    ]
+
+
+def test_outputs_equal_the_synchronous_engine(llms):
+    sync, overlapped = llms
+    params = _mixed_params(sync)
+    assert _outputs(overlapped, PROMPTS, params) == _outputs(sync, PROMPTS, params)
+
+
+def test_no_step_is_wasted_on_requests_that_end_by_length(llms):
+    sync, overlapped = llms
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    before = [_metric(e, "vllm:engine_steps") for e in llms]
+    assert _outputs(overlapped, PROMPTS[:3], params) == _outputs(sync, PROMPTS[:3], params)
+    after = [_metric(e, "vllm:engine_steps") for e in llms]
+    assert after[1] - before[1] == after[0] - before[0]
+
+
+def test_a_step_stays_in_flight_until_the_next_call(tiny_llama):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                   async_scheduling=True))
+    engine.add_request("r", "hello world", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                          output_kind=RequestOutputKind.DELTA))
+    assert engine.step() == []   # the prefill is on its way; nothing read yet
+    seq = engine.requests["r"].seqs[0]
+    assert seq.num_in_flight == 1 and seq.num_output_tokens == 0
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.outputs[0].token_ids
+    assert len(tokens) == 4
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+def test_preemption_gives_the_same_outputs(tiny_llama):
+    # 5 usable blocks of 16 tokens for seven sequences of up to ~35 tokens: preempted mid-flight.
+    sync, overlapped = _pair(str(tiny_llama), num_gpu_blocks_override=6, max_model_len=64)
+    params = _mixed_params(sync)
+    assert _tokens(overlapped, PROMPTS, params) == _tokens(sync, PROMPTS, params)
+    assert _metric(overlapped, "vllm:num_preemptions") > 0
+    engine = overlapped.llm_engine
+    engine.step()   # read the step left in flight by the last request
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+def test_abort_while_a_step_is_in_flight(tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = LLM(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24).generate(PROMPTS[:2], params, use_tqdm=False)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                   async_scheduling=True))
+    engine.add_request("keep", PROMPTS[0], params)
+    engine.add_request("drop", PROMPTS[1], params)
+    for _ in range(5):
+        engine.step()
+    assert engine._in_flight is not None
+    engine.abort_request("drop")
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert set(done) == {"keep"}
+    assert done["keep"].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    engine.step()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+@pytest.mark.parametrize("spec", [dict(speculative_disable_by_batch_size=1), dict()],
+                         ids=["never-speculating", "adaptive"])
+def test_speculative_engine_overlaps_its_steps_without_drafts(spec_pair, spec):
+    target, draft = spec_pair
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = _outputs(LLM(model=target, kv_cache_memory_bytes=1 << 24), PROMPTS, params)
+    llm = LLM(model=target, speculative_model=draft, num_speculative_tokens=3, kv_cache_memory_bytes=1 << 24,
+              async_scheduling=True, **spec)
+    assert _outputs(llm, PROMPTS, params) == ref
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=16)
+    sync = LLM(model=target, speculative_model=draft, num_speculative_tokens=3, kv_cache_memory_bytes=1 << 24,
+               async_scheduling=False, **spec)
+    assert _outputs(llm, PROMPTS, seeded) == _outputs(sync, PROMPTS, seeded)
+
+
+def test_async_scheduling_settings(tiny_llama):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama)))
+    assert engine.async_scheduling is (engine.config.model.device.type == "cuda")   # off on CPU: nothing to overlap
+    args = EngineArgs(model=str(tiny_llama), tensor_parallel_size=2, async_scheduling=True)
+    with pytest.raises(ValueError, match=r"async_scheduling=True needs tensor_parallel_size=1 \(got 2\)"):
+        args.create_engine_config()
+    with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
+        EngineArgs(model=str(tiny_llama), async_scheduling="yes").create_engine_config()
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--async-scheduling"]).async_scheduling is True
+    assert parser.parse_args(["--no-async-scheduling"]).async_scheduling is False
+    assert parser.parse_args([]).async_scheduling is None
