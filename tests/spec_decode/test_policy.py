@@ -138,3 +138,18 @@ def test_modelled_costs_are_in_seconds_when_decoding_comes_first():
     assert policy._decode_step_cost(8, 0) == pytest.approx(10e-3)
     # Drafting and verifying more tokens never looks cheaper than the measured plain step.
     assert all(policy._decode_step_cost(8, k) >= 10e-3 for k in range(1, 5))
+
+
+def test_a_step_without_its_steady_state_cost_teaches_acceptance_only():
+    """step_time None (a plain step that could not overlap the speculative step before it, under async
+    scheduling): its cost must not enter the measured step costs, which decide k."""
+    policy = AdaptivePolicy(max_k=4)
+    shape = StepShape([1, 2], [4, 4], 0)
+    _train(policy, shape, [0.8, 0.8], 0.01, 1e-5, 0.001, steps=20)
+    measured = {key: (c.seconds, c.samples) for key, c in policy._measured.items()}
+    rate = policy._global_rate()
+    stats = SpecStepStats(2, 4, 4, [2, 2], 0.002, 0.01, num_verified_tokens=6)
+    policy.observe(shape, [2, 2], [2, 2], stats, None)
+    policy.observe(shape, [0, 0], [0, 0], SpecStepStats(0, 0, 0, [], 0.0, 0.5), None)
+    assert {key: (c.seconds, c.samples) for key, c in policy._measured.items()} == measured
+    assert policy._global_rate() > rate   # two drafts accepted out of two

@@ -69,10 +69,12 @@ class SpeculationPolicy(Protocol):
     def choose(self, shape: StepShape) -> list[int]: ...
 
     def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
-                stats: SpecStepStats, step_time: float) -> None:
+                stats: SpecStepStats, step_time: float | None) -> None:
         """Learn from a finished step: `stats` holds the device time of its phases (a step without
         speculation: no drafts, the target pass as verify_time), `step_time` the seconds the step
-        cost end to end, host work included, catching the draft up on earlier steps excluded."""
+        cost end to end, host work included, catching the draft up on earlier steps excluded (None:
+        not what such a step costs in the steady state, e.g. a plain step that could not overlap
+        the speculative one before it)."""
         ...
 
     def release(self, seq_ids: list[int]) -> None: ...
@@ -321,7 +323,7 @@ class AdaptivePolicy:
         return self._draft(n) if self._draft.count else self.draft_cost_ratio * self._target(n)
 
     def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
-                stats: SpecStepStats, step_time: float) -> None:
+                stats: SpecStepStats, step_time: float | None) -> None:
         decay, accepted_sum, trials_sum, drafted = self.decay, 0, 0, 0
         for sid, k, a in zip(shape.seq_ids, chosen, accepted):
             if k > 0:
@@ -344,7 +346,7 @@ class AdaptivePolicy:
         forwards = max(chosen, default=0)
         if forwards > 0:
             self._draft.update(sum(1 for k in chosen if k > 0), draft / forwards)
-        if shape.num_other_tokens == 0 and shape.seq_ids:
+        if shape.num_other_tokens == 0 and shape.seq_ids and step_time is not None:
             state = self._bucket_state(len(shape.seq_ids))
             n, K = len(shape.seq_ids), max(chosen, default=0)
             modelled = self._modelled_cost(n, K, None)

@@ -25,6 +25,7 @@ from vllm_spec.spec_decode.ngram_proposer import NgramProposer
 from vllm_spec.spec_decode.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy, StepShape, pads_verification
 from vllm_spec.spec_decode.proposer import Proposals, Proposer
 from vllm_spec.spec_decode.rejection_sampler import rejection_sample
+from vllm_spec.spec_decode.step_cost import StepCharges
 from vllm_spec.spec_decode.timer import StepTimer
 from vllm_spec.spec_decode.tp_proposer import TPProposer
 from vllm_spec.utils import to_device
@@ -74,7 +75,7 @@ class SpecDecodeWorker:
         self.draft_cost_ratio = cost_ratio
         self.policy: SpeculationPolicy = (FixedPolicy(k) if spec.policy == "fixed"
                                           else AdaptivePolicy(k, draft_cost_ratio=cost_ratio))
-        self._last_done = 0.0   # when the latest step's outputs reached the host (perf_counter)
+        self._charges = StepCharges(config.uses_async_scheduling)   # what each step cost, for the policy
         self._unread: _SpecStep | None = None   # a launched step that the next may overlap
 
     # KV cache: one block manager, two caches of the same number of blocks ----------------
@@ -184,16 +185,12 @@ class SpecDecodeWorker:
         if timer.cuda:
             result.device_time = stats.draft_time + stats.verify_time
         by_id = {o.seq_id: len(o.token_ids) - 1 for o in result.outputs}
-        done = time.perf_counter()
-        # What the step cost end to end, host work around the device's included, as it is in tokens/s:
-        # launched before the previous step was read, it cost the time since that one was read.
-        if obs.start < self._last_done:
-            wall = done - self._last_done
-        else:
-            wall = done - obs.start + obs.engine_host_time
-        self._last_done = done
-        self.policy.observe(obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids], stats,
-                            max(wall - stats.catch_up_time, 1e-6))
+        lesson = (obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids], stats)
+        for (shape, asked, accepted, step_stats), cost in self._charges.read(
+                lesson, time.perf_counter(), obs.start, obs.engine_host_time, bool(stats.num_draft_tokens),
+                result.device_time):
+            self.policy.observe(shape, asked, accepted, step_stats,
+                                None if cost is None else max(cost - step_stats.catch_up_time, 1e-6))
         stats.policy = self.policy.estimates()
 
     def _metadata(self, rows: list[SamplingRow], for_draft: bool = False) -> SamplingMetadata | None:
