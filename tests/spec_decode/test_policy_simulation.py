@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from vllm_spec.spec_decode.policy import AdaptivePolicy, FixedPolicy, StepShape, pads_verification
+from vllm_spec.spec_decode.step_cost import StepCharges
 from vllm_spec.worker.batch import SpecStepStats
 
 
@@ -29,6 +30,9 @@ class Costs:
     catch_up_per_token: float = 0.0          # draft forward over tokens it missed
     first_step_factor: float = 1.0           # the first step of each kind is this much slower
     spec_host: callable = lambda batch: 0.0  # sequences -> host work a speculative step adds
+    # Async scheduling: a plain step's host work overlaps the previous plain step's device time,
+    # except after a speculative step, when the device waits for it (the pipeline refills).
+    pipelined: bool = False
 
 
 H200_68M = Costs(lambda q: 4.4e-3 + 0.017e-3 * q, lambda n: 0.19e-3 + 0.0017e-3 * n,
@@ -63,6 +67,7 @@ class SimEngine:
         self.next_id += B
         shape = StepShape(ids, [self.max_k] * B, 0)
         tokens = elapsed = 0.0
+        charges, now, previous_spec = StepCharges(c.pipelined), 1.0, True
         for _ in range(steps):
             chosen = policy.choose(shape)
             accepted = []
@@ -87,8 +92,17 @@ class SimEngine:
                                       num_verified_tokens=q, catch_up_time=catch_up)
                 for i, a, k in zip(ids, accepted, chosen):
                     self.lag[i] = 2 if a == k else 1
-            step = stats.draft_time - stats.catch_up_time + stats.verify_time + c.host(B) + (c.spec_host(B) if K else 0.0)
-            policy.observe(shape, chosen, accepted, stats, step)
+            device = stats.draft_time - stats.catch_up_time + stats.verify_time
+            overlapped = c.pipelined and K == 0 and not previous_spec
+            step = device + (0.0 if overlapped else c.host(B)) + (c.spec_host(B) if K else 0.0)
+            if c.pipelined:   # the worker's accounting: what each step cost the timeline, read to read
+                start = now - 1e-6 if overlapped else now + c.host(B)
+                now += step + stats.catch_up_time
+                cost = charges.read(now, start, c.host(B), K > 0)
+                policy.observe(shape, chosen, accepted, stats, None if cost is None else cost - stats.catch_up_time)
+            else:
+                policy.observe(shape, chosen, accepted, stats, step)
+            previous_spec = K > 0
             # Scored on expected tokens (the policy learns from the sampled ones): comparisons of
             # policies over short windows are then not decided by the luck of the draws.
             tokens += B + sum((a - a ** (k + 1)) / (1 - a) for a, k in zip(alphas, chosen))
@@ -214,3 +228,26 @@ def test_a_cold_first_speculative_step_does_not_stop_speculation():
     policy.choose = lambda shape: chosen.append(original(shape)[0]) or chosen[-1:]
     engine.run(policy, [0.8], 100)
     assert sum(k > 0 for k in chosen[50:]) >= 45, chosen
+
+
+# Async scheduling on the H200 (2026-12-03, 8B target, 1B draft, batch 1): plain steps 4.7 ms with the
+# host hidden, a speculative k = 1 step about 6.5 ms (0.7 ms of host work the device waits for, as a
+# plain step after a speculative one waits); the draft catches up on tokens it skipped.
+H200_1B_ASYNC = Costs(lambda q: 4.6e-3 + 0.012e-3 * q, lambda n: 0.85e-3 + 0.017e-3 * n, lambda b: 0.7e-3,
+                      0.05e-3, spec_host=lambda b: 0.3e-3, pipelined=True)
+
+
+@pytest.mark.parametrize("alpha", [0.4, 0.5, 0.6])
+def test_near_break_even_under_async_scheduling(alpha):
+    """Plain steps cost one pipelined cycle, speculative ones their whole time, and every switch costs
+    the draft's catch-up: the policy's costs must be those of each kind's steady state, or it
+    alternates and loses to plain decoding (H200, 2026-12-03, with the wait of the plain step after a
+    speculative one charged to the speculative step: 0.86x plain at batch 1).
+    Near break-even the policy keeps within 3.5% of plain; its acceptance estimate is biased low there
+    (low estimates stop the drafts that would correct them), so it reaches only 0.9x of fixed k = 2
+    where that wins 9% (alpha 0.5): short of issue #7's 0.97x."""
+    plain = _long_run(FixedPolicy(0), [alpha], H200_1B_ASYNC)
+    best_fixed = max(_long_run(FixedPolicy(k), [alpha], H200_1B_ASYNC) for k in FIXED_KS)
+    adaptive = _long_run(AdaptivePolicy(4, draft_cost_ratio=0.15), [alpha], H200_1B_ASYNC)
+    assert adaptive >= 0.965 * plain, (adaptive / plain, adaptive / best_fixed)
+    assert adaptive >= 0.9 * best_fixed, (adaptive / plain, adaptive / best_fixed)

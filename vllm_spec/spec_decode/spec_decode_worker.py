@@ -185,12 +185,9 @@ class SpecDecodeWorker:
         if timer.cuda:
             result.device_time = stats.draft_time + stats.verify_time
         by_id = {o.seq_id: len(o.token_ids) - 1 for o in result.outputs}
-        lesson = (obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids], stats)
-        for (shape, asked, accepted, step_stats), cost in self._charges.read(
-                lesson, time.perf_counter(), obs.start, obs.engine_host_time, bool(stats.num_draft_tokens),
-                result.device_time):
-            self.policy.observe(shape, asked, accepted, step_stats,
-                                None if cost is None else max(cost - step_stats.catch_up_time, 1e-6))
+        cost = self._charges.read(time.perf_counter(), obs.start, obs.engine_host_time, bool(stats.num_draft_tokens))
+        self.policy.observe(obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids], stats,
+                            None if cost is None else max(cost - stats.catch_up_time, 1e-6))
         stats.policy = self.policy.estimates()
 
     def _metadata(self, rows: list[SamplingRow], for_draft: bool = False) -> SamplingMetadata | None:

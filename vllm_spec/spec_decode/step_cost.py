@@ -97,37 +97,23 @@ class BucketState:
 
 
 class StepCharges:
-    """What each step cost the serving timeline, from when the steps' outputs are read.
+    """What each step costs in the steady state of its kind, from when the steps' outputs are read.
 
     A step costs the time since the previous step was read (at most since it began plus the
     engine's host work before it, should the engine have idled in between): with async
     scheduling, a plain step launched before the previous one was read costs one pipelined
-    cycle. A plain step that could not overlap the one before it (a speculative step, whose
-    outputs the next step needs) does not show what plain steps cost: the device's wait for the
-    host while the pipeline refills is the speculative step's price. So, where device spans are
-    known, a speculative step's charge waits for the next read, which adds that wait (the next
-    step's time beyond its device span) to it.
-
-    `read` returns the (lesson, seconds) pairs to teach; seconds None: not a steady-state cost.
+    cycle, and a speculative step (never overlapped: the next step needs its accepted counts)
+    its whole time. A plain step that could not overlap the step before it (a speculative one)
+    waited for the host while the pipeline refilled: a cost of switching, not of plain steps,
+    so it teaches none (None).
     """
 
     def __init__(self, async_scheduling: bool):
         self.async_scheduling = async_scheduling
         self._last_read = 0.0
-        self._deferred: tuple[object, float] | None = None
 
-    def read(self, lesson: object, now: float, start: float, engine_host_time: float, speculative: bool,
-             device_time: float) -> list[tuple[object, float | None]]:
+    def read(self, now: float, start: float, engine_host_time: float, speculative: bool) -> float | None:
         cost = min(now - self._last_read, now - start + engine_host_time)
         refilling = self.async_scheduling and not speculative and start > self._last_read
         self._last_read = now
-        charges: list[tuple[object, float | None]] = []
-        if self._deferred is not None:
-            previous, previous_cost = self._deferred
-            self._deferred = None
-            charges.append((previous, previous_cost + (max(cost - device_time, 0.0) if refilling else 0.0)))
-        if self.async_scheduling and speculative and device_time > 0:
-            self._deferred = (lesson, cost)
-        else:
-            charges.append((lesson, None if refilling else cost))
-        return charges
+        return None if refilling else cost
