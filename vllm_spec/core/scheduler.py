@@ -5,6 +5,10 @@ Sequences in decode go first (one token, plus lookahead slots for drafts), so a
 long prompt never stalls them; prompts then take what is left of the token
 budget, in chunks. When blocks run out the newest running sequence is
 preempted: its blocks are freed and it is recomputed later from its tokens.
+With async scheduling a decoding sequence may have a token in flight (sampled by
+a step whose outputs are not read yet): it counts as uncomputed, the next step
+feeds it from the device, and a sequence whose tokens in flight already reach
+its length limit is not scheduled again.
 """
 
 from __future__ import annotations
