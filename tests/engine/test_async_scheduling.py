@@ -89,7 +89,37 @@ def test_a_step_stays_in_flight_until_the_next_call(tiny_llama):
         for out in engine.step():
             tokens += out.outputs[0].token_ids
     assert len(tokens) == 4
+    assert not engine.has_step_in_flight
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+def test_an_engine_without_requests_holds_no_step(tiny_llama):
+    """A request ending by a stop token leaves a step launched for it; with nothing else to run the
+    engine reads it at once, so no idle time is charged to it and nothing is held while idle."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                   async_scheduling=True))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine.add_request("probe", "hello world", params)
+    while engine.has_unfinished_requests():
+        tokens = [o.outputs[0].token_ids for o in engine.step() if o.finished] or None
+    stop = tokens[0][4]
+    engine.add_request("r", "hello world", SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop]))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.has_step_in_flight
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+def test_a_failed_read_keeps_the_step_launched_after_it(tiny_llama):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                   async_scheduling=True))
+    engine.add_request("r", "hello world", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    engine.step()
+    first = engine._in_flight
+    first.handle.result = lambda: (_ for _ in ()).throw(RuntimeError("injected read failure"))
+    with pytest.raises(RuntimeError, match="injected read failure"):
+        engine.step()
+    assert engine.has_step_in_flight and engine._in_flight is not first
 
 
 def test_preemption_gives_the_same_outputs(tiny_llama):
@@ -99,7 +129,7 @@ def test_preemption_gives_the_same_outputs(tiny_llama):
     assert _tokens(overlapped, PROMPTS, params) == _tokens(sync, PROMPTS, params)
     assert _metric(overlapped, "vllm:num_preemptions") > 0
     engine = overlapped.llm_engine
-    engine.step()   # read the step left in flight by the last request
+    assert not engine.has_step_in_flight   # an engine without requests holds no step
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
 
 
@@ -119,7 +149,7 @@ def test_abort_while_a_step_is_in_flight(tiny_llama):
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert set(done) == {"keep"}
     assert done["keep"].outputs[0].token_ids == ref[0].outputs[0].token_ids
-    engine.step()
+    assert not engine.has_step_in_flight
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
 
 

@@ -165,6 +165,47 @@ def test_seeded_sampling_is_independent_of_batch(spec_pair):
     assert _ids(again.generate(prompt, seeded, use_tqdm=False))[0] == alone
 
 
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_seeded_request_arriving_while_others_speculate(spec_pair, method):
+    """The seeded request's prefill is verified next to rows with drafts (the batch's k > 0) or not:
+    its generator must give the same draws either way."""
+    draft = spec_pair[1] if method == "draft" else "[ngram]"
+    seeded = SamplingParams(temperature=0.7, seed=417, max_tokens=12, ignore_eos=True)
+    other = SamplingParams(temperature=0.7, seed=1, max_tokens=24, ignore_eos=True)
+    prompt, other_prompt = _prompts(1, seed=11)[0], _prompts(1, seed=12)[0]
+
+    def run(with_other: bool) -> list[int]:
+        engine = LLM(spec_pair[0], speculative_model=draft, num_speculative_tokens=3, **FIXED, **KV).llm_engine
+        if with_other:
+            engine.add_request("other", other_prompt, other)
+            for _ in range(3):
+                engine.step()
+        engine.add_request("seeded", prompt, seeded)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == "seeded" and out.finished:
+                    return out.outputs[0].token_ids
+        raise AssertionError("the seeded request did not finish")
+
+    assert run(True) == run(False)
+
+
+def test_penalised_row_speculating_next_to_a_sampled_prefill(spec_pair, baseline):
+    greedy = SamplingParams(temperature=0, max_tokens=16, presence_penalty=0.5, ignore_eos=True)
+    prompt = _prompts(1, seed=13)[0]
+    ref = _ids(baseline.generate([prompt], greedy, use_tqdm=False))[0]
+    engine = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **FIXED, **KV).llm_engine
+    engine.add_request("a", prompt, greedy)
+    engine.step()
+    engine.step()
+    engine.add_request("b", _prompts(1, seed=14)[0], SamplingParams(temperature=0.5, max_tokens=8))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["a"].outputs[0].token_ids == ref
+    assert len(done["b"].outputs[0].token_ids) == 8
+
+
 def test_abort_mid_speculation_frees_blocks(spec_pair):
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **FIXED, **KV)
     engine = llm.llm_engine

@@ -82,7 +82,7 @@ class Scheduler:
         # Decodes first, then partially prefilled sequences, oldest first within each.
         decodes, prefills = [], []
         for seq in self.running:
-            if seq.num_in_flight and seq.will_finish_by_length(self.config.max_model_len):
+            if seq.will_finish_by_length(self.config.max_model_len):
                 continue   # its last token is already being sampled
             uncomputed = seq.num_uncomputed_tokens
             (decodes if uncomputed <= 1 else prefills).append((seq, uncomputed))

@@ -49,6 +49,7 @@ class _IterationResult:
     outputs: list[RequestOutput] = field(default_factory=list)
     step_error: BaseException | None = None
     failed_ids: list[str] = field(default_factory=list)
+    in_flight: bool = False   # a step was left running (async scheduling): step again at once
 
 
 class AsyncLLMEngine:
@@ -167,7 +168,7 @@ class AsyncLLMEngine:
             self._dispatch(result)
             # Let request handlers run between steps; back off a little when nothing moved
             # (e.g. requests waiting for KV blocks), so an idle wait does not spin a core.
-            idle = not (adds or aborts or result.outputs or result.step_error)
+            idle = not (adds or aborts or result.outputs or result.step_error or result.in_flight)
             await asyncio.sleep(0.002 if idle else 0)
 
     def _iteration(self, loop: asyncio.AbstractEventLoop, adds: list[_PendingAdd],
@@ -186,9 +187,10 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(_set_result, p.future, None)
         if aborts:
             engine.abort_request(list(aborts))
-        if engine.has_unfinished_requests():
+        if engine.has_unfinished_requests() or engine.has_step_in_flight:
             try:
                 result.outputs = engine.step()
+                result.in_flight = engine.has_step_in_flight
             except Exception as e:
                 logger.exception("engine step failed; failing %d in-flight request(s)",
                                  engine.get_num_unfinished_requests())

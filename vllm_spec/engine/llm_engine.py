@@ -169,9 +169,8 @@ class LLMEngine:
         """
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        previous, self._in_flight = self._in_flight, None
         if sched.is_empty:
-            return [] if previous is None else self._read(previous, time.perf_counter() - t0)
+            return self._drain(time.perf_counter() - t0)
         request = self._model_request(sched)
         t1 = time.perf_counter()
         try:
@@ -179,21 +178,33 @@ class LLMEngine:
         except BaseException:
             # The worker never saw these releases: hand them over with the next step.
             self._released = request.finished_seq_ids + self._released
-            self._in_flight = previous
             raise
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             if item.samples:
                 item.seq.num_in_flight += 1
         launched = _Launched(handle, schedule_time=t1 - t0, launch_time=time.perf_counter() - t1)
+        # The new step is in flight before the previous one is read (kept, should that read raise).
+        previous, self._in_flight = self._in_flight, launched
         outputs = []
         if previous is not None:   # this call's scheduling is reported with the step it overlapped
             outputs = self._read(previous, launched.schedule_time, launched.launch_time)
             launched.schedule_time = launched.launch_time = 0.0
-        if self.async_scheduling and handle.one_token_per_seq:
-            self._in_flight = launched
-            return outputs
-        return outputs + self._read(launched, launched.schedule_time, launched.launch_time)
+        if not (self.async_scheduling and handle.one_token_per_seq) or not self.requests:
+            # Read now: its outputs decide the next step, or nothing is left to overlap it with (an
+            # idle engine holds no step).
+            outputs += self._drain(launched.schedule_time, launched.launch_time)
+        return outputs
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        """A launched step waits to be read (async scheduling): step() has work even with no request."""
+        return self._in_flight is not None
+
+    def _drain(self, schedule_time: float, launch_time: float = 0.0) -> list[RequestOutput]:
+        """Read the step in flight, if any."""
+        launched, self._in_flight = self._in_flight, None
+        return [] if launched is None else self._read(launched, schedule_time, launch_time)
 
     def _read(self, launched: "_Launched", schedule_time: float, launch_time: float = 0.0) -> list[RequestOutput]:
         """Wait for a launched step's outputs and apply them; the times are this call's own host work."""
@@ -216,11 +227,11 @@ class LLMEngine:
             seq = self._seqs.get(out.seq_id)
             if seq is None:   # finished or aborted while this step was in flight: its token is void
                 continue
-            seq.num_in_flight -= 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self.stats.on_first_token(now - seq.arrival_time)
             generated += self.output_processor.append(seq, out.token_ids, out.logprobs)
+            seq.num_in_flight -= 1
             if not seq.num_in_flight and seq.status is SequenceStatus.RUNNING:
                 # Every token but the newest now has its K/V in the cache.
                 seq.num_computed_tokens = seq.num_tokens - 1

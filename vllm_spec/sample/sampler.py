@@ -78,11 +78,12 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 
 def exponential_noise(shape: tuple[int, ...], md: SamplingMetadata, device: torch.device,
-                      generator: torch.Generator | None) -> torch.Tensor:
-    """Exp(1) noise [N, ...]; seeded rows draw from their own generators."""
+                      generator: torch.Generator | None, row_lengths: list[int] | None = None) -> torch.Tensor:
+    """Exp(1) noise [N, ...]; seeded rows draw from their own generators (only their first
+    row_lengths[row] entries along dim 1, when given: what the row itself uses)."""
     noise = torch.empty(shape, device=device).exponential_(generator=generator)
     for row, gen in md.generators.items():
-        noise[row].exponential_(generator=gen)
+        (noise[row] if row_lengths is None else noise[row, : row_lengths[row]]).exponential_(generator=gen)
     return noise
 
 

@@ -27,10 +27,11 @@ class VerifyOutput:
 
 
 def _uniform(shape: tuple[int, ...], md: SamplingMetadata, device: torch.device,
-             generator: torch.Generator | None) -> torch.Tensor:
+             generator: torch.Generator | None, row_drafts: list[int]) -> torch.Tensor:
+    """Uniforms [B, k]; a seeded row draws one per draft of its own from its generator."""
     u = torch.rand(shape, device=device, generator=generator)
     for row, gen in md.generators.items():
-        u[row] = torch.rand(shape[1:], device=device, generator=gen)
+        u[row, : row_drafts[row]] = torch.rand(row_drafts[row], device=device, generator=gen)
     return u
 
 
@@ -53,6 +54,7 @@ def rejection_sample(
     generator: torch.Generator | None = None,
     synthetic_acceptance_rate: float | None = None,
     target_argmax: torch.Tensor | None = None,
+    host_num_drafts: list[int] | None = None,
 ) -> VerifyOutput:
     """Verify drafts against the target.
 
@@ -69,6 +71,11 @@ def rejection_sample(
     synthetic_acceptance_rate: benchmarks only; accept each draft with this probability
         (the output is then NOT the target's distribution). Rows with their own rate
         (md.synthetic_acceptance) use theirs.
+    host_num_drafts: num_drafts on the host, if the caller has it (seeded rows need it).
+
+    A seeded row draws from its own generator what its own drafts need (a uniform per draft,
+    noise for each of its stop positions), never what the batch's longest row needs: its tokens
+    do not depend on the other rows.
     """
     if target_argmax is None:
         B, k1, _ = target_probs.shape
@@ -81,11 +88,14 @@ def rejection_sample(
     in_range = pos < num_drafts.unsqueeze(1)                                   # [B, k]
     safe_drafts = draft_tokens.clamp(min=0)
     accept = target_argmax[:, :k] == safe_drafts
+    row_drafts = None
+    if md.generators:
+        row_drafts = host_num_drafts if host_num_drafts is not None else num_drafts.tolist()
     if not md.all_greedy:
         p = target_probs[:, :k].gather(-1, safe_drafts.unsqueeze(-1)).squeeze(-1)
         q = (draft_probs.gather(-1, safe_drafts.unsqueeze(-1)).squeeze(-1) if draft_probs is not None
              else torch.ones_like(p))
-        u = _uniform((B, k), md, device, generator)
+        u = _uniform((B, k), md, device, generator, row_drafts)
         accept_random = u * q <= p
         accept = torch.where(md.greedy.unsqueeze(1), accept, accept_random)
     rates = _synthetic_rates(md, synthetic_acceptance_rate, B, device)
@@ -109,7 +119,8 @@ def rejection_sample(
         # Rounding can empty a residual that is mathematically positive: fall back to p.
         empty = residual.sum(dim=-1, keepdim=True) <= 0
         residual = torch.where(empty, target_probs, residual)
-        noise = exponential_noise(tuple(residual.shape), md, device, generator)
+        noise = exponential_noise(tuple(residual.shape), md, device, generator,
+                                  None if row_drafts is None else [n + 1 for n in row_drafts])
         sampled = argmax_rows((residual / noise).reshape(B * k1, -1)).view(B, k1)
         final = torch.where(md.greedy.unsqueeze(1), target_argmax, sampled)
     emitted_final = final.gather(1, num_accepted.long().unsqueeze(1))         # [B, 1]

@@ -151,12 +151,12 @@ class SpecDecodeWorker:
         if self.tp.world_size > 1:  # rank 0's policy decides (its timings differ from the other ranks')
             asked = self.tp.broadcast(torch.tensor(asked, dtype=torch.long, device=self.device)).tolist()
         spec_idx = [i for i, n in enumerate(asked) if n > 0]
-        if spec_idx and self._unread is not None:
+        unread, self._unread = self._unread, None
+        if spec_idx and unread is not None:
             # The proposer reads every token on the host: read the step still in flight first, so
             # that its cost is measured before this one starts.
-            self._unread.result()
+            unread.result()
             req = self.target.resolve_placeholders(req)
-        self._unread = None
         start = time.perf_counter()
         timer = StepTimer(self.device)
         self.proposer.catch_up(req.seqs, asked)
@@ -241,8 +241,8 @@ class SpecDecodeWorker:
         plain_greedy = all(p.is_greedy and not p.has_penalties and p.min_tokens <= len(s.output_token_ids)
                            for s, p in ((req.seqs[i], req.seqs[i].sampling_params) for i in sampled))
         exp_rows = [] if plain_greedy else [
-            row for i in sampled for row in self._position_rows(req.seqs[i], found.get(i, 0),
-                                                                drafts_host and drafts_host[spec_row[i]])]
+            row for i in sampled for row in self._position_rows(
+                req.seqs[i], found.get(i, 0), drafts_host[spec_row[i]] if drafts_host and i in spec_row else None)]
         all_logits = self.target.runner.run(batch, rows_t)
         raw = all_logits[: len(logit_rows)]
         prompt_logprobs = prompt_rows.results(all_logits[len(logit_rows):], req.seqs)
@@ -268,7 +268,7 @@ class SpecDecodeWorker:
             [self.target.sampling_row(req.seqs[i]) for i in sampled], for_draft=True)
         result = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts_t, row_md,
                                   self.target.sampler.generator, self.config.speculative.synthetic_acceptance_rate,
-                                  target_argmax)
+                                  target_argmax, found_np[sampled_np].tolist())
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
         rows, wait = to_host(tokens)   # the step's one device->host copy
         emitted = [row[: row.index(-1)] if row[-1] < 0 else row for row in rows]   # -1 past each row's end
