@@ -174,15 +174,16 @@ class SampledStep(StepHandle):
         if self._output is not None:
             return self._output
         prompt_logprobs = self._prompt_rows.results(self._prompt_logits, self._chunk_seqs)
-        if self._out is None:
-            self._output = StepOutput([], prompt_logprobs=prompt_logprobs, device_time=self._span.seconds())
-            return self._output
-        tokens = self._copy.values()
-        logprobs = logprob_dicts(self._out, [s.sampling_params.logprobs for s in self.seqs])
-        self._output = StepOutput([SeqOutput(s.seq_id, [t], None if lp is None else [lp])
-                                   for s, t, lp in zip(self.seqs, tokens, logprobs)],
-                                  device_wait_time=self._copy.wait_time, prompt_logprobs=prompt_logprobs,
+        outputs, wait = [], 0.0
+        if self._out is not None:
+            tokens, wait = self._copy.values(), self._copy.wait_time
+            logprobs = logprob_dicts(self._out, [s.sampling_params.logprobs for s in self.seqs])
+            outputs = [SeqOutput(s.seq_id, [t], None if lp is None else [lp])
+                       for s, t, lp in zip(self.seqs, tokens, logprobs)]
+        self._output = StepOutput(outputs, device_wait_time=wait, prompt_logprobs=prompt_logprobs,
                                   device_time=self._span.seconds())
+        # Kept as the source of in-flight tokens: nothing but the tokens themselves.
+        self._out = self._prompt_logits = self._chunk_seqs = None
         return self._output
 
 
