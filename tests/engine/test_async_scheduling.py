@@ -180,3 +180,23 @@ def test_async_scheduling_settings(tiny_llama):
     assert parser.parse_args(["--async-scheduling"]).async_scheduling is True
     assert parser.parse_args(["--no-async-scheduling"]).async_scheduling is False
     assert parser.parse_args([]).async_scheduling is None
+
+
+def test_penalties_and_min_tokens_keep_the_overlap(llms):
+    """Their in-flight tokens are counted on the device: the host never waits for them."""
+    sync, overlapped = llms
+    worker = overlapped.llm_engine.executor.worker
+
+    def no_host_wait(req):
+        raise AssertionError("a plain step waited on the host for tokens in flight")
+
+    params = [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.5, frequency_penalty=0.8,
+                             presence_penalty=0.6, min_tokens=12, ignore_eos=False),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=20, frequency_penalty=1.0, min_tokens=15)]
+    prompts = PROMPTS[:2]
+    worker.resolve_placeholders = no_host_wait
+    try:
+        got = _outputs(overlapped, prompts, params)
+    finally:
+        del worker.resolve_placeholders
+    assert got == _outputs(sync, prompts, params)

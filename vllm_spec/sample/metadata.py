@@ -18,8 +18,9 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
-    # Speculative positions: tokens that follow output_token_ids but are not in it
-    # (they count towards min_tokens; penalties need them in output_token_ids).
+    # Tokens that follow output_token_ids but are not in it: speculative positions, or tokens in
+    # flight (async scheduling). They count towards min_tokens; penalties need them in
+    # output_token_ids, or added on the device (Penalties.add_tokens).
     num_pending: int = 0
 
 
@@ -30,6 +31,12 @@ class Penalties:
     repetition: torch.Tensor     # [N]
     output_counts: torch.Tensor  # [N, V] occurrences of each token in the output
     seen: torch.Tensor           # [N, V] bool: token in prompt or output
+
+    def add_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count one more output token per given row (tokens still on the device, in flight)."""
+        self.output_counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=self.output_counts.dtype),
+                                      accumulate=True)
+        self.seen[rows, tokens] = True
 
 
 @dataclass

@@ -76,8 +76,10 @@ class Worker:
         for sid in seq_ids:
             self._generators.pop(sid, None)
 
-    def sampling_row(self, seq: SeqInput) -> SamplingRow:
-        return SamplingRow(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids, self.generator_for(seq))
+    def sampling_row(self, seq: SeqInput, num_pending: int = 0) -> SamplingRow:
+        """num_pending: output tokens in flight (on the device, not in seq.output_token_ids)."""
+        return SamplingRow(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids, self.generator_for(seq),
+                           num_pending)
 
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
         return self.launch(req).result()
@@ -88,11 +90,9 @@ class Worker:
         self.release(req.finished_seq_ids)
         if not req.seqs:
             return DoneStep(StepOutput([]))
-        if any(self._needs_host_history(s) for s in req.seqs if s.token_ids[-1] == PLACEHOLDER_TOKEN):
-            req = self.resolve_placeholders(req)
         span = DeviceSpan(self.device)
         batch = self.runner.prepare(req.seqs)
-        self._fill_placeholders(batch, req.seqs)
+        in_flight = self._fill_placeholders(batch, req.seqs)
         sampled = [i for i, s in enumerate(req.seqs) if s.sample]
         starts = batch.token_starts
         prompt_rows = PromptLogprobRows.of(req.seqs, starts)
@@ -104,19 +104,18 @@ class Worker:
         seqs = [req.seqs[i] for i in sampled]
         out = None
         if sampled:
-            md = SamplingMetadata.build([self.sampling_row(s) for s in seqs], self.vocab_size, self.device)
+            pending = {} if in_flight is None else dict.fromkeys(in_flight[0], 1)
+            rows = [self.sampling_row(s, pending.get(i, 0)) for i, s in zip(sampled, seqs)]
+            md = SamplingMetadata.build(rows, self.vocab_size, self.device)
+            if in_flight is not None and md.penalties is not None:
+                row_of = {i: r for r, i in enumerate(sampled)}
+                md.penalties.add_tokens(to_device([row_of[i] for i in in_flight[0]], self.device), in_flight[1])
             out = self.sampler(all_logits[: len(ends)], md)
         span.end()
         handle = SampledStep(seqs, out, prompt_rows, all_logits[len(ends):], req.seqs, span)
         if sampled:
             self._last = handle
         return handle
-
-    @staticmethod
-    def _needs_host_history(seq: SeqInput) -> bool:
-        """Sampling it reads its previous token on the host (penalties, min_tokens still to reach)."""
-        p = seq.sampling_params
-        return p is not None and (p.has_penalties or p.min_tokens > len(seq.output_token_ids))
 
     def resolve_placeholders(self, req: ExecuteModelRequest) -> ExecuteModelRequest:
         """The request with every in-flight token replaced by its value (waits for the step that samples it)."""
@@ -136,16 +135,23 @@ class Worker:
             raise RuntimeError("a step feeds a token in flight, but no earlier step sampled one.")
         return self._last
 
-    def _fill_placeholders(self, batch: PreparedBatch, seqs: list[SeqInput]) -> None:
-        """Copy, on the device, the tokens the previous step sampled into this step's input rows."""
+    def _fill_placeholders(self, batch: PreparedBatch, seqs: list[SeqInput]
+                           ) -> tuple[list[int], torch.Tensor] | None:
+        """Copy, on the device, the tokens the previous step sampled into this step's input rows.
+
+        Returns the indices of the sequences fed such a token and the tokens (on the device: the
+        penalties count them), or None when there are none.
+        """
         ph = [i for i, s in enumerate(seqs) if s.token_ids[-1] == PLACEHOLDER_TOKEN]
         if not ph:
-            return
+            return None
         last = self._last_sampled()
         dst = np.asarray([batch.token_starts[i] + len(seqs[i].token_ids) - 1 for i in ph], dtype=np.int64)
         src = np.asarray([last.row_of(seqs[i].seq_id) for i in ph], dtype=np.int64)
         dst_t, src_t = to_device_aligned([dst, src], self.device)
-        batch.input_ids[dst_t] = last.sampled[src_t]
+        tokens = last.sampled[src_t]
+        batch.input_ids[dst_t] = tokens
+        return ph, tokens
 
 
 class SampledStep(StepHandle):
