@@ -200,3 +200,67 @@ def test_penalties_and_min_tokens_keep_the_overlap(llms):
     finally:
         del worker.resolve_placeholders
     assert got == _outputs(sync, prompts, params)
+
+
+def _random_params(r) -> SamplingParams:
+    """Greedy or seeded (their tokens do not depend on the batch), ended in every way."""
+    p = dict(max_tokens=r.randint(1, 30))
+    if r.random() < 0.5:
+        p["temperature"] = 0
+    else:
+        p.update(temperature=r.choice([0.7, 1.0]), seed=r.randrange(1000))
+    if r.random() < 0.3:
+        p["ignore_eos"] = True
+    if r.random() < 0.2:
+        p["stop_token_ids"] = [r.randrange(2, 300)]
+    if r.random() < 0.2:
+        p["presence_penalty"] = 0.5
+    if r.random() < 0.2:
+        p["repetition_penalty"] = 1.3
+    if r.random() < 0.3:
+        p["min_tokens"] = r.randint(0, p["max_tokens"])
+    if r.random() < 0.2:
+        p["n"] = r.randint(2, 3)
+    if r.random() < 0.2:
+        p["stop"] = [r.choice(["e", "th", " a", "in"])]
+    return SamplingParams(**p)
+
+
+def _serve(engine: LLMEngine, arrivals: list, aborts: dict) -> dict:
+    """Requests arrive (and some are aborted) between steps; the final output of every request."""
+    done, call = {}, 0
+    pending = sorted(arrivals, key=lambda a: a[0])
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= call:
+            _, rid, prompt, params = pending.pop(0)
+            engine.add_request(rid, prompt, params)
+        for rid, at in aborts.items():
+            if at == call and rid in engine.requests:
+                engine.abort_request(rid)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs]
+        call += 1
+        assert call < 5000, "the engine made no progress"
+    assert not engine.has_step_in_flight
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    return done
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("limits", [dict(kv_cache_memory_bytes=1 << 24),
+                                    dict(num_gpu_blocks_override=8, max_model_len=64, max_num_batched_tokens=24)],
+                         ids=["roomy", "preempting-chunked"])
+def test_random_serving_workloads_match_the_synchronous_engine(tiny_llama, seed, limits):
+    import random
+
+    r = random.Random(seed)
+    max_prompt = limits.get("max_model_len", 200) - 1
+    arrivals = [(r.randint(0, 15), f"r{i}", [r.randrange(2, 300) for _ in range(r.randint(1, min(50, max_prompt)))],
+                 _random_params(r)) for i in range(r.randint(2, 8))]
+    aborts = {rid: r.randint(0, 30) for _, rid, _, _ in arrivals if r.random() < 0.15}
+    results = [_serve(LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), async_scheduling=a, **limits)),
+                      arrivals, aborts) for a in (False, True)]
+    kept = [{rid: out for rid, out in res.items() if rid not in aborts} for res in results]
+    assert len(kept[0]) == len(arrivals) - len(aborts)
+    assert kept[1] == kept[0]
