@@ -152,10 +152,11 @@ class SpecDecodeWorker:
             asked = self.tp.broadcast(torch.tensor(asked, dtype=torch.long, device=self.device)).tolist()
         spec_idx = [i for i, n in enumerate(asked) if n > 0]
         unread, self._unread = self._unread, None
-        if spec_idx and unread is not None:
+        if spec_idx:
             # The proposer reads every token on the host: read the step still in flight first, so
             # that its cost is measured before this one starts.
-            unread.result()
+            if unread is not None:
+                unread.result()
             req = self.target.resolve_placeholders(req)
         start = time.perf_counter()
         timer = StepTimer(self.device)
