@@ -31,8 +31,8 @@ from vllm_spec.spec_decode.tp_proposer import TPProposer
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, SpecStepStats, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner, ragged_grid, to_device_aligned
-from vllm_spec.worker.step_handle import DoneStep, StepHandle
-from vllm_spec.worker.worker import PromptLogprobRows, Worker, logprob_dicts, to_host
+from vllm_spec.worker.step_handle import DoneStep, HostCopy, StepHandle
+from vllm_spec.worker.worker import PromptLogprobRows, Worker, logprob_dicts
 
 
 class SpecDecodeWorker:
@@ -271,7 +271,8 @@ class SpecDecodeWorker:
                                   self.target.sampler.generator, self.config.speculative.synthetic_acceptance_rate,
                                   target_argmax, found_np[sampled_np].tolist())
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
-        rows, wait = to_host(tokens)   # the step's one device->host copy
+        copy = HostCopy(tokens)   # the step's one device->host copy
+        rows, wait = copy.values(), copy.wait_time
         emitted = [row[: row.index(-1)] if row[-1] < 0 else row for row in rows]   # -1 past each row's end
 
         logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r.tolist(), grid_j.tolist())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -208,13 +207,6 @@ def logprob_dicts(out: SamplerOutput, num_logprobs: list[int | None]) -> list[di
             entry.setdefault(ids[row][j], Logprob(lps[row][j], j))
         result.append(entry)
     return result
-
-
-def to_host(t: torch.Tensor) -> tuple[list, float]:
-    """The step's device->host copy, and the seconds the host waited for the device to get there."""
-    start = time.perf_counter()
-    values = t.tolist()
-    return values, time.perf_counter() - start
 
 
 @dataclass
