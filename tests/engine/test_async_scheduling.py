@@ -153,6 +153,19 @@ def test_abort_while_a_step_is_in_flight(tiny_llama):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
 
 
+def test_aborting_the_last_request_leaves_no_step_in_flight(tiny_llama):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                   async_scheduling=True))
+    engine.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.has_step_in_flight
+    engine.abort_request("r")
+    assert not engine.has_step_in_flight and not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    assert engine.step() == []
+
+
 @pytest.mark.parametrize("spec", [dict(speculative_disable_by_batch_size=1), dict()],
                          ids=["never-speculating", "adaptive"])
 def test_speculative_engine_overlaps_its_steps_without_drafts(spec_pair, spec):
@@ -166,6 +179,22 @@ def test_speculative_engine_overlaps_its_steps_without_drafts(spec_pair, spec):
     sync = LLM(model=target, speculative_model=draft, num_speculative_tokens=3, kv_cache_memory_bytes=1 << 24,
                async_scheduling=False, **spec)
     assert _outputs(llm, PROMPTS, seeded) == _outputs(sync, PROMPTS, seeded)
+
+
+def test_ngram_steps_that_find_no_drafts_are_costed(spec_pair):
+    """The policy asked for drafts, so the step ran to completion at launch: its whole time is
+    what choosing to speculate cost, whether or not the n-gram proposer found any."""
+    llm = LLM(model=spec_pair[0], speculative_model="[ngram]", num_speculative_tokens=3,
+              speculative_policy="fixed", kv_cache_memory_bytes=1 << 24, async_scheduling=True)
+    worker = llm.llm_engine.executor.worker
+    seen = []
+    observe = worker.policy.observe
+    worker.policy.observe = lambda shape, chosen, accepted, stats, step_time: (
+        seen.append((stats.num_draft_tokens, step_time)), observe(shape, chosen, accepted, stats, step_time))
+    prompt = {"prompt_token_ids": list(range(3, 40))}   # no n-gram repeats: nothing to look up at first
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    empty = [t for n, t in seen[1:] if n == 0]   # decoding steps (after the prefill) without drafts
+    assert empty and all(t is not None and t > 0 for t in empty)
 
 
 def test_async_scheduling_settings(tiny_llama):

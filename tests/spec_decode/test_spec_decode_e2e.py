@@ -165,6 +165,20 @@ def test_seeded_sampling_is_independent_of_batch(spec_pair):
     assert _ids(again.generate(prompt, seeded, use_tqdm=False))[0] == alone
 
 
+def test_seeded_request_near_max_model_len_is_independent_of_batch(spec_pair):
+    """Near max_model_len a seeded row gets fewer drafts than the batch's k: its draft
+    generator must draw for its own drafts only, whatever the other rows ask."""
+    kw = dict(speculative_model=spec_pair[1], num_speculative_tokens=4, max_model_len=64, seed=5, **FIXED, **KV)
+    llm = LLM(spec_pair[0], **kw)
+    seeded = SamplingParams(temperature=1.0, seed=99)
+    other = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    prompt = {"prompt_token_ids": [random.Random(3).randrange(3, 300) for _ in range(52)]}
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0]
+    assert alone.finish_reason == "length" and len(alone.token_ids) == 12
+    mixed = llm.generate([prompt] + _prompts(3, seed=15), [seeded] + [other] * 3, use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone.token_ids
+
+
 @pytest.mark.parametrize("method", ["draft", "ngram"])
 def test_seeded_request_arriving_while_others_speculate(spec_pair, method):
     """The seeded request's prefill is verified next to rows with drafts (the batch's k > 0) or not:

@@ -127,6 +127,8 @@ class LLMEngine:
                 if not seq.is_finished:
                     self._finish(seq, SequenceStatus.FINISHED_ABORTED)
             self.stats.on_finished(request, time.monotonic())
+        if not self.requests:
+            self._drain(0.0)   # an idle engine holds no step (its outputs are all void now)
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -96,6 +96,13 @@ class SamplingMetadata:
             synthetic_acceptance=(to_device([float("nan") if r is None else r for r in rates], **f32)
                                   if rates.count(None) < len(rates) else None),
         )
+
+    def without_generators_of(self, rows: list[int]) -> "SamplingMetadata":
+        """The same rows, those listed drawing from the shared generator: a seeded row must draw
+        from its own only for what it uses, or its stream would depend on the rest of the batch."""
+        if not any(r in self.generators for r in rows):
+            return self
+        return replace(self, generators={r: g for r, g in self.generators.items() if r not in rows})
 
 
 def _token_matrix(seqs: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

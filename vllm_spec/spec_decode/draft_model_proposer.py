@@ -99,11 +99,13 @@ class DraftModelProposer:
             md_step = self._decode_metadata(batch.md.block_tables[to_device(spec_rows, dev)],
                                             positions, max(lens) + 1, batch.md.block_size)
             graph = self.runner.graph_for(1, len(spec_rows))
-            for _ in range(k - 1):
+            asked = [num_drafts[i] for i in spec]
+            for step in range(1, k):
                 hidden = graph(tokens, positions, md_step) if graph is not None \
                     else self.runner.model(tokens, positions, md_step)
                 logits = self.runner.model.compute_logits(hidden).float()
-                tokens, probs = self._sample(logits, md)
+                tokens, probs = self._sample(logits, md.without_generators_of(
+                    [r for r, n in enumerate(asked) if n <= step]))
                 all_tokens.append(tokens)
                 all_probs.append(probs)
                 positions = torch.minimum(positions + 1, limits)

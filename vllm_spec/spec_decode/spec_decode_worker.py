@@ -171,7 +171,7 @@ class SpecDecodeWorker:
             step = self.target.launch(req)
         timer.mark()
         handle = _SpecStep(self, step, timer, _Observation(shape, [asked[i] for i in rows], start,
-                                                           req.engine_host_time))
+                                                           req.engine_host_time, bool(spec_idx)))
         if handle.one_token_per_seq:
             self._unread = handle
         return handle
@@ -186,7 +186,7 @@ class SpecDecodeWorker:
         if timer.cuda:
             result.device_time = stats.draft_time + stats.verify_time
         by_id = {o.seq_id: len(o.token_ids) - 1 for o in result.outputs}
-        cost = self._charges.read(time.perf_counter(), obs.start, obs.engine_host_time, bool(stats.num_draft_tokens))
+        cost = self._charges.read(time.perf_counter(), obs.start, obs.engine_host_time, obs.speculative)
         self.policy.observe(obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids], stats,
                             None if cost is None else max(cost - stats.catch_up_time, 1e-6))
         stats.policy = self.policy.estimates()
@@ -318,12 +318,14 @@ def _num_params(model: torch.nn.Module) -> int:
 
 @dataclass
 class _Observation:
-    """What the policy learns from once a step is read: its shape, the drafts asked, when it began."""
+    """What the policy learns from once a step is read: its shape, the drafts asked, when it began,
+    and whether it speculated (ran to completion at launch: an n-gram proposer may find no drafts)."""
 
     shape: StepShape
     asked: list[int]
     start: float
     engine_host_time: float
+    speculative: bool
 
 
 class _SpecStep(StepHandle):
@@ -337,7 +339,7 @@ class _SpecStep(StepHandle):
 
     def result(self) -> StepOutput:
         if self._output is None:
-            output = self._inner.result()
-            self._worker._observe(output, self._timer, self._obs)
-            self._output = output
+            # Kept before the observation: should that raise, a second read must not observe twice.
+            self._output = self._inner.result()
+            self._worker._observe(self._output, self._timer, self._obs)
         return self._output
