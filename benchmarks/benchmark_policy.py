@@ -68,7 +68,8 @@ class TracedStep:
     workload: str
     batch: int
     k: int                 # drafts of the step's longest row (0: a plain step)
-    step_ms: float | None  # what the policy was charged: end to end, catch-up excluded (None: not measured)
+    step_ms: float         # what the policy was charged: end to end, catch-up excluded
+    refill: bool           # a plain step that waited for the host after a speculative one
     catch_up_ms: float
     draft_ms: float        # device time of the proposal (catch-up included)
     verify_ms: float
@@ -79,12 +80,11 @@ def traced(policy: AdaptivePolicy, into: list[TracedStep], draft: str, workload:
     """Record every step the policy observes from now on (replaces its observe; the last call wins)."""
     observe = type(policy).observe
 
-    def record(shape, chosen, accepted, stats, step_time):
-        into.append(TracedStep(draft, workload, batch, max(chosen, default=0),
-                               None if step_time is None else step_time * 1e3,
+    def record(shape, chosen, accepted, stats, charge):
+        into.append(TracedStep(draft, workload, batch, max(chosen, default=0), charge.seconds * 1e3, charge.refill,
                                stats.catch_up_time * 1e3, stats.draft_time * 1e3, stats.verify_time * 1e3,
                                sum(accepted)))
-        observe(policy, shape, chosen, accepted, stats, step_time)
+        observe(policy, shape, chosen, accepted, stats, charge)
 
     policy.observe = record
 

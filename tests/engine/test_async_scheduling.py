@@ -189,12 +189,12 @@ def test_ngram_steps_that_find_no_drafts_are_costed(spec_pair):
     worker = llm.llm_engine.executor.worker
     seen = []
     observe = worker.policy.observe
-    worker.policy.observe = lambda shape, chosen, accepted, stats, step_time: (
-        seen.append((stats.num_draft_tokens, step_time)), observe(shape, chosen, accepted, stats, step_time))
+    worker.policy.observe = lambda shape, chosen, accepted, stats, charge: (
+        seen.append((stats.num_draft_tokens, charge)), observe(shape, chosen, accepted, stats, charge))
     prompt = {"prompt_token_ids": list(range(3, 40))}   # no n-gram repeats: nothing to look up at first
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     empty = [t for n, t in seen[1:] if n == 0]   # decoding steps (after the prefill) without drafts
-    assert empty and all(t is not None and t > 0 for t in empty)
+    assert empty and all(not c.refill and c.seconds > 0 for c in empty)
 
 
 def test_async_scheduling_settings(tiny_llama):

@@ -12,6 +12,7 @@ from vllm_spec.spec_decode.policy import (
     StepShape,
     pads_verification,
 )
+from vllm_spec.spec_decode.step_cost import Charge, StepCost
 from vllm_spec.worker.batch import SpecStepStats
 
 
@@ -22,7 +23,7 @@ def _train(policy: AdaptivePolicy, shape: StepShape, alphas: list[float], target
         chosen = policy.choose(shape)
         if max(chosen, default=0) == 0:   # a plain step
             t = target_fixed + target_per_token * (shape.num_other_tokens + len(chosen))
-            policy.observe(shape, chosen, [0] * len(chosen), SpecStepStats(0, 0, 0, [], 0.0, t), t)
+            policy.observe(shape, chosen, [0] * len(chosen), SpecStepStats(0, 0, 0, [], 0.0, t), Charge(t))
             continue
         accepted = [min(k, round(k * a)) for k, a in zip(chosen, alphas)]
         q = shape.num_other_tokens + len(chosen) + sum(chosen)
@@ -30,7 +31,7 @@ def _train(policy: AdaptivePolicy, shape: StepShape, alphas: list[float], target
             q = len(chosen) * (max(chosen) + 1)   # as the worker pads it
         stats = SpecStepStats(len(chosen), sum(chosen), sum(accepted), [], max(chosen) * draft_per_forward,
                               target_fixed + target_per_token * q, num_verified_tokens=q)
-        policy.observe(shape, chosen, accepted, stats, stats.draft_time + stats.verify_time)
+        policy.observe(shape, chosen, accepted, stats, Charge(stats.draft_time + stats.verify_time))
 
 
 def test_fixed_policy_respects_caps():
@@ -98,7 +99,7 @@ def test_policy_explores_after_a_long_pause():
         choices.append(max(chosen))
         draft = 0.5 if max(chosen) else 0.0
         stats = SpecStepStats(2, sum(chosen), 0, [], draft, 0.01, num_verified_tokens=2 * (max(chosen) + 1))
-        policy.observe(shape, chosen, [0, 0], stats, draft + 0.01)
+        policy.observe(shape, chosen, [0, 0], stats, Charge(draft + 0.01))
     assert 0 < sum(1 for c in choices if c > 0) <= 2
 
 
@@ -134,22 +135,47 @@ def test_modelled_costs_are_in_seconds_when_decoding_comes_first():
     for _ in range(3):
         chosen = policy.choose(shape)
         assert max(chosen) == 0   # plain steps are measured first
-        policy.observe(shape, chosen, [0] * 8, SpecStepStats(0, 0, 0, [], 0.0, 8e-3), 10e-3)
+        policy.observe(shape, chosen, [0] * 8, SpecStepStats(0, 0, 0, [], 0.0, 8e-3), Charge(10e-3))
     assert policy._decode_step_cost(8, 0) == pytest.approx(10e-3)
     # Drafting and verifying more tokens never looks cheaper than the measured plain step.
     assert all(policy._decode_step_cost(8, k) >= 10e-3 for k in range(1, 5))
 
 
-def test_a_step_without_its_steady_state_cost_teaches_acceptance_only():
-    """step_time None (a plain step that could not overlap the speculative step before it, under async
-    scheduling): its cost must not enter the measured step costs, which decide k."""
+def test_a_refill_teaches_the_switching_cost_not_the_plain_cost():
+    """A plain step that could not overlap the speculative step before it (async scheduling): its cost
+    must not enter the measured step costs, which decide k; what it cost beyond a plain step is
+    what switching back costs."""
     policy = AdaptivePolicy(max_k=4)
     shape = StepShape([1, 2], [4, 4], 0)
     _train(policy, shape, [0.8, 0.8], 0.01, 1e-5, 0.001, steps=20)
     measured = {key: (c.seconds, c.samples) for key, c in policy._measured.items()}
     rate = policy._global_rate()
     stats = SpecStepStats(2, 4, 4, [2, 2], 0.002, 0.01, num_verified_tokens=6)
-    policy.observe(shape, [2, 2], [2, 2], stats, None)
-    policy.observe(shape, [0, 0], [0, 0], SpecStepStats(0, 0, 0, [], 0.0, 0.5), None)
+    policy.observe(shape, [2, 2], [2, 2], stats, Charge(0.015))
+    measured[(2, 2)] = (policy._measured[(2, 2)].seconds, policy._measured[(2, 2)].samples)
+    plain = policy._measured[(2, 0)].seconds
+    policy.observe(shape, [0, 0], [0, 0], SpecStepStats(0, 0, 0, [], 0.0, 0.5), Charge(plain + 0.004, refill=True))
     assert {key: (c.seconds, c.samples) for key, c in policy._measured.items()} == measured
+    assert policy._buckets[2].refill == pytest.approx(0.004)
     assert policy._global_rate() > rate   # two drafts accepted out of two
+
+
+def test_a_switch_is_charged_to_the_choice_that_makes_it():
+    """Speculating wins 2% per step here, less than a catch-up and a refill spread over the steps a
+    choice lasts: a policy that speculates keeps speculating, one that does not keeps not (no flip
+    at every step on estimates this close); with free switches both speculate."""
+    def decide(speculating: bool, round_trip: float) -> int:
+        policy = AdaptivePolicy(max_k=1, prior_acceptance=0.5, prior_strength=1e6)
+        shape = StepShape([1], [1], 0)
+        state = policy._bucket_state(1)
+        state.visits, state.probe_every = 10, 1000
+        state.catch_up, state.refill = round_trip / 2, round_trip / 2
+        # 1.5 expected tokens per speculative step: 1.02x the plain step's rate.
+        policy._measured = {(1, 0): StepCost(4.0e-3, at=10, samples=5),
+                            (1, 1): StepCost(1.5 * 4.0e-3 / 1.02, at=10, samples=5)}
+        policy._speculating = speculating
+        return policy.choose(shape)[0]
+
+    assert decide(speculating=True, round_trip=4e-3) == 1
+    assert decide(speculating=False, round_trip=4e-3) == 0
+    assert decide(speculating=False, round_trip=0.0) == 1

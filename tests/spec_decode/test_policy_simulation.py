@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from vllm_spec.spec_decode.policy import AdaptivePolicy, FixedPolicy, StepShape, pads_verification
-from vllm_spec.spec_decode.step_cost import StepCharges
+from vllm_spec.spec_decode.step_cost import Charge, StepCharges
 from vllm_spec.worker.batch import SpecStepStats
 
 
@@ -98,10 +98,11 @@ class SimEngine:
             if c.pipelined:   # the worker's accounting: what each step cost the timeline, read to read
                 start = now - 1e-6 if overlapped else now + c.host(B)
                 now += step + stats.catch_up_time
-                cost = charges.read(now, start, c.host(B), K > 0)
-                policy.observe(shape, chosen, accepted, stats, None if cost is None else cost - stats.catch_up_time)
+                charge = charges.read(now, start, c.host(B), K > 0)
+                charge.seconds -= stats.catch_up_time
+                policy.observe(shape, chosen, accepted, stats, charge)
             else:
-                policy.observe(shape, chosen, accepted, stats, step)
+                policy.observe(shape, chosen, accepted, stats, Charge(step))
             previous_spec = K > 0
             # Scored on expected tokens (the policy learns from the sampled ones): comparisons of
             # policies over short windows are then not decided by the luck of the draws.
@@ -240,14 +241,15 @@ H200_1B_ASYNC = Costs(lambda q: 4.6e-3 + 0.012e-3 * q, lambda n: 0.85e-3 + 0.017
 @pytest.mark.parametrize("alpha", [0.4, 0.5, 0.6])
 def test_near_break_even_under_async_scheduling(alpha):
     """Plain steps cost one pipelined cycle, speculative ones their whole time, and every switch costs
-    the draft's catch-up: the policy's costs must be those of each kind's steady state, or it
-    alternates and loses to plain decoding (H200, 2026-12-03, with the wait of the plain step after a
-    speculative one charged to the speculative step: 0.86x plain at batch 1).
-    Near break-even the policy keeps within 3.5% of plain; its acceptance estimate is biased low there
-    (low estimates stop the drafts that would correct them), so it reaches only 0.9x of fixed k = 2
-    where that wins 9% (alpha 0.5): short of issue #7's 0.97x."""
+    the draft's catch-up and a refill: the policy's costs must be those of each kind's steady state, and
+    a switch is charged to the choice that makes it, or it alternates and loses to plain decoding (H200,
+    2026-12-03, with the wait of the plain step after a speculative one charged to the speculative step:
+    0.86x plain at batch 1). Near break-even the policy keeps within 3% of plain; its acceptance
+    estimate is biased low there (low estimates stop the drafts that would correct them; a sequence
+    that stopped drafting forgets them step by step), so it reaches 0.94x of fixed k = 2 where that
+    wins 9% (alpha 0.5): short of issue #7's 0.97x."""
     plain = _long_run(FixedPolicy(0), [alpha], H200_1B_ASYNC)
     best_fixed = max(_long_run(FixedPolicy(k), [alpha], H200_1B_ASYNC) for k in FIXED_KS)
     adaptive = _long_run(AdaptivePolicy(4, draft_cost_ratio=0.15), [alpha], H200_1B_ASYNC)
-    assert adaptive >= 0.965 * plain, (adaptive / plain, adaptive / best_fixed)
-    assert adaptive >= 0.9 * best_fixed, (adaptive / plain, adaptive / best_fixed)
+    assert adaptive >= 0.97 * plain, (adaptive / plain, adaptive / best_fixed)
+    assert adaptive >= 0.93 * best_fixed, (adaptive / plain, adaptive / best_fixed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, LinearFit, StepCharges, StepCost
+from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge, LinearFit, StepCharges, StepCost
 
 
 def test_first_samples_keep_their_minimum_then_faster_samples_weigh_more():
@@ -56,17 +56,18 @@ def test_fit_stays_responsive_after_long_runs_at_one_x():
 def test_synchronous_steps_cost_read_to_read_or_their_own_time_after_an_idle_engine():
     charges = StepCharges(async_scheduling=False)
     # After an idle engine: from the step's start, plus the engine's host work before it.
-    assert charges.read(now=100.0, start=99.0, engine_host_time=0.5, speculative=False) == 1.5
-    assert charges.read(now=102.0, start=100.4, engine_host_time=0.5, speculative=True) == 2.0
-    assert charges.read(now=103.0, start=102.3, engine_host_time=0.2, speculative=False) == pytest.approx(0.9)
+    assert charges.read(now=100.0, start=99.0, engine_host_time=0.5, speculative=False) == Charge(1.5)
+    assert charges.read(now=102.0, start=100.4, engine_host_time=0.5, speculative=True) == Charge(2.0)
+    assert charges.read(now=103.0, start=102.3, engine_host_time=0.2, speculative=False) == Charge(pytest.approx(0.9))
 
 
-def test_pipelined_plain_steps_cost_one_cycle_and_a_refill_teaches_nothing():
+def test_pipelined_plain_steps_cost_one_cycle_and_a_refill_is_marked():
     charges = StepCharges(async_scheduling=True)
     charges.read(now=10.0, start=9.0, engine_host_time=0.0, speculative=False)
     # Launched at 9.5, before the step before it was read at 10: one cycle since that read.
-    assert charges.read(now=11.0, start=9.5, engine_host_time=0.3, speculative=False) == 1.0
-    assert charges.read(now=13.0, start=11.0, engine_host_time=0.3, speculative=True) == 2.0
+    assert charges.read(now=11.0, start=9.5, engine_host_time=0.3, speculative=False) == Charge(1.0)
+    assert charges.read(now=13.0, start=11.0, engine_host_time=0.3, speculative=True) == Charge(2.0)
     # Launched after the speculative step was read: the pipeline was refilling.
-    assert charges.read(now=14.4, start=13.2, engine_host_time=0.3, speculative=False) is None
-    assert charges.read(now=15.4, start=14.1, engine_host_time=0.3, speculative=False) == pytest.approx(1.0)
+    assert charges.read(now=14.4, start=13.2, engine_host_time=0.3, speculative=False) == Charge(
+        pytest.approx(1.4), refill=True)
+    assert charges.read(now=15.4, start=14.1, engine_host_time=0.3, speculative=False) == Charge(pytest.approx(1.0))

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
-from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, LinearFit, StepCost
+from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge, LinearFit, StepCost
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
 from vllm_spec.worker.cuda_graph import bucket_for
 
@@ -48,6 +48,10 @@ def pads_verification(num_seqs: int, max_k: int, real_tokens: int) -> bool:
 
 # Choices whose expected rate is within this factor of the best one are kept measured.
 _NEAR_BEST = 0.9
+# A switch between speculating and not is charged to the choice that makes it, spread over this
+# many steps (how long a choice is expected to last): noise in the estimates near break-even
+# then does not flip the choice at every step, each flip paying a catch-up and a refill.
+_SWITCH_HORIZON = 16
 _MAX_PROBE_EVERY = 800
 
 
@@ -69,12 +73,11 @@ class SpeculationPolicy(Protocol):
     def choose(self, shape: StepShape) -> list[int]: ...
 
     def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
-                stats: SpecStepStats, step_time: float | None) -> None:
+                stats: SpecStepStats, charge: Charge) -> None:
         """Learn from a finished step: `stats` holds the device time of its phases (a step without
-        speculation: no drafts, the target pass as verify_time), `step_time` the seconds the step
-        cost end to end, host work included, catching the draft up on earlier steps excluded (None:
-        not what such a step costs in the steady state, e.g. a plain step that could not overlap
-        the speculative one before it)."""
+        speculation: no drafts, the target pass as verify_time), `charge` the seconds the step
+        cost end to end, host work included, catching the draft up on earlier steps excluded, and
+        whether it was a plain step that could not overlap the speculative one before it."""
         ...
 
     def release(self, seq_ids: list[int]) -> None: ...
@@ -97,7 +100,7 @@ class _StaticPolicy:
         self.last_mean_k = float(np.mean(chosen)) if chosen else 0.0
         return chosen
 
-    def observe(self, shape, chosen, accepted, stats, step_time) -> None:
+    def observe(self, shape, chosen, accepted, stats, charge) -> None:
         pass
 
     def release(self, seq_ids: list[int]) -> None:
@@ -173,6 +176,7 @@ class AdaptivePolicy:
     _measured: dict[tuple[int, int], StepCost] = field(default_factory=dict)
     _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     last_mean_k: float = 0.0
+    _speculating: bool = False   # whether the last step chosen drafted at all
 
     def __post_init__(self) -> None:
         # Until measured: a target forward costs 1 plus 1/512 per query token, a draft
@@ -218,6 +222,7 @@ class AdaptivePolicy:
         chosen = self._choose_decoding(mean, draw, caps) if shape.num_other_tokens == 0 \
             else self._choose_ragged(draw, caps, shape.num_other_tokens)
         self.last_mean_k = float(chosen.mean())
+        self._speculating = bool(chosen.any())
         return chosen.tolist()
 
     def _choose_decoding(self, gains: np.ndarray, draw: np.ndarray, caps: np.ndarray) -> np.ndarray:
@@ -228,8 +233,12 @@ class AdaptivePolicy:
         j = np.arange(1, self.max_k + 1)
         drafts = {K: np.minimum(caps, K) for K in range(int(min(self.max_k, caps.max())) + 1)}
 
+        state = self._bucket_state(n)
+        switch = state.round_trip / _SWITCH_HORIZON
+
         def goodput(gains: np.ndarray) -> dict[int, float]:
-            return {K: (n + float((gains * (j[None, :] <= k[:, None])).sum())) / self._decode_step_cost(n, K)
+            return {K: (n + float((gains * (j[None, :] <= k[:, None])).sum()))
+                    / (self._decode_step_cost(n, K) + (switch if (K > 0) != self._speculating else 0.0))
                     for K, k in drafts.items()}
 
         rates = goodput(gains)
@@ -238,7 +247,6 @@ class AdaptivePolicy:
             # The mean belief says do not speculate; the drawn one may say otherwise (exploration).
             rates = goodput(draw)
             best = max(rates, key=rates.__getitem__)
-        state = self._bucket_state(n)
         state.visits += 1
         if self._plain_samples(n) < MIN_SAMPLES:
             # Plain steps are measured at each batch size before the model's guess of them is trusted.
@@ -323,10 +331,15 @@ class AdaptivePolicy:
         return self._draft(n) if self._draft.count else self.draft_cost_ratio * self._target(n)
 
     def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
-                stats: SpecStepStats, step_time: float | None) -> None:
+                stats: SpecStepStats, charge: Charge) -> None:
         decay, accepted_sum, trials_sum, drafted = self.decay, 0, 0, 0
         for sid, k, a in zip(shape.seq_ids, chosen, accepted):
-            if k > 0:
+            if k == 0 and sid in self._seqs:
+                # A sequence that stopped drafting forgets its own trials step by step, back to the
+                # global rate: an unlucky run must not stop its drafts (and their correction) for good.
+                acc, tr = self._seqs[sid]
+                self._seqs[sid] = (acc * decay, tr * decay)
+            elif k > 0:
                 trials = a + (a < k)
                 acc, tr = self._seqs.get(sid, _NO_TRIALS)
                 self._seqs[sid] = (acc * decay + a, tr * decay + trials)
@@ -346,20 +359,33 @@ class AdaptivePolicy:
         forwards = max(chosen, default=0)
         if forwards > 0:
             self._draft.update(sum(1 for k in chosen if k > 0), draft / forwards)
-        if shape.num_other_tokens == 0 and shape.seq_ids and step_time is not None:
-            state = self._bucket_state(len(shape.seq_ids))
-            n, K = len(shape.seq_ids), max(chosen, default=0)
-            modelled = self._modelled_cost(n, K, None)
-            host = max(step_time - draft - stats.verify_time, 0.0)
-            key = (_bucket(n), K)
-            if K and state.observed and key in self._measured:
-                # Not from a step kind's first step here: a cold one must not set the fit.
-                self._spec_host.update(n, max(host - state.host, 0.0))
-            state.observe(host, step_time / (modelled + host), plain=K == 0)
-            if key in self._measured:
-                self._measured[key].update(step_time, state.visits)
-            else:
-                self._measured[key] = StepCost(step_time, state.visits)
+        if shape.num_other_tokens == 0 and shape.seq_ids:
+            self._observe_decoding(shape, chosen, stats, charge, draft)
+
+    def _observe_decoding(self, shape: StepShape, chosen: list[int], stats: SpecStepStats, charge: Charge,
+                          draft: float) -> None:
+        """Step costs and switching costs of an all-decoding step at its batch-size bucket."""
+        state = self._bucket_state(len(shape.seq_ids))
+        n, K = len(shape.seq_ids), max(chosen, default=0)
+        key = (_bucket(n), K)
+        if stats.catch_up_time > 0:
+            state.observe_switch(catch_up=stats.catch_up_time)
+        if charge.refill:   # not what plain steps cost: what switching back to them cost
+            plain = self._measured.get(key)
+            if plain is not None:
+                state.observe_switch(refill=max(charge.seconds - plain.seconds, 0.0))
+            return
+        step_time = charge.seconds
+        modelled = self._modelled_cost(n, K, None)
+        host = max(step_time - draft - stats.verify_time, 0.0)
+        if K and state.observed and key in self._measured:
+            # Not from a step kind's first step here: a cold one must not set the fit.
+            self._spec_host.update(n, max(host - state.host, 0.0))
+        state.observe(host, step_time / (modelled + host), plain=K == 0)
+        if key in self._measured:
+            self._measured[key].update(step_time, state.visits)
+        else:
+            self._measured[key] = StepCost(step_time, state.visits)
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:

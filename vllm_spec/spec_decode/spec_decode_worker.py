@@ -186,9 +186,9 @@ class SpecDecodeWorker:
         if timer.cuda:
             result.device_time = stats.draft_time + stats.verify_time
         by_id = {o.seq_id: len(o.token_ids) - 1 for o in result.outputs}
-        cost = self._charges.read(time.perf_counter(), obs.start, obs.engine_host_time, obs.speculative)
-        self.policy.observe(obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids], stats,
-                            None if cost is None else max(cost - stats.catch_up_time, 1e-6))
+        charge = self._charges.read(time.perf_counter(), obs.start, obs.engine_host_time, obs.speculative)
+        charge.seconds = max(charge.seconds - stats.catch_up_time, 1e-6)
+        self.policy.observe(obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids], stats, charge)
         stats.policy = self.policy.estimates()
 
     def _metadata(self, rows: list[SamplingRow], for_draft: bool = False) -> SamplingMetadata | None:

@@ -85,6 +85,21 @@ class BucketState:
     calibration: float = 1.0   # measured / modelled seconds of the steps measured here
     observed: int = 0      # plain steps measured here
     calibrated: int = 0    # steps of any kind measured here
+    # Seconds a switch costs beyond the steps' own: the draft's catch-up on the tokens it missed
+    # (plain -> speculative) and the plain step that waited for the host (speculative -> plain).
+    catch_up: float = 0.0
+    refill: float = 0.0
+
+    def observe_switch(self, catch_up: float | None = None, refill: float | None = None) -> None:
+        if catch_up is not None:
+            self.catch_up += 0.3 * (catch_up - self.catch_up) if self.catch_up else catch_up
+        if refill is not None:
+            self.refill += 0.3 * (refill - self.refill) if self.refill else refill
+
+    @property
+    def round_trip(self) -> float:
+        """What switching to speculation and back (or the other way) costs, in seconds."""
+        return self.catch_up + self.refill
 
     def observe(self, host: float, calibration: float, plain: bool = True) -> None:
         w = 0.3 if self.calibrated else 1.0
@@ -96,24 +111,32 @@ class BucketState:
             self.observed += 1
 
 
+@dataclass
+class Charge:
+    """What a step cost the timeline, and whether it was a plain step refilling the pipeline
+    after a speculative one (a cost of switching, not what plain steps cost)."""
+
+    seconds: float
+    refill: bool = False
+
+
 class StepCharges:
-    """What each step costs in the steady state of its kind, from when the steps' outputs are read.
+    """What each step costs, from when the steps' outputs are read.
 
     A step costs the time since the previous step was read (at most since it began plus the
     engine's host work before it, should the engine have idled in between): with async
     scheduling, a plain step launched before the previous one was read costs one pipelined
     cycle, and a speculative step (never overlapped: the next step needs its accepted counts)
     its whole time. A plain step that could not overlap the step before it (a speculative one)
-    waited for the host while the pipeline refilled: a cost of switching, not of plain steps,
-    so it teaches none (None).
+    waited for the host while the pipeline refilled: marked as a refill.
     """
 
     def __init__(self, async_scheduling: bool):
         self.async_scheduling = async_scheduling
         self._last_read = 0.0
 
-    def read(self, now: float, start: float, engine_host_time: float, speculative: bool) -> float | None:
+    def read(self, now: float, start: float, engine_host_time: float, speculative: bool) -> Charge:
         cost = min(now - self._last_read, now - start + engine_host_time)
         refilling = self.async_scheduling and not speculative and start > self._last_read
         self._last_read = now
-        return None if refilling else cost
+        return Charge(cost, refilling)
