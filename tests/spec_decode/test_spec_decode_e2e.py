@@ -291,10 +291,12 @@ def test_greedy_equality_every_policy(spec_pair, greedy_reference, policy):
     assert 0.0 <= m["vllm:spec_decode_policy_mean_k"] <= 4.0
 
 
-def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair, random_draft):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair, random_draft, async_scheduling):
     # An unrelated draft (acceptance near 0) whose forward costs on CPU about as much as the
     # target's: the policy must measure a high draft cost ratio and speculate only to explore.
-    llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=4, **KV)
+    llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=4,
+              async_scheduling=async_scheduling, **KV)
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     llm.generate(_prompts(2), params, use_tqdm=False)
     m = _metrics(llm)
@@ -302,7 +304,7 @@ def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair, random_dr
     steps = m["vllm:engine_steps"]
     # Exploration: at least one speculative step, and only a few (one every 50 steps, plus early
     # probes while the sampled acceptance belief is still wide): at most 5% of the steps.
-    assert 1 <= m["vllm:spec_decode_num_drafts"] / 2 <= steps / 20 + 1
+    assert 1 <= m["vllm:spec_decode_num_drafts"] / 2 <= steps / 20 + 1, (m["vllm:spec_decode_num_drafts"], steps)
 
 
 class _VaryingK:
@@ -353,13 +355,19 @@ class _Bursts(_VaryingK):
         return [min(cap, 3) if self.steps % self.period == 0 else 0 for cap in shape.caps]
 
 
-def test_speculating_after_plain_steps_catches_the_draft_up(spec_pair, greedy_reference):
+@pytest.mark.parametrize("uniform", [False, True], ids=["ragged", "uniform"])
+def test_speculating_after_plain_steps_catches_the_draft_up(spec_pair, greedy_reference, uniform):
     # The draft does not run on steps without speculation; the next speculative step must feed it the
-    # missed tokens (greedy equality) and still propose on the whole-proposal path.
+    # missed tokens (greedy equality) and still propose on the whole-proposal path. Uniform: every row
+    # feeds one query length, front-padded with tokens the draft has seen (as where graphs run).
     llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, **KV)
     worker = llm.llm_engine.executor.worker
     worker.policy = _Bursts(period=4)
     proposer = worker.draft_proposer
+    proposer.uniform_catch_up = uniform
+    lengths = []
+    pick = proposer._uniform_catch_up_length
+    proposer._uniform_catch_up_length = lambda behind, starts: lengths.append(pick(behind, starts)) or lengths[-1]
     calls = {"propose": 0, "loop": 0}
 
     def count(name, fn):
@@ -375,6 +383,7 @@ def test_speculating_after_plain_steps_catches_the_draft_up(spec_pair, greedy_re
     # Draft = target: every draft of every burst is kept, three plain steps in between notwithstanding.
     assert _metrics(llm)["vllm:spec_decode_acceptance_rate"] == 1.0
     assert calls["propose"] > 0 and calls["loop"] == calls["propose"]
+    assert (any(lengths) if uniform else not any(lengths)) and lengths
 
 
 def test_per_request_synthetic_acceptance_in_one_batch(spec_pair, baseline):

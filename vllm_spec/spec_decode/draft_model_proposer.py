@@ -25,6 +25,11 @@ from vllm_spec.worker.cuda_graph import BATCH_BUCKETS
 from vllm_spec.worker.model_runner import ModelRunner, block_table_array, to_device_aligned
 
 
+# Query lengths of the catch-up graphs (a longer lag runs eagerly: it follows a long run of
+# plain steps, over which its cost is spread).
+CATCH_UP_LENGTHS = (4, 8, 16, 32, 64)
+
+
 class DraftModelProposer:
     """Proposes with a draft model; tracks how much of each sequence its cache holds."""
 
@@ -35,6 +40,8 @@ class DraftModelProposer:
         self._fed: dict[int, int] = {}        # seq_id -> draft tokens fed back in the last proposal
         self.loop = GreedyDraftLoop(runner.model, runner.max_blocks_per_seq, runner.block_size,
                                     runner.max_model_len, use_graphs=runner.cuda_graphs)
+        # Catch-ups feed one query length to every row (replayed in a graph) where graphs run.
+        self.uniform_catch_up = runner.cuda_graphs
 
     def capture_graphs(self, max_k: int, max_batch: int) -> None:
         """Capture the whole-proposal graphs up front, so no step pays for a capture."""
@@ -61,11 +68,29 @@ class DraftModelProposer:
                   if n > 0 and s.sample and len(s.token_ids) == 1 and s.seq_len - self._start(s) > 2]
         if not behind:
             return
-        feed = [SeqInput(s.seq_id, tokens_from(s, self._start(s))[:-2], self._start(s), s.block_table,
-                         sample=False) for s in behind]
-        self.runner.forward(self.runner.prepare(feed))
+        starts = [self._start(s) for s in behind]
+        q = self._uniform_catch_up_length(behind, starts)
+        if q is not None:
+            # Every row feeds q tokens (a graph replay: eagerly, a deep draft's forward is host-bound
+            # and cost more than a target step), front-padded with tokens whose K/V the draft already
+            # holds: recomputing them rewrites the same values.
+            starts = [s.seq_len - 2 - q for s in behind]
+        feed = [SeqInput(s.seq_id, tokens_from(s, start)[:-2], start, s.block_table, sample=False)
+                for s, start in zip(behind, starts)]
+        self.runner.hidden_states(self.runner.prepare(feed))
         for s in feed:
             self._computed[s.seq_id] = s.seq_len
+
+    def _uniform_catch_up_length(self, behind: list[SeqInput], starts: list[int]) -> int | None:
+        """The catch-up graph's query length for these rows (None: a ragged eager forward), when
+        graphs are on and every row has enough tokens before its lag to pad with."""
+        if not self.uniform_catch_up:
+            return None
+        lag = max(s.seq_len - 2 - start for s, start in zip(behind, starts))
+        q = next((q for q in CATCH_UP_LENGTHS if q >= lag), None)
+        if q is None or any(s.seq_len - 2 < q for s in behind):
+            return None
+        return q
 
     @torch.inference_mode()
     def propose(self, seqs: list[SeqInput], num_drafts: list[int], md: SamplingMetadata) -> Proposals:

@@ -253,10 +253,17 @@ class AdaptivePolicy:
             K = 0
         else:
             # A choice within reach of the best whose measurement is old (or missing) is measured
-            # again: step costs drift, and an unlucky first measurement must not stick.
+            # again: step costs drift, and an unlucky first measurement must not stick. Measured
+            # ones are re-measured one at a time, at most one step in explore_every / 2: with
+            # every k near the best (costs that hardly depend on k), exploring them all in turn
+            # would cost up to (max_k + 1) steps in explore_every.
+            may_remeasure = 2 * (state.visits - state.last_remeasure) >= self.explore_every
             stale = [K for K in rates if rates[K] >= _NEAR_BEST * rates[best]
-                     and state.visits - self._measured_at(n, K) >= self.explore_every]
+                     and state.visits - self._measured_at(n, K) >= self.explore_every
+                     and (may_remeasure or self._measured_at(n, K) == -np.inf)]
             K = min(stale, key=lambda K: self._measured_at(n, K)) if stale else best
+            if K != best:
+                state.last_remeasure = state.visits
             if K == 0 and len(rates) > 1 and state.visits - state.last_spec >= state.probe_every:
                 # Speculation that does not pay here is still probed, ever more rarely (each probe
                 # also feeds the draft every token it missed): acceptance may change.

@@ -81,6 +81,7 @@ class BucketState:
     probe_every: int       # steps without speculation before it is probed again
     visits: int = 0
     last_spec: int = 0     # the visit of the last speculative step
+    last_remeasure: int = 0   # the visit of the last step that re-measured a choice other than the best
     host: float = 0.0      # average seconds of a plain step's host work the device does not overlap
     calibration: float = 1.0   # measured / modelled seconds of the steps measured here
     observed: int = 0      # plain steps measured here

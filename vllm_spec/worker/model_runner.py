@@ -114,10 +114,15 @@ class ModelRunner:
         return self._graphs[q_len]
 
     @torch.inference_mode()
+    def hidden_states(self, batch: PreparedBatch) -> torch.Tensor:
+        """The model's forward: a graph replay for a uniform batch, else eager."""
+        graph = self.graph_for(batch.uniform_q, batch.md.num_seqs) if batch.uniform_q else None
+        return graph(batch.input_ids, batch.positions, batch.md) if graph is not None else self.forward(batch)
+
+    @torch.inference_mode()
     def run(self, batch: PreparedBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits of the given token rows (every token when rows is None)."""
-        graph = self.graph_for(batch.uniform_q, batch.md.num_seqs) if batch.uniform_q else None
-        hidden = graph(batch.input_ids, batch.positions, batch.md) if graph is not None else self.forward(batch)
+        hidden = self.hidden_states(batch)
         if rows is None:
             return self.model.compute_logits(hidden).float()
         return self.logits(hidden, rows)
