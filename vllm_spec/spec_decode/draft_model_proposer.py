@@ -21,13 +21,14 @@ from vllm_spec.spec_decode.draft_loop import GreedyDraftLoop
 from vllm_spec.spec_decode.proposer import Proposals, tokens_from
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import SeqInput
-from vllm_spec.worker.cuda_graph import BATCH_BUCKETS
+from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for
 from vllm_spec.worker.model_runner import ModelRunner, block_table_array, to_device_aligned
 
 
-# Query lengths of the catch-up graphs (a longer lag runs eagerly: it follows a long run of
-# plain steps, over which its cost is spread).
+# Query lengths of the catch-up graphs, and their most query tokens (a longer lag or a larger
+# batch runs eagerly: the lag follows a long run of plain steps, over which its cost is spread).
 CATCH_UP_LENGTHS = (4, 8, 16, 32, 64)
+CATCH_UP_MAX_TOKENS = 4096
 
 
 class DraftModelProposer:
@@ -44,8 +45,11 @@ class DraftModelProposer:
         self.uniform_catch_up = runner.cuda_graphs
 
     def capture_graphs(self, max_k: int, max_batch: int) -> None:
-        """Capture the whole-proposal graphs up front, so no step pays for a capture."""
+        """Capture the whole-proposal and catch-up graphs up front, so no step pays for a capture
+        (a capture inside serving costs tens of milliseconds)."""
         self.loop.capture(max_k, max_batch)
+        if self.uniform_catch_up:
+            self.runner.capture_graphs(list(CATCH_UP_LENGTHS), max_batch, CATCH_UP_MAX_TOKENS)
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
@@ -88,7 +92,8 @@ class DraftModelProposer:
             return None
         lag = max(s.seq_len - 2 - start for s, start in zip(behind, starts))
         q = next((q for q in CATCH_UP_LENGTHS if q >= lag), None)
-        if q is None or any(s.seq_len - 2 < q for s in behind):
+        bucket = bucket_for(len(behind))
+        if q is None or bucket is None or bucket * q > CATCH_UP_MAX_TOKENS or any(s.seq_len - 2 < q for s in behind):
             return None
         return q
 

@@ -127,12 +127,13 @@ class ModelRunner:
             return self.model.compute_logits(hidden).float()
         return self.logits(hidden, rows)
 
-    def capture_graphs(self, q_lens: list[int], max_batch: int) -> None:
-        """Capture up front the graphs the worker will replay, so no step pays for a capture."""
+    def capture_graphs(self, q_lens: list[int], max_batch: int, max_tokens: int | None = None) -> None:
+        """Capture up front the graphs the worker will replay, so no step pays for a capture
+        (batches of at most max_tokens query tokens, when given)."""
         for q in q_lens:
             graph = self.graph_for(q, 1)
             if graph is not None:
-                graph.capture(max_batch)
+                graph.capture(max_batch if max_tokens is None else min(max_batch, max_tokens // q))
 
 
 def ragged_grid(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
