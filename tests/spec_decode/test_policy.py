@@ -179,3 +179,34 @@ def test_a_switch_is_charged_to_the_choice_that_makes_it():
     assert decide(speculating=True, round_trip=4e-3) == 1
     assert decide(speculating=False, round_trip=4e-3) == 0
     assert decide(speculating=False, round_trip=0.0) == 1
+
+
+def test_a_sequence_that_stops_drafting_forgets_its_own_trials():
+    policy = AdaptivePolicy(max_k=4)
+    shape = StepShape([1], [4], 0)
+    stats = SpecStepStats(1, 4, 0, [0], 0.001, 0.01, num_verified_tokens=5)
+    for _ in range(5):   # five rejections at the first draft
+        policy.observe(shape, [4], [0], stats, Charge(0.012))
+    low = policy._posteriors([1])
+    for _ in range(40):   # plain steps: its own counts fade, its belief returns to the global one
+        policy.observe(shape, [0], [0], SpecStepStats(0, 0, 0, [], 0.0, 0.01), Charge(0.01))
+    a, b = policy._posteriors([1])
+    assert a / (a + b) > low[0] / (low[0] + low[1])
+    assert a / (a + b) == pytest.approx(policy._global_rate(), abs=0.02)
+
+
+def test_near_best_choices_are_re_measured_one_at_a_time():
+    """Nothing is accepted and drafts cost little (overhead-bound steps): plain decoding is best, with
+    every k near it. Re-measuring them takes at most one step in explore_every / 2 once each
+    has been measured (speculative steps the drawn acceptance asks for come on top: Thompson sampling)."""
+    policy = AdaptivePolicy(max_k=4, explore_every=50)
+    shape = StepShape([1], [4], 0)
+    remeasured = 0
+    for step in range(400):
+        before = policy._bucket_state(1).last_remeasure
+        k = policy.choose(shape)[0]
+        remeasured += step >= 200 and policy._bucket_state(1).last_remeasure != before
+        stats = SpecStepStats(1, k, 0, [0], 1e-4 * k, 5e-3, num_verified_tokens=k + 1) if k else \
+            SpecStepStats(0, 0, 0, [], 0.0, 5e-3)
+        policy.observe(shape, [k], [0], stats, Charge(5e-3 + 1e-4 * k))
+    assert 1 <= remeasured <= 200 // 25

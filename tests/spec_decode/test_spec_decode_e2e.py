@@ -386,6 +386,61 @@ def test_speculating_after_plain_steps_catches_the_draft_up(spec_pair, greedy_re
     assert (any(lengths) if uniform else not any(lengths)) and lengths
 
 
+def test_uniform_catch_up_of_rows_lagging_by_different_amounts(spec_pair, baseline):
+    """Requests arriving at different steps lag the draft by different amounts (up to the padded
+    length itself): every row is padded to one query length; draft = target keeps every draft."""
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, **KV)
+    engine, worker = llm.llm_engine, llm.llm_engine.executor.worker
+    worker.policy = _Bursts(period=5)
+    proposer = worker.draft_proposer
+    proposer.uniform_catch_up = True
+    lags = []
+    pick = proposer._uniform_catch_up_length
+
+    def recording(behind, starts):
+        q = pick(behind, starts)
+        lags.append(([s.seq_len - 2 - start for s, start in zip(behind, starts)], q))
+        return q
+
+    proposer._uniform_catch_up_length = recording
+    prompts = [p["prompt_token_ids"] for p in _prompts(4, seed=21)]
+    expected = _ids(baseline.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
+    done = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+        for _ in range(i + 1):   # staggered arrivals
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [done[str(i)].outputs[0].token_ids for i in range(4)] == expected
+    assert _metrics(llm)["vllm:spec_decode_acceptance_rate"] == 1.0
+    assert any(q is not None and len(set(row_lags)) > 1 for row_lags, q in lags)
+    assert any(q is not None and max(row_lags) == q for row_lags, q in lags)
+
+
+def test_only_steps_that_catch_the_draft_up_report_a_catch_up(spec_pair):
+    """The policy charges a switch to speculation with the catch-up: a step without one must report none."""
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **KV)
+    worker = llm.llm_engine.executor.worker
+    policy = worker.policy = _Bursts(period=4)
+    seen = []
+    policy.observe = lambda shape, chosen, accepted, stats, charge: seen.append((max(chosen, default=0),
+                                                                                stats.catch_up_time))
+    llm.generate(_prompts(4), GREEDY, use_tqdm=False)
+    assert all(t == 0.0 for k, t in seen if k == 0)
+    bursts = [t for k, t in seen if k > 0]
+    assert all(t > 0.0 for t in bursts[1:])   # after three plain steps the draft lags by three or more
+
+
+def test_disable_by_batch_size_stops_seeded_drafts_too(spec_pair):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2,
+              speculative_disable_by_batch_size=2, **KV)
+    seeded = [SamplingParams(temperature=0.8, seed=s, max_tokens=10, ignore_eos=True) for s in range(3)]
+    llm.generate(_prompts(3), seeded, use_tqdm=False)
+    assert _metrics(llm)["vllm:spec_decode_num_drafts"] == 0
+    assert llm.llm_engine.executor.worker.policy._speculating is False
+
+
 def test_per_request_synthetic_acceptance_in_one_batch(spec_pair, baseline):
     """extra_args synthetic_acceptance_rate 1.0 keeps every draft, 0.0 none, side by side in one batch."""
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **FIXED, **KV)

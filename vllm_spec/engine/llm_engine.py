@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,8 @@ from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
 from vllm_spec.tokenizer import get_tokenizer
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput
 from vllm_spec.worker.step_handle import StepHandle
+
+logger = logging.getLogger(__name__)
 
 # A prompt: text, {"prompt": text} / {"prompt_token_ids": ids}, or a list of token ids.
 PromptType = str | dict[str, Any] | list[int]
@@ -127,8 +130,13 @@ class LLMEngine:
                 if not seq.is_finished:
                     self._finish(seq, SequenceStatus.FINISHED_ABORTED)
             self.stats.on_finished(request, time.monotonic())
-        if not self.requests:
-            self._drain(0.0)   # an idle engine holds no step (its outputs are all void now)
+        if not self.requests and self._in_flight is not None:
+            # An idle engine holds no step (its outputs are all void now). Aborts run in error
+            # paths too: a failed read is logged here, not raised over the error being handled.
+            try:
+                self._drain(0.0)
+            except Exception:
+                logger.exception("reading the step in flight failed while aborting the last requests")
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)

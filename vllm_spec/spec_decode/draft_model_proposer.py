@@ -61,29 +61,32 @@ class DraftModelProposer:
         return min(self._computed.get(seq.seq_id, 0), seq.start_pos)
 
     @torch.inference_mode()
-    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> None:
+    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> bool:
         """Feed speculating decoding sequences all but the last two tokens the draft has not seen.
 
         A sequence lags by more than two after steps that did not speculate (the draft does not
-        run then); one ragged forward brings it back, so the proposal itself feeds at most two
-        tokens per decoding sequence and stays on the whole-proposal graph.
+        run then); one forward brings it back (a graph replay where graphs run, see below), so the
+        proposal itself feeds at most two tokens per decoding sequence and stays on the
+        whole-proposal graph.
         """
         behind = [s for s, n in zip(seqs, num_drafts)
                   if n > 0 and s.sample and len(s.token_ids) == 1 and s.seq_len - self._start(s) > 2]
         if not behind:
-            return
+            return False
         starts = [self._start(s) for s in behind]
         q = self._uniform_catch_up_length(behind, starts)
         if q is not None:
             # Every row feeds q tokens (a graph replay: eagerly, a deep draft's forward is host-bound
             # and cost more than a target step), front-padded with tokens whose K/V the draft already
-            # holds: recomputing them rewrites the same values.
+            # holds: recomputing them rewrites the same values, up to rounding (the verifier uses the
+            # draft distributions actually sampled from, so this stays lossless).
             starts = [s.seq_len - 2 - q for s in behind]
         feed = [SeqInput(s.seq_id, tokens_from(s, start)[:-2], start, s.block_table, sample=False)
                 for s, start in zip(behind, starts)]
         self.runner.hidden_states(self.runner.prepare(feed))
         for s in feed:
             self._computed[s.seq_id] = s.seq_len
+        return True
 
     def _uniform_catch_up_length(self, behind: list[SeqInput], starts: list[int]) -> int | None:
         """The catch-up graph's query length for these rows (None: a ragged eager forward), when

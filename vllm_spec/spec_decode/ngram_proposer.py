@@ -30,8 +30,8 @@ class NgramProposer:
         self.n_max, self.n_min = n_max, n_min
         self.device = device
 
-    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> None:
-        pass   # no state: every proposal reads the whole history
+    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> bool:
+        return False   # no state: every proposal reads the whole history
 
     def propose(self, seqs: list[SeqInput], num_drafts: list[int], md: SamplingMetadata) -> Proposals:
         spec = [i for i, n in enumerate(num_drafts) if n > 0]

@@ -27,8 +27,9 @@ class Proposals:
 
 
 class Proposer(Protocol):
-    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> None:
-        """Before `propose`: bring the proposer's own state up to date where it fell behind.
+    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> bool:
+        """Before `propose`: bring the proposer's own state up to date where it fell behind;
+        whether there was anything to do.
 
         Timed apart from the proposal: it is a debt of earlier steps, not a cost of this one's k.
         """

@@ -101,13 +101,16 @@ class SpecDecodeWorker:
     # Steps ------------------------------------------------------------------------------
     def num_drafts(self, req: ExecuteModelRequest) -> tuple[list[int], StepShape, list[int]]:
         """k per sequence, the policy's shape and the rows of its sequences: decoding sequences
-        speculate as the policy says, never past max_model_len.
+        speculate as the policy says, never past max_model_len, and not at all while the batch
+        holds speculative_disable_by_batch_size sequences or more.
 
-        Seeded sampled requests always draft the full k: their output then depends on
+        Otherwise seeded sampled requests always draft the full k: their output then depends on
         their seed alone, not on the batch they share (which steers the policy).
         """
         spec = self.config.speculative
         lookahead, max_len = req.num_lookahead_slots, self.config.model.max_model_len
+        if spec.disable_by_batch_size is not None and len(req.seqs) >= spec.disable_by_batch_size:
+            lookahead = 0   # no drafts at all (the policy still sees the step: it keeps track of what ran)
         asked = [0] * len(req.seqs)
         rows, seq_ids, caps = [], [], []
         # Tokens the policy does not choose: prefill chunks, and seeded rows with their full drafts
@@ -127,10 +130,7 @@ class SpecDecodeWorker:
                 seq_ids.append(s.seq_id)
                 caps.append(cap)
         shape = StepShape(seq_ids, caps, other_tokens)
-        if spec.disable_by_batch_size is not None and len(req.seqs) >= spec.disable_by_batch_size:
-            chosen = [0] * len(rows)
-        else:
-            chosen = self.policy.choose(shape)
+        chosen = self.policy.choose(shape)
         for i, k in zip(rows, chosen):
             asked[i] = k
         return asked, shape, rows
@@ -160,7 +160,7 @@ class SpecDecodeWorker:
             req = self.target.resolve_placeholders(req)
         start = time.perf_counter()
         timer = StepTimer(self.device)
-        self.proposer.catch_up(req.seqs, asked)
+        caught_up = self.proposer.catch_up(req.seqs, asked)
         timer.mark()
         draft_md = self._metadata([self.target.sampling_row(req.seqs[i]) for i in spec_idx], for_draft=True)
         proposals = self.proposer.propose(req.seqs, asked, draft_md)
@@ -171,7 +171,7 @@ class SpecDecodeWorker:
             step = self.target.launch(req)
         timer.mark()
         handle = _SpecStep(self, step, timer, _Observation(shape, [asked[i] for i in rows], start,
-                                                           req.engine_host_time, bool(spec_idx)))
+                                                           req.engine_host_time, bool(spec_idx), caught_up))
         if handle.one_token_per_seq:
             self._unread = handle
         return handle
@@ -181,7 +181,8 @@ class SpecDecodeWorker:
         if result.spec is None:
             result.spec = SpecStepStats(0, 0, 0, [], 0.0, 0.0)
         stats = result.spec
-        stats.catch_up_time, draft_time, stats.verify_time = timer.finish()
+        catch_up_time, draft_time, stats.verify_time = timer.finish()
+        stats.catch_up_time = catch_up_time if obs.caught_up else 0.0
         stats.draft_time = stats.catch_up_time + draft_time
         if timer.cuda:
             result.device_time = stats.draft_time + stats.verify_time
@@ -326,6 +327,7 @@ class _Observation:
     start: float
     engine_host_time: float
     speculative: bool
+    caught_up: bool   # the proposer fed tokens it had missed before proposing
 
 
 class _SpecStep(StepHandle):

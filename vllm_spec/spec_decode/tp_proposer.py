@@ -29,9 +29,8 @@ class TPProposer:
         self.vocab_size = vocab_size
         self.device = device
 
-    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> None:
-        if self.inner is not None:
-            self.inner.catch_up(seqs, num_drafts)
+    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> bool:
+        return self.inner is not None and self.inner.catch_up(seqs, num_drafts)
 
     def propose(self, seqs: list[SeqInput], num_drafts: list[int], md: SamplingMetadata | None) -> Proposals:
         asked = [n for n in num_drafts if n > 0]
