@@ -91,16 +91,20 @@ def test_pads_verification(seqs, k, real, padded):
 
 
 def test_policy_explores_after_a_long_pause():
-    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=5.0, explore_every=10)  # draft looks hopeless
+    """Nothing is accepted and a draft forward costs half a target step: speculation never pays, but
+    is still probed now and then, spaced so that probes lose about 1% of the time (a probe of k = 1
+    loses 0.4-0.5 of a plain step: one in 40-50 steps)."""
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=0.5, explore_every=10)
     shape = StepShape([1, 2], [4, 4], 0)
     choices = []
-    for _ in range(20):
+    for _ in range(200):
         chosen = policy.choose(shape)
         choices.append(max(chosen))
-        draft = 0.5 if max(chosen) else 0.0
+        draft = 0.005 * max(chosen)
         stats = SpecStepStats(2, sum(chosen), 0, [], draft, 0.01, num_verified_tokens=2 * (max(chosen) + 1))
         policy.observe(shape, chosen, [0, 0], stats, Charge(draft + 0.01))
-    assert 0 < sum(1 for c in choices if c > 0) <= 2
+    probes = [i for i, c in enumerate(choices) if c > 0]
+    assert probes and probes[-1] >= 150 and len(probes) <= 10, choices
 
 
 TABLE = [(4, 4), (16, 3), (64, 2), (128, 1)]
@@ -210,3 +214,19 @@ def test_near_best_choices_are_re_measured_one_at_a_time():
             SpecStepStats(0, 0, 0, [], 0.0, 5e-3)
         policy.observe(shape, [k], [0], stats, Charge(5e-3 + 1e-4 * k))
     assert 1 <= remeasured <= 200 // 25
+
+
+def test_an_expensive_probe_is_spaced_by_what_it_loses():
+    """A draft forward costs five target steps: a probe loses five plain steps, so at 1% of the time
+    it comes once in about 500 steps (not every explore_every steps)."""
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=5.0, explore_every=10)
+    shape = StepShape([1, 2], [4, 4], 0)
+    probes = []
+    for step in range(1200):
+        chosen = policy.choose(shape)
+        if max(chosen):
+            probes.append(step)
+        draft = 0.05 * max(chosen)
+        stats = SpecStepStats(2, sum(chosen), 0, [], draft, 0.01, num_verified_tokens=2 * (max(chosen) + 1))
+        policy.observe(shape, chosen, [0, 0], stats, Charge(draft + 0.01))
+    assert 1 <= len(probes) <= 3 and probes[0] >= 400, probes

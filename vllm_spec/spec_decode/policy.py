@@ -52,6 +52,9 @@ _NEAR_BEST = 0.9
 # many steps (how long a choice is expected to last): noise in the estimates near break-even
 # then does not flip the choice at every step, each flip paying a catch-up and a refill.
 _SWITCH_HORIZON = 16
+# Probes of speculation that does not pay are spaced so that what they lose (the probe's step
+# and both switches, against plain steps) stays within this share of the time.
+_PROBE_BUDGET = 0.01
 _MAX_PROBE_EVERY = 800
 
 
@@ -235,11 +238,14 @@ class AdaptivePolicy:
 
         state = self._bucket_state(n)
         switch = state.round_trip / _SWITCH_HORIZON
+        cost = {K: self._decode_step_cost(n, K) for K in drafts}
+
+        def tokens(gains: np.ndarray) -> dict[int, float]:
+            return {K: n + float((gains * (j[None, :] <= k[:, None])).sum()) for K, k in drafts.items()}
 
         def goodput(gains: np.ndarray) -> dict[int, float]:
-            return {K: (n + float((gains * (j[None, :] <= k[:, None])).sum()))
-                    / (self._decode_step_cost(n, K) + (switch if (K > 0) != self._speculating else 0.0))
-                    for K, k in drafts.items()}
+            return {K: t / (cost[K] + (switch if (K > 0) != self._speculating else 0.0))
+                    for K, t in tokens(gains).items()}
 
         rates = goodput(gains)
         best = max(rates, key=rates.__getitem__)
@@ -264,16 +270,25 @@ class AdaptivePolicy:
             K = min(stale, key=lambda K: self._measured_at(n, K)) if stale else best
             if K != best:
                 state.last_remeasure = state.visits
-            if K == 0 and len(rates) > 1 and state.visits - state.last_spec >= state.probe_every:
+            probe = max(range(1, len(rates)), key=rates.__getitem__) if len(rates) > 1 else 0
+            if K == 0 and probe and state.visits - state.last_spec >= max(
+                    state.probe_every, self._probe_spacing(cost, state, probe, tokens(gains)[probe] / n)):
                 # Speculation that does not pay here is still probed, ever more rarely (each probe
                 # also feeds the draft every token it missed): acceptance may change.
-                K = max(range(1, len(rates)), key=rates.__getitem__)
+                K = probe
                 state.probe_every = min(2 * state.probe_every, _MAX_PROBE_EVERY)
             elif best > 0:
                 state.probe_every = self.explore_every
         if K > 0:
             state.last_spec = state.visits
         return drafts[K]
+
+    @staticmethod
+    def _probe_spacing(cost: dict[int, float], state: BucketState, k: int, tokens_per_seq: float) -> float:
+        """Steps between probes of k from plain decoding that keep what they lose within the budget:
+        the probe's step and both switches, less the plain steps its expected tokens would take."""
+        loss = cost[k] + state.round_trip - tokens_per_seq * cost[0]
+        return max(loss, 0.0) / (_PROBE_BUDGET * cost[0])
 
     def _choose_ragged(self, gains: np.ndarray, caps: np.ndarray, num_other_tokens: int) -> np.ndarray:
         """Prefill chunks in the step: verification is ragged, so k is chosen per sequence
