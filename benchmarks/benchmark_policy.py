@@ -31,7 +31,8 @@ import torch
 from benchmark_spec_decode import VOCAB, build, run_decode, write_config
 
 from vllm_spec import LLMEngine
-from vllm_spec.spec_decode.policy import AdaptivePolicy, BatchSizeTablePolicy, FixedPolicy
+from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
+from vllm_spec.spec_decode.policy import BatchSizeTablePolicy, FixedPolicy
 
 MAX_K = 4
 TABLE = [(4, 4), (16, 3), (64, 2), (128, 1)]   # k for batches of at most N sequences, 0 above 128

@@ -23,7 +23,8 @@ from pathlib import Path
 from benchmark_policy import TABLE, TINY_ENGINE, TINY_SHAPES, TINY_VOCAB, Sweep
 from benchmark_spec_decode import VOCAB, build, write_config
 
-from vllm_spec.spec_decode.policy import AdaptivePolicy, BatchSizeTablePolicy
+from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
+from vllm_spec.spec_decode.policy import BatchSizeTablePolicy
 
 SYSTEMS = ("plain", "plain-sync", "no-spec", "table", "adaptive")
 

@@ -22,7 +22,7 @@ import torch
 from benchmark_spec_decode import build, run_decode, sync, write_config
 from torch.profiler import ProfilerActivity, profile
 
-from vllm_spec.spec_decode.policy import AdaptivePolicy
+from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
 
 
 def triton_compiled_kernels() -> int:

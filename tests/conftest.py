@@ -1,12 +1,16 @@
-"""Shared fixtures: tiny random Llama-family checkpoints and a tiny BPE tokenizer, built in seconds."""
+"""Shared fixtures: tiny random Llama-family checkpoints and a tiny BPE tokenizer, built in seconds;
+and what the end-to-end speculative decoding tests share (engine settings, prompts, references)."""
 
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
 import torch
+
+from vllm_spec import LLM, SamplingParams
 
 # Tiny models gain nothing from intra-op threads, and two threads on a busy 2-core machine
 # are many times slower than one. Subprocesses (CLI, server) inherit the setting.
@@ -130,3 +134,36 @@ def spec_pair(request, tmp_path_factory, tiny_llama) -> tuple[str, str]:
 def random_draft(tmp_path_factory) -> Path:
     """An unrelated random model with the tiny vocabulary: acceptance near 0."""
     return make_tiny_model(tmp_path_factory.mktemp("random_draft"), "llama", seed=9, num_hidden_layers=1)
+
+
+# End-to-end speculative decoding ------------------------------------------------------------
+SPEC_KV = dict(kv_cache_memory_bytes=1 << 25)
+# Tests that count drafts pin k; the adaptive policy (the default) has its own tests.
+FIXED = dict(speculative_policy="fixed")
+
+
+def make_prompts(n: int, seed: int = 0, vocab: int = 300) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))]} for _ in range(n)]
+
+
+def output_ids(outputs) -> list[list[int]]:
+    return [c.token_ids for o in outputs for c in o.outputs]
+
+
+def metric_values(llm) -> dict:
+    return {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def baseline(spec_pair):
+    """The non-speculative engine on the spec pair's target."""
+    return LLM(spec_pair[0], **SPEC_KV)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(baseline):
+    return output_ids(baseline.generate(make_prompts(16), GREEDY, use_tqdm=False))

@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from conftest import metric_values, output_ids
 
 from vllm_spec import LLM, SamplingParams
 from vllm_spec.config import ParallelConfig
@@ -34,16 +35,8 @@ def _prompts(n: int = 6, seed: int = 0) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(3, 300) for _ in range(rng.randrange(1, 30))]} for _ in range(n)]
 
 
-def _ids(outputs) -> list[list[int]]:
-    return [c.token_ids for o in outputs for c in o.outputs]
-
-
-def _metrics(llm: LLM) -> dict:
-    return {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
-
-
 def _spec_counts(llm: LLM) -> tuple:
-    m = _metrics(llm)
+    m = metric_values(llm)
     return (m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_draft_tokens"],
             m["vllm:spec_decode_num_accepted_tokens"])
 
@@ -57,22 +50,22 @@ def reference(spec_pair):
     """tp=1: greedy ids of the target alone, and of speculation with fixed k (ids + draft counts)."""
     target, draft = spec_pair
     plain = LLM(target, **OPTS)
-    greedy = _ids(plain.generate(_prompts(), GREEDY, use_tqdm=False))
+    greedy = output_ids(plain.generate(_prompts(), GREEDY, use_tqdm=False))
     spec = LLM(target, speculative_model=draft, **SPEC, **OPTS)
-    assert _ids(spec.generate(_prompts(), GREEDY, use_tqdm=False)) == greedy
+    assert output_ids(spec.generate(_prompts(), GREEDY, use_tqdm=False)) == greedy
     counts = _spec_counts(spec)
-    sampled = _ids(spec.generate(_prompts(4, seed=1), SEEDED, use_tqdm=False))
+    sampled = output_ids(spec.generate(_prompts(4, seed=1), SEEDED, use_tqdm=False))
     return greedy, counts, sampled
 
 
 def _check(llm: LLM, reference, speculative: bool) -> None:
     greedy, counts, sampled = reference
-    assert _ids(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == greedy
+    assert output_ids(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == greedy
     if speculative:
         assert counts[1] > 0 and counts[2] > 0
         assert _spec_counts(llm) == counts
         # Sampled + seeded: the draft's probabilities cross ranks (draft_tp < tp) and rank 0 decides.
-        out = _ids(llm.generate(_prompts(4, seed=1), SEEDED, use_tqdm=False))
+        out = output_ids(llm.generate(_prompts(4, seed=1), SEEDED, use_tqdm=False))
         assert [len(t) for t in out] == [16] * 4
         assert out == sampled
     engine = llm.llm_engine

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from vllm_spec.spec_decode.policy import AdaptivePolicy, FixedPolicy, StepShape, pads_verification
+from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
+from vllm_spec.spec_decode.policy import FixedPolicy, StepShape, pads_verification
 from vllm_spec.spec_decode.step_cost import Charge, StepCharges
 from vllm_spec.worker.batch import SpecStepStats
 

@@ -12,46 +12,19 @@ import pytest
 import torch
 from scipy import stats
 
+from conftest import FIXED, GREEDY, make_prompts, metric_values, output_ids
+from conftest import SPEC_KV as KV
+
 from vllm_spec import LLM, SamplingParams
-
-KV = dict(kv_cache_memory_bytes=1 << 25)
-# Tests that count drafts pin k; the adaptive policy (the default) has its own tests below.
-FIXED = dict(speculative_policy="fixed")
-
-
-def _prompts(n: int, seed: int = 0, vocab: int = 300) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))]} for _ in range(n)]
-
-
-def _ids(outputs) -> list[list[int]]:
-    return [c.token_ids for o in outputs for c in o.outputs]
-
-
-def _metrics(llm: LLM) -> dict:
-    return {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
-
-
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def baseline(spec_pair):
-    return LLM(spec_pair[0], **KV)
-
-
-@pytest.fixture(scope="module")
-def greedy_reference(baseline):
-    return _ids(baseline.generate(_prompts(16), GREEDY, use_tqdm=False))
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_equality_draft_model(spec_pair, greedy_reference, k):
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=k, **FIXED, **KV)
     for batch in (1, 5, 16):
-        out = _ids(llm.generate(_prompts(16)[:batch], GREEDY, use_tqdm=False))
+        out = output_ids(llm.generate(make_prompts(16)[:batch], GREEDY, use_tqdm=False))
         assert out == greedy_reference[:batch]
-    m = _metrics(llm)
+    m = metric_values(llm)
     assert m["vllm:spec_decode_num_draft_tokens"] > 0
     assert len(m["vllm:spec_decode_num_accepted_tokens_per_pos"]) == k
     assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_usable_blocks
@@ -61,37 +34,37 @@ def test_greedy_equality_with_preemption(spec_pair, greedy_reference):
     # 40 usable blocks of 4 tokens: 16 sequences of up to ~64 tokens cannot all fit.
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3,
               block_size=4, num_gpu_blocks_override=41, max_model_len=128, **FIXED)
-    out = _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False))
-    assert _metrics(llm)["vllm:num_preemptions"] > 0
+    out = output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False))
+    assert metric_values(llm)["vllm:num_preemptions"] > 0
     assert out == greedy_reference
 
 
 def test_greedy_equality_chunked_prefill(spec_pair, greedy_reference):
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4,
               max_num_batched_tokens=16, **FIXED, **KV)
-    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    assert output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
 
 
 def test_greedy_equality_ngram(spec_pair, baseline):
     # Repetitive prompts so that prompt lookup finds matches.
     prompts = [{"prompt_token_ids": ([5, 6, 7, 8, 9] * 6)[: 10 + i]} for i in range(8)]
-    ref = _ids(baseline.generate(prompts, GREEDY, use_tqdm=False))
+    ref = output_ids(baseline.generate(prompts, GREEDY, use_tqdm=False))
     llm = LLM(spec_pair[0], speculative_model="[ngram]", num_speculative_tokens=4,
               ngram_prompt_lookup_max=3, ngram_prompt_lookup_min=1, **FIXED, **KV)
-    assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == ref
-    assert _metrics(llm)["vllm:spec_decode_num_draft_tokens"] > 0
+    assert output_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == ref
+    assert metric_values(llm)["vllm:spec_decode_num_draft_tokens"] > 0
 
 
 def test_random_draft_accepts_almost_nothing(spec_pair, random_draft, greedy_reference):
     llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=4, **FIXED, **KV)
-    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
-    assert _metrics(llm)["vllm:spec_decode_acceptance_rate"] < 0.2
+    assert output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    assert metric_values(llm)["vllm:spec_decode_acceptance_rate"] < 0.2
 
 
 def test_draft_equal_to_target_accepts_everything(spec_pair, greedy_reference):
     llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=4, **FIXED, **KV)
-    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
-    m = _metrics(llm)
+    assert output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    m = metric_values(llm)
     assert m["vllm:spec_decode_acceptance_rate"] == 1.0
     assert m["vllm:spec_decode_mean_accepted_length"] == 5.0
 
@@ -99,15 +72,15 @@ def test_draft_equal_to_target_accepts_everything(spec_pair, greedy_reference):
 def test_greedy_equality_with_penalties_and_min_tokens(spec_pair, baseline):
     params = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.5,
                             presence_penalty=0.2, min_tokens=5, stop_token_ids=[7, 11])
-    prompts = _prompts(6, seed=3)
-    ref = _ids(baseline.generate(prompts, params, use_tqdm=False))
+    prompts = make_prompts(6, seed=3)
+    ref = output_ids(baseline.generate(prompts, params, use_tqdm=False))
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **FIXED, **KV)
-    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+    assert output_ids(llm.generate(prompts, params, use_tqdm=False)) == ref
 
 
 def test_logprobs_match_non_speculative(spec_pair, baseline):
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
-    prompts = _prompts(4, seed=4)
+    prompts = make_prompts(4, seed=4)
     ref = baseline.generate(prompts, params, use_tqdm=False)
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **FIXED, **KV)
     out = llm.generate(prompts, params, use_tqdm=False)
@@ -144,7 +117,7 @@ def test_sampled_distribution_matches_non_speculative(spec_pair, baseline, rando
     ref = _token_histogram(baseline, 2, 1500, params, vocab)
     llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=2, seed=123, **FIXED, **KV)
     got = _token_histogram(llm, 2, 1500, params, vocab)
-    assert _metrics(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert metric_values(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
     keep = (ref + got) >= 10
     table = torch.stack([torch.cat([ref[keep], ref[~keep].sum().view(1)]),
                          torch.cat([got[keep], got[~keep].sum().view(1)])]).numpy()
@@ -157,12 +130,12 @@ def test_seeded_sampling_is_independent_of_batch(spec_pair):
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **KV)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
     other = SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True)
-    prompt = _prompts(1, seed=8)
-    alone = _ids(llm.generate(prompt, seeded, use_tqdm=False))[0]
-    mixed = llm.generate(prompt + _prompts(6, seed=9), [seeded] + [other] * 6, use_tqdm=False)
+    prompt = make_prompts(1, seed=8)
+    alone = output_ids(llm.generate(prompt, seeded, use_tqdm=False))[0]
+    mixed = llm.generate(prompt + make_prompts(6, seed=9), [seeded] + [other] * 6, use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == alone
     again = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, seed=77, **KV)
-    assert _ids(again.generate(prompt, seeded, use_tqdm=False))[0] == alone
+    assert output_ids(again.generate(prompt, seeded, use_tqdm=False))[0] == alone
 
 
 def test_seeded_request_near_max_model_len_is_independent_of_batch(spec_pair):
@@ -175,7 +148,7 @@ def test_seeded_request_near_max_model_len_is_independent_of_batch(spec_pair):
     prompt = {"prompt_token_ids": [random.Random(3).randrange(3, 300) for _ in range(52)]}
     alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0]
     assert alone.finish_reason == "length" and len(alone.token_ids) == 12
-    mixed = llm.generate([prompt] + _prompts(3, seed=15), [seeded] + [other] * 3, use_tqdm=False)
+    mixed = llm.generate([prompt] + make_prompts(3, seed=15), [seeded] + [other] * 3, use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == alone.token_ids
 
 
@@ -186,7 +159,7 @@ def test_seeded_request_arriving_while_others_speculate(spec_pair, method):
     draft = spec_pair[1] if method == "draft" else "[ngram]"
     seeded = SamplingParams(temperature=0.7, seed=417, max_tokens=12, ignore_eos=True)
     other = SamplingParams(temperature=0.7, seed=1, max_tokens=24, ignore_eos=True)
-    prompt, other_prompt = _prompts(1, seed=11)[0], _prompts(1, seed=12)[0]
+    prompt, other_prompt = make_prompts(1, seed=11)[0], make_prompts(1, seed=12)[0]
 
     def run(with_other: bool) -> list[int]:
         engine = LLM(spec_pair[0], speculative_model=draft, num_speculative_tokens=3, **FIXED, **KV).llm_engine
@@ -206,13 +179,13 @@ def test_seeded_request_arriving_while_others_speculate(spec_pair, method):
 
 def test_penalised_row_speculating_next_to_a_sampled_prefill(spec_pair, baseline):
     greedy = SamplingParams(temperature=0, max_tokens=16, presence_penalty=0.5, ignore_eos=True)
-    prompt = _prompts(1, seed=13)[0]
-    ref = _ids(baseline.generate([prompt], greedy, use_tqdm=False))[0]
+    prompt = make_prompts(1, seed=13)[0]
+    ref = output_ids(baseline.generate([prompt], greedy, use_tqdm=False))[0]
     engine = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **FIXED, **KV).llm_engine
     engine.add_request("a", prompt, greedy)
     engine.step()
     engine.step()
-    engine.add_request("b", _prompts(1, seed=14)[0], SamplingParams(temperature=0.5, max_tokens=8))
+    engine.add_request("b", make_prompts(1, seed=14)[0], SamplingParams(temperature=0.5, max_tokens=8))
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
@@ -223,7 +196,7 @@ def test_penalised_row_speculating_next_to_a_sampled_prefill(spec_pair, baseline
 def test_abort_mid_speculation_frees_blocks(spec_pair):
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **FIXED, **KV)
     engine = llm.llm_engine
-    for i, p in enumerate(_prompts(4, seed=5)):
+    for i, p in enumerate(make_prompts(4, seed=5)):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     for _ in range(4):
         engine.step()
@@ -232,23 +205,13 @@ def test_abort_mid_speculation_frees_blocks(spec_pair):
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
     # The engine keeps working after the abort.
-    assert len(llm.generate(_prompts(2), GREEDY, use_tqdm=False)) == 2
+    assert len(llm.generate(make_prompts(2), GREEDY, use_tqdm=False)) == 2
 
 
 def test_speculative_config_dict_form(spec_pair, greedy_reference):
     llm = LLM(spec_pair[0], speculative_config={"model": spec_pair[1], "num_speculative_tokens": 2,
                                                 "method": "draft_model", "policy": "fixed"}, **KV)
-    assert _ids(llm.generate(_prompts(4), GREEDY, use_tqdm=False)) == greedy_reference[:4]
-
-
-def test_disable_by_batch_size(spec_pair, greedy_reference):
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2,
-              speculative_disable_by_batch_size=4, **FIXED, **KV)
-    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
-    drafts_big_batch = _metrics(llm)["vllm:spec_decode_num_drafts"]
-    llm.generate(_prompts(2), GREEDY, use_tqdm=False)
-    assert _metrics(llm)["vllm:spec_decode_num_drafts"] > drafts_big_batch
-
+    assert output_ids(llm.generate(make_prompts(4), GREEDY, use_tqdm=False)) == greedy_reference[:4]
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
@@ -277,175 +240,11 @@ def test_draft_shorter_than_max_model_len_is_rejected(tmp_path, spec_pair):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(spec_pair[0], speculative_model=str(short), num_speculative_tokens=2, max_model_len=256, **FIXED, **KV)
 
-
-@pytest.mark.parametrize("policy", [
-    {"speculative_policy": "adaptive"},
-    {"speculative_policy": "fixed"},
-    {"speculative_policy": "adaptive", "speculative_disable_by_batch_size": 6},
-    {"speculative_policy": "fixed", "speculative_disable_by_batch_size": 6},
-])
-def test_greedy_equality_every_policy(spec_pair, greedy_reference, policy):
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **policy, **KV)
-    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
-    m = _metrics(llm)
-    assert 0.0 <= m["vllm:spec_decode_policy_mean_k"] <= 4.0
-
-
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair, random_draft, async_scheduling):
-    # An unrelated draft (acceptance near 0) whose forward costs on CPU about as much as the
-    # target's: the policy must measure a high draft cost ratio and speculate only to explore.
-    llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=4,
-              async_scheduling=async_scheduling, **KV)
-    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
-    llm.generate(_prompts(2), params, use_tqdm=False)
-    m = _metrics(llm)
-    assert m["vllm:spec_decode_policy_draft_cost_ratio"] > 0.3
-    steps = m["vllm:engine_steps"]
-    # Exploration: at least one speculative step, and only a few (one every 50 steps, plus early
-    # probes while the sampled acceptance belief is still wide): at most 5% of the steps.
-    assert 1 <= m["vllm:spec_decode_num_drafts"] / 2 <= steps / 20 + 1, (m["vllm:spec_decode_num_drafts"], steps)
-
-
-class _VaryingK:
-    """A policy giving neighbouring sequences different k (from `least` to 3): exercises padded verification."""
-
-    def __init__(self, least: int = 0):
-        self.least = least
-
-    def choose(self, shape):
-        return [min(cap, self.least + (i + len(shape.seq_ids)) % (4 - self.least)) for i, cap in enumerate(shape.caps)]
-
-    def observe(self, *args) -> None:
-        pass
-
-    def release(self, seq_ids) -> None:
-        pass
-
-    def estimates(self):
-        from vllm_spec.worker.batch import PolicyEstimates
-        return PolicyEstimates(0.0)
-
-
-def test_greedy_equality_with_different_k_per_sequence(spec_pair, greedy_reference):
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **KV)
-    llm.llm_engine.executor.worker.policy = _VaryingK()
-    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
-    m = _metrics(llm)
-    assert m["vllm:spec_decode_num_accepted_tokens"] > 0
-
-
-def test_draft_equal_to_target_with_different_k_per_sequence(spec_pair, greedy_reference):
-    # Every row drafts (k 1..3, so the whole-proposal loop runs) and rows asking fewer drafts than
-    # the step's most keep rewriting their last legal slot: their drafts must still be exact.
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, **KV)
-    llm.llm_engine.executor.worker.policy = _VaryingK(least=1)
-    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
-    assert _metrics(llm)["vllm:spec_decode_acceptance_rate"] == 1.0
-
-
-class _Bursts(_VaryingK):
-    """Speculates (k = 3) on one step in `period`, not at all on the others."""
-
-    def __init__(self, period: int):
-        self.period, self.steps = period, 0
-
-    def choose(self, shape):
-        self.steps += 1
-        return [min(cap, 3) if self.steps % self.period == 0 else 0 for cap in shape.caps]
-
-
-@pytest.mark.parametrize("uniform", [False, True], ids=["ragged", "uniform"])
-def test_speculating_after_plain_steps_catches_the_draft_up(spec_pair, greedy_reference, uniform):
-    # The draft does not run on steps without speculation; the next speculative step must feed it the
-    # missed tokens (greedy equality) and still propose on the whole-proposal path. Uniform: every row
-    # feeds one query length, front-padded with tokens the draft has seen (as where graphs run).
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, **KV)
-    worker = llm.llm_engine.executor.worker
-    worker.policy = _Bursts(period=4)
-    proposer = worker.draft_proposer
-    proposer.uniform_catch_up = uniform
-    lengths = []
-    pick = proposer._uniform_catch_up_length
-    proposer._uniform_catch_up_length = lambda behind, starts: lengths.append(pick(behind, starts)) or lengths[-1]
-    calls = {"propose": 0, "loop": 0}
-
-    def count(name, fn):
-        def wrapped(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return wrapped
-
-    propose, proposer._propose_in_loop = proposer.propose, count("loop", proposer._propose_in_loop)
-    proposer.propose = lambda seqs, num_drafts, md: count("propose", propose)(seqs, num_drafts, md) \
-        if any(num_drafts) else propose(seqs, num_drafts, md)
-    assert _ids(llm.generate(_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
-    # Draft = target: every draft of every burst is kept, three plain steps in between notwithstanding.
-    assert _metrics(llm)["vllm:spec_decode_acceptance_rate"] == 1.0
-    assert calls["propose"] > 0 and calls["loop"] == calls["propose"]
-    assert (any(lengths) if uniform else not any(lengths)) and lengths
-
-
-def test_uniform_catch_up_of_rows_lagging_by_different_amounts(spec_pair, baseline):
-    """Requests arriving at different steps lag the draft by different amounts (up to the padded
-    length itself): every row is padded to one query length; draft = target keeps every draft."""
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, **KV)
-    engine, worker = llm.llm_engine, llm.llm_engine.executor.worker
-    worker.policy = _Bursts(period=5)
-    proposer = worker.draft_proposer
-    proposer.uniform_catch_up = True
-    lags = []
-    pick = proposer._uniform_catch_up_length
-
-    def recording(behind, starts):
-        q = pick(behind, starts)
-        lags.append(([s.seq_len - 2 - start for s, start in zip(behind, starts)], q))
-        return q
-
-    proposer._uniform_catch_up_length = recording
-    prompts = [p["prompt_token_ids"] for p in _prompts(4, seed=21)]
-    expected = _ids(baseline.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
-    done = {}
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, GREEDY)
-        for _ in range(i + 1):   # staggered arrivals
-            done.update({o.request_id: o for o in engine.step() if o.finished})
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert [done[str(i)].outputs[0].token_ids for i in range(4)] == expected
-    assert _metrics(llm)["vllm:spec_decode_acceptance_rate"] == 1.0
-    assert any(q is not None and len(set(row_lags)) > 1 for row_lags, q in lags)
-    assert any(q is not None and max(row_lags) == q for row_lags, q in lags)
-
-
-def test_only_steps_that_catch_the_draft_up_report_a_catch_up(spec_pair):
-    """The policy charges a switch to speculation with the catch-up: a step without one must report none."""
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **KV)
-    worker = llm.llm_engine.executor.worker
-    policy = worker.policy = _Bursts(period=4)
-    seen = []
-    policy.observe = lambda shape, chosen, accepted, stats, charge: seen.append((max(chosen, default=0),
-                                                                                stats.catch_up_time))
-    llm.generate(_prompts(4), GREEDY, use_tqdm=False)
-    assert all(t == 0.0 for k, t in seen if k == 0)
-    bursts = [t for k, t in seen if k > 0]
-    assert all(t > 0.0 for t in bursts[1:])   # after three plain steps the draft lags by three or more
-
-
-def test_disable_by_batch_size_stops_seeded_drafts_too(spec_pair):
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2,
-              speculative_disable_by_batch_size=2, **KV)
-    seeded = [SamplingParams(temperature=0.8, seed=s, max_tokens=10, ignore_eos=True) for s in range(3)]
-    llm.generate(_prompts(3), seeded, use_tqdm=False)
-    assert _metrics(llm)["vllm:spec_decode_num_drafts"] == 0
-    assert llm.llm_engine.executor.worker.policy._speculating is False
-
-
 def test_per_request_synthetic_acceptance_in_one_batch(spec_pair, baseline):
     """extra_args synthetic_acceptance_rate 1.0 keeps every draft, 0.0 none, side by side in one batch."""
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **FIXED, **KV)
     engine = llm.llm_engine
-    prompts = _prompts(2, seed=6)
+    prompts = make_prompts(2, seed=6)
     for (rid, rate), prompt in zip((("all", 1.0), ("none", 0.0)), prompts):
         engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=21, ignore_eos=True,
                                                        extra_args={"synthetic_acceptance_rate": rate}))
@@ -457,8 +256,8 @@ def test_per_request_synthetic_acceptance_in_one_batch(spec_pair, baseline):
             tokens[out.request_id] = list(ids)
     assert growth["all"] == [1, 5, 5, 5, 5]            # prefill, then 4 drafts + 1 token per step
     assert growth["none"] == [1] * 21
-    m = _metrics(llm)
+    m = metric_values(llm)
     assert m["vllm:spec_decode_num_accepted_tokens"] == 16
     # Rejecting every draft emits the target's own greedy tokens.
-    assert tokens["none"] == _ids(baseline.generate(prompts[1:], SamplingParams(temperature=0, max_tokens=21,
+    assert tokens["none"] == output_ids(baseline.generate(prompts[1:], SamplingParams(temperature=0, max_tokens=21,
                                                                              ignore_eos=True), use_tqdm=False))[0]

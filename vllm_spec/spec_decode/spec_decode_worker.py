@@ -22,7 +22,8 @@ from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
 from vllm_spec.sample.sampler import SamplerOutput, gather_logprobs, process_logits
 from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer
 from vllm_spec.spec_decode.ngram_proposer import NgramProposer
-from vllm_spec.spec_decode.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy, StepShape, pads_verification
+from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
+from vllm_spec.spec_decode.policy import FixedPolicy, SpeculationPolicy, StepShape, pads_verification
 from vllm_spec.spec_decode.proposer import Proposals, Proposer
 from vllm_spec.spec_decode.rejection_sampler import rejection_sample
 from vllm_spec.spec_decode.step_cost import StepCharges

@@ -1,0 +1,192 @@
+"""The adaptive speculation policy on synthetic costs and acceptance: the choices a goodput maximiser must make."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
+from vllm_spec.spec_decode.policy import ALWAYS_PAD_BATCH, StepShape, pads_verification
+from vllm_spec.spec_decode.step_cost import Charge, StepCost
+from vllm_spec.worker.batch import SpecStepStats
+
+
+def _train(policy: AdaptivePolicy, shape: StepShape, alphas: list[float], target_fixed: float,
+           target_per_token: float, draft_per_forward: float, steps: int = 60) -> None:
+    """Feed observations from a known cost model and per-sequence acceptance (expected values)."""
+    for _ in range(steps):
+        chosen = policy.choose(shape)
+        if max(chosen, default=0) == 0:   # a plain step
+            t = target_fixed + target_per_token * (shape.num_other_tokens + len(chosen))
+            policy.observe(shape, chosen, [0] * len(chosen), SpecStepStats(0, 0, 0, [], 0.0, t), Charge(t))
+            continue
+        accepted = [min(k, round(k * a)) for k, a in zip(chosen, alphas)]
+        q = shape.num_other_tokens + len(chosen) + sum(chosen)
+        if shape.num_other_tokens == 0 and pads_verification(len(chosen), max(chosen), q):
+            q = len(chosen) * (max(chosen) + 1)   # as the worker pads it
+        stats = SpecStepStats(len(chosen), sum(chosen), sum(accepted), [], max(chosen) * draft_per_forward,
+                              target_fixed + target_per_token * q, num_verified_tokens=q)
+        policy.observe(shape, chosen, accepted, stats, Charge(stats.draft_time + stats.verify_time))
+
+
+def test_cheap_draft_and_high_acceptance_speculate_deeply():
+    policy = AdaptivePolicy(max_k=8, draft_cost_ratio=0.02)
+    shape = StepShape([1], [8], 0)
+    _train(policy, shape, [0.95], target_fixed=5e-3, target_per_token=1e-6, draft_per_forward=1e-4)
+    assert policy.choose(shape)[0] >= 5
+    assert policy.estimates().acceptance > 0.8
+
+
+def test_compute_bound_batches_stop_speculating():
+    # 256 sequences; every extra query token costs as much as a tenth of a step: verification
+    # of drafts at acceptance 0.5 cannot pay for itself.
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=0.05)
+    shape = StepShape(list(range(256)), [4] * 256, 0)
+    _train(policy, shape, [0.5] * 256, target_fixed=5e-3, target_per_token=5e-4, draft_per_forward=2e-3)
+    assert max(policy.choose(shape)) == 0
+
+
+def test_memory_bound_batches_speculate():
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=0.05)
+    shape = StepShape(list(range(8)), [4] * 8, 0)
+    _train(policy, shape, [0.8] * 8, target_fixed=5e-3, target_per_token=1e-6, draft_per_forward=2e-4)
+    assert min(policy.choose(shape)) >= 2
+
+
+def test_low_acceptance_sequences_get_fewer_drafts():
+    # Prefill chunks in the step: verification is ragged, fewer drafts verify fewer tokens.
+    policy = AdaptivePolicy(max_k=6, draft_cost_ratio=0.05)
+    shape = StepShape(list(range(64)), [6] * 64, 100)
+    alphas = [0.95] * 32 + [0.2] * 32
+    _train(policy, shape, alphas, target_fixed=5e-3, target_per_token=2e-5, draft_per_forward=3e-4)
+    chosen = policy.choose(shape)
+    assert min(chosen[:32]) > max(chosen[32:])
+
+
+@pytest.mark.parametrize("batch", [ALWAYS_PAD_BATCH, 64])
+def test_padded_verification_gives_every_sequence_the_same_k(batch):
+    # Every sequence decoding: verification runs K+1 tokens per sequence whatever each one
+    # drafted, so a draft up to K costs nothing more to verify.
+    policy = AdaptivePolicy(max_k=6, draft_cost_ratio=0.05)
+    shape = StepShape(list(range(batch)), [6] * batch, 0)
+    alphas = [0.95] * (batch - 8) + [0.2] * 8
+    _train(policy, shape, alphas, target_fixed=5e-3, target_per_token=2e-5, draft_per_forward=3e-4)
+    chosen = policy.choose(shape)
+    assert len(set(chosen)) == 1 and chosen[0] > 0
+
+
+def test_policy_explores_after_a_long_pause():
+    """Nothing is accepted and a draft forward costs half a target step: speculation never pays, but
+    is still probed now and then, spaced so that probes lose about 1% of the time (a probe of k = 1
+    loses 0.4-0.5 of a plain step: one in 40-50 steps)."""
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=0.5, explore_every=10)
+    shape = StepShape([1, 2], [4, 4], 0)
+    choices = []
+    for _ in range(200):
+        chosen = policy.choose(shape)
+        choices.append(max(chosen))
+        draft = 0.005 * max(chosen)
+        stats = SpecStepStats(2, sum(chosen), 0, [], draft, 0.01, num_verified_tokens=2 * (max(chosen) + 1))
+        policy.observe(shape, chosen, [0, 0], stats, Charge(draft + 0.01))
+    probes = [i for i, c in enumerate(choices) if c > 0]
+    assert probes and probes[-1] >= 150 and len(probes) <= 10, choices
+
+
+def test_modelled_costs_are_in_seconds_when_decoding_comes_first():
+    # No prefill step before (1-token prompts): the first steps the policy sees are plain decodes.
+    # Its model of steps not measured yet must be calibrated against seconds, not the fit's prior.
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=0.05)
+    shape = StepShape(list(range(8)), [4] * 8, 0)
+    for _ in range(3):
+        chosen = policy.choose(shape)
+        assert max(chosen) == 0   # plain steps are measured first
+        policy.observe(shape, chosen, [0] * 8, SpecStepStats(0, 0, 0, [], 0.0, 8e-3), Charge(10e-3))
+    assert policy._decode_step_cost(8, 0) == pytest.approx(10e-3)
+    # Drafting and verifying more tokens never looks cheaper than the measured plain step.
+    assert all(policy._decode_step_cost(8, k) >= 10e-3 for k in range(1, 5))
+
+
+def test_a_refill_teaches_the_switching_cost_not_the_plain_cost():
+    """A plain step that could not overlap the speculative step before it (async scheduling): its cost
+    must not enter the measured step costs, which decide k; what it cost beyond a plain step is
+    what switching back costs."""
+    policy = AdaptivePolicy(max_k=4)
+    shape = StepShape([1, 2], [4, 4], 0)
+    _train(policy, shape, [0.8, 0.8], 0.01, 1e-5, 0.001, steps=20)
+    measured = {key: (c.seconds, c.samples) for key, c in policy._measured.items()}
+    rate = policy._global_rate()
+    stats = SpecStepStats(2, 4, 4, [2, 2], 0.002, 0.01, num_verified_tokens=6)
+    policy.observe(shape, [2, 2], [2, 2], stats, Charge(0.015))
+    measured[(2, 2)] = (policy._measured[(2, 2)].seconds, policy._measured[(2, 2)].samples)
+    plain = policy._measured[(2, 0)].seconds
+    policy.observe(shape, [0, 0], [0, 0], SpecStepStats(0, 0, 0, [], 0.0, 0.5), Charge(plain + 0.004, refill=True))
+    assert {key: (c.seconds, c.samples) for key, c in policy._measured.items()} == measured
+    assert policy._buckets[2].refill == pytest.approx(0.004)
+    assert policy._global_rate() > rate   # two drafts accepted out of two
+
+
+def test_a_switch_is_charged_to_the_choice_that_makes_it():
+    """Speculating wins 2% per step here, less than a catch-up and a refill spread over the steps a
+    choice lasts: a policy that speculates keeps speculating, one that does not keeps not (no flip
+    at every step on estimates this close); with free switches both speculate."""
+    def decide(speculating: bool, round_trip: float) -> int:
+        policy = AdaptivePolicy(max_k=1, prior_acceptance=0.5, prior_strength=1e6)
+        shape = StepShape([1], [1], 0)
+        state = policy._bucket_state(1)
+        state.visits, state.probe_every = 10, 1000
+        state.catch_up, state.refill = round_trip / 2, round_trip / 2
+        # 1.5 expected tokens per speculative step: 1.02x the plain step's rate.
+        policy._measured = {(1, 0): StepCost(4.0e-3, at=10, samples=5),
+                            (1, 1): StepCost(1.5 * 4.0e-3 / 1.02, at=10, samples=5)}
+        policy._speculating = speculating
+        return policy.choose(shape)[0]
+
+    assert decide(speculating=True, round_trip=4e-3) == 1
+    assert decide(speculating=False, round_trip=4e-3) == 0
+    assert decide(speculating=False, round_trip=0.0) == 1
+
+
+def test_a_sequence_that_stops_drafting_forgets_its_own_trials():
+    policy = AdaptivePolicy(max_k=4)
+    shape = StepShape([1], [4], 0)
+    stats = SpecStepStats(1, 4, 0, [0], 0.001, 0.01, num_verified_tokens=5)
+    for _ in range(5):   # five rejections at the first draft
+        policy.observe(shape, [4], [0], stats, Charge(0.012))
+    low = policy._posteriors([1])
+    for _ in range(40):   # plain steps: its own counts fade, its belief returns to the global one
+        policy.observe(shape, [0], [0], SpecStepStats(0, 0, 0, [], 0.0, 0.01), Charge(0.01))
+    a, b = policy._posteriors([1])
+    assert a / (a + b) > low[0] / (low[0] + low[1])
+    assert a / (a + b) == pytest.approx(policy._global_rate(), abs=0.02)
+
+
+def test_near_best_choices_are_re_measured_one_at_a_time():
+    """Nothing is accepted and drafts cost little (overhead-bound steps): plain decoding is best, with
+    every k near it. Re-measuring them takes at most one step in explore_every / 2 once each
+    has been measured (speculative steps the drawn acceptance asks for come on top: Thompson sampling)."""
+    policy = AdaptivePolicy(max_k=4, explore_every=50)
+    shape = StepShape([1], [4], 0)
+    remeasured = 0
+    for step in range(400):
+        before = policy._bucket_state(1).last_remeasure
+        k = policy.choose(shape)[0]
+        remeasured += step >= 200 and policy._bucket_state(1).last_remeasure != before
+        stats = SpecStepStats(1, k, 0, [0], 1e-4 * k, 5e-3, num_verified_tokens=k + 1) if k else \
+            SpecStepStats(0, 0, 0, [], 0.0, 5e-3)
+        policy.observe(shape, [k], [0], stats, Charge(5e-3 + 1e-4 * k))
+    assert 1 <= remeasured <= 200 // 25
+
+
+def test_an_expensive_probe_is_spaced_by_what_it_loses():
+    """A draft forward costs five target steps: a probe loses five plain steps, so at 1% of the time
+    it comes once in about 500 steps (not every explore_every steps)."""
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=5.0, explore_every=10)
+    shape = StepShape([1, 2], [4, 4], 0)
+    probes = []
+    for step in range(1200):
+        chosen = policy.choose(shape)
+        if max(chosen):
+            probes.append(step)
+        draft = 0.05 * max(chosen)
+        stats = SpecStepStats(2, sum(chosen), 0, [], draft, 0.01, num_verified_tokens=2 * (max(chosen) + 1))
+        policy.observe(shape, chosen, [0, 0], stats, Charge(draft + 0.01))
+    assert 1 <= len(probes) <= 3 and probes[0] >= 400, probes

@@ -1,0 +1,183 @@
+"""End to end: the speculation policies (greedy equality under each, what the adaptive one learns,
+different k per sequence, speculative_disable_by_batch_size) and the draft's catch-up after steps
+that did not speculate."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FIXED, GREEDY, make_prompts, metric_values, output_ids
+from conftest import SPEC_KV as KV
+
+from vllm_spec import LLM, SamplingParams
+
+
+def test_disable_by_batch_size(spec_pair, greedy_reference):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2,
+              speculative_disable_by_batch_size=4, **FIXED, **KV)
+    assert output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    drafts_big_batch = metric_values(llm)["vllm:spec_decode_num_drafts"]
+    llm.generate(make_prompts(2), GREEDY, use_tqdm=False)
+    assert metric_values(llm)["vllm:spec_decode_num_drafts"] > drafts_big_batch
+
+
+@pytest.mark.parametrize("policy", [
+    {"speculative_policy": "adaptive"},
+    {"speculative_policy": "fixed"},
+    {"speculative_policy": "adaptive", "speculative_disable_by_batch_size": 6},
+    {"speculative_policy": "fixed", "speculative_disable_by_batch_size": 6},
+])
+def test_greedy_equality_every_policy(spec_pair, greedy_reference, policy):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **policy, **KV)
+    assert output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    m = metric_values(llm)
+    assert 0.0 <= m["vllm:spec_decode_policy_mean_k"] <= 4.0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair, random_draft, async_scheduling):
+    # An unrelated draft (acceptance near 0) whose forward costs on CPU about as much as the
+    # target's: the policy must measure a high draft cost ratio and speculate only to explore.
+    llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=4,
+              async_scheduling=async_scheduling, **KV)
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    llm.generate(make_prompts(2), params, use_tqdm=False)
+    m = metric_values(llm)
+    assert m["vllm:spec_decode_policy_draft_cost_ratio"] > 0.3
+    steps = m["vllm:engine_steps"]
+    # Exploration: at least one speculative step, and only a few (one every 50 steps, plus early
+    # probes while the sampled acceptance belief is still wide): at most 5% of the steps.
+    assert 1 <= m["vllm:spec_decode_num_drafts"] / 2 <= steps / 20 + 1, (m["vllm:spec_decode_num_drafts"], steps)
+
+
+class _VaryingK:
+    """A policy giving neighbouring sequences different k (from `least` to 3): exercises padded verification."""
+
+    def __init__(self, least: int = 0):
+        self.least = least
+
+    def choose(self, shape):
+        return [min(cap, self.least + (i + len(shape.seq_ids)) % (4 - self.least)) for i, cap in enumerate(shape.caps)]
+
+    def observe(self, *args) -> None:
+        pass
+
+    def release(self, seq_ids) -> None:
+        pass
+
+    def estimates(self):
+        from vllm_spec.worker.batch import PolicyEstimates
+        return PolicyEstimates(0.0)
+
+
+def test_greedy_equality_with_different_k_per_sequence(spec_pair, greedy_reference):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **KV)
+    llm.llm_engine.executor.worker.policy = _VaryingK()
+    assert output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    m = metric_values(llm)
+    assert m["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_draft_equal_to_target_with_different_k_per_sequence(spec_pair, greedy_reference):
+    # Every row drafts (k 1..3, so the whole-proposal loop runs) and rows asking fewer drafts than
+    # the step's most keep rewriting their last legal slot: their drafts must still be exact.
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, **KV)
+    llm.llm_engine.executor.worker.policy = _VaryingK(least=1)
+    assert output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    assert metric_values(llm)["vllm:spec_decode_acceptance_rate"] == 1.0
+
+
+class _Bursts(_VaryingK):
+    """Speculates (k = 3) on one step in `period`, not at all on the others."""
+
+    def __init__(self, period: int):
+        self.period, self.steps = period, 0
+
+    def choose(self, shape):
+        self.steps += 1
+        return [min(cap, 3) if self.steps % self.period == 0 else 0 for cap in shape.caps]
+
+
+@pytest.mark.parametrize("uniform", [False, True], ids=["ragged", "uniform"])
+def test_speculating_after_plain_steps_catches_the_draft_up(spec_pair, greedy_reference, uniform):
+    # The draft does not run on steps without speculation; the next speculative step must feed it the
+    # missed tokens (greedy equality) and still propose on the whole-proposal path. Uniform: every row
+    # feeds one query length, front-padded with tokens the draft has seen (as where graphs run).
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, **KV)
+    worker = llm.llm_engine.executor.worker
+    worker.policy = _Bursts(period=4)
+    proposer = worker.draft_proposer
+    proposer.uniform_catch_up = uniform
+    lengths = []
+    pick = proposer._uniform_catch_up_length
+    proposer._uniform_catch_up_length = lambda behind, starts: lengths.append(pick(behind, starts)) or lengths[-1]
+    calls = {"propose": 0, "loop": 0}
+
+    def count(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    propose, proposer._propose_in_loop = proposer.propose, count("loop", proposer._propose_in_loop)
+    proposer.propose = lambda seqs, num_drafts, md: count("propose", propose)(seqs, num_drafts, md) \
+        if any(num_drafts) else propose(seqs, num_drafts, md)
+    assert output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    # Draft = target: every draft of every burst is kept, three plain steps in between notwithstanding.
+    assert metric_values(llm)["vllm:spec_decode_acceptance_rate"] == 1.0
+    assert calls["propose"] > 0 and calls["loop"] == calls["propose"]
+    assert (any(lengths) if uniform else not any(lengths)) and lengths
+
+
+def test_uniform_catch_up_of_rows_lagging_by_different_amounts(spec_pair, baseline):
+    """Requests arriving at different steps lag the draft by different amounts (up to the padded
+    length itself): every row is padded to one query length; draft = target keeps every draft."""
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, **KV)
+    engine, worker = llm.llm_engine, llm.llm_engine.executor.worker
+    worker.policy = _Bursts(period=5)
+    proposer = worker.draft_proposer
+    proposer.uniform_catch_up = True
+    lags = []
+    pick = proposer._uniform_catch_up_length
+
+    def recording(behind, starts):
+        q = pick(behind, starts)
+        lags.append(([s.seq_len - 2 - start for s, start in zip(behind, starts)], q))
+        return q
+
+    proposer._uniform_catch_up_length = recording
+    prompts = [p["prompt_token_ids"] for p in make_prompts(4, seed=21)]
+    expected = output_ids(baseline.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
+    done = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+        for _ in range(i + 1):   # staggered arrivals
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [done[str(i)].outputs[0].token_ids for i in range(4)] == expected
+    assert metric_values(llm)["vllm:spec_decode_acceptance_rate"] == 1.0
+    assert any(q is not None and len(set(row_lags)) > 1 for row_lags, q in lags)
+    assert any(q is not None and max(row_lags) == q for row_lags, q in lags)
+
+
+def test_only_steps_that_catch_the_draft_up_report_a_catch_up(spec_pair):
+    """The policy charges a switch to speculation with the catch-up: a step without one must report none."""
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **KV)
+    worker = llm.llm_engine.executor.worker
+    policy = worker.policy = _Bursts(period=4)
+    seen = []
+    policy.observe = lambda shape, chosen, accepted, stats, charge: seen.append((max(chosen, default=0),
+                                                                                stats.catch_up_time))
+    llm.generate(make_prompts(4), GREEDY, use_tqdm=False)
+    assert all(t == 0.0 for k, t in seen if k == 0)
+    bursts = [t for k, t in seen if k > 0]
+    assert all(t > 0.0 for t in bursts[1:])   # after three plain steps the draft lags by three or more
+
+
+def test_disable_by_batch_size_stops_seeded_drafts_too(spec_pair):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2,
+              speculative_disable_by_batch_size=2, **KV)
+    seeded = [SamplingParams(temperature=0.8, seed=s, max_tokens=10, ignore_eos=True) for s in range(3)]
+    llm.generate(make_prompts(3), seeded, use_tqdm=False)
+    assert metric_values(llm)["vllm:spec_decode_num_drafts"] == 0
+    assert llm.llm_engine.executor.worker.policy._speculating is False

@@ -1,0 +1,319 @@
+"""The adaptive speculation policy: picks the k in 0..num_speculative_tokens that
+maximises expected goodput
+
+    sum_i E_i(k_i) / step_time,   E_i(k) = (1 - a_i^(k+1)) / (1 - a_i)
+
+with a_i the sequence's per-token acceptance: its own decayed counts shrunk
+towards a global rate (a Beta belief). When every sequence of the step is
+decoding, verification is padded to one query length (a CUDA graph), so all
+sequences get the same k, chosen on measured step times per (batch-size
+bucket, k) - end to end, host work included, since that is what tokens/s pays -
+with a linear model of device time in the query tokens for what is not measured
+yet. Choices near the best are re-measured now and then; when the mean belief
+says not to speculate, a draw of the global rate (Thompson sampling) may
+still say to, and speculation is probed ever more rarely where it keeps not paying.
+A switch between speculating and not (the draft's catch-up, the plain step
+that cannot overlap a speculative one) is charged to the choice that makes it.
+With prefill chunks in the step, k is chosen per sequence (Dinkelbach) on the
+model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_spec.spec_decode.policy import StepShape
+from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge, LinearFit, StepCost
+from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
+from vllm_spec.worker.cuda_graph import bucket_for
+
+# Choices whose expected rate is within this factor of the best one are kept measured.
+_NEAR_BEST = 0.9
+# A switch between speculating and not is charged to the choice that makes it, spread over this
+# many steps (how long a choice is expected to last): noise in the estimates near break-even
+# then does not flip the choice at every step, each flip paying a catch-up and a refill.
+_SWITCH_HORIZON = 16
+# Probes of speculation that does not pay are spaced so that what they lose (the probe's step
+# and both switches, against plain steps) stays within this share of the time.
+_PROBE_BUDGET = 0.01
+_MAX_PROBE_EVERY = 800
+
+
+def _bucket(n: int) -> int:
+    """Batch sizes that cost alike share measurements (the CUDA-graph buckets; exact past them)."""
+    return bucket_for(n) or n
+
+
+_NO_TRIALS = (0.0, 0.0)
+
+
+@dataclass
+class AdaptivePolicy:
+    """Goodput-maximising k from online acceptance beliefs and measured step costs (see the module doc).
+
+    draft_cost_ratio: prior draft forward cost / target forward cost (e.g. the parameter ratio),
+    replaced by measurements after the first speculative steps.
+    """
+
+    max_k: int
+    draft_cost_ratio: float = 0.05
+    prior_acceptance: float = 0.6
+    prior_strength: float = 4.0
+    decay: float = 0.9
+    # Re-measure a near-best choice after this many steps at its batch size; probe speculation
+    # that does not pay after as many (doubling each time it still does not pay).
+    explore_every: int = 50
+    _buckets: dict[int, BucketState] = field(default_factory=dict)
+    # Decayed counts of accepted draft tokens and of trials (a trial ends at the first rejection):
+    # over all sequences, and per sequence as (accepted, trials).
+    _global_accepted: float = 0.0
+    _global_trials: float = 0.0
+    _seqs: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _target: LinearFit | None = None
+    _draft: LinearFit | None = None
+    # Host seconds a speculative all-decoding step adds to a plain one's, by batch size (proposal
+    # and verification bookkeeping): a new batch size's plain steps alone do not show it.
+    _spec_host: LinearFit | None = None
+    # Measured seconds of all-decoding steps per (batch bucket, k): real costs
+    # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
+    _measured: dict[tuple[int, int], StepCost] = field(default_factory=dict)
+    _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    last_mean_k: float = 0.0
+    _speculating: bool = False   # whether the last step chosen drafted at all
+
+    def __post_init__(self) -> None:
+        # Until measured: a target forward costs 1 plus 1/512 per query token, a draft
+        # forward draft_cost_ratio plus 1/4096 per sequence (memory-bound decoding).
+        self._target = LinearFit(1.0, 1.0 / 512)
+        self._draft = LinearFit(max(self.draft_cost_ratio, 0.01), 1.0 / 4096)
+        self._spec_host = LinearFit(1.0, 1.0 / 64)
+
+    def _global_belief(self) -> tuple[float, float]:
+        """Beta(a, b) belief about the acceptance rate over all sequences."""
+        return (self._global_accepted + self.prior_acceptance * self.prior_strength,
+                self._global_trials - self._global_accepted + (1 - self.prior_acceptance) * self.prior_strength)
+
+    def _global_rate(self) -> float:
+        a, b = self._global_belief()
+        return a / (a + b)
+
+    def _posteriors(self, seq_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Beta(a, b) beliefs about the sequences' per-token acceptance, shrunk towards the global rate."""
+        counts = np.array([self._seqs.get(s, _NO_TRIALS) for s in seq_ids], dtype=np.float64).reshape(-1, 2)
+        prior = self._global_rate()
+        return (counts[:, 0] + prior * self.prior_strength,
+                counts[:, 1] - counts[:, 0] + (1 - prior) * self.prior_strength)
+
+    def choose(self, shape: StepShape) -> list[int]:
+        n = len(shape.seq_ids)
+        if n == 0:
+            return []
+        a, b = self._posteriors(shape.seq_ids)
+        j = np.arange(1, self.max_k + 1)[None, :]
+        # Value of the j-th draft token: from the mean belief, and (Thompson sampling) from a draw of
+        # the global rate, which every sequence's belief is shrunk towards, shifting them all: an
+        # estimate that argues against speculating is tested again as often as it is uncertain.
+        # (Per-sequence draws stay wide while a sequence has few trials of its own, and kept
+        # speculating where it did not pay; without draws, stopping after unlucky trials froze the
+        # estimates low.)
+        rate = a / (a + b)
+        ga, gb = self._global_belief()
+        shift = self._rng.beta(ga, gb) - ga / (ga + gb)
+        mean = np.clip(rate, 0.0, 0.999)[:, None] ** j
+        draw = np.clip(rate + shift, 0.0, 0.999)[:, None] ** j
+        caps = np.array(shape.caps)
+        chosen = self._choose_decoding(mean, draw, caps) if shape.num_other_tokens == 0 \
+            else self._choose_ragged(draw, caps, shape.num_other_tokens)
+        self.last_mean_k = float(chosen.mean())
+        self._speculating = bool(chosen.any())
+        return chosen.tolist()
+
+    def _choose_decoding(self, gains: np.ndarray, draw: np.ndarray, caps: np.ndarray) -> np.ndarray:
+        """Every sequence decoding: verification is padded to K+1 tokens per sequence (one CUDA
+        graph; ragged verification runs eagerly, slower), so each sequence drafts min(K, cap) and
+        K is chosen on the measured costs of such steps."""
+        n = len(caps)
+        j = np.arange(1, self.max_k + 1)
+        drafts = {K: np.minimum(caps, K) for K in range(int(min(self.max_k, caps.max())) + 1)}
+
+        state = self._bucket_state(n)
+        switch = state.round_trip / _SWITCH_HORIZON
+        cost = {K: self._decode_step_cost(n, K) for K in drafts}
+
+        def tokens(gains: np.ndarray) -> dict[int, float]:
+            return {K: n + float((gains * (j[None, :] <= k[:, None])).sum()) for K, k in drafts.items()}
+
+        def goodput(gains: np.ndarray) -> dict[int, float]:
+            return {K: t / (cost[K] + (switch if (K > 0) != self._speculating else 0.0))
+                    for K, t in tokens(gains).items()}
+
+        rates = goodput(gains)
+        best = max(rates, key=rates.__getitem__)
+        if best == 0:
+            # The mean belief says do not speculate; the drawn one may say otherwise (exploration).
+            rates = goodput(draw)
+            best = max(rates, key=rates.__getitem__)
+        state.visits += 1
+        if self._plain_samples(n) < MIN_SAMPLES:
+            # Plain steps are measured at each batch size before the model's guess of them is trusted.
+            K = 0
+        else:
+            # A choice within reach of the best whose measurement is old (or missing) is measured
+            # again: step costs drift, and an unlucky first measurement must not stick. Measured
+            # ones are re-measured one at a time, at most one step in explore_every / 2: with
+            # every k near the best (costs that hardly depend on k), exploring them all in turn
+            # would cost up to (max_k + 1) steps in explore_every.
+            may_remeasure = 2 * (state.visits - state.last_remeasure) >= self.explore_every
+            stale = [K for K in rates if rates[K] >= _NEAR_BEST * rates[best]
+                     and state.visits - self._measured_at(n, K) >= self.explore_every
+                     and (may_remeasure or self._measured_at(n, K) == -np.inf)]
+            K = min(stale, key=lambda K: self._measured_at(n, K)) if stale else best
+            if K != best:
+                state.last_remeasure = state.visits
+            probe = max(range(1, len(rates)), key=rates.__getitem__) if len(rates) > 1 else 0
+            if K == 0 and probe and state.visits - state.last_spec >= max(
+                    state.probe_every, self._probe_spacing(cost, state, probe, tokens(gains)[probe] / n)):
+                # Speculation that does not pay here is still probed, ever more rarely (each probe
+                # also feeds the draft every token it missed): acceptance may change.
+                K = probe
+                state.probe_every = min(2 * state.probe_every, _MAX_PROBE_EVERY)
+            elif best > 0:
+                state.probe_every = self.explore_every
+        if K > 0:
+            state.last_spec = state.visits
+        return drafts[K]
+
+    @staticmethod
+    def _probe_spacing(cost: dict[int, float], state: BucketState, k: int, tokens_per_seq: float) -> float:
+        """Steps between probes of k from plain decoding that keep what they lose within the budget:
+        the probe's step and both switches, less the plain steps its expected tokens would take."""
+        loss = cost[k] + state.round_trip - tokens_per_seq * cost[0]
+        return max(loss, 0.0) / (_PROBE_BUDGET * cost[0])
+
+    def _choose_ragged(self, gains: np.ndarray, caps: np.ndarray, num_other_tokens: int) -> np.ndarray:
+        """Prefill chunks in the step: verification is ragged, so k is chosen per sequence
+        (Dinkelbach on the linear cost model: keep a token while its expected value beats its
+        verification cost at the current rate)."""
+        n = len(caps)
+        j = np.arange(1, self.max_k + 1)
+        base_q = num_other_tokens + n
+        plain_rate = n / self._target(base_q)
+        best_k, best_rate = np.zeros(n, dtype=int), plain_rate
+        for K in range(1, int(min(self.max_k, caps.max())) + 1):
+            draft_time = K * self._draft_forward(n)
+            rate = plain_rate
+            for _ in range(3):
+                per_token = self._target(base_q + 1) - self._target(base_q)
+                take = np.cumprod((gains[:, :K] >= rate * per_token) & (j[None, :K] <= caps[:, None]), axis=1)
+                k = take.sum(axis=1)
+                rate_new = (n + float((take * gains[:, :K]).sum())) / (draft_time + self._target(base_q + int(k.sum())))
+                if abs(rate_new - rate) < 1e-6 * rate:
+                    break
+                rate = rate_new
+            if rate_new > best_rate and k.max() > 0:
+                best_k, best_rate = k, rate_new
+        return best_k
+
+    def _bucket_state(self, n: int) -> BucketState:
+        return self._buckets.setdefault(_bucket(n), BucketState(probe_every=self.explore_every))
+
+    def _measured_at(self, n: int, k: int) -> float:
+        """The bucket visit at which steps of n sequences drafting k were last measured (-inf: never)."""
+        cost = self._measured.get((_bucket(n), k))
+        return -np.inf if cost is None else cost.at
+
+    def _decode_step_cost(self, n: int, k: int) -> float:
+        """Seconds of an all-decoding step of n sequences drafting k: measured, else modelled (device
+        time, plus the host time measured at this batch size); while few samples were taken, the
+        lower of the two (one slow first step must not rule a choice out before it is measured again)."""
+        bucket = _bucket(n)
+        measured = self._measured.get((bucket, k))
+        if measured is not None and measured.samples >= MIN_SAMPLES:
+            return measured.seconds
+        state = self._buckets.get(bucket)
+        model = self._modelled_cost(n, k, state)
+        return model if measured is None else min(model, measured.seconds)
+
+    def _modelled_cost(self, n: int, k: int, state: BucketState | None) -> float:
+        """Device time from the linear fits plus the host time of plain steps at this batch size (and
+        what speculation adds to it), scaled by how far measured steps here were from the model (the
+        fits span all batch sizes)."""
+        device = (k * self._draft_forward(n) if k else 0.0) + self._target(n * (k + 1))
+        if state is None:
+            return device
+        host = state.host + (self._spec_host(n) if k and self._spec_host.count else 0.0)
+        return (device + host) * state.calibration
+
+    def _plain_samples(self, n: int) -> int:
+        cost = self._measured.get((_bucket(n), 0))
+        return 0 if cost is None else cost.samples
+
+    def _draft_forward(self, n: int) -> float:
+        """Cost of one draft forward over n sequences (the prior ratio until measured)."""
+        return self._draft(n) if self._draft.count else self.draft_cost_ratio * self._target(n)
+
+    def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
+                stats: SpecStepStats, charge: Charge) -> None:
+        decay, accepted_sum, trials_sum, drafted = self.decay, 0, 0, 0
+        for sid, k, a in zip(shape.seq_ids, chosen, accepted):
+            if k == 0 and sid in self._seqs:
+                # A sequence that stopped drafting forgets its own trials step by step, back to the
+                # global rate: an unlucky run must not stop its drafts (and their correction) for good.
+                acc, tr = self._seqs[sid]
+                self._seqs[sid] = (acc * decay, tr * decay)
+            elif k > 0:
+                trials = a + (a < k)
+                acc, tr = self._seqs.get(sid, _NO_TRIALS)
+                self._seqs[sid] = (acc * decay + a, tr * decay + trials)
+                accepted_sum += a
+                trials_sum += trials
+                drafted += 1
+        if drafted:   # the global counts decay per speculating sequence
+            forget = 0.995 ** drafted
+            self._global_accepted = self._global_accepted * forget + accepted_sum
+            self._global_trials = self._global_trials * forget + trials_sum
+        draft = stats.draft_time - stats.catch_up_time
+        # The fits first: the calibration below compares a step with a model in seconds (before its
+        # first update the target fit holds a prior without units).
+        # The pass may have been padded to one query length: fit on what the target really ran.
+        q = shape.num_other_tokens + len(shape.seq_ids) + sum(chosen)
+        self._target.update(stats.num_verified_tokens or q, stats.verify_time)
+        forwards = max(chosen, default=0)
+        if forwards > 0:
+            self._draft.update(sum(1 for k in chosen if k > 0), draft / forwards)
+        if shape.num_other_tokens == 0 and shape.seq_ids:
+            self._observe_decoding(shape, chosen, stats, charge, draft)
+
+    def _observe_decoding(self, shape: StepShape, chosen: list[int], stats: SpecStepStats, charge: Charge,
+                          draft: float) -> None:
+        """Step costs and switching costs of an all-decoding step at its batch-size bucket."""
+        state = self._bucket_state(len(shape.seq_ids))
+        n, K = len(shape.seq_ids), max(chosen, default=0)
+        key = (_bucket(n), K)
+        if stats.catch_up_time > 0:
+            state.observe_switch(catch_up=stats.catch_up_time)
+        if charge.refill:   # not what plain steps cost: what switching back to them cost
+            plain = self._measured.get(key)
+            if plain is not None:
+                state.observe_switch(refill=max(charge.seconds - plain.seconds, 0.0))
+            return
+        step_time = charge.seconds
+        modelled = self._modelled_cost(n, K, None)
+        host = max(step_time - draft - stats.verify_time, 0.0)
+        if K and state.observed and key in self._measured:
+            # Not from a step kind's first step here: a cold one must not set the fit.
+            self._spec_host.update(n, max(host - state.host, 0.0))
+        state.observe(host, step_time / (modelled + host), plain=K == 0)
+        if key in self._measured:
+            self._measured[key].update(step_time, state.visits)
+        else:
+            self._measured[key] = StepCost(step_time, state.visits)
+
+    def release(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self._seqs.pop(sid, None)
+
+    def estimates(self) -> PolicyEstimates:
+        return PolicyEstimates(self.last_mean_k, self._global_rate(), self._draft_forward(1) / self._target(1))
