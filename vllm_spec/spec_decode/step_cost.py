@@ -1,6 +1,6 @@
 """What steps cost, learned online: a linear fit of device time, measured costs per step kind,
 and per batch-size bucket the host time and how far measurements sit from the fit. The adaptive
-speculation policy (policy.py) decides on these."""
+speculation policy (adaptive_policy.py) decides on these."""
 
 from __future__ import annotations
 
