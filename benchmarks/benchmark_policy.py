@@ -11,7 +11,10 @@ draft (k=4); policies are swapped in place. Every policy gets the same warm-up r
 timed run; the adaptive policy is fresh per (draft, workload) and keeps what it learned across
 batch sizes. Reports decode tokens/s per policy, adaptive/plain and adaptive/best-fixed, writes
 JSON (--out) and a plot of tokens/s vs batch size (--plot), then prints the table. --trace adds
-every step the adaptive policy observed (k, step time, catch-up) to the JSON.
+every step the adaptive policy observed (k, step time, catch-up) to the JSON (first round).
+--repeats R measures R rounds per batch size, the policies interleaved in each, and reports
+medians: one 32-step window is noisy (the same static policy measured 3434 and 3963 tokens/s
+in two runs on the H200).
 
     PYTHONPATH=. python benchmarks/benchmark_policy.py --out policy.json --plot policy.png
     PYTHONPATH=. python benchmarks/benchmark_policy.py --tiny --batch-sizes 1 4   # CPU smoke run
@@ -27,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from benchmark_spec_decode import VOCAB, build, run_decode, write_config
 
@@ -59,6 +63,7 @@ class Row:
     tokens_per_s: float
     ms_per_step: float
     mean_accepted_length: float = 0.0
+    repeat: int = 0        # which of the --repeats rounds
 
 
 @dataclass
@@ -113,6 +118,7 @@ class Sweep:
     warmup_len: int
     vocab: int
     window: int
+    repeats: int = 1
 
     def measure(self, engine: LLMEngine, batch: int, extra_args: list[dict] | None = None) -> dict:
         """The warm-up run every policy gets, then `window` timed steps with all `batch` requests running."""
@@ -124,9 +130,10 @@ def plain_rows(sweep: Sweep, target: str, max_len: int, engine_kw: dict) -> list
     engine = build(target, None, 1, max_len, max(sweep.batch_sizes), **engine_kw)
     rows = []
     for b in sweep.batch_sizes:
-        r = sweep.measure(engine, b)
-        rows.append(Row(None, None, b, "plain", r["tokens_per_s"], r["ms_per_step"]))
-        print(asdict(rows[-1]), flush=True)
+        for rep in range(sweep.repeats):
+            r = sweep.measure(engine, b)
+            rows.append(Row(None, None, b, "plain", r["tokens_per_s"], r["ms_per_step"], repeat=rep))
+            print(asdict(rows[-1]), flush=True)
     return rows
 
 
@@ -142,23 +149,29 @@ def spec_rows(sweep: Sweep, target: str, draft_shape: str, draft: str, acceptanc
         for b in sweep.batch_sizes:
             # Mixed: every request brings its own rate; the engine-wide one (None) applies to nobody.
             extra_args = [{"synthetic_acceptance_rate": MIXED_RATES[i % 2]} for i in range(b)] if rate is None else None
-            for policy_name, policy in policies.items():
-                if trace is not None and policy_name == "adaptive":
-                    traced(policy, trace, draft_shape, name, b)
-                worker.policy = policy
-                r = sweep.measure(engine, b, extra_args)
-                rows.append(Row(draft_shape, name, b, policy_name, r["tokens_per_s"], r["ms_per_step"],
-                                r["mean_accepted_length"]))
-                print(asdict(rows[-1]), flush=True)
+            # Rounds interleave the policies, so the machine's drift falls on all of them alike.
+            for rep in range(sweep.repeats):
+                for policy_name, policy in policies.items():
+                    if trace is not None and policy_name == "adaptive" and rep == 0:
+                        traced(policy, trace, draft_shape, name, b)
+                    worker.policy = policy
+                    r = sweep.measure(engine, b, extra_args)
+                    rows.append(Row(draft_shape, name, b, policy_name, r["tokens_per_s"], r["ms_per_step"],
+                                    r["mean_accepted_length"], rep))
+                    print(asdict(rows[-1]), flush=True)
     return rows
 
 
 def summarise(rows: list[Row]) -> list[Summary]:
-    plain = {r.batch: r.tokens_per_s for r in rows if r.policy == "plain"}
-    groups: dict[tuple[str, str, int], dict[str, float]] = {}
+    """Per (draft, workload, batch): each policy's median tokens/s over the rounds."""
+    runs: dict[tuple, list[float]] = {}
     for r in rows:
-        if r.draft is not None:
-            groups.setdefault((r.draft, r.workload, r.batch), {"plain": plain[r.batch]})[r.policy] = r.tokens_per_s
+        runs.setdefault((r.draft, r.workload, r.batch, r.policy), []).append(r.tokens_per_s)
+    median = {key: float(np.median(v)) for key, v in runs.items()}
+    groups: dict[tuple[str, str, int], dict[str, float]] = {}
+    for (draft, workload, batch, policy), tps in median.items():
+        if draft is not None:
+            groups.setdefault((draft, workload, batch), {"plain": median[(None, None, batch, "plain")]})[policy] = tps
     out = []
     for (draft, workload, batch), tps in groups.items():
         best = max((f"fixed-{k}" for k in FIXED_KS), key=tps.__getitem__)
@@ -211,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gen-len", type=int, default=192, help="max tokens per request (> window * (k + 1))")
     ap.add_argument("--window", type=int, default=32, help="timed steps, every request running throughout")
     ap.add_argument("--warmup-len", type=int, default=16, help="tokens per request of each warm-up run")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds per batch size (policies interleaved); the table reports medians")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU, float32 (smoke test)")
     ap.add_argument("--trace", action="store_true", help="every step of the adaptive policy into the JSON")
     ap.add_argument("--out", default=None)
@@ -218,8 +233,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     start = time.perf_counter()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     sweep = Sweep(sorted(set(args.batch_sizes)), args.prompt_len, args.gen_len, args.warmup_len,
-                  TINY_VOCAB if args.tiny else VOCAB, args.window)
+                  TINY_VOCAB if args.tiny else VOCAB, args.window, args.repeats)
     shapes = TINY_SHAPES if args.tiny else {}
     engine_kw = TINY_ENGINE if args.tiny else {}
     tmp = Path(tempfile.mkdtemp())
