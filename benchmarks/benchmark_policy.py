@@ -14,7 +14,9 @@ JSON (--out) and a plot of tokens/s vs batch size (--plot), then prints the tabl
 every step the adaptive policy observed (k, step time, catch-up) to the JSON (first round).
 --repeats R measures R rounds per batch size, the policies interleaved in each, and reports
 medians: one 32-step window is noisy (the same static policy measured 3434 and 3963 tokens/s
-in two runs on the H200).
+in two runs on the H200). Synthetic acceptance draws are keyed by request and position, so every
+policy meets the same acceptance at the same positions (runs before session 6's last commits drew
+them from the engine's generator).
 
     PYTHONPATH=. python benchmarks/benchmark_policy.py --out policy.json --plot policy.png
     PYTHONPATH=. python benchmarks/benchmark_policy.py --tiny --batch-sizes 1 4   # CPU smoke run

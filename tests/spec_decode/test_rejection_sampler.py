@@ -8,7 +8,7 @@ from scipy import stats
 
 from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
 from vllm_spec.sampling_params import SamplingParams
-from vllm_spec.spec_decode.rejection_sampler import rejection_sample
+from vllm_spec.spec_decode.rejection_sampler import SyntheticDraws, rejection_sample
 
 CPU = torch.device("cpu")
 
@@ -141,6 +141,34 @@ def test_mixed_greedy_and_random_rows():
     out = rejection_sample(p.expand(2, k + 1, V).contiguous(), drafts, q.expand(2, k, V).contiguous(),
                            torch.tensor([k, k]), _md(params), torch.Generator().manual_seed(0))
     assert out.tokens[0].tolist() == greedy_draft.tolist() + [p[k].argmax().item()]
+
+
+def test_synthetic_draws_keyed_by_request_and_position():
+    """Each draft is accepted with the synthetic rate, from a draw that depends only on the request's key
+    and the draft's position: shifting a row by one position shifts its draws; other rows change nothing."""
+    V, k, B = 6, 4, 4000
+    target = _one_hot([1, 2, 3, 4, 5], V).unsqueeze(0).expand(B, k + 1, V)
+    drafts = torch.zeros(B, k, dtype=torch.long)
+    md = _md([SamplingParams(temperature=0)] * B)
+    keys = torch.arange(B, dtype=torch.long) * 7919
+    draws = SyntheticDraws(keys, torch.full((B,), 100, dtype=torch.long))
+    out = rejection_sample(target, drafts, None, torch.full((B,), k), md, synthetic_acceptance_rate=0.7,
+                           synthetic_draws=draws)
+    # P(num_accepted >= 1) = 0.7 and the mean accepted length is 0.7 + 0.49 + 0.343 + 0.2401.
+    assert abs((out.num_accepted >= 1).float().mean().item() - 0.7) < 0.03
+    assert abs(out.num_accepted.float().mean().item() - 1.7731) < 0.06
+    # Row 0 alone, and at the next position with one draft fewer: the same draws, shifted.
+    alone = rejection_sample(target[:1], drafts[:1], None, torch.tensor([k]), _md([SamplingParams(temperature=0)]),
+                             synthetic_acceptance_rate=0.7, synthetic_draws=SyntheticDraws(keys[:1], draws.first_positions[:1]))
+    assert alone.num_accepted.item() == out.num_accepted[0].item()
+    again = rejection_sample(target, drafts, None, torch.full((B,), k), md, synthetic_acceptance_rate=0.7,
+                             synthetic_draws=draws)
+    assert torch.equal(again.num_accepted, out.num_accepted)
+    shifted = rejection_sample(target, drafts, None, torch.full((B,), k), md, synthetic_acceptance_rate=0.7,
+                               synthetic_draws=SyntheticDraws(keys, draws.first_positions + 1))
+    first_accepted = out.num_accepted >= 1   # rows whose first draft was accepted ...
+    assert torch.equal(shifted.num_accepted[first_accepted].clamp(max=k - 1),
+                       (out.num_accepted[first_accepted] - 1).clamp(max=k - 1))   # ... continue one position on
 
 
 def test_per_row_synthetic_acceptance_overrides_the_engine_rate():

@@ -261,3 +261,18 @@ def test_per_request_synthetic_acceptance_in_one_batch(spec_pair, baseline):
     # Rejecting every draft emits the target's own greedy tokens.
     assert tokens["none"] == output_ids(baseline.generate(prompts[1:], SamplingParams(temperature=0, max_tokens=21,
                                                                              ignore_eos=True), use_tqdm=False))[0]
+
+
+def test_synthetic_acceptance_is_the_same_whatever_the_batch(spec_pair):
+    """Synthetic draws are keyed by request and position (benchmarks compare policies on the same
+    acceptance pattern): a request accepts the same drafts alone and in a batch."""
+    prompt = make_prompts(1, seed=31)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                            extra_args={"synthetic_acceptance_rate": 0.7})
+
+    def run(k: int, others: int) -> list[int]:
+        llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=k, **FIXED, **KV)
+        out = llm.generate(prompt + make_prompts(others, seed=32), params, use_tqdm=False)
+        return out[0].outputs[0].token_ids
+
+    assert run(3, 5) == run(3, 0)

@@ -35,6 +35,32 @@ def _uniform(shape: tuple[int, ...], md: SamplingMetadata, device: torch.device,
     return u
 
 
+@dataclass
+class SyntheticDraws:
+    """Benchmarks only: where a row's synthetic acceptance draws come from. The draw for the draft
+    at sequence position p of the request with key r is a hash of (r, p): every run of the same
+    requests (another policy, another batch) sees the same acceptance at the same position, so
+    comparisons are not decided by the luck of the draws."""
+
+    keys: torch.Tensor              # [B] int64, per request (e.g. a hash of its prompt)
+    first_positions: torch.Tensor   # [B] int64, the sequence position of the row's first draft
+
+
+# splitmix64's constants as signed int64 (torch's integer arithmetic wraps).
+_GOLDEN, _MIX1, _MIX2 = -7046029254386353131, -4658895280553007687, -7723592293110705685
+
+
+def _hashed_uniforms(draws: SyntheticDraws, k: int) -> torch.Tensor:
+    """Uniforms [B, k] in [0, 1): splitmix64 of (key, position) per draft."""
+    x = draws.keys.unsqueeze(1) * 1000003 + draws.first_positions.unsqueeze(1) \
+        + torch.arange(k, device=draws.keys.device)
+    x = x + _GOLDEN
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _MIX1
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _MIX2
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    return ((x >> 40) & 0xFFFFFF).float() / float(1 << 24)
+
+
 def _synthetic_rates(md: SamplingMetadata, engine_rate: float | None, B: int,
                      device: torch.device) -> torch.Tensor | None:
     """[B] synthetic acceptance per row: the row's own, else the engine-wide one; NaN: verify for real."""
@@ -55,6 +81,7 @@ def rejection_sample(
     synthetic_acceptance_rate: float | None = None,
     target_argmax: torch.Tensor | None = None,
     host_num_drafts: list[int] | None = None,
+    synthetic_draws: SyntheticDraws | None = None,
 ) -> VerifyOutput:
     """Verify drafts against the target.
 
@@ -72,6 +99,8 @@ def rejection_sample(
         (the output is then NOT the target's distribution). Rows with their own rate
         (md.synthetic_acceptance) use theirs.
     host_num_drafts: num_drafts on the host, if the caller has it (seeded rows need it).
+    synthetic_draws: the synthetic acceptance draws keyed by request and position (else drawn
+        from `generator`).
 
     A seeded row draws from its own generator what its own drafts need (a uniform per draft,
     noise for each of its stop positions), never what the batch's longest row needs: its tokens
@@ -100,7 +129,9 @@ def rejection_sample(
         accept = torch.where(md.greedy.unsqueeze(1), accept, accept_random)
     rates = _synthetic_rates(md, synthetic_acceptance_rate, B, device)
     if rates is not None:
-        synthetic = torch.rand((B, k), device=device, generator=generator) < rates.unsqueeze(1)
+        u = _hashed_uniforms(synthetic_draws, k) if synthetic_draws is not None else \
+            torch.rand((B, k), device=device, generator=generator)
+        synthetic = u < rates.unsqueeze(1)
         accept = torch.where(rates.isnan().unsqueeze(1), accept, synthetic)
     accept &= in_range
     num_accepted = accept.int().cumprod(dim=1).sum(dim=1)                      # [B]

@@ -25,7 +25,7 @@ from vllm_spec.spec_decode.ngram_proposer import NgramProposer
 from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
 from vllm_spec.spec_decode.policy import FixedPolicy, SpeculationPolicy, StepShape, pads_verification
 from vllm_spec.spec_decode.proposer import Proposals, Proposer
-from vllm_spec.spec_decode.rejection_sampler import rejection_sample
+from vllm_spec.spec_decode.rejection_sampler import SyntheticDraws, rejection_sample
 from vllm_spec.spec_decode.step_cost import StepCharges
 from vllm_spec.spec_decode.timer import StepTimer
 from vllm_spec.spec_decode.tp_proposer import TPProposer
@@ -77,6 +77,7 @@ class SpecDecodeWorker:
         self.policy: SpeculationPolicy = (FixedPolicy(k) if spec.policy == "fixed"
                                           else AdaptivePolicy(k, draft_cost_ratio=cost_ratio))
         self._charges = StepCharges(config.uses_async_scheduling)   # what each step cost, for the policy
+        self._synthetic_keys: dict[int, int] = {}   # seq_id -> key of its synthetic acceptance draws
         self._unread: _SpecStep | None = None   # a launched step that the next may overlap
 
     # KV cache: one block manager, two caches of the same number of blocks ----------------
@@ -146,6 +147,8 @@ class SpecDecodeWorker:
         self.target.release(req.finished_seq_ids)
         self.proposer.release(req.finished_seq_ids)
         self.policy.release(req.finished_seq_ids)
+        for sid in req.finished_seq_ids:
+            self._synthetic_keys.pop(sid, None)
         if not req.seqs:
             return DoneStep(StepOutput([]))
         asked, shape, rows = self.num_drafts(req)
@@ -269,9 +272,12 @@ class SpecDecodeWorker:
         # The verifier's per-row metadata is the draft's when every sampled sequence speculated.
         row_md = draft_md if spec_idx == sampled else self._metadata(
             [self.target.sampling_row(req.seqs[i]) for i in sampled], for_draft=True)
+        rate = self.config.speculative.synthetic_acceptance_rate
+        draws = self._synthetic_draws([req.seqs[i] for i in sampled]) \
+            if rate is not None or row_md.synthetic_acceptance is not None else None
         result = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts_t, row_md,
-                                  self.target.sampler.generator, self.config.speculative.synthetic_acceptance_rate,
-                                  target_argmax, found_np[sampled_np].tolist())
+                                  self.target.sampler.generator, rate, target_argmax, found_np[sampled_np].tolist(),
+                                  draws)
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
         copy = HostCopy(tokens)   # the step's one device->host copy
         rows, wait = copy.values(), copy.wait_time
@@ -285,6 +291,20 @@ class SpecDecodeWorker:
         stats = SpecStepStats(sum(1 for n in proposals.num_drafts if n > 0), sum(proposals.num_drafts),
                               sum(accepted), per_pos, 0.0, 0.0, num_verified_tokens=int(batch.input_ids.shape[0]))
         return StepOutput(outputs, stats, prompt_logprobs, device_wait_time=wait)
+
+    def _synthetic_draws(self, seqs: list[SeqInput]) -> SyntheticDraws:
+        """Benchmarks only: synthetic acceptance keyed by the request's prompt and the draft's position,
+        so runs of the same requests under different policies or batches see the same acceptance."""
+        keys = []
+        for s in seqs:
+            key = self._synthetic_keys.get(s.seq_id)
+            if key is None:
+                key = self._synthetic_keys[s.seq_id] = hash(tuple(s.prompt_token_ids))
+            keys.append(key)
+        first = [s.start_pos + len(s.token_ids) for s in seqs]
+        keys_t, first_t = to_device_aligned([np.asarray(keys, dtype=np.int64), np.asarray(first, dtype=np.int64)],
+                                            self.device)
+        return SyntheticDraws(keys_t, first_t)
 
     def _position_rows(self, seq: SeqInput, n: int, drafts: list[int] | None) -> list[SamplingRow]:
         """Sampling rows for the n+1 verified positions: position j follows the first j drafts."""
