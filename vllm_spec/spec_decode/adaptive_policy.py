@@ -145,15 +145,15 @@ class AdaptivePolicy:
         def tokens(gains: np.ndarray) -> dict[int, float]:
             return {K: n + float((gains * (j[None, :] <= k[:, None])).sum()) for K, k in drafts.items()}
 
-        def goodput(gains: np.ndarray) -> dict[int, float]:
-            return {K: t / (cost[K] + (switch if (K > 0) != self._speculating else 0.0))
-                    for K, t in tokens(gains).items()}
+        def goodput(tokens: dict[int, float]) -> dict[int, float]:
+            return {K: t / (cost[K] + (switch if (K > 0) != self._speculating else 0.0)) for K, t in tokens.items()}
 
-        rates = goodput(gains)
+        expected = tokens(gains)
+        rates = goodput(expected)
         best = max(rates, key=rates.__getitem__)
         if best == 0:
             # The mean belief says do not speculate; the drawn one may say otherwise (exploration).
-            rates = goodput(draw)
+            rates = goodput(tokens(draw))
             best = max(rates, key=rates.__getitem__)
         state.visits += 1
         if self._plain_samples(n) < MIN_SAMPLES:
@@ -174,7 +174,7 @@ class AdaptivePolicy:
                 state.last_remeasure = state.visits
             probe = max(range(1, len(rates)), key=rates.__getitem__) if len(rates) > 1 else 0
             if K == 0 and probe and state.visits - state.last_spec >= max(
-                    state.probe_every, self._probe_spacing(cost, state, probe, tokens(gains)[probe] / n)):
+                    state.probe_every, self._probe_spacing(cost, state, probe, expected[probe] / n)):
                 # Speculation that does not pay here is still probed, ever more rarely (each probe
                 # also feeds the draft every token it missed): acceptance may change.
                 K = probe
@@ -295,7 +295,7 @@ class AdaptivePolicy:
         if stats.catch_up_time > 0:
             state.observe_switch(catch_up=stats.catch_up_time)
         if charge.refill:   # not what plain steps cost: what switching back to them cost
-            plain = self._measured.get(key)
+            plain = self._measured.get((_bucket(n), 0))
             if plain is not None:
                 state.observe_switch(refill=max(charge.seconds - plain.seconds, 0.0))
             return

@@ -74,6 +74,11 @@ class StepCost:
         self.at = at
 
 
+def _average(current: float, value: float, first: bool) -> float:
+    """A running average: the first sample as is, then weighted 0.3 towards each new one."""
+    return value if first else current + 0.3 * (value - current)
+
+
 @dataclass
 class BucketState:
     """Exploration bookkeeping of all-decoding steps at one batch-size bucket."""
@@ -93,9 +98,9 @@ class BucketState:
 
     def observe_switch(self, catch_up: float | None = None, refill: float | None = None) -> None:
         if catch_up is not None:
-            self.catch_up += 0.3 * (catch_up - self.catch_up) if self.catch_up else catch_up
+            self.catch_up = _average(self.catch_up, catch_up, first=not self.catch_up)
         if refill is not None:
-            self.refill += 0.3 * (refill - self.refill) if self.refill else refill
+            self.refill = _average(self.refill, refill, first=not self.refill)
 
     @property
     def round_trip(self) -> float:
@@ -103,12 +108,10 @@ class BucketState:
         return self.catch_up + self.refill
 
     def observe(self, host: float, calibration: float, plain: bool = True) -> None:
-        w = 0.3 if self.calibrated else 1.0
-        self.calibration += w * (calibration - self.calibration)
+        self.calibration = _average(self.calibration, calibration, first=not self.calibrated)
         self.calibrated += 1
         if plain:
-            w = 0.3 if self.observed else 1.0
-            self.host += w * (host - self.host)
+            self.host = _average(self.host, host, first=not self.observed)
             self.observed += 1
 
 
