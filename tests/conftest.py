@@ -167,3 +167,32 @@ def baseline(spec_pair):
 @pytest.fixture(scope="module")
 def greedy_reference(baseline):
     return output_ids(baseline.generate(make_prompts(16), GREEDY, use_tqdm=False))
+
+
+class ScriptedPolicy:
+    """A speculation policy whose choices a test scripts (choose); it learns nothing."""
+
+    def choose(self, shape) -> list[int]:
+        raise NotImplementedError
+
+    def observe(self, *args) -> None:
+        pass
+
+    def release(self, seq_ids) -> None:
+        pass
+
+    def estimates(self):
+        from vllm_spec.worker.batch import PolicyEstimates
+        return PolicyEstimates(0.0)
+
+
+class BurstsPolicy(ScriptedPolicy):
+    """Speculates (k = 3) on one step in `period`, not at all on the others: the draft lags, then catches up."""
+
+    def __init__(self, period: int):
+        self.period, self.steps = period, 0
+
+    def choose(self, shape) -> list[int]:
+        self.steps += 1
+        return [min(cap, 3) if self.steps % self.period == 0 else 0 for cap in shape.caps]
+

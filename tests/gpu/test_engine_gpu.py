@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import BurstsPolicy
 
 from vllm_spec import LLM, SamplingParams
 
@@ -86,34 +87,13 @@ def test_draft_vocab_subset_in_graphs(spec_pair, eager_reference, tmp_path):
     assert llm.llm_engine.executor.worker.draft_proposer.loop.graphs
 
 
-class _Bursts:
-    """Speculates (k = 3) on one step in `period`, not at all on the others: the draft lags, then catches up."""
-
-    def __init__(self, period: int):
-        self.period, self.steps = period, 0
-
-    def choose(self, shape):
-        self.steps += 1
-        return [min(cap, 3) if self.steps % self.period == 0 else 0 for cap in shape.caps]
-
-    def observe(self, *args) -> None:
-        pass
-
-    def release(self, seq_ids) -> None:
-        pass
-
-    def estimates(self):
-        from vllm_spec.worker.batch import PolicyEstimates
-        return PolicyEstimates(0.0)
-
-
 @pytest.mark.parametrize("period", [4, 9])
 def test_catch_up_graphs(spec_pair, eager_reference, period):
     # Draft == target: after plain steps the draft catches up in a replayed graph (every row padded
     # to one query length with tokens it already holds); its proposals must stay the target's.
     llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, **KV)
     worker = llm.llm_engine.executor.worker
-    worker.policy = _Bursts(period)
+    worker.policy = BurstsPolicy(period)
     proposer = worker.draft_proposer
     assert proposer.uniform_catch_up
     lengths = []

@@ -5,7 +5,7 @@ that did not speculate."""
 from __future__ import annotations
 
 import pytest
-from conftest import FIXED, GREEDY, make_prompts, metric_values, output_ids
+from conftest import FIXED, GREEDY, BurstsPolicy, ScriptedPolicy, make_prompts, metric_values, output_ids
 from conftest import SPEC_KV as KV
 
 from vllm_spec import LLM, SamplingParams
@@ -49,7 +49,7 @@ def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair, random_dr
     assert 1 <= m["vllm:spec_decode_num_drafts"] / 2 <= steps / 20 + 1, (m["vllm:spec_decode_num_drafts"], steps)
 
 
-class _VaryingK:
+class _VaryingK(ScriptedPolicy):
     """A policy giving neighbouring sequences different k (from `least` to 3): exercises padded verification."""
 
     def __init__(self, least: int = 0):
@@ -57,16 +57,6 @@ class _VaryingK:
 
     def choose(self, shape):
         return [min(cap, self.least + (i + len(shape.seq_ids)) % (4 - self.least)) for i, cap in enumerate(shape.caps)]
-
-    def observe(self, *args) -> None:
-        pass
-
-    def release(self, seq_ids) -> None:
-        pass
-
-    def estimates(self):
-        from vllm_spec.worker.batch import PolicyEstimates
-        return PolicyEstimates(0.0)
 
 
 def test_greedy_equality_with_different_k_per_sequence(spec_pair, greedy_reference):
@@ -86,17 +76,6 @@ def test_draft_equal_to_target_with_different_k_per_sequence(spec_pair, greedy_r
     assert metric_values(llm)["vllm:spec_decode_acceptance_rate"] == 1.0
 
 
-class _Bursts(_VaryingK):
-    """Speculates (k = 3) on one step in `period`, not at all on the others."""
-
-    def __init__(self, period: int):
-        self.period, self.steps = period, 0
-
-    def choose(self, shape):
-        self.steps += 1
-        return [min(cap, 3) if self.steps % self.period == 0 else 0 for cap in shape.caps]
-
-
 @pytest.mark.parametrize("uniform", [False, True], ids=["ragged", "uniform"])
 def test_speculating_after_plain_steps_catches_the_draft_up(spec_pair, greedy_reference, uniform):
     # The draft does not run on steps without speculation; the next speculative step must feed it the
@@ -104,7 +83,7 @@ def test_speculating_after_plain_steps_catches_the_draft_up(spec_pair, greedy_re
     # feeds one query length, front-padded with tokens the draft has seen (as where graphs run).
     llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, **KV)
     worker = llm.llm_engine.executor.worker
-    worker.policy = _Bursts(period=4)
+    worker.policy = BurstsPolicy(period=4)
     proposer = worker.draft_proposer
     proposer.uniform_catch_up = uniform
     lengths = []
@@ -133,7 +112,7 @@ def test_uniform_catch_up_of_rows_lagging_by_different_amounts(spec_pair, baseli
     length itself): every row is padded to one query length; draft = target keeps every draft."""
     llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, **KV)
     engine, worker = llm.llm_engine, llm.llm_engine.executor.worker
-    worker.policy = _Bursts(period=5)
+    worker.policy = BurstsPolicy(period=5)
     proposer = worker.draft_proposer
     proposer.uniform_catch_up = True
     lags = []
@@ -164,7 +143,7 @@ def test_only_steps_that_catch_the_draft_up_report_a_catch_up(spec_pair):
     """The policy charges a switch to speculation with the catch-up: a step without one must report none."""
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **KV)
     worker = llm.llm_engine.executor.worker
-    policy = worker.policy = _Bursts(period=4)
+    policy = worker.policy = BurstsPolicy(period=4)
     seen = []
     policy.observe = lambda shape, chosen, accepted, stats, charge: seen.append((max(chosen, default=0),
                                                                                 stats.catch_up_time))
