@@ -190,3 +190,48 @@ def test_an_expensive_probe_is_spaced_by_what_it_loses():
         stats = SpecStepStats(2, sum(chosen), 0, [], draft, 0.01, num_verified_tokens=2 * (max(chosen) + 1))
         policy.observe(shape, chosen, [0, 0], stats, Charge(draft + 0.01))
     assert 1 <= len(probes) <= 3 and probes[0] >= 400, probes
+
+
+def test_an_excursion_pays_its_way_back():
+    """Plain decoding is best by 5% and a switch costs a plain step; k = 1 was last measured long ago
+    (and speculation last ran longer ago than probes are spaced), so one step re-measures it, and the
+    next returns: the way back belongs to the excursion, not to the choice to return (charged a
+    switch, plain would lose to staying at k = 1)."""
+    policy = AdaptivePolicy(max_k=1, prior_acceptance=0.5, prior_strength=1e6, explore_every=50)
+    shape = StepShape([1], [1], 0)
+    state = policy._bucket_state(1)
+    state.visits = 200
+    state.catch_up, state.refill = 2e-3, 2e-3
+    plain, spec = 4.0e-3, 1.5 * 4.0e-3 / 0.95
+    policy._measured = {(1, 0): StepCost(plain, at=200, samples=5), (1, 1): StepCost(spec, at=10, samples=5)}
+    assert policy.choose(shape) == [1]
+    assert not policy._speculating
+    stats = SpecStepStats(1, 1, 1, [1], 0.3e-3, spec - 0.3e-3, num_verified_tokens=2)
+    policy.observe(shape, [1], [1], stats, Charge(spec))
+    assert policy.choose(shape) == [0]
+
+
+def test_a_new_batch_size_starts_from_the_nearest_switching_cost():
+    policy = AdaptivePolicy(max_k=4)
+    policy._bucket_state(8).observe_switch(catch_up=2e-3, refill=1e-3)
+    policy._bucket_state(256).observe_switch(catch_up=9e-3, refill=3e-3)
+    assert policy._round_trip(16) == pytest.approx(3e-3)
+    assert policy._round_trip(200) == pytest.approx(12e-3)
+    policy._bucket_state(16).observe_switch(catch_up=4e-3)
+    assert policy._round_trip(16) == pytest.approx(4e-3)
+
+
+def test_re_measuring_speculation_where_it_does_not_pay_is_spaced_as_a_probe():
+    """k = 1 was measured once, at five plain steps (the model, without speculation's host work, says
+    about one): the lower of the two keeps it near the best, but speculating to re-measure it while
+    plain decoding is best loses what a probe loses, so it waits as long as a probe would (1% of the
+    time: about 400 steps), not explore_every steps."""
+    policy = AdaptivePolicy(max_k=1, prior_acceptance=0.01, prior_strength=1e6, explore_every=50)
+    policy._modelled_cost = lambda n, k, state: 4.2e-3 if k else 4.0e-3
+    policy._measured = {(1, 0): StepCost(4.0e-3, at=0, samples=5), (1, 1): StepCost(20e-3, at=0, samples=1)}
+    state = policy._bucket_state(1)
+    shape = StepShape([1], [1], 0)
+    state.visits = 100
+    assert policy.choose(shape) == [0]
+    state.visits = 420
+    assert policy.choose(shape) == [1]

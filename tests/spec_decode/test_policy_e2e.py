@@ -40,13 +40,28 @@ def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair, random_dr
     llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=4,
               async_scheduling=async_scheduling, **KV)
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    policy = llm.llm_engine.executor.worker.policy
+    chosen, choose = [], policy.choose
+
+    def record(shape):
+        k = choose(shape)
+        chosen.append(max(k, default=0))
+        return k
+
+    policy.choose = record
     llm.generate(make_prompts(2), params, use_tqdm=False)
     m = metric_values(llm)
     assert m["vllm:spec_decode_policy_draft_cost_ratio"] > 0.3
-    steps = m["vllm:engine_steps"]
-    # Exploration: at least one speculative step, and only a few (one every 50 steps, plus early
-    # probes while the sampled acceptance belief is still wide): at most 5% of the steps.
-    assert 1 <= m["vllm:spec_decode_num_drafts"] / 2 <= steps / 20 + 1, (m["vllm:spec_decode_num_drafts"], steps)
+    # Exploration: at least one speculative step; past each k's first measurement, what speculative
+    # steps lose against plain ones (on the policy's own measurements) is a few percent of the time.
+    # (How many there are depends on the machine: where every k costs about what a plain step costs,
+    # each is near the best and re-measured now and then; where drafting costs 5x a plain step, one in
+    # hundreds of steps.)
+    spec_steps = [k for k in chosen if k]
+    assert spec_steps, chosen
+    cost = {k: policy._decode_step_cost(2, k) for k in set(chosen)}
+    again = [k for i, k in enumerate(spec_steps) if k in spec_steps[:i]]
+    assert sum(cost[k] - cost[0] for k in again) <= 0.05 * len(chosen) * cost[0], (chosen, cost)
 
 
 class _VaryingK(ScriptedPolicy):

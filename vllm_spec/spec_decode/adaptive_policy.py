@@ -81,7 +81,9 @@ class AdaptivePolicy:
     _measured: dict[tuple[int, int], StepCost] = field(default_factory=dict)
     _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     last_mean_k: float = 0.0
-    _speculating: bool = False   # whether the last step chosen drafted at all
+    # Whether the policy holds to speculating: what the last step chose, unless that step explored
+    # (re-measured or probed a choice other than the best: the way back is part of the excursion).
+    _speculating: bool = False
 
     def __post_init__(self) -> None:
         # Until measured: a target forward costs 1 plus 1/512 per query token, a draft
@@ -124,13 +126,15 @@ class AdaptivePolicy:
         mean = np.clip(rate, 0.0, 0.999)[:, None] ** j
         draw = np.clip(rate + shift, 0.0, 0.999)[:, None] ** j
         caps = np.array(shape.caps)
-        chosen = self._choose_decoding(mean, draw, caps) if shape.num_other_tokens == 0 \
-            else self._choose_ragged(draw, caps, shape.num_other_tokens)
+        if shape.num_other_tokens == 0:
+            chosen, self._speculating = self._choose_decoding(mean, draw, caps)
+        else:
+            chosen = self._choose_ragged(draw, caps, shape.num_other_tokens)
+            self._speculating = bool(chosen.any())
         self.last_mean_k = float(chosen.mean())
-        self._speculating = bool(chosen.any())
         return chosen.tolist()
 
-    def _choose_decoding(self, gains: np.ndarray, draw: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    def _choose_decoding(self, gains: np.ndarray, draw: np.ndarray, caps: np.ndarray) -> tuple[np.ndarray, bool]:
         """Every sequence decoding: verification is padded to K+1 tokens per sequence (one CUDA
         graph; ragged verification runs eagerly, slower), so each sequence drafts min(K, cap) and
         K is chosen on the measured costs of such steps."""
@@ -139,7 +143,8 @@ class AdaptivePolicy:
         drafts = {K: np.minimum(caps, K) for K in range(int(min(self.max_k, caps.max())) + 1)}
 
         state = self._bucket_state(n)
-        switch = state.round_trip / _SWITCH_HORIZON
+        round_trip = self._round_trip(n)
+        switch = round_trip / _SWITCH_HORIZON
         cost = {K: self._decode_step_cost(n, K) for K in drafts}
 
         def tokens(gains: np.ndarray) -> dict[int, float]:
@@ -165,16 +170,19 @@ class AdaptivePolicy:
             # ones are re-measured one at a time, at most one step in explore_every / 2: with
             # every k near the best (costs that hardly depend on k), exploring them all in turn
             # would cost up to (max_k + 1) steps in explore_every.
+            # Speculating to re-measure while plain decoding is best is a probe, and spaced as one.
             may_remeasure = 2 * (state.visits - state.last_remeasure) >= self.explore_every
             stale = [K for K in rates if rates[K] >= _NEAR_BEST * rates[best]
                      and state.visits - self._measured_at(n, K) >= self.explore_every
-                     and (may_remeasure or self._measured_at(n, K) == -np.inf)]
+                     and (self._measured_at(n, K) == -np.inf or may_remeasure and (
+                         best > 0 or K == 0 or state.visits - state.last_spec >= self._probe_spacing(
+                             n, K, cost[0], round_trip, expected[K] / n)))]
             K = min(stale, key=lambda K: self._measured_at(n, K)) if stale else best
             if K != best:
                 state.last_remeasure = state.visits
             probe = max(range(1, len(rates)), key=rates.__getitem__) if len(rates) > 1 else 0
             if K == 0 and probe and state.visits - state.last_spec >= max(
-                    state.probe_every, self._probe_spacing(cost, state, probe, expected[probe] / n)):
+                    state.probe_every, self._probe_spacing(n, probe, cost[0], round_trip, expected[probe] / n)):
                 # Speculation that does not pay here is still probed, ever more rarely (each probe
                 # also feeds the draft every token it missed): acceptance may change.
                 K = probe
@@ -183,14 +191,16 @@ class AdaptivePolicy:
                 state.probe_every = self.explore_every
         if K > 0:
             state.last_spec = state.visits
-        return drafts[K]
+        return drafts[K], best > 0
 
-    @staticmethod
-    def _probe_spacing(cost: dict[int, float], state: BucketState, k: int, tokens_per_seq: float) -> float:
+    def _probe_spacing(self, n: int, k: int, plain: float, round_trip: float, tokens_per_seq: float) -> float:
         """Steps between probes of k from plain decoding that keep what they lose within the budget:
-        the probe's step and both switches, less the plain steps its expected tokens would take."""
-        loss = cost[k] + state.round_trip - tokens_per_seq * cost[0]
-        return max(loss, 0.0) / (_PROBE_BUDGET * cost[0])
+        the probe's step (as last measured: what it will likely cost again) and both switches, less
+        the plain steps its expected tokens would take."""
+        measured = self._measured.get((_bucket(n), k))
+        step = measured.seconds if measured is not None else self._decode_step_cost(n, k)
+        loss = step + round_trip - tokens_per_seq * plain
+        return max(loss, 0.0) / (_PROBE_BUDGET * plain)
 
     def _choose_ragged(self, gains: np.ndarray, caps: np.ndarray, num_other_tokens: int) -> np.ndarray:
         """Prefill chunks in the step: verification is ragged, so k is chosen per sequence
@@ -218,6 +228,13 @@ class AdaptivePolicy:
 
     def _bucket_state(self, n: int) -> BucketState:
         return self._buckets.setdefault(_bucket(n), BucketState(probe_every=self.explore_every))
+
+    def _round_trip(self, n: int) -> float:
+        """Seconds of a switch to speculation and back at this batch size; until one is measured
+        here, what it cost at the nearest batch size where one was."""
+        bucket = _bucket(n)
+        measured = [b for b, s in self._buckets.items() if s.round_trip]
+        return self._buckets[min(measured, key=lambda b: abs(b - bucket))].round_trip if measured else 0.0
 
     def _measured_at(self, n: int, k: int) -> float:
         """The bucket visit at which steps of n sequences drafting k were last measured (-inf: never)."""
