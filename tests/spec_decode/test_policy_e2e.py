@@ -52,16 +52,16 @@ def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair, random_dr
     llm.generate(make_prompts(2), params, use_tqdm=False)
     m = metric_values(llm)
     assert m["vllm:spec_decode_policy_draft_cost_ratio"] > 0.3
-    # Exploration: at least one speculative step; past each k's first measurement, what speculative
-    # steps lose against plain ones (on the policy's own measurements) is a few percent of the time.
-    # (How many there are depends on the machine: where every k costs about what a plain step costs,
-    # each is near the best and re-measured now and then; where drafting costs 5x a plain step, one in
-    # hundreds of steps.)
-    spec_steps = [k for k in chosen if k]
-    assert spec_steps, chosen
+    # Exploration: at least one speculative step; once the first quarter of the steps has taught the
+    # policy what speculation costs and how little it is accepted, what speculative steps lose
+    # against plain ones (on the policy's own measurements) is a few percent of the time. (How many
+    # there are depends on the machine: where every k costs about what a plain step costs, each is
+    # near the best and re-measured now and then; where drafting costs several plain steps, probes
+    # come once in hundreds of steps.)
+    assert any(chosen), chosen
+    late = chosen[len(chosen) // 4:]
     cost = {k: policy._decode_step_cost(2, k) for k in set(chosen)}
-    again = [k for i, k in enumerate(spec_steps) if k in spec_steps[:i]]
-    assert sum(cost[k] - cost[0] for k in again) <= 0.05 * len(chosen) * cost[0], (chosen, cost)
+    assert sum(cost[k] - cost[0] for k in late if k) <= 0.05 * len(late) * cost[0], (chosen, cost)
 
 
 class _VaryingK(ScriptedPolicy):
