@@ -228,10 +228,13 @@ def test_re_measuring_speculation_where_it_does_not_pay_is_spaced_as_a_probe():
     time: about 400 steps), not explore_every steps."""
     policy = AdaptivePolicy(max_k=1, prior_acceptance=0.01, prior_strength=1e6, explore_every=50)
     policy._modelled_cost = lambda n, k, state: 4.2e-3 if k else 4.0e-3
-    policy._measured = {(1, 0): StepCost(4.0e-3, at=0, samples=5), (1, 1): StepCost(20e-3, at=0, samples=1)}
+    policy._measured = {(1, 0): StepCost(4.0e-3, at=99, samples=5), (1, 1): StepCost(20e-3, at=0, samples=1)}
     state = policy._bucket_state(1)
+    state.probe_every = 800   # the probe path stays out of it: this is the re-measurement rule
     shape = StepShape([1], [1], 0)
     state.visits = 100
     assert policy.choose(shape) == [0]
     state.visits = 420
+    policy._measured[(1, 0)].at = 419
     assert policy.choose(shape) == [1]
+    assert state.last_remeasure == 421

@@ -13,7 +13,8 @@ yet. Choices near the best are re-measured now and then; when the mean belief
 says not to speculate, a draw of the global rate (Thompson sampling) may
 still say to, and speculation is probed ever more rarely where it keeps not paying.
 A switch between speculating and not (the draft's catch-up, the plain step
-that cannot overlap a speculative one) is charged to the choice that makes it.
+that cannot overlap a speculative one) is charged to the choice that makes it,
+except an exploring excursion's way back (its spacing accounts for it).
 With prefill chunks in the step, k is chosen per sequence (Dinkelbach) on the
 model.
 """
@@ -81,8 +82,9 @@ class AdaptivePolicy:
     _measured: dict[tuple[int, int], StepCost] = field(default_factory=dict)
     _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     last_mean_k: float = 0.0
-    # Whether the policy holds to speculating: what the last step chose, unless that step explored
-    # (re-measured or probed a choice other than the best: the way back is part of the excursion).
+    # Whether the policy holds to speculating: the best choice of the last all-decoding step (not an
+    # exploring excursion's: the way back is part of the excursion); after a step with prefill
+    # chunks, whether it drafted.
     _speculating: bool = False
 
     def __post_init__(self) -> None:
@@ -137,7 +139,8 @@ class AdaptivePolicy:
     def _choose_decoding(self, gains: np.ndarray, draw: np.ndarray, caps: np.ndarray) -> tuple[np.ndarray, bool]:
         """Every sequence decoding: verification is padded to K+1 tokens per sequence (one CUDA
         graph; ragged verification runs eagerly, slower), so each sequence drafts min(K, cap) and
-        K is chosen on the measured costs of such steps."""
+        K is chosen on the measured costs of such steps. Returns the drafts and whether the best
+        choice speculates (the step itself may explore another)."""
         n = len(caps)
         j = np.arange(1, self.max_k + 1)
         drafts = {K: np.minimum(caps, K) for K in range(int(min(self.max_k, caps.max())) + 1)}
@@ -163,7 +166,7 @@ class AdaptivePolicy:
         state.visits += 1
         if self._plain_samples(n) < MIN_SAMPLES:
             # Plain steps are measured at each batch size before the model's guess of them is trusted.
-            K = 0
+            K = best = 0
         else:
             # A choice within reach of the best whose measurement is old (or missing) is measured
             # again: step costs drift, and an unlucky first measurement must not stick. Measured
@@ -174,9 +177,9 @@ class AdaptivePolicy:
             may_remeasure = 2 * (state.visits - state.last_remeasure) >= self.explore_every
             stale = [K for K in rates if rates[K] >= _NEAR_BEST * rates[best]
                      and state.visits - self._measured_at(n, K) >= self.explore_every
-                     and (self._measured_at(n, K) == -np.inf or may_remeasure and (
+                     and (self._measured_at(n, K) == -np.inf or (may_remeasure and (
                          best > 0 or K == 0 or state.visits - state.last_spec >= self._probe_spacing(
-                             n, K, cost[0], round_trip, expected[K] / n)))]
+                             n, K, cost[0], round_trip, expected[K] / n))))]
             K = min(stale, key=lambda K: self._measured_at(n, K)) if stale else best
             if K != best:
                 state.last_remeasure = state.visits
@@ -200,7 +203,8 @@ class AdaptivePolicy:
         measured = self._measured.get((_bucket(n), k))
         step = measured.seconds if measured is not None else self._decode_step_cost(n, k)
         loss = step + round_trip - tokens_per_seq * plain
-        return max(loss, 0.0) / (_PROBE_BUDGET * plain)
+        # At most _MAX_PROBE_EVERY steps: one slow measurement must not stop probes for good.
+        return min(max(loss, 0.0) / (_PROBE_BUDGET * plain), _MAX_PROBE_EVERY)
 
     def _choose_ragged(self, gains: np.ndarray, caps: np.ndarray, num_other_tokens: int) -> np.ndarray:
         """Prefill chunks in the step: verification is ragged, so k is chosen per sequence
