@@ -173,13 +173,20 @@ class AdaptivePolicy:
             # ones are re-measured one at a time, at most one step in explore_every / 2: with
             # every k near the best (costs that hardly depend on k), exploring them all in turn
             # would cost up to (max_k + 1) steps in explore_every.
-            # Speculating to re-measure while plain decoding is best is a probe, and spaced as one.
             may_remeasure = 2 * (state.visits - state.last_remeasure) >= self.explore_every
-            stale = [K for K in rates if rates[K] >= _NEAR_BEST * rates[best]
-                     and state.visits - self._measured_at(n, K) >= self.explore_every
-                     and (self._measured_at(n, K) == -np.inf or (may_remeasure and (
-                         best > 0 or K == 0 or state.visits - state.last_spec >= self._probe_spacing(
-                             n, K, cost[0], round_trip, expected[K] / n))))]
+
+            def worth_measuring(K: int) -> bool:
+                if rates[K] < _NEAR_BEST * rates[best] or state.visits - self._measured_at(n, K) < self.explore_every:
+                    return False
+                if self._measured_at(n, K) == -np.inf:
+                    return True
+                if not may_remeasure:
+                    return False
+                # Speculating to re-measure while plain decoding is best is a probe, and spaced as one.
+                return best > 0 or K == 0 or state.visits - state.last_spec >= self._probe_spacing(
+                    n, K, cost[0], round_trip, expected[K] / n)
+
+            stale = [K for K in rates if worth_measuring(K)]
             K = min(stale, key=lambda K: self._measured_at(n, K)) if stale else best
             if K != best:
                 state.last_remeasure = state.visits
@@ -200,7 +207,7 @@ class AdaptivePolicy:
         """Steps between probes of k from plain decoding that keep what they lose within the budget:
         the probe's step (as last measured: what it will likely cost again) and both switches, less
         the plain steps its expected tokens would take."""
-        measured = self._measured.get((_bucket(n), k))
+        measured = self._measurement(n, k)
         step = measured.seconds if measured is not None else self._decode_step_cost(n, k)
         loss = step + round_trip - tokens_per_seq * plain
         # At most _MAX_PROBE_EVERY steps: one slow measurement must not stop probes for good.
@@ -240,21 +247,23 @@ class AdaptivePolicy:
         measured = [b for b, s in self._buckets.items() if s.round_trip]
         return self._buckets[min(measured, key=lambda b: abs(b - bucket))].round_trip if measured else 0.0
 
+    def _measurement(self, n: int, k: int) -> StepCost | None:
+        """What all-decoding steps of n sequences drafting k were measured to cost (None: never)."""
+        return self._measured.get((_bucket(n), k))
+
     def _measured_at(self, n: int, k: int) -> float:
         """The bucket visit at which steps of n sequences drafting k were last measured (-inf: never)."""
-        cost = self._measured.get((_bucket(n), k))
+        cost = self._measurement(n, k)
         return -np.inf if cost is None else cost.at
 
     def _decode_step_cost(self, n: int, k: int) -> float:
         """Seconds of an all-decoding step of n sequences drafting k: measured, else modelled (device
         time, plus the host time measured at this batch size); while few samples were taken, the
         lower of the two (one slow first step must not rule a choice out before it is measured again)."""
-        bucket = _bucket(n)
-        measured = self._measured.get((bucket, k))
+        measured = self._measurement(n, k)
         if measured is not None and measured.samples >= MIN_SAMPLES:
             return measured.seconds
-        state = self._buckets.get(bucket)
-        model = self._modelled_cost(n, k, state)
+        model = self._modelled_cost(n, k, self._buckets.get(_bucket(n)))
         return model if measured is None else min(model, measured.seconds)
 
     def _modelled_cost(self, n: int, k: int, state: BucketState | None) -> float:
@@ -268,7 +277,7 @@ class AdaptivePolicy:
         return (device + host) * state.calibration
 
     def _plain_samples(self, n: int) -> int:
-        cost = self._measured.get((_bucket(n), 0))
+        cost = self._measurement(n, 0)
         return 0 if cost is None else cost.samples
 
     def _draft_forward(self, n: int) -> float:
@@ -316,7 +325,7 @@ class AdaptivePolicy:
         if stats.catch_up_time > 0:
             state.observe_switch(catch_up=stats.catch_up_time)
         if charge.refill:   # not what plain steps cost: what switching back to them cost
-            plain = self._measured.get((_bucket(n), 0))
+            plain = self._measurement(n, 0)
             if plain is not None:
                 state.observe_switch(refill=max(charge.seconds - plain.seconds, 0.0))
             return
