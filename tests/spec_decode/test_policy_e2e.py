@@ -35,8 +35,8 @@ def test_greedy_equality_every_policy(spec_pair, greedy_reference, policy):
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair, random_draft, async_scheduling):
-    # An unrelated draft (acceptance near 0) whose forward costs on CPU about as much as the
-    # target's: the policy must measure a high draft cost ratio and speculate only to explore.
+    # An unrelated draft (acceptance near 0): the policy must measure what drafting costs (on CPU
+    # about as much as a target step, on a GPU a quarter of one) and speculate only to explore.
     llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=4,
               async_scheduling=async_scheduling, **KV)
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
@@ -52,7 +52,7 @@ def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair, random_dr
     policy.choose = record
     llm.generate(make_prompts(2), params, use_tqdm=False)
     m = metric_values(llm)
-    assert m["vllm:spec_decode_policy_draft_cost_ratio"] > 0.3
+    assert m["vllm:spec_decode_policy_draft_cost_ratio"] > 0.05
     # Exploration: at least one speculative step; once the first quarter of the steps has taught the
     # policy what speculation costs, what re-measuring a k (not its first measurement) loses against
     # plain steps, on the policy's own measurements, stays small. A loose bound: over a few hundred

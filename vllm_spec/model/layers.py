@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_spec.distributed.parallel_state import GroupCoordinator
-from vllm_spec.model.fused import add_rms_norm
+from vllm_spec.model import gemv
+from vllm_spec.model.fused import add_rms_norm, silu_mul
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -30,6 +31,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x W^T (+ b); W may be a copy made by pack_for_cpu."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if gemv.eligible(x, weight):
+        return gemv.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -107,6 +110,14 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       norm: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x, residual)[0]), x + residual), in one kernel where gemv fuses them."""
+        if self.packed is None and gemv.fusable(x, self.weight, residual):
+            return gemv.norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        x, residual = norm(x, residual)
+        return self(x), residual
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection; KV heads are replicated when tp > num_kv_heads."""
@@ -145,7 +156,16 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(weight.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self._matmul(x))
+        return self._reduce(self._matmul(x))
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """self(silu_mul(x)) for x = [gate | up], in one kernel where gemv fuses them."""
+        if self.packed is None and gemv.fusable(x, self.weight) and x.shape[1] == 2 * self.in_shard:
+            return self._reduce(gemv.silu_mul_linear(x, self.weight))
+        return self(silu_mul(x))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from vllm_spec.attention import Attention, AttentionMetadata
 from vllm_spec.distributed.parallel_state import GroupCoordinator
 from vllm_spec.model.arch_config import ArchConfig
-from vllm_spec.model.fused import rotary, silu_mul
+from vllm_spec.model.fused import rotary
 from vllm_spec.model.layers import (
     ColumnParallelLinear,
     LinearBase,
@@ -45,14 +45,17 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
                               cfg.sliding_window)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, cos: torch.Tensor,
+                sin: torch.Tensor, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention of norm(x + residual), x + residual)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv, residual = self.qkv_proj.forward_normed(x, residual, norm)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(q, k, cos, sin)
         out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), md)
-        return self.o_proj(out.reshape(-1, q_size))
+        return self.o_proj(out.reshape(-1, q_size)), residual
 
 
 class LlamaMLP(nn.Module):
@@ -62,8 +65,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp, dtype)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP of norm(x + residual), x + residual)."""
+        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
+        return self.down_proj.forward_silu_mul(gate_up), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -76,10 +81,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual stream kept apart: each norm adds the previous block's output to it first."""
-        x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, md), residual)
-        return self.mlp(x), residual
+        """Residual stream kept apart: each norm adds the previous block's output to it first (and runs
+        inside the projection after it where the gemv kernels take the row)."""
+        x, residual = self.self_attn(x, residual, self.input_layernorm, cos, sin, md)
+        return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 class LlamaForCausalLM(nn.Module):

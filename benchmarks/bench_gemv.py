@@ -1,0 +1,110 @@
+"""One-row matmuls of the 8B and 68M shapes: cuBLAS (+ the unfused elementwise op) vs the Triton gemv kernels.
+
+    python benchmarks/bench_gemv.py [--sweep] [--out gemv.json]
+
+Each case replays a CUDA graph of 64 calls that cycle over enough weight copies
+(>= 512 MB) that no weight stays in L2, as in a decode step that streams the whole
+model. Reports µs per call and the weight bytes over that time as a fraction of the
+copy bandwidth measured in the same run. --sweep times every (BLOCK_N, BLOCK_K,
+num_warps) for the plain kernel and prints the best per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+from benchmark_spec_decode import copy_bandwidth
+
+from vllm_spec.model import fused, gemv
+
+# (name, N, K): q/k/v, o, gate/up, down and LM head of each shape
+SHAPES = [
+    ("8b qkv", 6144, 4096), ("8b o", 4096, 4096), ("8b gate_up", 28672, 4096), ("8b down", 4096, 14336),
+    ("8b lm_head", 128256, 4096),
+    ("68m qkv", 2304, 768), ("68m o", 768, 768), ("68m gate_up", 6144, 768), ("68m down", 768, 3072),
+    ("68m lm_head", 128256, 768),
+]
+CALLS = 64
+
+
+def time_graph(fn, weights: list[torch.Tensor]) -> float:
+    """µs per call of fn(w), over CALLS calls cycling through `weights`, replayed in a graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights[:2]:
+            fn(w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS):
+            fn(weights[i % len(weights)])
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (10 * CALLS)
+
+
+def cases(n: int, k: int, dtype: torch.dtype) -> dict[str, tuple]:
+    """name -> (cuBLAS-side fn, gemv-side fn), both over a weight argument."""
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    res = torch.randn(1, k, device="cuda", dtype=dtype)
+    norm_w = torch.rand(k, device="cuda", dtype=dtype) + 0.5
+    gate_up = torch.randn(1, 2 * k, device="cuda", dtype=dtype)
+    return {
+        "plain": (lambda w: F.linear(x, w), lambda w: gemv.linear(x, w)),
+        "norm": (lambda w: F.linear(fused.add_rms_norm(x, res, norm_w, 1e-5)[0], w),
+                 lambda w: gemv.norm_linear(x, res, norm_w, 1e-5, w)),
+        "silu": (lambda w: F.linear(fused.silu_mul(gate_up), w), lambda w: gemv.silu_mul_linear(gate_up, w)),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default="gemv.json")
+    args = ap.parse_args()
+    dtype = torch.bfloat16
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows = []
+    print(f"{'shape':<12} {'op':<6} {'cuBLAS us':>9} {'gemv us':>8} {'speedup':>7} {'cuBLAS %bw':>10} {'gemv %bw':>8}")
+    for name, n, k in SHAPES:
+        nbytes = n * k * 2
+        weights = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(max(2, (512 << 20) // nbytes))]
+        for op, (ref_fn, fn) in cases(n, k, dtype).items():
+            t_ref, t = time_graph(ref_fn, weights), time_graph(fn, weights)
+            floor = nbytes / bw * 1e6
+            rows.append(dict(shape=name, n=n, k=k, op=op, cublas_us=t_ref, gemv_us=t, floor_us=floor))
+            print(f"{name:<12} {op:<6} {t_ref:9.2f} {t:8.2f} {t_ref / t:7.2f} {100 * floor / t_ref:10.1f} "
+                  f"{100 * floor / t:8.1f}", flush=True)
+        if args.sweep:
+            x = torch.randn(1, k, device="cuda", dtype=dtype)
+            default, results = gemv._blocks, []
+            for bn, bk, warps in itertools.product((2, 4, 8, 16, 32), (128, 256, 512, 1024), (2, 4, 8)):
+                if bn * bk > 16384 or bn * bk < 512:
+                    continue
+                gemv._blocks = lambda _n, _k, cfg=(bn, bk, warps): cfg
+                results.append((time_graph(lambda w: gemv.linear(x, w), weights), bn, bk, warps))
+            gemv._blocks = default
+            results.sort()
+            best = ", ".join(f"{bn}x{bk}/{w}w {t:.2f}us" for t, bn, bk, w in results[:4])
+            print(f"  sweep {name}: best {best}", flush=True)
+            rows.append(dict(shape=name, sweep=[dict(us=t, block_n=bn, block_k=bk, warps=w)
+                                                for t, bn, bk, w in results]))
+        del weights
+    with open(args.out, "w") as f:
+        json.dump(dict(copy_bandwidth=bw, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""One-row Triton GEMVs (plain, RMSNorm-fused, SiLU·mul-fused) against float64 references of the unfused ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_spec.model import fused, gemv
+
+pytestmark = pytest.mark.gpu
+BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+SHAPES = [(4096, 4096), (6144, 4096), (2048, 14336), (1000, 768), (129, 200), (7, 33)]
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "an output element was not written"
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _poison_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Leave NaNs in the caching allocator's next block of this size, so an unwritten output shows."""
+    torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def _draw(seed: int, n: int, k: int, dtype: torch.dtype):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(1, k, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5
+    b = torch.randn(n, device="cuda", dtype=dtype, generator=g)
+    return x, w, b, g
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear(dtype, n, k, with_bias):
+    x, w, b, _ = _draw(n * 31 + k, n, k, dtype)
+    b = b if with_bias else None
+    assert gemv.eligible(x, w)
+    _poison_allocator((1, n), dtype)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert _rel(gemv.linear(x, w, b), ref) < BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_linear(dtype, n, k, with_residual):
+    x, w, b, g = _draw(n * 17 + k, n, k, dtype)
+    res = torch.randn(1, k, device="cuda", dtype=dtype, generator=g) if with_residual else None
+    norm_w = torch.rand(k, device="cuda", dtype=dtype, generator=g) + 0.5
+    normed, ref_res = fused.add_rms_norm_torch(x, res, norm_w, 1e-5)
+    _poison_allocator((1, n), dtype)
+    y, new_res = gemv.norm_linear(x, res, norm_w, 1e-5, w, b)
+    assert _rel(y, F.linear(normed.double(), w.double(), b.double())) < BOUND[dtype]
+    assert torch.equal(new_res, ref_res)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_silu_mul_linear(dtype, n, k):
+    _, w, _, g = _draw(n * 13 + k, n, k, dtype)
+    x = torch.randn(1, 2 * k, device="cuda", dtype=dtype, generator=g) * 3
+    _poison_allocator((1, n), dtype)
+    ref = F.linear(fused.silu_mul(x).double(), w.double())
+    assert _rel(gemv.silu_mul_linear(x, w), ref) < BOUND[dtype]
+
+
+def test_only_one_half_precision_row_is_eligible():
+    w = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    assert gemv.eligible(torch.randn(1, 32, device="cuda", dtype=torch.bfloat16), w)
+    assert not gemv.eligible(torch.randn(2, 32, device="cuda", dtype=torch.bfloat16), w)
+    assert not gemv.eligible(torch.randn(1, 32, device="cuda"), w.float())
+    assert not gemv.eligible(torch.randn(1, 32, dtype=torch.bfloat16), w.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decoder_forward_matches_unfused(tiny_llama, dtype, monkeypatch):
+    """One token through a whole model: the fused path against the unfused ops on the same device."""
+    from vllm_spec import LLM
+    from vllm_spec.attention.metadata import AttentionMetadata
+
+    llm = LLM(str(tiny_llama), dtype=str(dtype).removeprefix("torch."), enforce_eager=True,
+              kv_cache_memory_bytes=1 << 26)
+    model = llm.llm_engine.executor.worker.runner.model
+    block_size = llm.llm_engine.config.cache.block_size
+    md = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1], device="cuda"), seq_lens=torch.tensor([1], device="cuda"),
+        block_tables=torch.tensor([[1]], device="cuda"), slot_mapping=torch.tensor([block_size], device="cuda"),
+        max_query_len=1, max_seq_len=1, block_size=block_size)
+    ids, pos = torch.tensor([5], device="cuda"), torch.tensor([0], device="cuda")
+    calls = []
+    launch = gemv._launch
+    monkeypatch.setattr(gemv, "_launch", lambda *a, **k: (calls.append(a[0]), launch(*a, **k))[1])
+    with torch.inference_mode():
+        fused_logits = model.compute_logits(model(ids, pos, md))
+    assert sorted(set(calls)) == [0, 1, 2], "every gemv variant should run on one row"
+    monkeypatch.setattr(gemv, "ENABLED", False)
+    with torch.inference_mode():
+        ref = model.compute_logits(model(ids, pos, md))
+    assert _rel(fused_logits, ref.double()) < BOUND[dtype]

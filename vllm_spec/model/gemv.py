@@ -1,0 +1,147 @@
+"""One-row matmuls (y = x W^T for a single token) as Triton GEMVs, with the decoder's elementwise ops fused in.
+
+A batch-1 decode step reads every weight once and multiplies it by one row, so its
+time is the weights' bytes over memory bandwidth plus whatever else runs between
+the matmuls. cuBLAS splits such products over K and reduces in a second kernel,
+and the RMSNorm before q/k/v and gate/up and the SiLU·mul before down are kernels
+of their own: ~5 small kernels per layer that each cost a launch slot in the graph.
+Here a program owns BLOCK_N output rows over the whole K (no split, no reduce) and
+computes its input on the fly: the normed row (each program recomputes the
+row's sum of squares: K elements from L2) or silu(gate)·up. The inputs are
+rounded exactly as the unfused ops round them, so only the summation order differs.
+
+Used for float16/bfloat16 rows on CUDA; everything else (CPU, float32, more than
+one row) takes the unfused ops, which are also the reference in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+# Tests turn this off to compute the unfused reference on the same device.
+ENABLED = True
+# Fusing the norm or SiLU·mul makes every program recompute its input: that pays on small weights
+# (a kernel saved is a large part of their time), not on large ones, which stream slower with it.
+FUSE_MAX_NUMEL = 8 << 20
+
+_PLAIN, _NORM, _SILU = 0, 1, 2
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether x W^T (x + residual normed first, if given) runs here: one half-precision row on CUDA."""
+    return (ENABLED and triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and weight.stride(-1) == 1 and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1))
+
+
+def fusable(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether the elementwise op before this matmul is worth computing inside it (see module doc)."""
+    return eligible(x, weight, residual) and weight.numel() <= FUSE_MAX_NUMEL
+
+
+def _blocks(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) from a sweep on an H200 (benchmarks/bench_gemv.py --sweep): tiles
+    of 2048 weights over 4 warps, BLOCK_K the power of two in 128..1024 that leaves the smallest masked
+    tail (a tail cost up to 25%), the largest on ties; rows of 8192+ weights stream best 16 at a time
+    over 8 warps."""
+    if k >= 8192 and k % 1024 == 0:
+        return 16, 1024, 8
+    block_k = min((1024, 512, 256, 128), key=lambda b: -k % b)
+    return 2048 // block_k, block_k, 4
+
+
+def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+            eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n, k = weight.shape
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(1, k, dtype=x.dtype, device=x.device) if residual is not None else None
+    block_n, block_k, warps = _blocks(n, k)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
+        weight, bias if bias is not None else x, y, res_out if res_out is not None else y,
+        n, k, weight.stride(0), eps,
+        MODE=mode, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps)
+    return y, res_out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) for an `eligible` row."""
+    return _launch(_PLAIN, x, weight, bias)[0]
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) W^T (+ b), x + residual) for an `eligible` row: fused.add_rms_norm, then a linear."""
+    y, res_out = _launch(_NORM, x, weight, bias, residual, norm_weight, eps)
+    return y, res_out if res_out is not None else x
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(silu(gate) * up) W^T (+ b) for an `eligible` row x = [gate | up]: fused.silu_mul, then a linear."""
+    return _launch(_SILU, x, weight, bias)[0]
+
+
+if triton is not None:
+    @triton.jit
+    def _input(x_ptr, res_ptr, nw_ptr, cols, mask, K, inv, MODE: tl.constexpr, HAS_RES: tl.constexpr):
+        """The matmul's input at `cols` in float32, rounded as the unfused ops round it."""
+        x = tl.load(x_ptr + cols, mask=mask, other=0.0)
+        if MODE == 1:
+            if HAS_RES:
+                x = (x.to(tl.float32) + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            normed = (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
+            w = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            x = (normed * w).to(x.dtype)
+        elif MODE == 2:
+            up = tl.load(x_ptr + K + cols, mask=mask, other=0.0)
+            g = x.to(tl.float32)
+            x = ((g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+        return x.to(tl.float32)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, N, K, stride_w, eps,
+                     MODE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
+        offs = tl.arange(0, BLOCK_K)
+        inv = 0.0
+        if MODE == 1:
+            # RMSNorm's statistic over the whole (residual-added) row; program 0 also writes that row.
+            sq = tl.zeros((BLOCK_K,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + offs
+                mask = cols < K
+                x = tl.load(x_ptr + cols, mask=mask, other=0.0)
+                if HAS_RES:
+                    x = (x.to(tl.float32) + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                         ).to(x.dtype)
+                    if pid == 0:
+                        tl.store(res_out_ptr + cols, x, mask=mask)
+                x32 = x.to(tl.float32)
+                sq += x32 * x32
+            inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + offs
+            col_mask = cols < K
+            if EVEN_K:   # no mask along K: the loads stay 16-byte vectors
+                w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None], other=0.0)
+            else:
+                w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+            x = _input(x_ptr, res_ptr, nw_ptr, cols, col_mask, K, inv, MODE, HAS_RES)
+            acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
