@@ -38,8 +38,8 @@ def test_linear(dtype, n, k, with_bias):
     x, w, b, _ = _draw(n * 31 + k, n, k, dtype)
     b = b if with_bias else None
     assert gemv.eligible(x, w)
-    _poison_allocator((1, n), dtype)
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    _poison_allocator((1, n), dtype)
     assert _rel(gemv.linear(x, w, b), ref) < BOUND[dtype]
 
 
@@ -51,9 +51,10 @@ def test_norm_linear(dtype, n, k, with_residual):
     res = torch.randn(1, k, device="cuda", dtype=dtype, generator=g) if with_residual else None
     norm_w = torch.rand(k, device="cuda", dtype=dtype, generator=g) + 0.5
     normed, ref_res = fused.add_rms_norm_torch(x, res, norm_w, 1e-5)
+    ref = F.linear(normed.double(), w.double(), b.double())
     _poison_allocator((1, n), dtype)
     y, new_res = gemv.norm_linear(x, res, norm_w, 1e-5, w, b)
-    assert _rel(y, F.linear(normed.double(), w.double(), b.double())) < BOUND[dtype]
+    assert _rel(y, ref) < BOUND[dtype]
     assert torch.equal(new_res, ref_res)
 
 
@@ -62,9 +63,34 @@ def test_norm_linear(dtype, n, k, with_residual):
 def test_silu_mul_linear(dtype, n, k):
     _, w, _, g = _draw(n * 13 + k, n, k, dtype)
     x = torch.randn(1, 2 * k, device="cuda", dtype=dtype, generator=g) * 3
-    _poison_allocator((1, n), dtype)
     ref = F.linear(fused.silu_mul(x).double(), w.double())
+    _poison_allocator((1, n), dtype)
     assert _rel(gemv.silu_mul_linear(x, w), ref) < BOUND[dtype]
+
+
+@pytest.mark.parametrize("k", [33, 576, 1024])
+def test_fused_inputs_round_like_the_unfused_ops(k):
+    """With an identity weight the product is the fused input itself (float16 sums of one nonzero
+    term are exact), so rounding that differs from add_rms_norm's or silu_mul's shows. The norm's
+    statistic is summed in another order, which may move a rare element by one unit in the last place."""
+    g = torch.Generator(device="cuda").manual_seed(k)
+    x, res = (torch.randn(1, k, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    norm_w = torch.rand(k, device="cuda", dtype=torch.float16, generator=g) + 0.5
+    eye = torch.eye(k, device="cuda", dtype=torch.float16)
+    y, _ = gemv.norm_linear(x, res, norm_w, 1e-5, eye)
+    ref = fused.add_rms_norm(x, res, norm_w, 1e-5)[0].float()
+    diff = (y.float() - ref).abs()
+    assert (diff <= ref.abs() * 2 ** -10).all() and (diff > 0).float().mean() <= 0.01
+    gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.float16, generator=g) * 3
+    assert torch.equal(gemv.silu_mul_linear(gate_up, eye), fused.silu_mul(gate_up))
+
+
+def test_a_row_of_the_wrong_width_is_refused():
+    w = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="input of shape"):
+        gemv.linear(torch.randn(1, 31, device="cuda", dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="input of shape"):
+        gemv.silu_mul_linear(torch.randn(1, 32, device="cuda", dtype=torch.bfloat16), w)
 
 
 def test_only_one_half_precision_row_is_eligible():
@@ -73,6 +99,9 @@ def test_only_one_half_precision_row_is_eligible():
     assert not gemv.eligible(torch.randn(2, 32, device="cuda", dtype=torch.bfloat16), w)
     assert not gemv.eligible(torch.randn(1, 32, device="cuda"), w.float())
     assert not gemv.eligible(torch.randn(1, 32, dtype=torch.bfloat16), w.cpu())
+    assert gemv.fusable(torch.randn(1, 32, device="cuda", dtype=torch.bfloat16), w)
+    big = torch.empty(gemv.FUSE_MAX_NUMEL // 32 + 1, 32, device="cuda", dtype=torch.bfloat16)
+    assert not gemv.fusable(torch.randn(1, 32, device="cuda", dtype=torch.bfloat16), big)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

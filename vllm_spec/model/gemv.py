@@ -60,6 +60,10 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
             eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     n, k = weight.shape
+    width = 2 * k if mode == _SILU else k   # [gate | up] for SiLU·mul
+    if x.shape[1] != width or (residual is not None and residual.shape != x.shape):
+        # the kernel would read past x: fail like F.linear does
+        raise ValueError(f"gemv: input of shape {tuple(x.shape)} for a weight of shape {tuple(weight.shape)}")
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(1, k, dtype=x.dtype, device=x.device) if residual is not None else None
     block_n, block_k, warps = _blocks(n, k)
