@@ -105,12 +105,13 @@ def test_only_one_half_precision_row_is_eligible():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decoder_forward_matches_unfused(tiny_llama, dtype, monkeypatch):
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])   # qwen2: q/k/v bias, untied LM head
+def test_decoder_forward_matches_unfused(request, arch, dtype, monkeypatch):
     """One token through a whole model: the fused path against the unfused ops on the same device."""
     from vllm_spec import LLM
     from vllm_spec.attention.metadata import AttentionMetadata
 
-    llm = LLM(str(tiny_llama), dtype=str(dtype).removeprefix("torch."), enforce_eager=True,
+    llm = LLM(str(request.getfixturevalue(arch)), dtype=str(dtype).removeprefix("torch."), enforce_eager=True,
               kv_cache_memory_bytes=1 << 26)
     model = llm.llm_engine.executor.worker.runner.model
     block_size = llm.llm_engine.config.cache.block_size
