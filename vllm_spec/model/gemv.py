@@ -6,9 +6,10 @@ the matmuls. cuBLAS splits such products over K and reduces in a second kernel,
 and the RMSNorm before q/k/v and gate/up and the SiLU·mul before down are kernels
 of their own: ~5 small kernels per layer that each cost a launch slot in the graph.
 Here a program owns BLOCK_N output rows over the whole K (no split, no reduce) and
-computes its input on the fly: the normed row (each program recomputes the
-row's sum of squares: K elements from L2) or silu(gate)·up. The inputs are
-rounded exactly as the unfused ops round them, so only the summation order differs.
+may compute its input on the fly: the normed row (each program recomputes the
+row's sum of squares: K elements from L2) or silu(gate)·up, for weights up to
+FUSE_MAX_NUMEL. The inputs are rounded exactly as the unfused ops round them, so
+only the summation order differs.
 
 Used for float16/bfloat16 rows on CUDA; everything else (CPU, float32, more than
 one row) takes the unfused ops, which are also the reference in tests/gpu.
@@ -83,13 +84,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) W^T (+ b), x + residual) for an `eligible` row: fused.add_rms_norm, then a linear."""
+    """(RMSNorm(x + residual) W^T (+ b), x + residual) for a `fusable` row: fused.add_rms_norm, then a linear."""
     y, res_out = _launch(_NORM, x, weight, bias, residual, norm_weight, eps)
     return y, res_out if res_out is not None else x
 
 
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """(silu(gate) * up) W^T (+ b) for an `eligible` row x = [gate | up]: fused.silu_mul, then a linear."""
+    """(silu(gate) * up) W^T (+ b) for a `fusable` row x = [gate | up]: fused.silu_mul, then a linear."""
     return _launch(_SILU, x, weight, bias)[0]
 
 
