@@ -103,3 +103,21 @@ def test_catch_up_graphs(spec_pair, eager_reference, period):
     m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
     assert m["vllm:spec_decode_acceptance_rate"] >= 0.99
     assert any(q is not None for q in lengths), lengths
+
+
+def test_one_row_gemv_in_graphs_matches_eager(spec_pair, monkeypatch):
+    # bf16 at batch 1: every linear of a decode step is a Triton GEMV (fused with the norms and
+    # SiLU·mul on these small weights), replayed in graphs; the kernels are deterministic, so the
+    # graphed engine must give the eager engine's tokens.
+    from vllm_spec.model import gemv
+
+    modes = set()
+    launch = gemv._launch
+    monkeypatch.setattr(gemv, "_launch", lambda *a, **k: (modes.add(a[0]), launch(*a, **k))[1])
+    bf16 = dict(kv_cache_memory_bytes=1 << 26, dtype="bfloat16")
+    prompt = PROMPTS[3:4]
+    eager = _ids(LLM(spec_pair[0], enforce_eager=True, **bf16).generate(prompt, GREEDY, use_tqdm=False))
+    assert modes == {0, 1, 2}
+    graphed = LLM(spec_pair[0], **bf16)
+    assert _ids(graphed.generate(prompt, GREEDY, use_tqdm=False)) == eager
+    assert graphed.llm_engine.executor.worker.runner._graphs
