@@ -34,16 +34,18 @@ FUSE_MAX_NUMEL = 8 << 20
 _PLAIN, _NORM, _SILU = 0, 1, 2
 
 
-def eligible(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
-    """Whether x W^T (x + residual normed first, if given) runs here: one half-precision row on CUDA."""
+def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x W^T runs here: one half-precision row on CUDA."""
     return (ENABLED and triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and weight.stride(-1) == 1 and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1))
+            and weight.stride(-1) == 1 and x.stride(-1) == 1)
 
 
 def fusable(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
-    """Whether the elementwise op before this matmul is worth computing inside it (see module doc)."""
-    return eligible(x, weight, residual) and weight.numel() <= FUSE_MAX_NUMEL
+    """Whether the elementwise op before this matmul (and the residual add before a norm) is worth
+    computing inside it (see module doc)."""
+    return (eligible(x, weight) and weight.numel() <= FUSE_MAX_NUMEL
+            and (residual is None or residual.stride(-1) == 1))
 
 
 def _blocks(n: int, k: int) -> tuple[int, int, int]:
@@ -96,12 +98,18 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 if triton is not None:
     @triton.jit
+    def _residual_added(x_ptr, res_ptr, cols, mask, HAS_RES: tl.constexpr):
+        """x (+ residual) at `cols`, rounded to x's dtype as torch's add rounds it."""
+        x = tl.load(x_ptr + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        return x
+
+    @triton.jit
     def _input(x_ptr, res_ptr, nw_ptr, cols, mask, K, inv, MODE: tl.constexpr, HAS_RES: tl.constexpr):
         """The matmul's input at `cols` in float32, rounded as the unfused ops round it."""
-        x = tl.load(x_ptr + cols, mask=mask, other=0.0)
+        x = _residual_added(x_ptr, res_ptr, cols, mask, HAS_RES)   # a residual comes only with the norm
         if MODE == 1:
-            if HAS_RES:
-                x = (x.to(tl.float32) + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
             normed = (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
             w = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             x = (normed * w).to(x.dtype)
@@ -126,12 +134,9 @@ if triton is not None:
             for k0 in range(0, K, BLOCK_K):
                 cols = k0 + offs
                 mask = cols < K
-                x = tl.load(x_ptr + cols, mask=mask, other=0.0)
-                if HAS_RES:
-                    x = (x.to(tl.float32) + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                         ).to(x.dtype)
-                    if pid == 0:
-                        tl.store(res_out_ptr + cols, x, mask=mask)
+                x = _residual_added(x_ptr, res_ptr, cols, mask, HAS_RES)
+                if HAS_RES and pid == 0:
+                    tl.store(res_out_ptr + cols, x, mask=mask)
                 x32 = x.to(tl.float32)
                 sq += x32 * x32
             inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)

@@ -113,7 +113,7 @@ class ColumnParallelLinear(LinearBase):
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
                        norm: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(x, residual)[0]), x + residual), in one kernel where gemv fuses them."""
-        if self.packed is None and gemv.fusable(x, self.weight, residual):
+        if gemv.fusable(x, self.weight, residual):
             return gemv.norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
         x, residual = norm(x, residual)
         return self(x), residual
@@ -160,7 +160,7 @@ class RowParallelLinear(LinearBase):
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """self(silu_mul(x)) for x = [gate | up], in one kernel where gemv fuses them."""
-        if self.packed is None and gemv.fusable(x, self.weight) and x.shape[1] == 2 * self.in_shard:
+        if gemv.fusable(x, self.weight):
             return self._reduce(gemv.silu_mul_linear(x, self.weight))
         return self(silu_mul(x))
 
