@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from benchmark_spec_decode import copy_bandwidth
 
 from vllm_spec.model import fused, gemv
+from vllm_spec.worker.cuda_graph import capture_graph
 
 # (name, N, K): q/k/v, o, gate/up, down and LM head of each shape
 SHAPES = [
@@ -33,16 +34,7 @@ CALLS = 64
 
 def time_graph(fn, weights: list[torch.Tensor]) -> float:
     """µs per call of fn(w), over CALLS calls cycling through `weights`, replayed in a graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights[:2]:
-            fn(w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn(weights[i % len(weights)])
+    graph, _ = capture_graph(lambda: [fn(weights[i % len(weights)]) for i in range(CALLS)])
     for _ in range(3):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
