@@ -142,6 +142,13 @@ SPEC_KV = dict(kv_cache_memory_bytes=1 << 25)
 FIXED = dict(speculative_policy="fixed")
 
 
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64, for kernels against their references; NaN never passes
+    (an output element the kernel did not write, over a poisoned buffer)."""
+    assert not torch.isnan(out).any(), "NaN in output: an element was not written"
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
+
+
 def make_prompts(n: int, seed: int = 0, vocab: int = 300) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))]} for _ in range(n)]

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import rel_err
 
 from vllm_spec.model import fused
 
 pytestmark = pytest.mark.gpu
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any()
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -25,7 +21,7 @@ def test_add_rms_norm(dtype, T, N, with_residual):
     w = torch.rand(N, device="cuda", dtype=dtype) + 0.5
     out, new_res = fused.add_rms_norm(x, res, w, 1e-5)
     ref, ref_res = fused.add_rms_norm_torch(x, res, w, 1e-5)
-    assert _rel(out, ref) < BOUND[dtype]
+    assert rel_err(out, ref) < BOUND[dtype]
     assert torch.equal(new_res, ref_res)
 
 
@@ -34,7 +30,7 @@ def test_add_rms_norm(dtype, T, N, with_residual):
 def test_silu_mul(dtype, T, inter):
     x = torch.randn(T, 2 * inter, device="cuda", dtype=dtype) * 3
     gate, up = x.chunk(2, dim=-1)
-    assert _rel(fused.silu_mul(x), torch.nn.functional.silu(gate) * up) < BOUND[dtype]
+    assert rel_err(fused.silu_mul(x), torch.nn.functional.silu(gate) * up) < BOUND[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -51,5 +47,5 @@ def test_rotary_in_place_on_qkv_views(dtype, T, H, KVH, D):
     ref_q, ref_k = fused.rotary_torch(q.clone(), k.clone(), cos, sin)
     v_before = v.clone()
     out_q, out_k = fused.rotary(q, k, cos, sin)
-    assert _rel(out_q, ref_q) < BOUND[dtype] and _rel(out_k, ref_k) < BOUND[dtype]
+    assert rel_err(out_q, ref_q) < BOUND[dtype] and rel_err(out_k, ref_k) < BOUND[dtype]
     assert torch.equal(v, v_before)

@@ -5,17 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import rel_err
 
 from vllm_spec.model import fused, gemv
 
 pytestmark = pytest.mark.gpu
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 SHAPES = [(4096, 4096), (6144, 4096), (2048, 14336), (1000, 768), (129, 200), (7, 33)]
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "an output element was not written"
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 def _poison_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -40,7 +36,7 @@ def test_linear(dtype, n, k, with_bias):
     assert gemv.eligible(x, w)
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     _poison_allocator((1, n), dtype)
-    assert _rel(gemv.linear(x, w, b), ref) < BOUND[dtype]
+    assert rel_err(gemv.linear(x, w, b), ref) < BOUND[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -54,7 +50,7 @@ def test_norm_linear(dtype, n, k, with_residual):
     ref = F.linear(normed.double(), w.double(), b.double())
     _poison_allocator((1, n), dtype)
     y, new_res = gemv.norm_linear(x, res, norm_w, 1e-5, w, b)
-    assert _rel(y, ref) < BOUND[dtype]
+    assert rel_err(y, ref) < BOUND[dtype]
     assert torch.equal(new_res, ref_res)
 
 
@@ -65,7 +61,7 @@ def test_silu_mul_linear(dtype, n, k):
     x = torch.randn(1, 2 * k, device="cuda", dtype=dtype, generator=g) * 3
     ref = F.linear(fused.silu_mul(x).double(), w.double())
     _poison_allocator((1, n), dtype)
-    assert _rel(gemv.silu_mul_linear(x, w), ref) < BOUND[dtype]
+    assert rel_err(gemv.silu_mul_linear(x, w), ref) < BOUND[dtype]
 
 
 @pytest.mark.parametrize("k", [33, 576, 1024])
@@ -129,4 +125,4 @@ def test_decoder_forward_matches_unfused(request, arch, dtype, monkeypatch):
     monkeypatch.setattr(gemv, "ENABLED", False)
     with torch.inference_mode():
         ref = model.compute_logits(model(ids, pos, md))
-    assert _rel(fused_logits, ref.double()) < BOUND[dtype]
+    assert rel_err(fused_logits, ref.double()) < BOUND[dtype]

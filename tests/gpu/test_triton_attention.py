@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from conftest import rel_err
 
 from vllm_spec.attention import torch_backend
 from vllm_spec.attention.metadata import AttentionMetadata, compute_slot_mapping
@@ -66,11 +67,6 @@ def make_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, d
         block_tables=bt, slot_mapping=compute_slot_mapping(bt.long(), req, positions, block_size),
         max_query_len=max(q_lens + [0]), max_seq_len=max(seq_lens + [0]), block_size=block_size)
     return q, (k_cache, v_cache), (k_bad, v_bad), md
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "NaN in output"
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
 
 
 def reference(q, caches, md, scale, window):
