@@ -212,13 +212,20 @@ def test_an_excursion_pays_its_way_back():
 
 
 def test_a_new_batch_size_starts_from_the_nearest_switching_cost():
+    """Each part of a switch comes from the nearest batch size that measured it: a bucket that has
+    only measured its catch-up borrows its neighbour's refill, and a measured 0 is a free switch."""
     policy = AdaptivePolicy(max_k=4)
+    assert policy._round_trip(16) == 0.0
     policy._bucket_state(8).observe_switch(catch_up=2e-3, refill=1e-3)
     policy._bucket_state(256).observe_switch(catch_up=9e-3, refill=3e-3)
     assert policy._round_trip(16) == pytest.approx(3e-3)
     assert policy._round_trip(200) == pytest.approx(12e-3)
     policy._bucket_state(16).observe_switch(catch_up=4e-3)
-    assert policy._round_trip(16) == pytest.approx(4e-3)
+    assert policy._round_trip(16) == pytest.approx(4e-3 + 1e-3)
+    policy._bucket_state(200).observe_switch(catch_up=0.0, refill=0.0)
+    assert policy._round_trip(200) == 0.0
+    policy._bucket_state(200).observe_switch(catch_up=1e-3)
+    assert policy._round_trip(200) == pytest.approx(0.3e-3)
 
 
 def test_re_measuring_speculation_where_it_does_not_pay_is_spaced_as_a_probe():

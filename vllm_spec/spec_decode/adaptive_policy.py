@@ -21,6 +21,7 @@ model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -241,11 +242,15 @@ class AdaptivePolicy:
         return self._buckets.setdefault(_bucket(n), BucketState(probe_every=self.explore_every))
 
     def _round_trip(self, n: int) -> float:
-        """Seconds of a switch to speculation and back at this batch size; until one is measured
-        here, what it cost at the nearest batch size where one was."""
+        """Seconds of a switch to speculation and back at this batch size: the draft's catch-up plus
+        the refill, each as measured here or, until it is, at the nearest batch size where it was."""
         bucket = _bucket(n)
-        measured = [b for b, s in self._buckets.items() if s.round_trip]
-        return self._buckets[min(measured, key=lambda b: abs(b - bucket))].round_trip if measured else 0.0
+
+        def nearest(part: Callable[[BucketState], float | None]) -> float:
+            measured = [(abs(b - bucket), part(s)) for b, s in self._buckets.items() if part(s) is not None]
+            return min(measured)[1] if measured else 0.0
+
+        return nearest(lambda s: s.catch_up) + nearest(lambda s: s.refill)
 
     def _measurement(self, n: int, k: int) -> StepCost | None:
         """What all-decoding steps of n sequences drafting k were measured to cost (None: never)."""

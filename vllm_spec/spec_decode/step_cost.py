@@ -93,19 +93,15 @@ class BucketState:
     calibrated: int = 0    # steps of any kind measured here
     # Seconds a switch costs beyond the steps' own: the draft's catch-up on the tokens it missed
     # (plain -> speculative) and the plain step that waited for the host (speculative -> plain).
-    catch_up: float = 0.0
-    refill: float = 0.0
+    # None until measured here (a measured 0 is a free switch, not a missing measurement).
+    catch_up: float | None = None
+    refill: float | None = None
 
     def observe_switch(self, catch_up: float | None = None, refill: float | None = None) -> None:
         if catch_up is not None:
-            self.catch_up = _average(self.catch_up, catch_up, first=not self.catch_up)
+            self.catch_up = _average(self.catch_up or 0.0, catch_up, first=self.catch_up is None)
         if refill is not None:
-            self.refill = _average(self.refill, refill, first=not self.refill)
-
-    @property
-    def round_trip(self) -> float:
-        """What switching to speculation and back (or the other way) costs, in seconds."""
-        return self.catch_up + self.refill
+            self.refill = _average(self.refill or 0.0, refill, first=self.refill is None)
 
     def observe(self, host: float, calibration: float, plain: bool = True) -> None:
         self.calibration = _average(self.calibration, calibration, first=not self.calibrated)
