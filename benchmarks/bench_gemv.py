@@ -1,6 +1,6 @@
-"""One-row matmuls of the 8B and 68M shapes: cuBLAS (+ the unfused elementwise op) vs the Triton gemv kernels.
+"""Matmuls of one and a few rows, 8B and 68M shapes: cuBLAS (+ the unfused elementwise op) vs the Triton gemv kernels.
 
-    python benchmarks/bench_gemv.py [--sweep] [--out gemv.json]
+    python benchmarks/bench_gemv.py [--rows 2 5 8] [--sweep] [--out gemv.json]
 
 Each case replays a CUDA graph of 64 calls that cycle over enough weight copies
 (>= 512 MB) that no weight stays in L2, as in a decode step that streams the whole
@@ -46,23 +46,30 @@ def time_graph(fn, weights: list[torch.Tensor]) -> float:
     return start.elapsed_time(end) * 1e3 / (10 * CALLS)
 
 
-def cases(n: int, k: int, dtype: torch.dtype) -> dict[str, tuple]:
-    """name -> (cuBLAS-side fn, gemv-side fn), both over a weight argument."""
+def cases(n: int, k: int, dtype: torch.dtype, several: list[int]) -> dict[str, tuple]:
+    """name -> (cuBLAS-side fn, gemv-side fn), both over a weight argument: one row plain and with
+    each fused op, then `several` rows plain."""
     x = torch.randn(1, k, device="cuda", dtype=dtype)
     res = torch.randn(1, k, device="cuda", dtype=dtype)
     norm_w = torch.rand(k, device="cuda", dtype=dtype) + 0.5
     gate_up = torch.randn(1, 2 * k, device="cuda", dtype=dtype)
-    return {
+    out = {
         "plain": (lambda w: F.linear(x, w), lambda w: gemv.linear(x, w)),
         "norm": (lambda w: F.linear(fused.add_rms_norm(x, res, norm_w, 1e-5)[0], w),
                  lambda w: gemv.norm_linear(x, res, norm_w, 1e-5, w)),
         "silu": (lambda w: F.linear(fused.silu_mul(gate_up), w), lambda w: gemv.silu_mul_linear(gate_up, w)),
     }
+    for m in several:
+        xm = torch.randn(m, k, device="cuda", dtype=dtype)
+        out[f"{m} rows"] = (lambda w, xm=xm: F.linear(xm, w), lambda w, xm=xm: gemv.linear(xm, w))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--rows", type=int, nargs="*", default=[2, 5, 8],
+                    help=f"also time these row counts (2..{gemv.MAX_ROWS}) plain")
     ap.add_argument("--out", default="gemv.json")
     args = ap.parse_args()
     dtype = torch.bfloat16
@@ -73,7 +80,7 @@ def main() -> None:
     for name, n, k in SHAPES:
         nbytes = n * k * 2
         weights = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(max(2, (512 << 20) // nbytes))]
-        for op, (ref_fn, fn) in cases(n, k, dtype).items():
+        for op, (ref_fn, fn) in cases(n, k, dtype, args.rows).items():
             t_ref, t = time_graph(ref_fn, weights), time_graph(fn, weights)
             floor = nbytes / bw * 1e6
             rows.append(dict(shape=name, n=n, k=k, op=op, cublas_us=t_ref, gemv_us=t, floor_us=floor))

@@ -121,3 +121,21 @@ def test_one_row_gemv_in_graphs_matches_eager(spec_pair, monkeypatch):
     graphed = LLM(spec_pair[0], **bf16)
     assert _ids(graphed.generate(prompt, GREEDY, use_tqdm=False)) == eager
     assert graphed.llm_engine.executor.worker.runner._graphs
+
+
+def test_several_rows_gemv_in_graphs_matches_eager(spec_pair, monkeypatch):
+    # bf16 at batch 1 with k = 4: verification multiplies 5 rows by every weight in the several-rows
+    # Triton kernel, replayed in graphs; deterministic, so graphs give the eager engine's tokens.
+    from vllm_spec.model import gemv
+
+    rows = set()
+    linear = gemv.linear
+    monkeypatch.setattr(gemv, "linear", lambda x, *a: (rows.add(x.shape[0]), linear(x, *a))[1])
+    spec = dict(kv_cache_memory_bytes=1 << 26, dtype="bfloat16", speculative_model=spec_pair[1],
+                num_speculative_tokens=4, speculative_policy="fixed")
+    prompt = PROMPTS[3:4]
+    eager = _ids(LLM(spec_pair[0], enforce_eager=True, **spec).generate(prompt, GREEDY, use_tqdm=False))
+    assert 5 in rows
+    graphed = LLM(spec_pair[0], **spec)
+    assert _ids(graphed.generate(prompt, GREEDY, use_tqdm=False)) == eager
+    assert graphed.llm_engine.executor.worker.target.runner._graphs

@@ -1,4 +1,4 @@
-"""One-row Triton GEMVs (plain, RMSNorm-fused, SiLU·mul-fused) against float64 references of the unfused ops."""
+"""Triton GEMVs (one row: plain, RMSNorm-fused, SiLU·mul-fused; several rows: plain) against float64 references of the unfused ops."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ def _poison_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
-def _draw(seed: int, n: int, k: int, dtype: torch.dtype):
+def _draw(seed: int, n: int, k: int, dtype: torch.dtype, rows: int = 1):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(1, k, device="cuda", dtype=dtype, generator=g)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype, generator=g)
     w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5
     b = torch.randn(n, device="cuda", dtype=dtype, generator=g)
     return x, w, b, g
@@ -30,13 +30,25 @@ def _draw(seed: int, n: int, k: int, dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear(dtype, n, k, with_bias):
-    x, w, b, _ = _draw(n * 31 + k, n, k, dtype)
+@pytest.mark.parametrize("rows", [1, 2, 5, gemv.MAX_ROWS])
+def test_linear(dtype, n, k, with_bias, rows):
+    x, w, b, _ = _draw(n * 31 + k + rows, n, k, dtype, rows)
     b = b if with_bias else None
     assert gemv.eligible(x, w)
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
-    _poison_allocator((1, n), dtype)
-    assert rel_err(gemv.linear(x, w, b), ref) < BOUND[dtype]
+    _poison_allocator((rows, n), dtype)
+    y = gemv.linear(x, w, b)
+    assert y.shape == (rows, n)
+    for row in range(rows):   # each row on its own: a row left unwritten or mixed up with another shows
+        assert rel_err(y[row], ref[row]) < BOUND[dtype], row
+
+
+def test_rows_with_a_stride_read_their_own_elements():
+    """Rows that are a slice of a wider tensor (the q/k/v split hands out such views)."""
+    wide = torch.randn(5, 96, device="cuda", dtype=torch.bfloat16)
+    x, w = wide[:, 16:48], torch.randn(40, 32, device="cuda", dtype=torch.bfloat16)
+    assert gemv.eligible(x, w)
+    assert rel_err(gemv.linear(x, w), F.linear(x.double(), w.double())) < BOUND[torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -87,12 +99,16 @@ def test_a_row_of_the_wrong_width_is_refused():
         gemv.linear(torch.randn(1, 31, device="cuda", dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="input of shape"):
         gemv.silu_mul_linear(torch.randn(1, 32, device="cuda", dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="input of shape"):
+        gemv.linear(torch.randn(3, 33, device="cuda", dtype=torch.bfloat16), w)
 
 
-def test_only_one_half_precision_row_is_eligible():
+def test_only_a_few_half_precision_rows_are_eligible_and_one_is_fusable():
     w = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
     assert gemv.eligible(torch.randn(1, 32, device="cuda", dtype=torch.bfloat16), w)
-    assert not gemv.eligible(torch.randn(2, 32, device="cuda", dtype=torch.bfloat16), w)
+    assert gemv.eligible(torch.randn(gemv.MAX_ROWS, 32, device="cuda", dtype=torch.bfloat16), w)
+    assert not gemv.eligible(torch.randn(gemv.MAX_ROWS + 1, 32, device="cuda", dtype=torch.bfloat16), w)
+    assert not gemv.fusable(torch.randn(2, 32, device="cuda", dtype=torch.bfloat16), w)
     assert not gemv.eligible(torch.randn(1, 32, device="cuda"), w.float())
     assert not gemv.eligible(torch.randn(1, 32, dtype=torch.bfloat16), w.cpu())
     assert gemv.fusable(torch.randn(1, 32, device="cuda", dtype=torch.bfloat16), w)

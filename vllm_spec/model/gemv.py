@@ -1,4 +1,4 @@
-"""One-row matmuls (y = x W^T for a single token) as Triton GEMVs, with the decoder's elementwise ops fused in.
+"""Matmuls of one to MAX_ROWS rows (y = x W^T for a few tokens) as Triton GEMVs, with the decoder's elementwise ops fused in.
 
 A batch-1 decode step reads every weight once and multiplies it by one row, so its
 time is the weights' bytes over memory bandwidth plus whatever else runs between
@@ -11,8 +11,14 @@ row's sum of squares: K elements from L2) or silu(gate)·up, for weights up to
 FUSE_MAX_NUMEL. The inputs are rounded exactly as the unfused ops round them, so
 only the summation order differs.
 
+Verifying k drafts at batch 1 multiplies k + 1 rows by every weight: still one pass
+over the weights, so 2..MAX_ROWS rows take a kernel that reads each weight tile once
+and multiplies it by all rows on the tensor cores (padded to a 16-row tile: CUDA
+cores multiplying every weight by 5-8 rows fell well behind the memory). The norm
+and SiLU·mul stay unfused there.
+
 Used for float16/bfloat16 rows on CUDA; everything else (CPU, float32, more than
-one row) takes the unfused ops, which are also the reference in tests/gpu.
+MAX_ROWS rows) takes the unfused ops, which are also the reference in tests/gpu.
 """
 
 from __future__ import annotations
@@ -31,20 +37,25 @@ ENABLED = True
 # (a kernel saved is a large part of their time), not on large ones, which stream slower with it.
 FUSE_MAX_NUMEL = 8 << 20
 
+# 2..MAX_ROWS rows are padded to one tensor-core tile of _ROWS_TILE rows (module doc); up to 8 were
+# measured to stream about as fast as one row.
+MAX_ROWS = 8
+_ROWS_TILE = 16
+
 _PLAIN, _NORM, _SILU = 0, 1, 2
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x W^T runs here: one half-precision row on CUDA."""
-    return (ENABLED and triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+    """Whether x W^T runs here: 1..MAX_ROWS half-precision rows on CUDA."""
+    return (ENABLED and triton is not None and x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and weight.stride(-1) == 1 and x.stride(-1) == 1)
 
 
 def fusable(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """Whether the elementwise op before this matmul (and the residual add before a norm) is worth
-    computing inside it (see module doc)."""
-    return (eligible(x, weight) and weight.numel() <= FUSE_MAX_NUMEL
+    computing inside it (see module doc): one row and a small weight."""
+    return (eligible(x, weight) and x.shape[0] == 1 and weight.numel() <= FUSE_MAX_NUMEL
             and (residual is None or residual.stride(-1) == 1))
 
 
@@ -79,9 +90,28 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return y, res_out
 
 
+def _rows_blocks(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the several-rows kernel, from a sweep on an H200
+    (5 rows, 8B shapes): 16 weight rows a program keeps enough programs on the SMs; past 16384 weight
+    rows (gate/up, LM heads) there are enough with 64."""
+    block_k = min((256, 128, 64), key=lambda b: -k % b)
+    return (64, block_k, 4, 3) if n > 16384 else (16, block_k, 2, 4)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) for an `eligible` row."""
-    return _launch(_PLAIN, x, weight, bias)[0]
+    """x W^T (+ b) for `eligible` rows."""
+    if x.shape[0] == 1:
+        return _launch(_PLAIN, x, weight, bias)[0]
+    (m, k), n = x.shape, weight.shape[0]
+    if k != weight.shape[1]:
+        raise ValueError(f"gemv: input of shape {tuple(x.shape)} for a weight of shape {tuple(weight.shape)}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = _rows_blocks(n, k)
+    _rows_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=_ROWS_TILE, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
+    return y
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -155,3 +185,31 @@ if triton is not None:
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+    @triton.jit
+    def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        """y [M, N] = x [M, K] W^T (+ b) for M <= BLOCK_M: the rows padded to one tensor-core tile, so
+        each weight tile is read once for all of them."""
+        pid = tl.program_id(0)
+        rows_m = tl.arange(0, BLOCK_M)
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask, row_mask = rows_m < M, rows < N
+        offs = tl.arange(0, BLOCK_K)
+        x_rows = x_ptr + rows_m[:, None] * stride_x
+        w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + offs
+            if EVEN_K:
+                x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
+                w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None], other=0.0)
+            else:
+                col_mask = cols < K
+                x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & col_mask[None, :], other=0.0)
+                w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rows_m[:, None] * N + rows[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & row_mask[None, :])
