@@ -82,6 +82,11 @@ class TracedStep:
     draft_ms: float        # device time of the proposal (catch-up included)
     verify_ms: float
     accepted: int
+    prefill_tokens: int    # other tokens in the step (prefill chunks): not an all-decoding step
+    # What the policy weighed when it chose (before observing this step): cost per k, switch round trip.
+    believed_ms: list[float]
+    round_trip_ms: float
+    speculating: bool
 
 
 def traced(policy: AdaptivePolicy, into: list[TracedStep], draft: str, workload: str, batch: int) -> None:
@@ -89,9 +94,12 @@ def traced(policy: AdaptivePolicy, into: list[TracedStep], draft: str, workload:
     observe = type(policy).observe
 
     def record(shape, chosen, accepted, stats, charge):
+        belief = policy.belief(len(shape.seq_ids))
         into.append(TracedStep(draft, workload, batch, max(chosen, default=0), charge.seconds * 1e3, charge.refill,
                                stats.catch_up_time * 1e3, stats.draft_time * 1e3, stats.verify_time * 1e3,
-                               sum(accepted)))
+                               sum(accepted), shape.num_other_tokens,
+                               [belief.step_seconds[k] * 1e3 for k in sorted(belief.step_seconds)],
+                               belief.round_trip * 1e3, belief.speculating))
         observe(policy, shape, chosen, accepted, stats, charge)
 
     policy.observe = record

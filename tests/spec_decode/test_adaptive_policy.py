@@ -262,3 +262,14 @@ def test_a_new_batch_size_weighs_switching_at_its_neighbours_cost():
 
     assert decide(borrow=True) == 0
     assert decide(borrow=False) == 1
+
+
+def test_belief_reports_what_a_choice_weighs():
+    policy = AdaptivePolicy(max_k=2)
+    policy._measured = {(8, 0): StepCost(4.0e-3, at=1, samples=5), (8, 1): StepCost(6.0e-3, at=1, samples=5)}
+    policy._bucket_state(8).observe_switch(catch_up=1e-3, refill=2e-3)
+    belief = policy.belief(8)
+    assert belief.step_seconds[0] == 4.0e-3 and belief.step_seconds[1] == 6.0e-3
+    assert sorted(belief.step_seconds) == [0, 1, 2] and belief.step_seconds[2] > 0
+    assert belief.round_trip == pytest.approx(3e-3) and not belief.speculating
+    assert belief.acceptance == pytest.approx(policy.prior_acceptance)

@@ -52,6 +52,16 @@ _NO_TRIALS = (0.0, 0.0)
 
 
 @dataclass
+class DecodeBelief:
+    """What the adaptive policy weighs when it chooses k for all-decoding steps of n sequences."""
+
+    step_seconds: dict[int, float]   # k -> a step's cost (measured, else modelled)
+    round_trip: float                # a switch to speculation and back
+    acceptance: float                # the global per-token rate
+    speculating: bool                # holding to speculation (a switch away is charged)
+
+
+@dataclass
 class AdaptivePolicy:
     """Goodput-maximising k from online acceptance beliefs and measured step costs (see the module doc).
 
@@ -349,6 +359,10 @@ class AdaptivePolicy:
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
             self._seqs.pop(sid, None)
+
+    def belief(self, n: int) -> DecodeBelief:
+        return DecodeBelief({k: self._decode_step_cost(n, k) for k in range(self.max_k + 1)},
+                            self._round_trip(n), self._global_rate(), self._speculating)
 
     def estimates(self) -> PolicyEstimates:
         return PolicyEstimates(self.last_mean_k, self._global_rate(), self._draft_forward(1) / self._target(1))
