@@ -34,6 +34,7 @@ class Costs:
     # Async scheduling: a plain step's host work overlaps the previous plain step's device time,
     # except after a speculative step, when the device waits for it (the pipeline refills).
     pipelined: bool = False
+    outlier_rate: float = 0.0                # share of steps that take 2.2x (host hiccups)
 
 
 H200_68M = Costs(lambda q: 4.4e-3 + 0.017e-3 * q, lambda n: 0.19e-3 + 0.0017e-3 * n,
@@ -96,6 +97,8 @@ class SimEngine:
             device = stats.draft_time - stats.catch_up_time + stats.verify_time
             overlapped = c.pipelined and K == 0 and not previous_spec
             step = device + (0.0 if overlapped else c.host(B)) + (c.spec_host(B) if K else 0.0)
+            if c.outlier_rate and self.rng.random() < c.outlier_rate:
+                step *= 2.2
             if c.pipelined:   # the worker's accounting: what each step cost the timeline, read to read
                 start = now - 1e-6 if overlapped else now + c.host(B)
                 now += step + stats.catch_up_time
@@ -137,19 +140,22 @@ def test_adaptive_tracks_the_best_choice(workload, batch):
 BENCH_BATCHES = (1, 8, 32, 64, 128, 256)
 
 
-def _protocol(make_policy, workload: str, costs: Costs, seeds: int = 3) -> np.ndarray:
+def _protocol(make_policy, workload: str, costs: Costs, seeds: int = 3, rounds: int = 1) -> np.ndarray:
     """benchmark_policy.py's protocol: per batch size a short warm-up and a 32-step window, one
-    policy across batch sizes; tokens/s per batch size, averaged over seeds."""
+    policy across batch sizes (and across rounds over them); tokens/s per round and batch size
+    (per batch size for one round), averaged over seeds."""
     runs = []
     for seed in range(seeds):
         engine, policy = SimEngine(costs, seed), make_policy()
         per_batch = []
-        for B in BENCH_BATCHES:
-            alphas = WORKLOADS[workload](B)
-            engine.run(policy, alphas, 6)
-            per_batch.append(engine.run(policy, alphas, 32))
+        for _ in range(rounds):
+            for B in BENCH_BATCHES:
+                alphas = WORKLOADS[workload](B)
+                engine.run(policy, alphas, 6)
+                per_batch.append(engine.run(policy, alphas, 32))
         runs.append(per_batch)
-    return np.mean(runs, axis=0)
+    out = np.mean(runs, axis=0)
+    return out if rounds == 1 else out.reshape(rounds, len(BENCH_BATCHES))
 
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))
@@ -160,6 +166,20 @@ def test_adaptive_under_the_benchmark_protocol(workload, costs, cost_ratio):
     adaptive = _protocol(lambda: AdaptivePolicy(4, draft_cost_ratio=cost_ratio), workload, costs)
     assert np.all(adaptive >= 0.98 * plain), adaptive / plain
     assert np.all(adaptive >= 0.97 * best_fixed), adaptive / best_fixed
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+@pytest.mark.parametrize("costs, cost_ratio", [(H200_68M, 0.01), (H200_1B, 0.15)], ids=["68m", "1b"])
+def test_a_few_outlying_steps_do_not_set_what_steps_cost(workload, costs, cost_ratio):
+    """3% of steps take 2.2x (as single steps did on the H200): one such step must not set what a
+    kind of step costs, round after round. (On the H200 one 19 ms plain step at batch 256 raised
+    plain's cost from 8.8 to 12 ms, and the policy held to k = 1 at 0.83x plain. Here, without the
+    bound on how far one step moves a cost, the 1b draft falls to 0.86x plain; with it >= 0.94x,
+    the windows' own outliers included.)"""
+    costs = dataclasses.replace(costs, outlier_rate=0.03)
+    plain = _protocol(lambda: FixedPolicy(0), workload, costs, rounds=3)
+    adaptive = _protocol(lambda: AdaptivePolicy(4, draft_cost_ratio=cost_ratio), workload, costs, rounds=3)
+    assert np.all(adaptive >= 0.93 * plain), adaptive / plain
 
 
 # Speculative steps carry more host work than plain ones (drafting, verification bookkeeping): on the

@@ -14,10 +14,22 @@ def test_first_samples_keep_their_minimum_then_faster_samples_weigh_more():
     for at in range(2, MIN_SAMPLES):
         cost.update(2.0, at=at)
     assert cost.seconds == 1.0 and cost.samples == MIN_SAMPLES and cost.at == MIN_SAMPLES - 1
-    cost.update(2.0, at=9)                     # slower: weight 0.3
-    assert cost.seconds == pytest.approx(1.3)
+    cost.update(1.2, at=9)                     # slower: weight 0.3
+    assert cost.seconds == pytest.approx(1.06)
     cost.update(1.0, at=10)                    # faster: weight 0.7
-    assert cost.seconds == pytest.approx(1.09)
+    assert cost.seconds == pytest.approx(1.018)
+
+
+def test_one_outlying_step_moves_a_cost_by_at_most_a_quarter_of_its_weight():
+    cost = StepCost(8.8e-3, at=0, samples=MIN_SAMPLES)
+    cost.update(19.3e-3, at=1)                 # one 2x step counts as 1.25x
+    assert cost.seconds == pytest.approx(8.8e-3 * (1 + 0.3 * 0.25))
+    cost = StepCost(8.8e-3, at=0, samples=MIN_SAMPLES)
+    cost.update(2.2e-3, at=1)                  # nor does an impossibly fast one drop it far
+    assert cost.seconds == pytest.approx(8.8e-3 * (1 - 0.7 * 0.2))
+    for at in range(2, 30):                    # a real change of the cost still shows
+        cost.update(20e-3, at=at)
+    assert cost.seconds == pytest.approx(20e-3, rel=0.02)
 
 
 def test_bucket_state_averages_host_time_and_calibration():

@@ -11,6 +11,11 @@ import numpy as np
 # Weight of the newest measurement in the per-(batch bucket, k) step costs: step times are noisy
 # upwards (a cold first step, other work on the machine), so a faster step counts more than a slower one.
 _COST_EMA_FASTER, _COST_EMA_SLOWER = 0.7, 0.3
+# Past the first samples, one step counts as at most this factor off the estimate: a single 2x step
+# (a host hiccup, a step that absorbed a request's completion) raised a plain step's cost by a third
+# on the H200, and the policy then held to speculation it believed cheaper, never re-measuring the
+# plain step it believed too slow. A real change still shows within a few steps.
+_COST_OUTLIER = 1.25
 # A step kind's cost is the minimum of its first samples, then an average; plain steps are
 # measured this often at a batch size before anything else is tried there.
 MIN_SAMPLES = 3
@@ -67,8 +72,11 @@ class StepCost:
     def update(self, seconds: float, at: int) -> None:
         faster = seconds < self.seconds
         # The first samples may include one-off costs (cold caches, a first replay): keep their minimum.
-        w = (1.0 if faster else 0.0) if self.samples < MIN_SAMPLES else \
-            _COST_EMA_FASTER if faster else _COST_EMA_SLOWER
+        if self.samples < MIN_SAMPLES:
+            w = 1.0 if faster else 0.0
+        else:
+            w = _COST_EMA_FASTER if faster else _COST_EMA_SLOWER
+            seconds = min(max(seconds, self.seconds / _COST_OUTLIER), self.seconds * _COST_OUTLIER)
         self.seconds += w * (seconds - self.seconds)
         self.samples += 1
         self.at = at
