@@ -83,7 +83,8 @@ class TracedStep:
     verify_ms: float
     accepted: int
     prefill_tokens: int    # other tokens in the step (prefill chunks): not an all-decoding step
-    # What the policy weighed when it chose (before observing this step): cost per k, switch round trip.
+    # What the policy believed before observing this step (what it weighed when it chose): cost per
+    # k and the switch round trip; and whether it holds to speculation after this step's choice.
     believed_ms: list[float]
     round_trip_ms: float
     speculating: bool

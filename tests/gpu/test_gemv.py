@@ -11,7 +11,7 @@ from vllm_spec.model import fused, gemv
 
 pytestmark = pytest.mark.gpu
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
-SHAPES = [(4096, 4096), (6144, 4096), (2048, 14336), (1000, 768), (129, 200), (7, 33)]
+SHAPES = [(4096, 4096), (6144, 4096), (2048, 14336), (1000, 768), (129, 200), (7, 33), (20000, 200)]
 
 
 def _poison_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -101,6 +101,26 @@ def test_a_row_of_the_wrong_width_is_refused():
         gemv.silu_mul_linear(torch.randn(1, 32, device="cuda", dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="input of shape"):
         gemv.linear(torch.randn(3, 33, device="cuda", dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="bias"):
+        gemv.linear(torch.randn(3, 32, device="cuda", dtype=torch.bfloat16), w,
+                    torch.randn(63, device="cuda", dtype=torch.bfloat16))
+
+
+def test_blocks_that_do_not_fit_the_device_fall_back_to_cublas(monkeypatch):
+    """A GPU with less shared memory than the blocks were sized for refuses the launch: the product
+    goes to cuBLAS, then and for that weight shape from then on."""
+    import triton
+
+    def refuse(grid):
+        def launch(*args, **kwargs):
+            raise triton.runtime.errors.OutOfResources(160 << 10, 100 << 10, "shared memory")
+        return launch
+
+    monkeypatch.setattr(gemv, "_rows_kernel", type("Refusing", (), {"__getitem__": lambda self, grid: refuse(grid)})())
+    monkeypatch.setattr(gemv, "_ROWS_UNFIT", set())
+    x, w = torch.randn(3, 48, device="cuda", dtype=torch.bfloat16), torch.randn(24, 48, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(gemv.linear(x, w), F.linear(x, w))
+    assert gemv._ROWS_UNFIT == {(24, 48)}
 
 
 def test_only_a_few_half_precision_rows_are_eligible_and_one_is_fusable():

@@ -30,6 +30,9 @@ def test_one_outlying_step_moves_a_cost_by_at_most_a_quarter_of_its_weight():
     for at in range(2, 30):                    # a real change of the cost still shows
         cost.update(20e-3, at=at)
     assert cost.seconds == pytest.approx(20e-3, rel=0.02)
+    zero = StepCost(0.0, at=0, samples=MIN_SAMPLES)   # a clock too coarse for one step
+    zero.update(1e-3, at=1)
+    assert zero.seconds == pytest.approx(0.3e-3)
 
 
 def test_bucket_state_averages_host_time_and_calibration():

@@ -66,18 +66,29 @@ def _blocks(n: int, k: int) -> tuple[int, int, int]:
     over 8 warps."""
     if k >= 8192 and k % 1024 == 0:
         return 16, 1024, 8
-    block_k = min((1024, 512, 256, 128), key=lambda b: -k % b)
+    block_k = _block_k(k, (1024, 512, 256, 128))
     return 2048 // block_k, block_k, 4
+
+
+def _block_k(k: int, sizes: tuple[int, ...]) -> int:
+    """The size (largest first) that leaves the smallest masked tail of K."""
+    return min(sizes, key=lambda b: -k % b)
+
+
+def _check_shapes(x: torch.Tensor, width: int, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    # The kernels would read past x or the bias: fail like F.linear does.
+    if x.shape[1] != width or (bias is not None and bias.shape != weight.shape[:1]):
+        raise ValueError(f"gemv: input of shape {tuple(x.shape)} (bias {None if bias is None else tuple(bias.shape)})"
+                         f" for a weight of shape {tuple(weight.shape)}")
 
 
 def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
             eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     n, k = weight.shape
-    width = 2 * k if mode == _SILU else k   # [gate | up] for SiLU·mul
-    if x.shape[1] != width or (residual is not None and residual.shape != x.shape):
-        # the kernel would read past x: fail like F.linear does
-        raise ValueError(f"gemv: input of shape {tuple(x.shape)} for a weight of shape {tuple(weight.shape)}")
+    _check_shapes(x, 2 * k if mode == _SILU else k, weight, bias)   # [gate | up] for SiLU·mul
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"gemv: residual of shape {tuple(residual.shape)} for an input of shape {tuple(x.shape)}")
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(1, k, dtype=x.dtype, device=x.device) if residual is not None else None
     block_n, block_k, warps = _blocks(n, k)
@@ -94,8 +105,13 @@ def _rows_blocks(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the several-rows kernel, from a sweep on an H200
     (5 rows, 8B shapes): 16 weight rows a program keeps enough programs on the SMs; past 16384 weight
     rows (gate/up, LM heads) there are enough with 64."""
-    block_k = min((256, 128, 64), key=lambda b: -k % b)
+    block_k = _block_k(k, (256, 128, 64))
     return (64, block_k, 4, 3) if n > 16384 else (16, block_k, 2, 4)
+
+
+# (N, K) of weights whose several-rows blocks did not fit the device (shared memory: GPUs with ~100 KB
+# per SM hold fewer pipeline stages than an H200); their products go to cuBLAS.
+_ROWS_UNFIT: set[tuple[int, int]] = set()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,14 +119,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.shape[0] == 1:
         return _launch(_PLAIN, x, weight, bias)[0]
     (m, k), n = x.shape, weight.shape[0]
-    if k != weight.shape[1]:
-        raise ValueError(f"gemv: input of shape {tuple(x.shape)} for a weight of shape {tuple(weight.shape)}")
+    _check_shapes(x, weight.shape[1], weight, bias)
+    if (n, k) in _ROWS_UNFIT:
+        return torch.nn.functional.linear(x, weight, bias)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = _rows_blocks(n, k)
-    _rows_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=_ROWS_TILE, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
+    try:
+        _rows_kernel[(triton.cdiv(n, block_n),)](
+            x, weight, bias.contiguous() if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=_ROWS_TILE, BLOCK_N=block_n, BLOCK_K=block_k,
+            EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
+    except triton.runtime.errors.OutOfResources:
+        # Raised at the first launch (eager warm-up, before any graph capture): never launched since.
+        _ROWS_UNFIT.add((n, k))
+        return torch.nn.functional.linear(x, weight, bias)
     return y
 
 

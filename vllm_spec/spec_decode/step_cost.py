@@ -76,7 +76,8 @@ class StepCost:
             w = 1.0 if faster else 0.0
         else:
             w = _COST_EMA_FASTER if faster else _COST_EMA_SLOWER
-            seconds = min(max(seconds, self.seconds / _COST_OUTLIER), self.seconds * _COST_OUTLIER)
+            if self.seconds > 0.0:   # (a 0 estimate bounds nothing: it must be able to grow)
+                seconds = min(max(seconds, self.seconds / _COST_OUTLIER), self.seconds * _COST_OUTLIER)
         self.seconds += w * (seconds - self.seconds)
         self.samples += 1
         self.at = at
