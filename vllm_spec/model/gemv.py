@@ -76,10 +76,12 @@ def _block_k(k: int, sizes: tuple[int, ...]) -> int:
 
 
 def _check_shapes(x: torch.Tensor, width: int, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    # The kernels would read past x or the bias: fail like F.linear does.
-    if x.shape[1] != width or (bias is not None and bias.shape != weight.shape[:1]):
-        raise ValueError(f"gemv: input of shape {tuple(x.shape)} (bias {None if bias is None else tuple(bias.shape)})"
-                         f" for a weight of shape {tuple(weight.shape)}")
+    # The kernels would read past x or the bias (read as contiguous, as a Parameter is): fail like
+    # F.linear does.
+    if x.shape[1] != width or (bias is not None and (bias.shape != weight.shape[:1] or bias.stride(0) != 1)):
+        got = "no bias" if bias is None else f"bias of shape {tuple(bias.shape)}, strides {bias.stride()}"
+        raise ValueError(f"gemv: input of shape {tuple(x.shape)} ({got}) for a weight of shape "
+                         f"{tuple(weight.shape)}: needs width {width} and a contiguous bias of {weight.shape[0]}")
 
 
 def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -120,20 +122,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return _launch(_PLAIN, x, weight, bias)[0]
     (m, k), n = x.shape, weight.shape[0]
     _check_shapes(x, weight.shape[1], weight, bias)
-    if (n, k) in _ROWS_UNFIT:
-        return torch.nn.functional.linear(x, weight, bias)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = _rows_blocks(n, k)
-    try:
-        _rows_kernel[(triton.cdiv(n, block_n),)](
-            x, weight, bias.contiguous() if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=_ROWS_TILE, BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
-    except triton.runtime.errors.OutOfResources:
-        # Raised at the first launch (eager warm-up, before any graph capture): never launched since.
-        _ROWS_UNFIT.add((n, k))
-        return torch.nn.functional.linear(x, weight, bias)
-    return y
+    if (n, k) not in _ROWS_UNFIT:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        block_n, block_k, warps, stages = _rows_blocks(n, k)
+        try:
+            _rows_kernel[(triton.cdiv(n, block_n),)](
+                x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0),
+                HAS_BIAS=bias is not None, BLOCK_M=_ROWS_TILE, BLOCK_N=block_n, BLOCK_K=block_k,
+                EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
+            return y
+        except triton.runtime.errors.OutOfResources:
+            # Raised at the first launch (eager warm-up, before any graph capture): never launched since.
+            _ROWS_UNFIT.add((n, k))
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

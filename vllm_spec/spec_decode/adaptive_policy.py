@@ -361,6 +361,7 @@ class AdaptivePolicy:
             self._seqs.pop(sid, None)
 
     def belief(self, n: int) -> DecodeBelief:
+        """What a choice for all-decoding steps of n sequences would weigh now (benchmark traces)."""
         return DecodeBelief({k: self._decode_step_cost(n, k) for k in range(self.max_k + 1)},
                             self._round_trip(n), self._global_rate(), self._speculating)
 
