@@ -17,6 +17,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+import triton
 from benchmark_spec_decode import copy_bandwidth
 
 from vllm_spec.model import fused, gemv
@@ -65,11 +66,36 @@ def cases(n: int, k: int, dtype: torch.dtype, several: list[int]) -> dict[str, t
     return out
 
 
+def rows_sweep(m: int, n: int, k: int, dtype: torch.dtype, weights: list[torch.Tensor], bw: float) -> dict:
+    """cuBLAS and every several-rows block config for m rows of one weight shape; prints the best four."""
+    xm = torch.randn(m, k, device="cuda", dtype=dtype)
+    t_ref = time_graph(lambda w: F.linear(xm, w), weights)
+    block_m = gemv._rows_tile(m)
+    results = []
+    for bn, bk, warps, stages in itertools.product((16, 32, 64), (32, 64, 128, 256), (2, 4, 8), (3, 4)):
+        if (block_m + bn) * bk * 2 * stages > 200 << 10 or warps * 32 * 8 > block_m * bn:
+            continue
+        try:
+            t = time_graph(lambda w, c=(block_m, bn, bk, warps, stages): gemv.rows_linear(xm, w, None, c), weights)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        results.append((t, bn, bk, warps, stages))
+    results.sort()
+    best = ", ".join(f"{bn}x{bk}/{w}w/{st}s {t:.2f}us" for t, bn, bk, w, st in results[:4])
+    floor = n * k * 2 / bw * 1e6
+    print(f"  {m} rows {n}x{k}: cuBLAS {t_ref:.2f}us, floor {floor:.2f}us, best {best}", flush=True)
+    return dict(cublas_us=t_ref, configs=[dict(us=t, block_n=bn, block_k=bk, warps=w, stages=st)
+                                          for t, bn, bk, w, st in results])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--rows", type=int, nargs="*", default=[2, 5, 8],
                     help=f"also time these row counts (2..{gemv.MAX_ROWS}) plain")
+    ap.add_argument("--rows-sweep", type=int, nargs="*", default=[],
+                    help="time every several-rows block config at these row counts (up to 128) against cuBLAS")
+    ap.add_argument("--shapes", default="", help="only the shapes whose name starts with this (e.g. 8b)")
     ap.add_argument("--out", default="gemv.json")
     args = ap.parse_args()
     dtype = torch.bfloat16
@@ -77,7 +103,7 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
     print(f"{'shape':<12} {'op':<6} {'cuBLAS us':>9} {'gemv us':>8} {'speedup':>7} {'cuBLAS %bw':>10} {'gemv %bw':>8}")
-    for name, n, k in SHAPES:
+    for name, n, k in (s for s in SHAPES if s[0].startswith(args.shapes)):
         nbytes = n * k * 2
         weights = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(max(2, (512 << 20) // nbytes))]
         for op, (ref_fn, fn) in cases(n, k, dtype, args.rows).items():
@@ -100,6 +126,8 @@ def main() -> None:
             print(f"  sweep {name}: best {best}", flush=True)
             rows.append(dict(shape=name, sweep=[dict(us=t, block_n=bn, block_k=bk, warps=w)
                                                 for t, bn, bk, w in results]))
+        for m in args.rows_sweep:
+            rows.append(dict(shape=name, rows_sweep=m, **rows_sweep(m, n, k, dtype, weights, bw)))
         del weights
     with open(args.out, "w") as f:
         json.dump(dict(copy_bandwidth=bw, rows=rows), f, indent=1)

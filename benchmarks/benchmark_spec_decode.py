@@ -7,9 +7,11 @@ HF transformers greedy `generate` on the same target. Reports ms/step, tokens/s,
 the memory-bandwidth floor (weights + KV read per step over a copy bandwidth measured
 in this run), speedup over plain, and the ratio to the theoretical speedup
 E / (k*c + V) with E = (1 - A^(k+1)) / (1 - A), c = draft step / target step and
-V = verify step / target step, all measured here. Host time per step (scheduling, the
-worker's input preparation and launches, output processing; not the time spent waiting for
-the device) is reported separately.
+V = verify step / target step, all measured here (the draft and the verification are their
+device spans; 'idle ms' is the rest of the step's device span, where the device waits for the
+host to prepare the target pass). Host time per step (scheduling, the worker's input
+preparation and launches, output processing; not the time spent waiting for the device) is
+reported separately.
 
     python benchmarks/benchmark_spec_decode.py --batch-sizes 1 4 16 64 256 --ks 1 2 4 8 \\
         --acceptance 0.5 0.7 0.9 --drafts 68m 1b --hf
@@ -256,15 +258,16 @@ def main() -> None:
     if args.hf:
         hf[1] = hf_generate(target, 1, args.prompt_len, min(args.gen_len, 64))
 
-    print(f"\n{'system':10} {'B':>4} {'k':>2} {'A':>4} {'ms/step':>8} {'dev ms':>7} {'tok/s':>9} {'host ms':>7} "
-          f"{'c':>5} {'V':>5} {'speedup':>7} {'theory':>6} {'%theory':>7} {'floor':>6}")
+    print(f"\n{'system':10} {'B':>4} {'k':>2} {'A':>4} {'ms/step':>8} {'dev ms':>7} {'idle ms':>7} {'tok/s':>9} "
+          f"{'host ms':>7} {'c':>5} {'V':>5} {'speedup':>7} {'theory':>6} {'%theory':>7} {'floor':>6}")
     for r in rows:
         base = plain[r.batch]
         c = r.draft_ms_per_step / max(r.k, 1) / base.ms_per_step if r.k else 0
         v = r.verify_ms_per_step / base.ms_per_step if r.k else 0
         pct = 100 * r.speedup / r.theoretical if r.theoretical else 0
+        idle = r.device_ms_per_step - r.draft_ms_per_step - r.verify_ms_per_step if r.k else 0
         print(f"{r.system:10} {r.batch:4d} {r.k:2d} {r.acceptance or 0:4.2f} {r.ms_per_step:8.3f} "
-              f"{r.device_ms_per_step:7.3f} "
+              f"{r.device_ms_per_step:7.3f} {idle:7.3f} "
               f"{r.tokens_per_s:9.1f} {r.host_ms_per_step:7.3f} {c:5.3f} {v:5.3f} {r.speedup:7.2f} "
               f"{r.theoretical:6.2f} {pct:7.1f} {r.floor_ms:6.2f}")
     for b, ms in hf.items():

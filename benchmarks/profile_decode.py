@@ -165,16 +165,13 @@ def main() -> None:
                     help="list the calls that make the host wait for the device in steady-state steps")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile of the host side of decode steps (Python functions by own time)")
+    ap.add_argument("--chrome-trace", default=None,
+                    help="also write the profile's timeline (chrome://tracing JSON) to this path")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     target = write_config(tmp, "8b", 512)
     draft = write_config(tmp, args.draft, 512) if args.draft else None
-    engine = build(target, draft, args.k, 512, max(args.batch, 1))
-    if args.eager:
-        for r in [engine.executor.worker] + [getattr(engine.executor.worker, "draft_runner", None)]:
-            runner = getattr(r, "runner", r)
-            if runner is not None:
-                runner.cuda_graphs = False
+    engine = build(target, draft, args.k, 512, max(args.batch, 1), enforce_eager=args.eager)
     if draft:
         worker = engine.executor.worker
         worker.config.speculative.synthetic_acceptance_rate = args.acceptance
@@ -212,6 +209,8 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run_decode(engine, args.batch, 128, 24, seed=1, extra_args=mixed, vocab=vocab)
         torch.cuda.synchronize()
+    if args.chrome_trace:
+        prof.export_chrome_trace(args.chrome_trace)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
 

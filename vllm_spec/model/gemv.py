@@ -103,17 +103,23 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return y, res_out
 
 
-def _rows_blocks(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the several-rows kernel, from a sweep on an H200
-    (5 rows, 8B shapes): 16 weight rows a program keeps enough programs on the SMs; past 16384 weight
-    rows (gate/up, LM heads) there are enough with 64."""
-    block_k = _block_k(k, (256, 128, 64))
-    return (64, block_k, 4, 3) if n > 16384 else (16, block_k, 2, 4)
+def _rows_tile(m: int) -> int:
+    """The tensor-core tile (power of two, at least _ROWS_TILE) that holds m rows."""
+    return max(_ROWS_TILE, triton.next_power_of_2(m))
 
 
-# (N, K) of weights whose several-rows blocks did not fit the device (shared memory: GPUs with ~100 KB
-# per SM hold fewer pipeline stages than an H200); their products go to cuBLAS.
-_ROWS_UNFIT: set[tuple[int, int]] = set()
+def _rows_blocks(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the several-rows kernel, from a sweep on an
+    H200 (5 rows, 8B shapes): 16 weight rows a program keeps enough programs on the SMs; past 16384
+    weight rows (gate/up, LM heads) there are enough with 64."""
+    block_m = _rows_tile(m)
+    block_k = _block_k(k, (256, 128, 64) if block_m <= 16 else (128, 64))
+    return (block_m, 64, block_k, 4, 3) if n > 16384 else (block_m, 16, block_k, 2, 4)
+
+
+# (blocks, N, K) of weights whose several-rows blocks did not fit the device (shared memory: GPUs with
+# ~100 KB per SM hold fewer pipeline stages than an H200); their products go to cuBLAS.
+_ROWS_UNFIT: set[tuple[tuple[int, int, int, int, int], int, int]] = set()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,19 +128,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return _launch(_PLAIN, x, weight, bias)[0]
     (m, k), n = x.shape, weight.shape[0]
     _check_shapes(x, weight.shape[1], weight, bias)
-    if (n, k) not in _ROWS_UNFIT:
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        block_n, block_k, warps, stages = _rows_blocks(n, k)
+    blocks = _rows_blocks(m, n, k)
+    if (blocks, n, k) not in _ROWS_UNFIT:
         try:
-            _rows_kernel[(triton.cdiv(n, block_n),)](
-                x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0),
-                HAS_BIAS=bias is not None, BLOCK_M=_ROWS_TILE, BLOCK_N=block_n, BLOCK_K=block_k,
-                EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
-            return y
+            return rows_linear(x, weight, bias, blocks)
         except triton.runtime.errors.OutOfResources:
             # Raised at the first launch (eager warm-up, before any graph capture): never launched since.
-            _ROWS_UNFIT.add((n, k))
+            _ROWS_UNFIT.add((blocks, n, k))
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                blocks: tuple[int, int, int, int, int]) -> torch.Tensor:
+    """x W^T (+ b) by the several-rows kernel with the given `_rows_blocks` (benchmark sweeps pass their own)."""
+    (m, k), n = x.shape, weight.shape[0]
+    block_m, block_n, block_k, warps, stages = blocks
+    if m > block_m:
+        raise ValueError(f"gemv: {m} rows do not fit a tile of {block_m}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _rows_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
+    return y
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

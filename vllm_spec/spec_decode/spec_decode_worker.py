@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -170,10 +171,11 @@ class SpecDecodeWorker:
         proposals = self.proposer.propose(req.seqs, asked, draft_md)
         timer.mark()
         if spec_idx:
-            step: StepHandle = DoneStep(self._score_and_verify(req, spec_idx, proposals, draft_md))
+            step: StepHandle = DoneStep(self._score_and_verify(req, spec_idx, proposals, draft_md, timer.mark))
         else:
+            timer.mark()
             step = self.target.launch(req)
-        timer.mark()
+            timer.mark()
         handle = _SpecStep(self, step, timer, _Observation(shape, [asked[i] for i in rows], start,
                                                            req.engine_host_time, bool(spec_idx), caught_up))
         if handle.one_token_per_seq:
@@ -185,11 +187,14 @@ class SpecDecodeWorker:
         if result.spec is None:
             result.spec = SpecStepStats(0, 0, 0, [], 0.0, 0.0)
         stats = result.spec
-        catch_up_time, draft_time, stats.verify_time = timer.finish()
+        # Between the draft's end and the target pass's start the device waits for the host's input
+        # preparation: host time, not any phase's.
+        phases = timer.finish()
+        catch_up_time, draft_time, _, stats.verify_time = phases
         stats.catch_up_time = catch_up_time if obs.caught_up else 0.0
         stats.draft_time = stats.catch_up_time + draft_time
         if timer.cuda:
-            result.device_time = stats.draft_time + stats.verify_time
+            result.device_time = sum(phases)
         by_id = {o.seq_id: len(o.token_ids) - 1 for o in result.outputs}
         charge = self._charges.read(time.perf_counter(), obs.start, obs.engine_host_time, obs.speculative)
         charge.seconds = max(charge.seconds - stats.catch_up_time, 1e-6)
@@ -200,7 +205,11 @@ class SpecDecodeWorker:
         return SamplingMetadata.build(rows, self.vocab_size, self.device, for_draft) if rows else None
 
     def _score_and_verify(self, req: ExecuteModelRequest, spec_idx: list[int], proposals: Proposals,
-                          draft_md: SamplingMetadata) -> StepOutput:
+                          draft_md: SamplingMetadata, mark: Callable[[], None]) -> StepOutput:
+        """Score the drafts in one target pass and verify them. `mark` is called as the target pass
+        starts and once the verification is queued, before the host waits for its tokens: the
+        verification's device span lies between the two; the host's input preparation before it
+        and its reading of the tokens after it are host time, as around a plain step."""
         dev = self.device
         found = dict(zip(spec_idx, proposals.num_drafts))            # seq index -> drafts proposed
         spec_row = {i: r for r, i in enumerate(spec_idx)}             # seq index -> row in proposals
@@ -249,6 +258,7 @@ class SpecDecodeWorker:
         exp_rows = [] if plain_greedy else [
             row for i in sampled for row in self._position_rows(
                 req.seqs[i], found.get(i, 0), drafts_host[spec_row[i]] if drafts_host and i in spec_row else None)]
+        mark()
         all_logits = self.target.runner.run(batch, rows_t)
         raw = all_logits[: len(logit_rows)]
         prompt_logprobs = prompt_rows.results(all_logits[len(logit_rows):], req.seqs)
@@ -280,6 +290,7 @@ class SpecDecodeWorker:
                                   draws)
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
         copy = HostCopy(tokens)   # the step's one device->host copy
+        mark()
         rows, wait = copy.values(), copy.wait_time
         emitted = [row[: row.index(-1)] if row[-1] < 0 else row for row in rows]   # -1 past each row's end
 
