@@ -21,6 +21,7 @@ model.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ _PROBE_BUDGET = 0.01
 _MAX_PROBE_EVERY = 800
 
 
+@functools.cache   # asked many times per step, for a handful of batch sizes
 def _bucket(n: int) -> int:
     """Batch sizes that cost alike share measurements (the CUDA-graph buckets; exact past them)."""
     return bucket_for(n) or n
@@ -136,7 +138,7 @@ class AdaptivePolicy:
         rate = a / (a + b)
         ga, gb = self._global_belief()
         shift = self._rng.beta(ga, gb) - ga / (ga + gb)
-        mean = np.clip(rate, 0.0, 0.999)[:, None] ** j
+        mean = np.minimum(rate, 0.999)[:, None] ** j
         draw = np.clip(rate + shift, 0.0, 0.999)[:, None] ** j
         caps = np.array(shape.caps)
         if shape.num_other_tokens == 0:
@@ -153,16 +155,18 @@ class AdaptivePolicy:
         K is chosen on the measured costs of such steps. Returns the drafts and whether the best
         choice speculates (the step itself may explore another)."""
         n = len(caps)
-        j = np.arange(1, self.max_k + 1)
-        drafts = {K: np.minimum(caps, K) for K in range(int(min(self.max_k, caps.max())) + 1)}
+        choices = range(int(min(self.max_k, caps.max())) + 1)
+        capped = np.arange(1, self.max_k + 1)[None, :] <= caps[:, None]
 
         state = self._bucket_state(n)
         round_trip = self._round_trip(n)
         switch = round_trip / _SWITCH_HORIZON
-        cost = {K: self._decode_step_cost(n, K) for K in drafts}
+        cost = {K: self._decode_step_cost(n, K) for K in choices}
 
         def tokens(gains: np.ndarray) -> dict[int, float]:
-            return {K: n + float((gains * (j[None, :] <= k[:, None])).sum()) for K, k in drafts.items()}
+            # Drafting K, a sequence gains its first min(K, cap) draft values: the K-th prefix sum.
+            prefix = [0.0, *np.cumsum((gains * capped).sum(axis=0)).tolist()]
+            return {K: n + prefix[K] for K in choices}
 
         def goodput(tokens: dict[int, float]) -> dict[int, float]:
             return {K: t / (cost[K] + (switch if (K > 0) != self._speculating else 0.0)) for K, t in tokens.items()}
@@ -212,7 +216,7 @@ class AdaptivePolicy:
                 state.probe_every = self.explore_every
         if K > 0:
             state.last_spec = state.visits
-        return drafts[K], best > 0
+        return np.minimum(caps, K), best > 0
 
     def _probe_spacing(self, n: int, k: int, plain: float, round_trip: float, tokens_per_seq: float) -> float:
         """Steps between probes of k from plain decoding that keep what they lose within the budget:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 
 # Weight of the newest measurement in the per-(batch bucket, k) step costs: step times are noisy
 # upwards (a cold first step, other work on the machine), so a faster step counts more than a slower one.
@@ -25,39 +24,49 @@ class LinearFit:
     """Recursive least squares for y = w0 + w1 * x with exponential forgetting.
 
     The prior fixes only the shape (w1 / w0); the first observation sets the scale,
-    so priors need no units.
+    so priors need no units. Plain floats, not 2x2 arrays: the policy updates its fits at
+    every step, and numpy's per-call cost on such small arrays was most of the update's.
     """
 
     def __init__(self, w0: float, w1: float, forget: float = 0.98):
         self.forget = forget
-        self.w = np.array([w0, w1], dtype=np.float64)
-        self.P = np.zeros((2, 2))
+        self.w0, self.w1 = float(w0), float(w1)
+        self.p00 = self.p01 = self.p11 = 0.0   # the symmetric covariance [[p00, p01], [p01, p11]]
+        self._max_trace = 0.0
         self.count = 0
 
     def update(self, x: float, y: float) -> None:
-        phi = np.array([1.0, x])
+        x, y = float(x), float(y)
         if self.count == 0:
             if y <= 0:   # nothing to scale the prior by (a step too short for the clock)
                 return
-            self.w *= y / float(phi @ self.w)
+            scale = y / (self.w0 + self.w1 * x)
+            self.w0 *= scale
+            self.w1 *= scale
             # Prior spread: w0 within ~50%, w1 within ~200%, against 5% noise on y.
-            self.P = np.diag([(0.5 * self.w[0]) ** 2, (2.0 * self.w[1]) ** 2]) / (0.05 * y) ** 2
-            self._max_trace = float(np.trace(self.P))
+            noise = (0.05 * y) ** 2
+            self.p00, self.p01, self.p11 = (0.5 * self.w0) ** 2 / noise, 0.0, (2.0 * self.w1) ** 2 / noise
+            self._max_trace = self.p00 + self.p11
         else:
-            Pphi = self.P @ phi
-            gain = Pphi / (self.forget + phi @ Pphi)
-            self.w = self.w + gain * (y - phi @ self.w)
-            self.P = (self.P - np.outer(gain, Pphi)) / self.forget
+            f = self.forget
+            q0, q1 = self.p00 + self.p01 * x, self.p01 + self.p11 * x   # P phi, phi = (1, x)
+            denom = f + q0 + q1 * x
+            g0, g1 = q0 / denom, q1 / denom
+            err = y - (self.w0 + self.w1 * x)
+            self.w0 += g0 * err
+            self.w1 += g1 * err
+            self.p00, self.p01, self.p11 = (self.p00 - g0 * q0) / f, (self.p01 - g0 * q1) / f, (self.p11 - g1 * q1) / f
             # Forgetting inflates P along directions the data never spans (x constant: one batch
             # size for hours) until the fit stops listening, then overflows; never past the prior.
-            trace = float(np.trace(self.P))
+            trace = self.p00 + self.p11
             if trace > self._max_trace:
-                self.P *= self._max_trace / trace
+                shrink = self._max_trace / trace
+                self.p00, self.p01, self.p11 = self.p00 * shrink, self.p01 * shrink, self.p11 * shrink
         self.count += 1
 
     def __call__(self, x: float) -> float:
         # More tokens never cost less: a negative fitted slope (noise, odd kernels) predicts nothing.
-        return max(float(self.w[0] + max(self.w[1], 0.0) * x), 1e-9)
+        return max(self.w0 + max(self.w1, 0.0) * x, 1e-9)
 
 
 @dataclass

@@ -10,6 +10,7 @@ block, so they read and write nothing real.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 import torch
@@ -21,7 +22,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
 def bucket_for(batch: int) -> int | None:
-    return next((b for b in BATCH_BUCKETS if b >= batch), None)
+    """The smallest bucket that holds `batch` sequences (None past the largest)."""
+    i = bisect.bisect_left(BATCH_BUCKETS, batch)
+    return BATCH_BUCKETS[i] if i < len(BATCH_BUCKETS) else None
 
 
 def capture_graph(run: Callable[[], torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
