@@ -173,13 +173,14 @@ def test_adaptive_under_the_benchmark_protocol(workload, costs, cost_ratio):
 def test_a_few_outlying_steps_do_not_set_what_steps_cost(workload, costs, cost_ratio):
     """3% of steps take 2.2x (as single steps did on the H200): one such step must not set what a
     kind of step costs, round after round. (On the H200 one 19 ms plain step at batch 256 raised
-    plain's cost from 8.8 to 12 ms, and the policy held to k = 1 at 0.83x plain. Here, without the
-    bound on how far one step moves a cost, the 1b draft falls to 0.86x plain; with it >= 0.94x,
-    the windows' own outliers included.)"""
+    plain's cost from 8.8 to 12 ms, and the policy held to k = 1 at 0.83x plain.) Each batch size's
+    mean over the three rounds: >= 0.977x plain with the bound on how far one step moves a cost,
+    down to 0.918x (1b mixed) without it. Single cells depend on which steps the outliers hit and on
+    the policy's draws: their minimum ranged 0.87-0.97x over policy seeds, with or without the bound."""
     costs = dataclasses.replace(costs, outlier_rate=0.03)
     plain = _protocol(lambda: FixedPolicy(0), workload, costs, rounds=3)
     adaptive = _protocol(lambda: AdaptivePolicy(4, draft_cost_ratio=cost_ratio), workload, costs, rounds=3)
-    assert np.all(adaptive >= 0.93 * plain), adaptive / plain
+    assert np.all((adaptive / plain).mean(axis=0) >= 0.95), adaptive / plain
 
 
 # Speculative steps carry more host work than plain ones (drafting, verification bookkeeping): on the

@@ -37,9 +37,10 @@ ENABLED = True
 # (a kernel saved is a large part of their time), not on large ones, which stream slower with it.
 FUSE_MAX_NUMEL = 8 << 20
 
-# 2..MAX_ROWS rows are padded to one tensor-core tile of _ROWS_TILE rows (module doc); up to 8 were
-# measured to stream about as fast as one row.
-MAX_ROWS = 8
+# 2..MAX_ROWS rows are padded to one tensor-core tile of 16 or 32 rows (module doc): up to 16 stream about as
+# fast as one row; 20 rows in a 32-row tile beat cuBLAS by 3% over an 8B layer and 5% on its LM head, 80
+# rows in a 128-row tile lost to it by 30-60%.
+MAX_ROWS = 32
 _ROWS_TILE = 16
 
 _PLAIN, _NORM, _SILU = 0, 1, 2
@@ -109,12 +110,17 @@ def _rows_tile(m: int) -> int:
 
 
 def _rows_blocks(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the several-rows kernel, from a sweep on an
-    H200 (5 rows, 8B shapes): 16 weight rows a program keeps enough programs on the SMs; past 16384
-    weight rows (gate/up, LM heads) there are enough with 64."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the several-rows kernel, from sweeps on an
+    H200 (8B shapes; bench_gemv.py --rows-sweep): 16 weight rows a program keep enough programs on the
+    SMs for a 16-row tile, 32 for a 32-row one; past 16384 weight rows (gate/up, LM heads) there are
+    enough with 64."""
     block_m = _rows_tile(m)
-    block_k = _block_k(k, (256, 128, 64) if block_m <= 16 else (128, 64))
-    return (block_m, 64, block_k, 4, 3) if n > 16384 else (block_m, 16, block_k, 2, 4)
+    if block_m <= 16:
+        block_k = _block_k(k, (256, 128, 64))
+        return (block_m, 64, block_k, 4, 3) if n > 16384 else (block_m, 16, block_k, 2, 4)
+    if n > 16384:
+        return block_m, 64, _block_k(k, (128, 64)), 2, 3
+    return block_m, 32, _block_k(k, (256, 128, 64)), 2, 4
 
 
 # (blocks, N, K) of weights whose several-rows blocks did not fit the device (shared memory: GPUs with

@@ -116,40 +116,43 @@ class AdaptivePolicy:
         a, b = self._global_belief()
         return a / (a + b)
 
-    def _posteriors(self, seq_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Beta(a, b) beliefs about the sequences' per-token acceptance, shrunk towards the global rate."""
-        counts = np.array([self._seqs.get(s, _NO_TRIALS) for s in seq_ids], dtype=np.float64).reshape(-1, 2)
-        prior = self._global_rate()
-        return (counts[:, 0] + prior * self.prior_strength,
-                counts[:, 1] - counts[:, 0] + (1 - prior) * self.prior_strength)
+    def _rates(self, seq_ids: list[int]) -> np.ndarray:
+        """The sequences' per-token acceptance beliefs (Beta means): their own decayed counts shrunk
+        towards the global rate. (Plain Python over the counts: a handful of numpy calls on tiny
+        arrays cost more than the arithmetic, and the policy runs on every step's critical path.)"""
+        prior, strength = self._global_rate(), self.prior_strength
+        seqs, pseudo = self._seqs, prior * strength
+        return np.array([(acc + pseudo) / (trials + strength)
+                         for acc, trials in (seqs.get(s, _NO_TRIALS) for s in seq_ids)], dtype=np.float64)
 
     def choose(self, shape: StepShape) -> list[int]:
         n = len(shape.seq_ids)
         if n == 0:
             return []
-        a, b = self._posteriors(shape.seq_ids)
+        rate = self._rates(shape.seq_ids)
         j = np.arange(1, self.max_k + 1)[None, :]
-        # Value of the j-th draft token: from the mean belief, and (Thompson sampling) from a draw of
-        # the global rate, which every sequence's belief is shrunk towards, shifting them all: an
-        # estimate that argues against speculating is tested again as often as it is uncertain.
-        # (Per-sequence draws stay wide while a sequence has few trials of its own, and kept
-        # speculating where it did not pay; without draws, stopping after unlucky trials froze the
-        # estimates low.)
-        rate = a / (a + b)
-        ga, gb = self._global_belief()
-        shift = self._rng.beta(ga, gb) - ga / (ga + gb)
-        mean = np.minimum(rate, 0.999)[:, None] ** j
-        draw = np.clip(rate + shift, 0.0, 0.999)[:, None] ** j
+
+        def draw() -> np.ndarray:
+            # Value of the j-th draft token under a draw of the global rate (Thompson sampling), which
+            # every sequence's belief is shrunk towards, shifting them all: an estimate that argues
+            # against speculating is tested again as often as it is uncertain. (Per-sequence draws
+            # stay wide while a sequence has few trials of its own, and kept speculating where it did
+            # not pay; without draws, stopping after unlucky trials froze the estimates low.)
+            ga, gb = self._global_belief()
+            shift = self._rng.beta(ga, gb) - ga / (ga + gb)
+            return np.clip(rate + shift, 0.0, 0.999)[:, None] ** j
+
         caps = np.array(shape.caps)
         if shape.num_other_tokens == 0:
-            chosen, self._speculating = self._choose_decoding(mean, draw, caps)
+            chosen, self._speculating = self._choose_decoding(np.minimum(rate, 0.999)[:, None] ** j, draw, caps)
         else:
-            chosen = self._choose_ragged(draw, caps, shape.num_other_tokens)
+            chosen = self._choose_ragged(draw(), caps, shape.num_other_tokens)
             self._speculating = bool(chosen.any())
         self.last_mean_k = float(chosen.mean())
         return chosen.tolist()
 
-    def _choose_decoding(self, gains: np.ndarray, draw: np.ndarray, caps: np.ndarray) -> tuple[np.ndarray, bool]:
+    def _choose_decoding(self, gains: np.ndarray, draw: Callable[[], np.ndarray],
+                         caps: np.ndarray) -> tuple[np.ndarray, bool]:
         """Every sequence decoding: verification is padded to K+1 tokens per sequence (one CUDA
         graph; ragged verification runs eagerly, slower), so each sequence drafts min(K, cap) and
         K is chosen on the measured costs of such steps. Returns the drafts and whether the best
@@ -176,7 +179,7 @@ class AdaptivePolicy:
         best = max(rates, key=rates.__getitem__)
         if best == 0:
             # The mean belief says do not speculate; the drawn one may say otherwise (exploration).
-            rates = goodput(tokens(draw))
+            rates = goodput(tokens(draw()))
             best = max(rates, key=rates.__getitem__)
         state.visits += 1
         if self._plain_samples(n) < MIN_SAMPLES:
