@@ -13,9 +13,9 @@ only the summation order differs.
 
 Verifying k drafts at batch 1 multiplies k + 1 rows by every weight: still one pass
 over the weights, so 2..MAX_ROWS rows take a kernel that reads each weight tile once
-and multiplies it by all rows on the tensor cores (padded to a 16-row tile: CUDA
-cores multiplying every weight by 5-8 rows fell well behind the memory). The norm
-and SiLU·mul stay unfused there.
+and multiplies it by all rows on the tensor cores (padded to a 16- or 32-row tile:
+CUDA cores multiplying every weight by 5-8 rows fell well behind the memory; past 32
+rows cuBLAS is faster). The norm and SiLU·mul stay unfused there.
 
 Used for float16/bfloat16 rows on CUDA; everything else (CPU, float32, more than
 MAX_ROWS rows) takes the unfused ops, which are also the reference in tests/gpu.
