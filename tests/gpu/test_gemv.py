@@ -30,7 +30,7 @@ def _draw(seed: int, n: int, k: int, dtype: torch.dtype, rows: int = 1):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 5, gemv.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 20, gemv.MAX_ROWS])   # tiles of 16 and 32, full and partial
 def test_linear(dtype, n, k, with_bias, rows):
     x, w, b, _ = _draw(n * 31 + k + rows, n, k, dtype, rows)
     b = b if with_bias else None
