@@ -1,12 +1,15 @@
 """Matmuls of one and a few rows, 8B and 68M shapes: cuBLAS (+ the unfused elementwise op) vs the Triton gemv kernels.
 
-    python benchmarks/bench_gemv.py [--rows 2 5 8] [--sweep] [--out gemv.json]
+    python benchmarks/bench_gemv.py [--rows 2 5 8 16 20 32] [--sweep] [--out gemv.json]
+    python benchmarks/bench_gemv.py --shapes 8b --rows-sweep 20 80   # several-rows blocks vs cuBLAS
 
 Each case replays a CUDA graph of 64 calls that cycle over enough weight copies
 (>= 512 MB) that no weight stays in L2, as in a decode step that streams the whole
 model. Reports µs per call and the weight bytes over that time as a fraction of the
 copy bandwidth measured in the same run. --sweep times every (BLOCK_N, BLOCK_K,
-num_warps) for the plain kernel and prints the best per shape.
+num_warps) for the plain kernel and prints the best per shape; --rows-sweep does the same for
+the several-rows kernel at the given row counts (tiles up to 128 rows, though only up to
+gemv.MAX_ROWS rows are routed to it).
 """
 
 from __future__ import annotations
@@ -91,10 +94,10 @@ def rows_sweep(m: int, n: int, k: int, dtype: torch.dtype, weights: list[torch.T
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--rows", type=int, nargs="*", default=[2, 5, 8],
+    ap.add_argument("--rows", type=int, nargs="*", default=[2, 5, 8, 16, 20, 32],
                     help=f"also time these row counts (2..{gemv.MAX_ROWS}) plain")
     ap.add_argument("--rows-sweep", type=int, nargs="*", default=[],
-                    help="time every several-rows block config at these row counts (up to 128) against cuBLAS")
+                    help="time every several-rows block config at these row counts (tiles up to 128 rows) against cuBLAS")
     ap.add_argument("--shapes", default="", help="only the shapes whose name starts with this (e.g. 8b)")
     ap.add_argument("--out", default="gemv.json")
     args = ap.parse_args()

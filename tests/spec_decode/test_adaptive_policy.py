@@ -273,3 +273,14 @@ def test_belief_reports_what_a_choice_weighs():
     assert sorted(belief.step_seconds) == [0, 1, 2] and belief.step_seconds[2] > 0
     assert belief.round_trip == pytest.approx(3e-3) and not belief.speculating
     assert belief.acceptance == pytest.approx(policy.prior_acceptance)
+
+
+def test_sequences_near_their_length_limit_draft_no_more_than_their_caps():
+    """Decoding sequences whose caps differ (max_model_len close for some): each drafts min(K, cap),
+    none past its cap, and a batch whose caps are all 0 drafts nothing."""
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=0.02)
+    shape = StepShape([1, 2, 3, 4], [0, 2, 4, 1], 0)
+    _train(policy, shape, [0.9] * 4, target_fixed=5e-3, target_per_token=1e-6, draft_per_forward=1e-4)
+    chosen = policy.choose(shape)
+    assert chosen == [min(c, max(chosen)) for c in shape.caps] and max(chosen) == 4
+    assert policy.choose(StepShape([5, 6], [0, 0], 0)) == [0, 0]

@@ -4,6 +4,8 @@ that did not speculate."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from conftest import FIXED, GREEDY, BurstsPolicy, ScriptedPolicy, make_prompts, metric_values, output_ids
 from conftest import SPEC_KV as KV
@@ -179,3 +181,47 @@ def test_disable_by_batch_size_stops_seeded_drafts_too(spec_pair):
     llm.generate(make_prompts(3), seeded, use_tqdm=False)
     assert metric_values(llm)["vllm:spec_decode_num_drafts"] == 0
     assert llm.llm_engine.executor.worker.policy._speculating is False
+
+
+class _Recording(BurstsPolicy):
+    """BurstsPolicy that keeps what each step's observation said: (speculated, verify seconds, charge)."""
+
+    def __init__(self, period: int):
+        super().__init__(period)
+        self.seen: list[tuple[bool, float, float]] = []
+
+    def observe(self, shape, chosen, accepted, stats, charge) -> None:
+        self.seen.append((max(chosen, default=0) > 0, stats.verify_time, charge.seconds))
+
+
+def test_verification_time_stops_where_the_host_starts_reading(spec_pair, monkeypatch):
+    """A verification's time is the target pass and the verdict, up to where the host waits for the
+    accepted tokens: the host's preparation of the pass before it and what the host does with the
+    tokens after it (here both made slow) are the step's, not the verification's. Plain steps in
+    between are timed the same way, from their pass's launch."""
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3,
+              async_scheduling=False, **FIXED, **KV)
+    worker = llm.llm_engine.executor.worker
+    worker.policy = policy = _Recording(period=2)
+    slow = 0.05
+    logprobs = worker._logprobs
+
+    def slow_logprobs(*args):
+        time.sleep(slow)
+        return logprobs(*args)
+
+    monkeypatch.setattr(worker, "_logprobs", slow_logprobs)
+    runner = worker.target.runner
+    prepare = runner.prepare
+
+    def slow_prepare(*args):
+        time.sleep(slow)
+        return prepare(*args)
+
+    monkeypatch.setattr(runner, "prepare", slow_prepare)
+    llm.generate(make_prompts(2), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    spec = [(verify, charge) for speculated, verify, charge in policy.seen if speculated]
+    plain = [verify for speculated, verify, _ in policy.seen if not speculated]
+    assert spec and plain
+    assert all(charge >= slow > verify for verify, charge in spec), spec
+    assert all(0.0 <= verify < slow for verify in plain), plain

@@ -86,3 +86,23 @@ def test_pipelined_plain_steps_cost_one_cycle_and_a_refill_is_marked():
     assert charges.read(now=14.4, start=13.2, engine_host_time=0.3, speculative=False) == Charge(
         pytest.approx(1.4), refill=True)
     assert charges.read(now=15.4, start=14.1, engine_host_time=0.3, speculative=False) == Charge(pytest.approx(1.0))
+
+
+def test_linear_fit_is_the_exponentially_weighted_least_squares_line():
+    """Over thousands of steps at mixed batch sizes the recursive fit equals the closed-form
+    exponentially weighted least squares with its prior (a drifting, asymmetric covariance would not)."""
+    rng = np.random.default_rng(1)
+    xs = rng.choice([1, 2, 5, 8, 40, 64, 128, 256, 640, 1280], size=3000)
+    ys = 4e-3 + 2e-5 * xs + rng.normal(0, 2e-4, size=xs.size)
+    fit = LinearFit(1.0, 1.0 / 512)
+    fit.update(xs[0], ys[0])   # scales the prior
+    prior_w, prior_precision = np.array([fit.w0, fit.w1]), np.diag([1 / fit.p00, 1 / fit.p11])
+    for x, y in zip(xs[1:], ys[1:]):
+        fit.update(x, y)
+    t = xs.size - 1
+    weights = fit.forget ** np.arange(t - 1, -1, -1)
+    phi = np.stack([np.ones(t), xs[1:]], axis=1)
+    a = (phi * weights[:, None]).T @ phi + fit.forget ** t * prior_precision
+    w = np.linalg.solve(a, (phi * weights[:, None]).T @ ys[1:] + fit.forget ** t * prior_precision @ prior_w)
+    assert [fit.w0, fit.w1] == pytest.approx(w.tolist(), rel=1e-9)
+    assert [fit.p00, fit.p01, fit.p11] == pytest.approx(np.linalg.inv(a)[[0, 0, 1], [0, 1, 1]].tolist(), rel=1e-9)

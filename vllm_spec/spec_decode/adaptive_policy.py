@@ -87,8 +87,9 @@ class AdaptivePolicy:
     _seqs: dict[int, tuple[float, float]] = field(default_factory=dict)
     _target: LinearFit | None = None
     _draft: LinearFit | None = None
-    # Host seconds a speculative all-decoding step adds to a plain one's, by batch size (proposal
-    # and verification bookkeeping): a new batch size's plain steps alone do not show it.
+    # Host seconds a speculative all-decoding step adds to a plain one's, by batch size (the draft's
+    # and the verification's input preparation and bookkeeping, the read of the accepted tokens):
+    # a new batch size's plain steps alone do not show it.
     _spec_host: LinearFit | None = None
     # Measured seconds of all-decoding steps per (batch bucket, k): real costs
     # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).

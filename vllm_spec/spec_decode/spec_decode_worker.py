@@ -173,8 +173,7 @@ class SpecDecodeWorker:
         if spec_idx:
             step: StepHandle = DoneStep(self._score_and_verify(req, spec_idx, proposals, draft_md, timer.mark))
         else:
-            timer.mark()
-            step = self.target.launch(req)
+            step = self.target.launch(req, on_pass=timer.mark)
             timer.mark()
         handle = _SpecStep(self, step, timer, _Observation(shape, [asked[i] for i in rows], start,
                                                            req.engine_host_time, bool(spec_idx), caught_up))
@@ -188,13 +187,12 @@ class SpecDecodeWorker:
             result.spec = SpecStepStats(0, 0, 0, [], 0.0, 0.0)
         stats = result.spec
         # Between the draft's end and the target pass's start the device waits for the host's input
-        # preparation: host time, not any phase's.
-        phases = timer.finish()
-        catch_up_time, draft_time, _, stats.verify_time = phases
+        # preparation (of a plain step as of a verification): host time, not any phase's.
+        catch_up_time, draft_time, prepare_time, stats.verify_time = timer.finish()
         stats.catch_up_time = catch_up_time if obs.caught_up else 0.0
         stats.draft_time = stats.catch_up_time + draft_time
         if timer.cuda:
-            result.device_time = sum(phases)
+            result.device_time = stats.draft_time + prepare_time + stats.verify_time
         by_id = {o.seq_id: len(o.token_ids) - 1 for o in result.outputs}
         charge = self._charges.read(time.perf_counter(), obs.start, obs.engine_host_time, obs.speculative)
         charge.seconds = max(charge.seconds - stats.catch_up_time, 1e-6)

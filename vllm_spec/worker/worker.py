@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -84,8 +85,9 @@ class Worker:
         return self.launch(req).result()
 
     @torch.inference_mode()
-    def launch(self, req: ExecuteModelRequest) -> StepHandle:
-        """Queue the step on the device; its tokens come to the host on the handle's result()."""
+    def launch(self, req: ExecuteModelRequest, on_pass: Callable[[], None] | None = None) -> StepHandle:
+        """Queue the step on the device; its tokens come to the host on the handle's result().
+        `on_pass` is called once the inputs are prepared, as the model's pass is launched."""
         self.release(req.finished_seq_ids)
         if not req.seqs:
             return DoneStep(StepOutput([]))
@@ -95,6 +97,8 @@ class Worker:
         sampled = [i for i, s in enumerate(req.seqs) if s.sample]
         starts = batch.token_starts
         prompt_rows = PromptLogprobRows.of(req.seqs, starts)
+        if on_pass is not None:
+            on_pass()
         if not sampled and not prompt_rows.rows:
             self.runner.forward(batch)
             return DoneStep(StepOutput([]), one_token_per_seq=True)
