@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 
 from vllm_spec.spec_decode.step_cost import Charge
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
@@ -69,7 +68,7 @@ class _StaticPolicy:
     def choose(self, shape: StepShape) -> list[int]:
         k = self.k_for(shape)
         chosen = [min(k, cap) for cap in shape.caps]
-        self.last_mean_k = float(np.mean(chosen)) if chosen else 0.0
+        self.last_mean_k = sum(chosen) / len(chosen) if chosen else 0.0
         return chosen
 
     def observe(self, shape, chosen, accepted, stats, charge) -> None:
