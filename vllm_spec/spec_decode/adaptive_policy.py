@@ -22,6 +22,7 @@ model.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -117,70 +118,81 @@ class AdaptivePolicy:
         a, b = self._global_belief()
         return a / (a + b)
 
-    def _rates(self, seq_ids: list[int]) -> np.ndarray:
+    def _rates(self, seq_ids: list[int]) -> list[float]:
         """The sequences' per-token acceptance beliefs (Beta means): their own decayed counts shrunk
-        towards the global rate. (Plain Python over the counts: a handful of numpy calls on tiny
-        arrays cost more than the arithmetic, and the policy runs on every step's critical path.)"""
+        towards the global rate."""
         prior, strength = self._global_rate(), self.prior_strength
         seqs, pseudo = self._seqs, prior * strength
-        return np.array([(acc + pseudo) / (trials + strength)
-                         for acc, trials in (seqs.get(s, _NO_TRIALS) for s in seq_ids)], dtype=np.float64)
+        return [(acc + pseudo) / (trials + strength) for acc, trials in (seqs.get(s, _NO_TRIALS) for s in seq_ids)]
 
     def choose(self, shape: StepShape) -> list[int]:
+        # Plain Python on the decoding path: the policy runs on every speculative step's critical
+        # path with its caches cold (the engine's other work evicts them), where each numpy call on
+        # these tiny arrays cost several microseconds (~150 us a choice, against ~50 us warm).
         n = len(shape.seq_ids)
         if n == 0:
             return []
-        rate = self._rates(shape.seq_ids)
-        j = np.arange(1, self.max_k + 1)[None, :]
+        beliefs = self._rates(shape.seq_ids)
 
-        def draw() -> np.ndarray:
-            # Value of the j-th draft token under a draw of the global rate (Thompson sampling), which
-            # every sequence's belief is shrunk towards, shifting them all: an estimate that argues
-            # against speculating is tested again as often as it is uncertain. (Per-sequence draws
-            # stay wide while a sequence has few trials of its own, and kept speculating where it did
-            # not pay; without draws, stopping after unlucky trials froze the estimates low.)
+        def drawn() -> list[float]:
+            # The beliefs under a draw of the global rate (Thompson sampling), which every sequence's
+            # belief is shrunk towards, shifting them all: an estimate that argues against
+            # speculating is tested again as often as it is uncertain. (Per-sequence draws stay wide
+            # while a sequence has few trials of its own, and kept speculating where it did not
+            # pay; without draws, stopping after unlucky trials froze the estimates low.)
             ga, gb = self._global_belief()
-            shift = self._rng.beta(ga, gb) - ga / (ga + gb)
-            return np.clip(rate + shift, 0.0, 0.999)[:, None] ** j
+            shift = float(self._rng.beta(ga, gb)) - ga / (ga + gb)
+            return [r + shift for r in beliefs]
 
-        caps = np.array(shape.caps)
         if shape.num_other_tokens == 0:
-            chosen, self._speculating = self._choose_decoding(np.minimum(rate, 0.999)[:, None] ** j, draw, caps)
+            chosen, self._speculating = self._choose_decoding(beliefs, drawn, shape.caps)
         else:
-            chosen = self._choose_ragged(draw(), caps, shape.num_other_tokens)
-            self._speculating = bool(chosen.any())
-        self.last_mean_k = float(chosen.mean())
-        return chosen.tolist()
+            j = np.arange(1, self.max_k + 1)[None, :]
+            gains = np.clip(np.array(drawn()), 0.0, 0.999)[:, None] ** j
+            chosen = self._choose_ragged(gains, np.array(shape.caps), shape.num_other_tokens).tolist()
+            self._speculating = any(chosen)
+        self.last_mean_k = sum(chosen) / n
+        return chosen
 
-    def _choose_decoding(self, gains: np.ndarray, draw: Callable[[], np.ndarray],
-                         caps: np.ndarray) -> tuple[np.ndarray, bool]:
+    def _expected_drafts(self, rates: list[float], caps: list[int]) -> list[float]:
+        """[K] for K = 0..max_k: the accepted drafts a step of these sequences expects drafting K
+        each (min(K, cap) for each; a draft token counts as the chance all before it, and it, pass)."""
+        per_position = [0.0] * self.max_k
+        for rate, cap in zip(rates, caps):
+            rate = min(max(rate, 0.0), 0.999)
+            value = 1.0
+            for j in range(min(cap, self.max_k)):
+                value *= rate
+                per_position[j] += value
+        return list(itertools.accumulate(per_position, initial=0.0))
+
+    def _choose_decoding(self, beliefs: list[float], drawn: Callable[[], list[float]],
+                         caps: list[int]) -> tuple[list[int], bool]:
         """Every sequence decoding: verification is padded to K+1 tokens per sequence (one CUDA
         graph; ragged verification runs eagerly, slower), so each sequence drafts min(K, cap) and
         K is chosen on the measured costs of such steps. Returns the drafts and whether the best
         choice speculates (the step itself may explore another)."""
         n = len(caps)
-        choices = range(int(min(self.max_k, caps.max())) + 1)
-        capped = np.arange(1, self.max_k + 1)[None, :] <= caps[:, None]
+        choices = range(min(self.max_k, max(caps)) + 1)
 
         state = self._bucket_state(n)
         round_trip = self._round_trip(n)
         switch = round_trip / _SWITCH_HORIZON
         cost = {K: self._decode_step_cost(n, K) for K in choices}
 
-        def tokens(gains: np.ndarray) -> dict[int, float]:
-            # Drafting K, a sequence gains its first min(K, cap) draft values: the K-th prefix sum.
-            prefix = [0.0, *np.cumsum((gains * capped).sum(axis=0)).tolist()]
-            return {K: n + prefix[K] for K in choices}
+        def tokens(beliefs: list[float]) -> dict[int, float]:
+            drafts = self._expected_drafts(beliefs, caps)
+            return {K: n + drafts[K] for K in choices}
 
         def goodput(tokens: dict[int, float]) -> dict[int, float]:
             return {K: t / (cost[K] + (switch if (K > 0) != self._speculating else 0.0)) for K, t in tokens.items()}
 
-        expected = tokens(gains)
+        expected = tokens(beliefs)
         rates = goodput(expected)
         best = max(rates, key=rates.__getitem__)
         if best == 0:
             # The mean belief says do not speculate; the drawn one may say otherwise (exploration).
-            rates = goodput(tokens(draw()))
+            rates = goodput(tokens(drawn()))
             best = max(rates, key=rates.__getitem__)
         state.visits += 1
         if self._plain_samples(n) < MIN_SAMPLES:
@@ -220,7 +232,7 @@ class AdaptivePolicy:
                 state.probe_every = self.explore_every
         if K > 0:
             state.last_spec = state.visits
-        return np.minimum(caps, K), best > 0
+        return [min(cap, K) for cap in caps], best > 0
 
     def _probe_spacing(self, n: int, k: int, plain: float, round_trip: float, tokens_per_seq: float) -> float:
         """Steps between probes of k from plain decoding that keep what they lose within the budget:
