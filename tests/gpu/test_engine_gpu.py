@@ -87,6 +87,24 @@ def test_draft_vocab_subset_in_graphs(spec_pair, eager_reference, tmp_path):
     assert llm.llm_engine.executor.worker.draft_proposer.loop.graphs
 
 
+def test_drafts_ahead_in_graphs(spec_pair, eager_reference, monkeypatch):
+    """On CUDA the next step's drafts are proposed as soon as a verification is queued (draft ==
+    target, so every draft is accepted and the same rows keep speculating): the steps use them,
+    and the output is the target's."""
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3,
+              speculative_policy="fixed", **KV)
+    assert llm.llm_engine.config.drafts_ahead
+    proposer = llm.llm_engine.executor.worker.draft_proposer
+    calls = {"made": 0, "given_back": 0}
+    propose_ahead, take_back = proposer.propose_ahead, proposer.take_back
+    monkeypatch.setattr(proposer, "propose_ahead", lambda *a: (calls.__setitem__("made", calls["made"] + 1),
+                                                               propose_ahead(*a))[1])
+    monkeypatch.setattr(proposer, "take_back", lambda *a: (calls.__setitem__("given_back", calls["given_back"] + 1),
+                                                           take_back(*a))[1])
+    assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == eager_reference
+    assert calls["made"] > 2 * calls["given_back"], calls
+
+
 @pytest.mark.parametrize("period", [4, 9])
 def test_catch_up_graphs(spec_pair, eager_reference, period):
     # Draft == target: after plain steps the draft catches up in a replayed graph (every row padded

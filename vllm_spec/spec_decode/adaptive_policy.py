@@ -346,7 +346,7 @@ class AdaptivePolicy:
         q = shape.num_other_tokens + len(shape.seq_ids) + sum(chosen)
         self._target.update(stats.num_verified_tokens or q, stats.verify_time)
         forwards = max(chosen, default=0)
-        if forwards > 0:
+        if forwards > 0 and not stats.drafted_ahead:   # (drafts proposed ahead ran during the step before)
             self._draft.update(sum(1 for k in chosen if k > 0), draft / forwards)
         if shape.num_other_tokens == 0 and shape.seq_ids:
             self._observe_decoding(shape, chosen, stats, charge, draft)

@@ -153,17 +153,43 @@ class DraftModelProposer:
 
     def _propose_in_loop(self, seqs: list[SeqInput], num_drafts: list[int], k: int) -> Proposals:
         """Every row feeds its last two tokens (see draft_loop); one device program proposes all."""
+        last_two = [tokens_from(s, s.seq_len - 2) for s in seqs]
+        return self._run_loop(seqs, last_two, [s.seq_len for s in seqs], num_drafts, k)
+
+    def propose_ahead(self, seqs: list[SeqInput], last_two: list[list[int]], lens: list[int],
+                      k: int) -> tuple[Proposals, dict[int, tuple[int | None, int | None]]]:
+        """The next step's greedy drafts, k per row, proposed before that step is scheduled: the
+        rows' sequences will be lens[i] tokens long, ending with last_two[i], on the same block
+        tables (their lookahead slots cover the drafts). Returns them and what to restore
+        (`take_back`) should the next step not use them."""
+        before = {s.seq_id: (self._computed.get(s.seq_id), self._fed.get(s.seq_id)) for s in seqs}
+        return self._run_loop(seqs, last_two, lens, [k] * len(seqs), k), before
+
+    def take_back(self, before: dict[int, tuple[int | None, int | None]]) -> None:
+        """Forget drafts proposed ahead that the next step did not use (for sequences still known):
+        their K/V is recomputed when needed, to the same values."""
+        for sid, (computed, fed) in before.items():
+            if sid not in self._computed:   # released since
+                continue
+            for table, value in ((self._computed, computed), (self._fed, fed)):
+                if value is None:
+                    table.pop(sid, None)
+                else:
+                    table[sid] = value
+
+    def _run_loop(self, seqs: list[SeqInput], last_two: list[list[int]], lens: list[int],
+                  num_drafts: list[int], k: int) -> Proposals:
         B = len(seqs)
         tables = block_table_array(seqs)
-        lens = np.fromiter((s.seq_len for s in seqs), dtype=np.int64, count=B)
-        limits = lens + np.asarray(num_drafts, dtype=np.int64) - 1
-        tokens = np.fromiter((t for s in seqs for t in tokens_from(s, s.seq_len - 2)), dtype=np.int64, count=2 * B)
-        tokens_t, first_t, limits_t, tables_t = to_device_aligned([tokens, lens - 2, limits, tables.ravel()],
+        lens_np = np.asarray(lens, dtype=np.int64)
+        limits = lens_np + np.asarray(num_drafts, dtype=np.int64) - 1
+        tokens = np.asarray(last_two, dtype=np.int64).reshape(-1)
+        tokens_t, first_t, limits_t, tables_t = to_device_aligned([tokens, lens_np - 2, limits, tables.ravel()],
                                                                   self.runner.device)
         drafts = self.loop(tokens_t.view(B, 2), first_t, limits_t, tables_t.view(tables.shape), k,
                            max_seq_len=int(limits.max()) + 1)
-        for s, n in zip(seqs, num_drafts):
-            self._computed[s.seq_id] = s.seq_len + n - 1
+        for s, n, length in zip(seqs, num_drafts, lens):
+            self._computed[s.seq_id] = length + n - 1
             self._fed[s.seq_id] = n - 1
         return Proposals(drafts, None, num_drafts)
 

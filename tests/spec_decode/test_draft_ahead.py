@@ -1,0 +1,99 @@
+"""Drafts proposed for the next step as soon as a verification is queued (draft_ahead.py): used when
+the next step is the one they were made for, given back otherwise; outputs never change. (On by
+default on CUDA only, where the device drafts while the host works; turned on here for the CPU.)"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FIXED, GREEDY, BurstsPolicy, make_prompts, output_ids
+from conftest import SPEC_KV as KV
+
+from vllm_spec import LLM, SamplingParams
+from vllm_spec.config import EngineConfig
+from vllm_spec.spec_decode.draft_ahead import DraftsAhead
+from vllm_spec.spec_decode.proposer import Proposals
+from vllm_spec.worker.batch import SeqInput
+
+
+class _Counting:
+    """Counts, on a live DraftModelProposer, the proposals made ahead and the ones given back."""
+
+    def __init__(self, proposer, monkeypatch):
+        self.made = self.given_back = 0
+        propose_ahead, take_back = proposer.propose_ahead, proposer.take_back
+
+        def counted_propose(*args):
+            self.made += 1
+            return propose_ahead(*args)
+
+        def counted_take_back(*args):
+            self.given_back += 1
+            return take_back(*args)
+
+        monkeypatch.setattr(proposer, "propose_ahead", counted_propose)
+        monkeypatch.setattr(proposer, "take_back", counted_take_back)
+
+
+@pytest.fixture
+def ahead_on_cpu(monkeypatch):
+    on = property(lambda self: self.speculative is not None and self.speculative.method == "draft_model")
+    monkeypatch.setattr(EngineConfig, "drafts_ahead", on)
+
+
+def _lengths_that_differ(n: int) -> list[SamplingParams]:
+    # Requests finish at different steps: the batch changes under drafts proposed for it.
+    return [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(n)]
+
+
+def test_drafts_ahead_are_used_and_given_back_without_changing_outputs(spec_pair, monkeypatch, ahead_on_cpu):
+    prompts, params = make_prompts(6), _lengths_that_differ(6)
+    reference = output_ids(LLM(spec_pair[0], **KV).generate(prompts, params, use_tqdm=False))
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **FIXED, **KV)
+    worker = llm.llm_engine.executor.worker
+    counts = _Counting(worker.draft_proposer, monkeypatch)
+    assert output_ids(llm.generate(prompts, params, use_tqdm=False)) == reference
+    assert counts.made > counts.given_back > 0   # most are used; a finished request voids some
+
+
+def test_drafts_ahead_for_a_step_that_does_not_speculate_are_given_back(spec_pair, greedy_reference, monkeypatch,
+                                                                        ahead_on_cpu):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **FIXED, **KV)
+    worker = llm.llm_engine.executor.worker
+    worker.policy = BurstsPolicy(period=2)   # a speculative step is always followed by a plain one
+    counts = _Counting(worker.draft_proposer, monkeypatch)
+    assert output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    # (The last proposal ahead waits for a step that never comes: the requests finished.)
+    assert counts.made > 0 and counts.given_back == counts.made - 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_no_drafts_ahead_for_sampled_requests(spec_pair, monkeypatch, ahead_on_cpu, temperature):
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **FIXED, **KV)
+    counts = _Counting(llm.llm_engine.executor.worker.draft_proposer, monkeypatch)
+    llm.generate(make_prompts(4), SamplingParams(temperature=temperature, seed=1, max_tokens=12, ignore_eos=True),
+                 use_tqdm=False)
+    assert (counts.made > 0) == (temperature == 0.0)
+    assert llm.llm_engine.config.num_lookahead_slots == 6   # the next step's k slots too
+
+
+def test_drafts_ahead_only_where_the_device_drafts_while_the_host_works(spec_pair):
+    """Off on a CPU (the host would only do the same work earlier) and for the n-gram proposer:
+    k lookahead slots."""
+    for draft in (spec_pair[1], "[ngram]"):
+        config = LLM(spec_pair[0], speculative_model=draft, num_speculative_tokens=3, **FIXED, **KV).llm_engine.config
+        assert not config.drafts_ahead and config.num_lookahead_slots == 3
+
+
+def test_drafts_fit_only_the_step_they_were_made_for():
+    ahead = DraftsAhead([1, 2], [10, 12], 3, Proposals(None, None, [3, 3]), {})
+
+    def seq(sid: int, length: int, tokens: int = 1, sample: bool = True) -> SeqInput:
+        return SeqInput(sid, [7] * tokens, length - tokens, [0], sample)
+
+    assert ahead.fits([seq(1, 10), seq(2, 12)], [3, 3])
+    assert not ahead.fits([seq(1, 10), seq(2, 12)], [3, 2])          # another k
+    assert not ahead.fits([seq(1, 10)], [3])                          # a sequence left
+    assert not ahead.fits([seq(1, 10), seq(2, 12), seq(3, 5)], [3, 3, 3])   # one joined
+    assert not ahead.fits([seq(2, 12), seq(1, 10)], [3, 3])          # another order
+    assert not ahead.fits([seq(1, 10), seq(2, 11)], [3, 3])          # another length (preempted)
+    assert not ahead.fits([seq(1, 10), seq(2, 12, tokens=2)], [3, 3])   # a chunk, not a decoding step
