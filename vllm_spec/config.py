@@ -320,12 +320,13 @@ class EngineConfig:
 
     @property
     def drafts_ahead(self) -> bool:
-        """Whether a draft model proposes the next step's drafts as soon as a verification is queued
-        (spec_decode/draft_ahead.py): where the device drafts while the host works (CUDA; on a CPU
-        the host would only do the same work earlier), in one process (a draft sharded over ranks
-        keeps its collectives out of that path)."""
+        """Whether a draft model proposes the next step's drafts as soon as a verification's tokens
+        are read (spec_decode/draft_ahead.py): where the device drafts while the host works (CUDA
+        with graphs; on a CPU, or eagerly, the host would only do the same work earlier), in one
+        process (a draft sharded over ranks keeps its collectives out of that path)."""
         return (self.speculative is not None and self.speculative.method == "draft_model"
-                and self.parallel.tensor_parallel_size == 1 and self.model.device.type == "cuda")
+                and self.parallel.tensor_parallel_size == 1 and self.model.device.type == "cuda"
+                and not self.enforce_eager)
 
     @property
     def num_lookahead_slots(self) -> int:

@@ -346,7 +346,7 @@ class AdaptivePolicy:
         q = shape.num_other_tokens + len(shape.seq_ids) + sum(chosen)
         self._target.update(stats.num_verified_tokens or q, stats.verify_time)
         forwards = max(chosen, default=0)
-        if forwards > 0 and not stats.drafted_ahead:   # (drafts proposed ahead ran during the step before)
+        if forwards > 0:
             self._draft.update(sum(1 for k in chosen if k > 0), draft / forwards)
         if shape.num_other_tokens == 0 and shape.seq_ids:
             self._observe_decoding(shape, chosen, stats, charge, draft)
@@ -384,6 +384,9 @@ class AdaptivePolicy:
         """What a choice for all-decoding steps of n sequences would weigh now (benchmark traces)."""
         return DecodeBelief({k: self._decode_step_cost(n, k) for k in range(self.max_k + 1)},
                             self._round_trip(n), self._global_rate(), self._speculating)
+
+    def holds_speculation(self) -> bool:
+        return self._speculating
 
     def estimates(self) -> PolicyEstimates:
         return PolicyEstimates(self.last_mean_k, self._global_rate(), self._draft_forward(1) / self._target(1))

@@ -1,54 +1,67 @@
-"""The next step's drafts, proposed as soon as a verification is queued.
+"""The next step's drafts, proposed as soon as a verification's tokens are read.
 
 A speculative step cannot overlap the next one: the next step's inputs are this step's
 accepted tokens. Without help the device idles from the moment those tokens are ready
 until the next proposal is launched: the host reads them, processes the outputs,
 schedules, and prepares the draft. For a greedy decoding batch that keeps speculating,
-the next proposal needs only the host-known tokens of this step, so it is launched
-right after they are read, and the device drafts while the host does the rest; the next
-step adopts the drafts if it is the step they were made for (same sequences at the
-expected lengths, the same k), and otherwise gives them back (the draft K/V they wrote
-is recomputed when needed, to the same values). The drafts' K/V slots are reserved by
-the scheduler (EngineConfig.num_lookahead_slots).
+the next proposal needs only the tokens the host has just read, so it is launched right
+away, and the device drafts while the host does the rest. The next step adopts the
+drafts if it is the step they were made for (the same sequences at the expected
+lengths, each asking 1..k drafts: the first n greedy drafts are those of a proposal of
+n) and otherwise gives them back (the draft K/V they wrote is recomputed when needed, to
+the same values). Their K/V slots are reserved by the scheduler
+(EngineConfig.num_lookahead_slots).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer
+import torch
+
+from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer, ProposerState
 from vllm_spec.spec_decode.proposer import Proposals
+from vllm_spec.spec_decode.timer import StepTimer
 from vllm_spec.worker.batch import SeqInput
 from vllm_spec.worker.cuda_graph import BATCH_BUCKETS
 
 
 @dataclass
 class DraftsAhead:
-    """Drafts proposed for the step after the one that made them."""
+    """Drafts proposed for the step after the one that made them, and their device time."""
 
     seq_ids: list[int]
     lens: list[int]        # each sequence's length when the drafts were made
-    k: int
-    proposals: Proposals
-    before: dict[int, tuple[int | None, int | None]]   # DraftModelProposer.take_back's argument
+    drafts: torch.Tensor   # [B, k]
+    before: ProposerState  # what the proposer knew before (DraftModelProposer.take_back)
+    timer: StepTimer       # one phase: the proposal
 
     def fits(self, seqs: list[SeqInput], asked: list[int]) -> bool:
         """Whether this step is the one the drafts were made for."""
-        return (len(seqs) == len(self.seq_ids) and all(n == self.k for n in asked)
+        k = self.drafts.shape[1]
+        return (len(seqs) == len(self.seq_ids) and all(1 <= n <= k for n in asked)
                 and all(s.seq_id == sid and s.seq_len == n and len(s.token_ids) == 1 and s.sample
                         for s, sid, n in zip(seqs, self.seq_ids, self.lens)))
 
+    def adopt(self, proposer: DraftModelProposer, asked: list[int]) -> Proposals:
+        """The drafts as this step's proposal, n = asked[i] for row i (a step that `fits`)."""
+        proposer.keep_ahead(self.seq_ids, self.lens, asked)
+        return Proposals(self.drafts[:, : max(asked)], None, asked)
 
-def propose_ahead(proposer: DraftModelProposer, seqs: list[SeqInput], emitted: list[list[int]], k: int,
-                  max_model_len: int) -> DraftsAhead | None:
+
+def drafts_for_next_step(proposer: DraftModelProposer, seqs: list[SeqInput], emitted: list[list[int]], k: int,
+                         max_model_len: int, block_size: int) -> DraftsAhead | None:
     """Drafts for the next step of `seqs` (every one decoding, greedy, verified with k drafts and
     emitted[i] kept), k each; None where the next step could not use them (a sequence would
-    outgrow max_model_len, or the batch is larger than the proposal graphs)."""
+    outgrow max_model_len or its reserved slots, or the batch is larger than the proposal graphs)."""
     if len(seqs) > BATCH_BUCKETS[-1]:
         return None
     lens = [s.seq_len + len(e) for s, e in zip(seqs, emitted)]
-    if max(lens) + k > max_model_len:
+    # The proposal writes draft K/V up to position len + k - 2.
+    if max(lens) + k > max_model_len or any(n + k - 1 > len(s.block_table) * block_size for s, n in zip(seqs, lens)):
         return None
     last_two = [([s.token_ids[-1]] + e)[-2:] for s, e in zip(seqs, emitted)]
-    proposals, before = proposer.propose_ahead(seqs, last_two, lens, k)
-    return DraftsAhead([s.seq_id for s in seqs], lens, k, proposals, before)
+    timer = StepTimer(proposer.runner.device)
+    drafts, before = proposer.propose_ahead(seqs, last_two, lens, k)
+    timer.mark()
+    return DraftsAhead([s.seq_id for s in seqs], lens, drafts, before, timer)

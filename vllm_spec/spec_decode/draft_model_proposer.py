@@ -25,6 +25,10 @@ from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for
 from vllm_spec.worker.model_runner import ModelRunner, block_table_array, to_device_aligned
 
 
+# What a proposer knew of some sequences: seq_id -> (positions with valid draft K/V, drafts fed back),
+# None where it knew nothing.
+ProposerState = dict[int, tuple[int | None, int | None]]
+
 # Query lengths of the catch-up graphs, and their most query tokens (a longer lag or a larger
 # batch runs eagerly: the lag follows a long run of plain steps, over which its cost is spread).
 CATCH_UP_LENGTHS = (4, 8, 16, 32, 64)
@@ -157,15 +161,22 @@ class DraftModelProposer:
         return self._run_loop(seqs, last_two, [s.seq_len for s in seqs], num_drafts, k)
 
     def propose_ahead(self, seqs: list[SeqInput], last_two: list[list[int]], lens: list[int],
-                      k: int) -> tuple[Proposals, dict[int, tuple[int | None, int | None]]]:
-        """The next step's greedy drafts, k per row, proposed before that step is scheduled: the
-        rows' sequences will be lens[i] tokens long, ending with last_two[i], on the same block
-        tables (their lookahead slots cover the drafts). Returns them and what to restore
-        (`take_back`) should the next step not use them."""
+                      k: int) -> tuple[torch.Tensor, ProposerState]:
+        """The next step's greedy drafts [B, k], proposed before that step is scheduled: the rows'
+        sequences will be lens[i] tokens long, ending with last_two[i], on the same block tables
+        (their lookahead slots cover the drafts). Returns them and what to restore (`take_back`)
+        should the next step not use them; `keep_ahead` records the ones it uses."""
         before = {s.seq_id: (self._computed.get(s.seq_id), self._fed.get(s.seq_id)) for s in seqs}
-        return self._run_loop(seqs, last_two, lens, [k] * len(seqs), k), before
+        return self._run_loop(seqs, last_two, lens, [k] * len(seqs), k).token_ids, before
 
-    def take_back(self, before: dict[int, tuple[int | None, int | None]]) -> None:
+    def keep_ahead(self, seq_ids: list[int], lens: list[int], used: list[int]) -> None:
+        """A step uses the first used[i] drafts proposed ahead for row i: the draft's cache holds
+        K/V up to the last of them (the later ones' are recomputed when needed)."""
+        for sid, n, k in zip(seq_ids, lens, used):
+            self._computed[sid] = n + k - 1
+            self._fed[sid] = k - 1
+
+    def take_back(self, before: ProposerState) -> None:
         """Forget drafts proposed ahead that the next step did not use (for sequences still known):
         their K/V is recomputed when needed, to the same values."""
         for sid, (computed, fed) in before.items():
@@ -179,6 +190,7 @@ class DraftModelProposer:
 
     def _run_loop(self, seqs: list[SeqInput], last_two: list[list[int]], lens: list[int],
                   num_drafts: list[int], k: int) -> Proposals:
+        """The whole-proposal loop over rows that will be lens[i] tokens long, ending with last_two[i]."""
         B = len(seqs)
         tables = block_table_array(seqs)
         lens_np = np.asarray(lens, dtype=np.int64)

@@ -79,7 +79,6 @@ class SpecStepStats:
     policy: PolicyEstimates | None = None
     num_verified_tokens: int = 0     # query tokens of the target pass, padding included
     catch_up_time: float = 0.0       # seconds of draft_time spent feeding tokens of earlier steps
-    drafted_ahead: bool = False      # the drafts were proposed during the step before (not in draft_time)
 
 
 @dataclass
