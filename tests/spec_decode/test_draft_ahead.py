@@ -150,3 +150,15 @@ def test_drafts_ahead_are_the_drafts_the_step_would_have_made(spec_pair, monkeyp
         assert (counts.made > 0) == ahead
     assert accepted[True] == accepted[False]
     assert 0 < accepted[True][0] < accepted[True][1]
+
+
+def test_drafts_ahead_under_preemption(spec_pair, greedy_reference, monkeypatch, ahead_on_cpu):
+    """A tight KV budget (2k lookahead slots per decoding sequence now): sequences are preempted between
+    a proposal ahead and the step it was made for; outputs stay the target's, every block comes back."""
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3,
+              block_size=4, num_gpu_blocks_override=45, max_model_len=128, **FIXED)
+    counts = _Counting(llm.llm_engine.executor.worker.draft_proposer, monkeypatch)
+    assert output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    assert metric_values(llm)["vllm:num_preemptions"] > 0 and counts.made > counts.given_back > 0
+    manager = llm.llm_engine.block_manager
+    assert manager.num_free_blocks == manager.num_usable_blocks
