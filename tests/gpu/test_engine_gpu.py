@@ -7,6 +7,7 @@ import torch
 from conftest import BurstsPolicy
 
 from vllm_spec import LLM, SamplingParams
+from vllm_spec.spec_decode.draft_ahead import DraftsAhead
 
 pytestmark = pytest.mark.gpu
 
@@ -98,11 +99,16 @@ def test_drafts_ahead_in_graphs(spec_pair, monkeypatch):
     assert llm.llm_engine.config.drafts_ahead
     proposer = llm.llm_engine.executor.worker.draft_proposer
     calls = {"made": 0, "given_back": 0}
-    propose_ahead, take_back = proposer.propose_ahead, proposer.take_back
+    propose_ahead, fits = proposer.propose_ahead, DraftsAhead.fits
     monkeypatch.setattr(proposer, "propose_ahead", lambda *a: (calls.__setitem__("made", calls["made"] + 1),
                                                                propose_ahead(*a))[1])
-    monkeypatch.setattr(proposer, "take_back", lambda *a: (calls.__setitem__("given_back", calls["given_back"] + 1),
-                                                           take_back(*a))[1])
+
+    def counted_fits(ahead, *args):
+        used = fits(ahead, *args)
+        calls["given_back"] += not used
+        return used
+
+    monkeypatch.setattr(DraftsAhead, "fits", counted_fits)
     assert _ids(llm.generate(PROMPTS, params, use_tqdm=False)) == reference
     assert calls["made"] > calls["given_back"] > 0, calls
     m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}

@@ -16,22 +16,24 @@ from vllm_spec.worker.batch import SeqInput
 
 
 class _Counting:
-    """Counts, on a live DraftModelProposer, the proposals made ahead and the ones given back."""
+    """Counts, on a live DraftModelProposer, the proposals made ahead and the ones the next step
+    dropped (did not fit)."""
 
     def __init__(self, proposer, monkeypatch):
         self.made = self.given_back = 0
-        propose_ahead, take_back = proposer.propose_ahead, proposer.take_back
+        propose_ahead, fits = proposer.propose_ahead, DraftsAhead.fits
 
         def counted_propose(*args):
             self.made += 1
             return propose_ahead(*args)
 
-        def counted_take_back(*args):
-            self.given_back += 1
-            return take_back(*args)
+        def counted_fits(ahead, *args):
+            used = fits(ahead, *args)
+            self.given_back += not used
+            return used
 
         monkeypatch.setattr(proposer, "propose_ahead", counted_propose)
-        monkeypatch.setattr(proposer, "take_back", counted_take_back)
+        monkeypatch.setattr(DraftsAhead, "fits", counted_fits)
 
 
 @pytest.fixture
@@ -51,8 +53,13 @@ def test_drafts_ahead_are_used_and_given_back_without_changing_outputs(spec_pair
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **FIXED, **KV)
     worker = llm.llm_engine.executor.worker
     counts = _Counting(worker.draft_proposer, monkeypatch)
+    caught_up = []
+    catch_up = worker.draft_proposer.catch_up
+    monkeypatch.setattr(worker.draft_proposer, "catch_up", lambda *a: caught_up.append(catch_up(*a)) or caught_up[-1])
     assert output_ids(llm.generate(prompts, params, use_tqdm=False)) == reference
     assert counts.made > counts.given_back > 0   # most are used; a finished request voids some
+    # Drafts used are recorded as fed: a step after dropped ones finds the draft's cache up to date.
+    assert caught_up and not any(caught_up)
 
 
 def test_drafts_ahead_for_a_step_that_does_not_speculate_are_given_back(spec_pair, greedy_reference, monkeypatch,
@@ -117,7 +124,7 @@ def test_drafts_ahead_of_the_target_itself_are_all_accepted(spec_pair, async_sch
 
 
 def test_drafts_fit_only_the_step_they_were_made_for():
-    ahead = DraftsAhead([1, 2], [10, 12], torch.zeros(2, 3, dtype=torch.long), {}, None)
+    ahead = DraftsAhead([1, 2], [10, 12], torch.zeros(2, 3, dtype=torch.long), None)
 
     def seq(sid: int, length: int, tokens: int = 1, sample: bool = True) -> SeqInput:
         return SeqInput(sid, [7] * tokens, length - tokens, [0], sample)

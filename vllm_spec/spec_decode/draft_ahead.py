@@ -8,8 +8,9 @@ the next proposal needs only the tokens the host has just read, so it is launche
 away, and the device drafts while the host does the rest. The next step adopts the
 drafts if it is the step they were made for (the same sequences at the expected
 lengths, each asking 1..k drafts: the first n greedy drafts are those of a proposal of
-n) and otherwise gives them back (the draft K/V they wrote is recomputed when needed, to
-the same values). Their K/V slots are reserved by the scheduler
+n) and otherwise drops them: the proposer records nothing until they are used, and the
+draft K/V they wrote is either what its cache held already (the two tokens fed) or past
+what it is known to hold (recomputed when needed, to the same values). Their K/V slots are reserved by the scheduler
 (EngineConfig.num_lookahead_slots).
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer, ProposerState
+from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer
 from vllm_spec.spec_decode.proposer import Proposals
 from vllm_spec.spec_decode.timer import StepTimer
 from vllm_spec.worker.batch import SeqInput
@@ -33,7 +34,6 @@ class DraftsAhead:
     seq_ids: list[int]
     lens: list[int]        # each sequence's length when the drafts were made
     drafts: torch.Tensor   # [B, k]
-    before: ProposerState  # what the proposer knew before (DraftModelProposer.take_back)
     timer: StepTimer       # one phase: the proposal
 
     def fits(self, seqs: list[SeqInput], asked: list[int]) -> bool:
@@ -45,7 +45,7 @@ class DraftsAhead:
 
     def adopt(self, proposer: DraftModelProposer, asked: list[int]) -> Proposals:
         """The drafts as this step's proposal, n = asked[i] for row i (a step that `fits`)."""
-        proposer.keep_ahead(self.seq_ids, self.lens, asked)
+        proposer.record_proposal(self.seq_ids, self.lens, asked)
         return Proposals(self.drafts[:, : max(asked)], None, asked)
 
 
@@ -62,6 +62,6 @@ def drafts_for_next_step(proposer: DraftModelProposer, seqs: list[SeqInput], emi
         return None
     last_two = [([s.token_ids[-1]] + e)[-2:] for s, e in zip(seqs, emitted)]
     timer = StepTimer(proposer.runner.device)
-    drafts, before = proposer.propose_ahead(seqs, last_two, lens, k)
+    drafts = proposer.propose_ahead(seqs, last_two, lens, k)
     timer.mark()
-    return DraftsAhead([s.seq_id for s in seqs], lens, drafts, before, timer)
+    return DraftsAhead([s.seq_id for s in seqs], lens, drafts, timer)

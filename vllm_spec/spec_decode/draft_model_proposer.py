@@ -25,10 +25,6 @@ from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for
 from vllm_spec.worker.model_runner import ModelRunner, block_table_array, to_device_aligned
 
 
-# What a proposer knew of some sequences: seq_id -> (positions with valid draft K/V, drafts fed back),
-# None where it knew nothing.
-ProposerState = dict[int, tuple[int | None, int | None]]
-
 # Query lengths of the catch-up graphs, and their most query tokens (a longer lag or a larger
 # batch runs eagerly: the lag follows a long run of plain steps, over which its cost is spread).
 CATCH_UP_LENGTHS = (4, 8, 16, 32, 64)
@@ -157,40 +153,31 @@ class DraftModelProposer:
 
     def _propose_in_loop(self, seqs: list[SeqInput], num_drafts: list[int], k: int) -> Proposals:
         """Every row feeds its last two tokens (see draft_loop); one device program proposes all."""
-        last_two = [tokens_from(s, s.seq_len - 2) for s in seqs]
-        return self._run_loop(seqs, last_two, [s.seq_len for s in seqs], num_drafts, k)
+        lens = [s.seq_len for s in seqs]
+        drafts = self._run_loop(seqs, [tokens_from(s, s.seq_len - 2) for s in seqs], lens, num_drafts, k)
+        self.record_proposal([s.seq_id for s in seqs], lens, num_drafts)
+        return Proposals(drafts, None, num_drafts)
 
     def propose_ahead(self, seqs: list[SeqInput], last_two: list[list[int]], lens: list[int],
-                      k: int) -> tuple[torch.Tensor, ProposerState]:
+                      k: int) -> torch.Tensor:
         """The next step's greedy drafts [B, k], proposed before that step is scheduled: the rows'
         sequences will be lens[i] tokens long, ending with last_two[i], on the same block tables
-        (their lookahead slots cover the drafts). Returns them and what to restore (`take_back`)
-        should the next step not use them; `keep_ahead` records the ones it uses."""
-        before = {s.seq_id: (self._computed.get(s.seq_id), self._fed.get(s.seq_id)) for s in seqs}
-        return self._run_loop(seqs, last_two, lens, [k] * len(seqs), k).token_ids, before
+        (their lookahead slots cover the drafts). Nothing is recorded until the step uses them
+        (`record_proposal`): drafts not used leave K/V past what the cache is known to hold, which
+        is recomputed when needed, to the same values."""
+        return self._run_loop(seqs, last_two, lens, [k] * len(seqs), k)
 
-    def keep_ahead(self, seq_ids: list[int], lens: list[int], used: list[int]) -> None:
-        """A step uses the first used[i] drafts proposed ahead for row i: the draft's cache holds
-        K/V up to the last of them (the later ones' are recomputed when needed)."""
-        for sid, n, k in zip(seq_ids, lens, used):
+    def record_proposal(self, seq_ids: list[int], lens: list[int], num_drafts: list[int]) -> None:
+        """A step proposes num_drafts[i] drafts after row i's lens[i] tokens: the draft's cache holds
+        K/V up to the last draft fed back (the verification tells how many of those stay valid)."""
+        for sid, n, k in zip(seq_ids, lens, num_drafts):
             self._computed[sid] = n + k - 1
             self._fed[sid] = k - 1
 
-    def take_back(self, before: ProposerState) -> None:
-        """Forget drafts proposed ahead that the next step did not use (for sequences still known):
-        their K/V is recomputed when needed, to the same values."""
-        for sid, (computed, fed) in before.items():
-            if sid not in self._computed:   # released since
-                continue
-            for table, value in ((self._computed, computed), (self._fed, fed)):
-                if value is None:
-                    table.pop(sid, None)
-                else:
-                    table[sid] = value
-
     def _run_loop(self, seqs: list[SeqInput], last_two: list[list[int]], lens: list[int],
-                  num_drafts: list[int], k: int) -> Proposals:
-        """The whole-proposal loop over rows that will be lens[i] tokens long, ending with last_two[i]."""
+                  num_drafts: list[int], k: int) -> torch.Tensor:
+        """Drafts [B, k] of the whole-proposal loop over rows that will be lens[i] tokens long,
+        ending with last_two[i]."""
         B = len(seqs)
         tables = block_table_array(seqs)
         lens_np = np.asarray(lens, dtype=np.int64)
@@ -198,12 +185,8 @@ class DraftModelProposer:
         tokens = np.asarray(last_two, dtype=np.int64).reshape(-1)
         tokens_t, first_t, limits_t, tables_t = to_device_aligned([tokens, lens_np - 2, limits, tables.ravel()],
                                                                   self.runner.device)
-        drafts = self.loop(tokens_t.view(B, 2), first_t, limits_t, tables_t.view(tables.shape), k,
-                           max_seq_len=int(limits.max()) + 1)
-        for s, n, length in zip(seqs, num_drafts, lens):
-            self._computed[s.seq_id] = length + n - 1
-            self._fed[s.seq_id] = n - 1
-        return Proposals(drafts, None, num_drafts)
+        return self.loop(tokens_t.view(B, 2), first_t, limits_t, tables_t.view(tables.shape), k,
+                         max_seq_len=int(limits.max()) + 1)
 
     def on_verified(self, seq_ids: list[int], num_drafts: list[int], num_accepted: list[int]) -> None:
         for sid, accepted in zip(seq_ids, num_accepted):

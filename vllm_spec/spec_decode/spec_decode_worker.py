@@ -170,7 +170,6 @@ class SpecDecodeWorker:
             req = self.target.resolve_placeholders(req)
         ahead, self._ahead = self._ahead, None
         if ahead is not None and not ahead.fits(req.seqs, asked):
-            self.draft_proposer.take_back(ahead.before)
             ahead = None
         start = time.perf_counter()
         timer = StepTimer(self.device)
