@@ -9,8 +9,8 @@ or not speculating this step) is the k = 0 case of the same thing.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
