@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import random
 import tempfile
@@ -207,9 +206,6 @@ def main() -> None:
     ap.add_argument("--drafts", nargs="+", default=["68m", "1b"], choices=["68m", "1b"])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
-    ap.add_argument("--drafts-ahead", choices=["on", "off", "both"], default="on",
-                    help="propose the next step's drafts as soon as a verification's tokens are read "
-                         "(CUDA with graphs; 'both' adds rows 'spec-*-now' that propose each step's own)")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate (batch 1)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None, help="PNG of speedup vs batch size")
@@ -238,23 +234,22 @@ def main() -> None:
         draft = write_config(tmp, draft_shape, max_len)
         engine = build(target, draft, max(args.ks), max_len, max(args.batch_sizes))
         worker = engine.executor.worker
-        modes = {"on": [True], "off": [False], "both": [True, False]}[args.drafts_ahead]
-        for b, k, a, ahead in itertools.product(args.batch_sizes, args.ks, args.acceptance, modes):
-            worker.policy = FixedPolicy(k)
-            worker.drafts_ahead = ahead and engine.config.drafts_ahead
-            worker.config.speculative.synthetic_acceptance_rate = a
-            run_decode(engine, b, args.prompt_len, 8, seed=0)
-            r = run_decode(engine, b, args.prompt_len, args.gen_len, seed=1)
-            base = plain[b]
-            c = r["draft_ms_per_step"] / k / base.ms_per_step
-            v = r["verify_ms_per_step"] / base.ms_per_step
-            e = (1 - a ** (k + 1)) / (1 - a)
-            name = f"spec-{draft_shape}" + ("" if worker.drafts_ahead else "-now")
-            row = Row(name, b, k, a, **r, floor_ms=base.floor_ms)
-            row.speedup = base.ms_per_token_per_seq / row.ms_per_token_per_seq
-            row.theoretical = e / (k * c + v)
-            rows.append(row)
-            print(asdict(row), flush=True)
+        for b in args.batch_sizes:
+            for k in args.ks:
+                worker.policy = FixedPolicy(k)
+                for a in args.acceptance:
+                    worker.config.speculative.synthetic_acceptance_rate = a
+                    run_decode(engine, b, args.prompt_len, 8, seed=0)
+                    r = run_decode(engine, b, args.prompt_len, args.gen_len, seed=1)
+                    base = plain[b]
+                    c = r["draft_ms_per_step"] / k / base.ms_per_step
+                    v = r["verify_ms_per_step"] / base.ms_per_step
+                    e = (1 - a ** (k + 1)) / (1 - a)
+                    row = Row(f"spec-{draft_shape}", b, k, a, **r, floor_ms=base.floor_ms)
+                    row.speedup = base.ms_per_token_per_seq / row.ms_per_token_per_seq
+                    row.theoretical = e / (k * c + v)
+                    rows.append(row)
+                    print(asdict(row), flush=True)
         del engine, worker
         gc.collect()
         torch.cuda.empty_cache()

@@ -192,9 +192,6 @@ class ScriptedPolicy:
         from vllm_spec.worker.batch import PolicyEstimates
         return PolicyEstimates(0.0)
 
-    def holds_speculation(self) -> bool:
-        return True
-
 
 class BurstsPolicy(ScriptedPolicy):
     """Speculates (k = 3) on one step in `period`, not at all on the others: the draft lags, then catches up."""

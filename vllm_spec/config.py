@@ -319,21 +319,6 @@ class EngineConfig:
         return self.model.device.type == "cuda" and self.parallel.tensor_parallel_size == 1
 
     @property
-    def drafts_ahead(self) -> bool:
-        """Whether a draft model proposes the next step's drafts as soon as a verification's tokens
-        are read (spec_decode/draft_ahead.py): where the device drafts while the host works (CUDA
-        with graphs; on a CPU, or eagerly, the host would only do the same work earlier), in one
-        process (a draft sharded over ranks keeps its collectives out of that path)."""
-        return (self.speculative is not None and self.speculative.method == "draft_model"
-                and self.parallel.tensor_parallel_size == 1 and self.model.device.type == "cuda"
-                and not self.enforce_eager)
-
-    @property
     def num_lookahead_slots(self) -> int:
-        """KV slots reserved past each decoding sequence for its draft tokens: k, and k more where the
-        next step's drafts are proposed before that step is scheduled (they reach k + k slots past
-        the token a step feeds)."""
-        if self.speculative is None:
-            return 0
-        k = self.speculative.num_speculative_tokens
-        return 2 * k if self.drafts_ahead else k
+        """KV slots reserved past each decoding sequence for its draft tokens."""
+        return self.speculative.num_speculative_tokens if self.speculative else 0

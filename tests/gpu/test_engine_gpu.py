@@ -7,7 +7,6 @@ import torch
 from conftest import BurstsPolicy
 
 from vllm_spec import LLM, SamplingParams
-from vllm_spec.spec_decode.draft_ahead import DraftsAhead
 
 pytestmark = pytest.mark.gpu
 
@@ -86,34 +85,6 @@ def test_draft_vocab_subset_in_graphs(spec_pair, eager_reference, tmp_path):
     m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
     assert m["vllm:spec_decode_num_accepted_tokens"] > 0
     assert llm.llm_engine.executor.worker.draft_proposer.loop.graphs
-
-
-def test_drafts_ahead_in_graphs(spec_pair, monkeypatch):
-    """On CUDA the next step's drafts are proposed as soon as a verification's tokens are read.
-    Draft == target (float32): every draft made ahead is the target's own token, so all are
-    accepted; requests of different lengths change the batch under drafts made for it (given back)."""
-    params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(len(PROMPTS))]
-    reference = _ids(LLM(spec_pair[0], enforce_eager=True, **KV).generate(PROMPTS, params, use_tqdm=False))
-    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3,
-              speculative_policy="fixed", **KV)
-    assert llm.llm_engine.config.drafts_ahead
-    proposer = llm.llm_engine.executor.worker.draft_proposer
-    calls = {"made": 0, "given_back": 0}
-    propose_ahead, fits = proposer.propose_ahead, DraftsAhead.fits
-    monkeypatch.setattr(proposer, "propose_ahead", lambda *a: (calls.__setitem__("made", calls["made"] + 1),
-                                                               propose_ahead(*a))[1])
-
-    def counted_fits(ahead, *args):
-        used = fits(ahead, *args)
-        calls["given_back"] += not used
-        return used
-
-    monkeypatch.setattr(DraftsAhead, "fits", counted_fits)
-    assert _ids(llm.generate(PROMPTS, params, use_tqdm=False)) == reference
-    assert calls["made"] > calls["given_back"] > 0, calls
-    m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
-    assert m["vllm:spec_decode_num_accepted_tokens"] >= 0.99 * m["vllm:spec_decode_num_draft_tokens"] > 0
-    assert proposer.loop.use_graphs and proposer.loop.graphs
 
 
 @pytest.mark.parametrize("period", [4, 9])

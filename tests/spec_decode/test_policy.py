@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
 from vllm_spec.spec_decode.policy import BatchSizeTablePolicy, FixedPolicy, StepShape, pads_verification
 
 
@@ -40,16 +39,3 @@ def test_batch_size_table_respects_caps_and_empty_steps():
 def test_batch_size_table_rejects_bad_tables(table):
     with pytest.raises(ValueError, match="table"):
         BatchSizeTablePolicy(table)
-
-
-def test_policies_say_whether_they_hold_to_speculation():
-    """What lets the worker propose the next step's drafts ahead: the last all-decoding choice
-    speculated by the policy's own lights."""
-    shape = StepShape([1, 2], [4, 4], 0)
-    fixed, table = FixedPolicy(3), BatchSizeTablePolicy([(1, 2)])
-    fixed.choose(shape)
-    table.choose(shape)   # two sequences: above the table's last bound
-    assert fixed.holds_speculation() and not table.holds_speculation()
-    adaptive = AdaptivePolicy(4)
-    assert adaptive.choose(shape) == [0, 0]   # plain steps are measured first
-    assert not adaptive.holds_speculation()

@@ -385,8 +385,5 @@ class AdaptivePolicy:
         return DecodeBelief({k: self._decode_step_cost(n, k) for k in range(self.max_k + 1)},
                             self._round_trip(n), self._global_rate(), self._speculating)
 
-    def holds_speculation(self) -> bool:
-        return self._speculating
-
     def estimates(self) -> PolicyEstimates:
         return PolicyEstimates(self.last_mean_k, self._global_rate(), self._draft_forward(1) / self._target(1))

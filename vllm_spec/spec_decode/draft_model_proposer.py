@@ -153,40 +153,19 @@ class DraftModelProposer:
 
     def _propose_in_loop(self, seqs: list[SeqInput], num_drafts: list[int], k: int) -> Proposals:
         """Every row feeds its last two tokens (see draft_loop); one device program proposes all."""
-        lens = [s.seq_len for s in seqs]
-        drafts = self._run_loop(seqs, [tokens_from(s, s.seq_len - 2) for s in seqs], lens, num_drafts, k)
-        self.record_proposal([s.seq_id for s in seqs], lens, num_drafts)
-        return Proposals(drafts, None, num_drafts)
-
-    def propose_ahead(self, seqs: list[SeqInput], last_two: list[list[int]], lens: list[int],
-                      k: int) -> torch.Tensor:
-        """The next step's greedy drafts [B, k], proposed before that step is scheduled: the rows'
-        sequences will be lens[i] tokens long, ending with last_two[i], on the same block tables
-        (their lookahead slots cover the drafts). Nothing is recorded until the step uses them
-        (`record_proposal`): drafts not used leave K/V past what the cache is known to hold, which
-        is recomputed when needed, to the same values."""
-        return self._run_loop(seqs, last_two, lens, [k] * len(seqs), k)
-
-    def record_proposal(self, seq_ids: list[int], lens: list[int], num_drafts: list[int]) -> None:
-        """A step proposes num_drafts[i] drafts after row i's lens[i] tokens: the draft's cache holds
-        K/V up to the last draft fed back (the verification tells how many of those stay valid)."""
-        for sid, n, k in zip(seq_ids, lens, num_drafts):
-            self._computed[sid] = n + k - 1
-            self._fed[sid] = k - 1
-
-    def _run_loop(self, seqs: list[SeqInput], last_two: list[list[int]], lens: list[int],
-                  num_drafts: list[int], k: int) -> torch.Tensor:
-        """Drafts [B, k] of the whole-proposal loop over rows that will be lens[i] tokens long,
-        ending with last_two[i]."""
         B = len(seqs)
         tables = block_table_array(seqs)
-        lens_np = np.asarray(lens, dtype=np.int64)
-        limits = lens_np + np.asarray(num_drafts, dtype=np.int64) - 1
-        tokens = np.asarray(last_two, dtype=np.int64).reshape(-1)
-        tokens_t, first_t, limits_t, tables_t = to_device_aligned([tokens, lens_np - 2, limits, tables.ravel()],
+        lens = np.fromiter((s.seq_len for s in seqs), dtype=np.int64, count=B)
+        limits = lens + np.asarray(num_drafts, dtype=np.int64) - 1
+        tokens = np.fromiter((t for s in seqs for t in tokens_from(s, s.seq_len - 2)), dtype=np.int64, count=2 * B)
+        tokens_t, first_t, limits_t, tables_t = to_device_aligned([tokens, lens - 2, limits, tables.ravel()],
                                                                   self.runner.device)
-        return self.loop(tokens_t.view(B, 2), first_t, limits_t, tables_t.view(tables.shape), k,
-                         max_seq_len=int(limits.max()) + 1)
+        drafts = self.loop(tokens_t.view(B, 2), first_t, limits_t, tables_t.view(tables.shape), k,
+                           max_seq_len=int(limits.max()) + 1)
+        for s, n in zip(seqs, num_drafts):
+            self._computed[s.seq_id] = s.seq_len + n - 1
+            self._fed[s.seq_id] = n - 1
+        return Proposals(drafts, None, num_drafts)
 
     def on_verified(self, seq_ids: list[int], num_drafts: list[int], num_accepted: list[int]) -> None:
         for sid, accepted in zip(seq_ids, num_accepted):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+
 from vllm_spec.spec_decode.step_cost import Charge
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
 
@@ -54,11 +55,6 @@ class SpeculationPolicy(Protocol):
 
     def estimates(self) -> PolicyEstimates: ...
 
-    def holds_speculation(self) -> bool:
-        """Whether the policy's last choice for all-decoding steps speculated by its own lights (not to
-        explore): the next such step likely will too, so its drafts may be proposed ahead."""
-        ...
-
 
 class _StaticPolicy:
     """A k that depends on the step's shape alone, capped per sequence; nothing is learned."""
@@ -83,9 +79,6 @@ class _StaticPolicy:
 
     def estimates(self) -> PolicyEstimates:
         return PolicyEstimates(self.last_mean_k)
-
-    def holds_speculation(self) -> bool:
-        return self.last_mean_k > 0
 
 
 class FixedPolicy(_StaticPolicy):

@@ -24,7 +24,6 @@ from vllm_spec.sample.sampler import SamplerOutput, gather_logprobs, process_log
 from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer
 from vllm_spec.spec_decode.ngram_proposer import NgramProposer
 from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
-from vllm_spec.spec_decode.draft_ahead import DraftsAhead, drafts_for_next_step
 from vllm_spec.spec_decode.policy import FixedPolicy, SpeculationPolicy, StepShape, pads_verification
 from vllm_spec.spec_decode.proposer import Proposals, Proposer
 from vllm_spec.spec_decode.rejection_sampler import SyntheticDraws, rejection_sample
@@ -81,8 +80,6 @@ class SpecDecodeWorker:
         self._charges = StepCharges(config.uses_async_scheduling)   # what each step cost, for the policy
         self._synthetic_keys: dict[int, int] = {}   # seq_id -> key of its synthetic acceptance draws
         self._unread: _SpecStep | None = None   # a launched step that the next may overlap
-        self._ahead: DraftsAhead | None = None   # drafts the last step proposed for this one
-        self.drafts_ahead = config.drafts_ahead   # (benchmarks turn it off to compare)
 
     # KV cache: one block manager, two caches of the same number of blocks ----------------
     def kv_bytes_per_block(self) -> int:
@@ -114,9 +111,7 @@ class SpecDecodeWorker:
         their seed alone, not on the batch they share (which steers the policy).
         """
         spec = self.config.speculative
-        # (The slots reserved past k are the next step's drafts', proposed ahead: draft_ahead.py.)
-        lookahead = min(req.num_lookahead_slots, spec.num_speculative_tokens)
-        max_len = self.config.model.max_model_len
+        lookahead, max_len = req.num_lookahead_slots, self.config.model.max_model_len
         if spec.disable_by_batch_size is not None and len(req.seqs) >= spec.disable_by_batch_size:
             lookahead = 0   # no drafts at all (the policy still sees the step: it keeps track of what ran)
         asked = [0] * len(req.seqs)
@@ -168,16 +163,12 @@ class SpecDecodeWorker:
             if unread is not None:
                 unread.result()
             req = self.target.resolve_placeholders(req)
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and not ahead.fits(req.seqs, asked):
-            ahead = None
         start = time.perf_counter()
         timer = StepTimer(self.device)
-        caught_up = ahead is None and self.proposer.catch_up(req.seqs, asked)
+        caught_up = self.proposer.catch_up(req.seqs, asked)
         timer.mark()
         draft_md = self._metadata([self.target.sampling_row(req.seqs[i]) for i in spec_idx], for_draft=True)
-        proposals = ahead.adopt(self.draft_proposer, asked) if ahead is not None else \
-            self.proposer.propose(req.seqs, asked, draft_md)
+        proposals = self.proposer.propose(req.seqs, asked, draft_md)
         timer.mark()
         if spec_idx:
             step: StepHandle = DoneStep(self._score_and_verify(req, spec_idx, proposals, draft_md, timer.mark))
@@ -185,8 +176,7 @@ class SpecDecodeWorker:
             step = self.target.launch(req, on_pass=timer.mark)
             timer.mark()
         handle = _SpecStep(self, step, timer, _Observation(shape, [asked[i] for i in rows], start,
-                                                           req.engine_host_time, bool(spec_idx), caught_up,
-                                                           ahead.timer if ahead is not None else None))
+                                                           req.engine_host_time, bool(spec_idx), caught_up))
         if handle.one_token_per_seq:
             self._unread = handle
         return handle
@@ -199,8 +189,6 @@ class SpecDecodeWorker:
         # Between the draft's end and the target pass's start the device waits for the host's input
         # preparation (of a plain step as of a verification): host time, not any phase's.
         catch_up_time, draft_time, prepare_time, stats.verify_time = timer.finish()
-        if obs.ahead is not None:   # proposed during the step before, on the device's clock too
-            draft_time = obs.ahead.finish()[0]
         stats.catch_up_time = catch_up_time if obs.caught_up else 0.0
         stats.draft_time = stats.catch_up_time + draft_time
         if timer.cuda:
@@ -304,16 +292,10 @@ class SpecDecodeWorker:
         rows, wait = copy.values(), copy.wait_time
         emitted = [row[: row.index(-1)] if row[-1] < 0 else row for row in rows]   # -1 past each row's end
 
-        accepted = [len(emitted[row_of[i]]) - 1 for i in spec_idx]
-        self.proposer.on_verified([req.seqs[i].seq_id for i in spec_idx], proposals.num_drafts, accepted)
-        if self.drafts_ahead and self.policy.holds_speculation() and draft_md.all_greedy \
-                and len(spec_idx) == len(req.seqs) \
-                and all(n == k and len(s.token_ids) == 1 for n, s in zip(proposals.num_drafts, req.seqs)):
-            # First of the host's work on these tokens: the device drafts while it does the rest.
-            self._ahead = drafts_for_next_step(self.draft_proposer, req.seqs, emitted, k, max_len,
-                                               self.config.cache.block_size)
         logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r.tolist(), grid_j.tolist())
         outputs = [SeqOutput(req.seqs[i].seq_id, toks, lps) for i, toks, lps in zip(sampled, emitted, logprobs)]
+        accepted = [len(emitted[row_of[i]]) - 1 for i in spec_idx]
+        self.proposer.on_verified([req.seqs[i].seq_id for i in spec_idx], proposals.num_drafts, accepted)
         per_pos = (np.asarray(accepted, dtype=np.int64)[:, None] > np.arange(k)).sum(axis=0).tolist()
         stats = SpecStepStats(sum(1 for n in proposals.num_drafts if n > 0), sum(proposals.num_drafts),
                               sum(accepted), per_pos, 0.0, 0.0, num_verified_tokens=int(batch.input_ids.shape[0]))
@@ -376,7 +358,6 @@ class _Observation:
     engine_host_time: float
     speculative: bool
     caught_up: bool   # the proposer fed tokens it had missed before proposing
-    ahead: StepTimer | None   # the drafts' proposal during the step before (draft_ahead.py)
 
 
 class _SpecStep(StepHandle):

@@ -46,9 +46,8 @@ class ModelRunner:
 
     @property
     def max_blocks_per_seq(self) -> int:
-        """Block-table width that fits the longest sequence plus its lookahead slots (at most twice
-        the largest k: EngineConfig.num_lookahead_slots)."""
-        return -(-(self.max_model_len + 2 * MAX_SPECULATIVE_TOKENS) // self.block_size)
+        """Block-table width that fits the longest sequence plus its lookahead slots."""
+        return -(-(self.max_model_len + MAX_SPECULATIVE_TOKENS) // self.block_size)
 
     def kv_bytes_per_block(self, dtype: torch.dtype) -> int:
         attn = self.model.attention_layers()
