@@ -220,7 +220,7 @@ def main() -> None:
     plain: dict[int, Row] = {}
     engine = build(target, None, 1, max_len, max(args.batch_sizes))
     for b in args.batch_sizes:
-        run_decode(engine, b, args.prompt_len, 8, seed=0)  # warm-up: graphs for this bucket
+        run_decode(engine, b, args.prompt_len, 24, seed=0)  # warm-up at this batch size
         r = run_decode(engine, b, args.prompt_len, args.gen_len, seed=1)
         plain[b] = Row("plain", b, 0, None, floor_ms=floor_ms(engine, b, args.prompt_len + args.gen_len // 2,
                                                                   bandwidth), **r)
@@ -239,7 +239,7 @@ def main() -> None:
                 worker.policy = FixedPolicy(k)
                 for a in args.acceptance:
                     worker.config.speculative.synthetic_acceptance_rate = a
-                    run_decode(engine, b, args.prompt_len, 8, seed=0)
+                    run_decode(engine, b, args.prompt_len, 24, seed=0)
                     r = run_decode(engine, b, args.prompt_len, args.gen_len, seed=1)
                     base = plain[b]
                     c = r["draft_ms_per_step"] / k / base.ms_per_step
