@@ -20,9 +20,10 @@ def num_kv_blocks(config: EngineConfig, available_bytes: int, bytes_per_block: i
         blocks = min(available_bytes // bytes_per_block, sched.max_num_seqs * per_seq + 1)
     if blocks - 1 < per_seq:
         raise ValueError(
-            f"The KV cache holds {(blocks - 1) * cache.block_size} tokens ({blocks} blocks of {cache.block_size}), "
-            f"fewer than max_model_len ({sched.max_model_len}) + {lookahead} lookahead slots. Increase "
-            "kv_cache_memory_bytes / gpu_memory_utilization or decrease max_model_len."
+            f"The KV cache holds {(blocks - 1) * cache.block_size} tokens ({blocks} blocks of {cache.block_size}, "
+            f"one of them reserved), fewer than max_model_len ({sched.max_model_len}) + {lookahead} lookahead slots. "
+            f"Increase kv_cache_memory_bytes (at least {(per_seq + 1) * bytes_per_block} bytes here) / "
+            "gpu_memory_utilization or decrease max_model_len."
         )
     return blocks
 

@@ -1,0 +1,26 @@
+"""Sizing the KV cache: a budget too small for one max_model_len sequence is refused with the
+smallest budget that works, and that budget does work (with and without lookahead slots)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from vllm_spec import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_too_small_kv_cache_names_the_budget_that_fits(tiny_llama, speculative):
+    spec = dict(speculative_model=str(tiny_llama), num_speculative_tokens=3) if speculative else {}
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes") as err:
+        LLM(str(tiny_llama), max_model_len=128, kv_cache_memory_bytes=4096, **spec)
+    message = str(err.value)
+    assert "max_model_len (128)" in message and f"{3 if speculative else 0} lookahead slots" in message
+    needed = int(re.search(r"at least (\d+) bytes", message).group(1))
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        LLM(str(tiny_llama), max_model_len=128, kv_cache_memory_bytes=needed - 1, **spec)
+    llm = LLM(str(tiny_llama), max_model_len=128, kv_cache_memory_bytes=needed, **spec)
+    out = llm.generate([{"prompt_token_ids": [5] * 100}], SamplingParams(temperature=0, max_tokens=28, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 28
