@@ -34,7 +34,8 @@ def test_silu_mul(dtype, T, inter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T, H, KVH, D", [(1, 32, 8, 128), (19, 9, 3, 64), (260, 4, 2, 16)])
+@pytest.mark.parametrize("T, H, KVH, D", [(1, 32, 8, 128), (80, 32, 8, 128), (19, 9, 3, 64), (260, 4, 2, 16),
+                                          (3, 1, 1, 32)])
 def test_rotary_in_place_on_qkv_views(dtype, T, H, KVH, D):
     qkv = torch.randn(T, (H + 2 * KVH) * D, device="cuda", dtype=dtype)
     q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
