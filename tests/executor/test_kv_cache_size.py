@@ -24,3 +24,16 @@ def test_a_too_small_kv_cache_names_the_budget_that_fits(tiny_llama, speculative
     out = llm.generate([{"prompt_token_ids": [5] * 100}], SamplingParams(temperature=0, max_tokens=28, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 28
+
+
+def test_a_too_small_block_override_names_the_blocks_that_fit(tiny_llama):
+    # 128 + 0 lookahead tokens in blocks of 16: 8 blocks, and one reserved.
+    with pytest.raises(ValueError, match=r"num_gpu_blocks_override to at least 9") as err:
+        LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks_override=4)
+    assert "kv_cache_memory_bytes" not in str(err.value)
+    LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks_override=9)
+
+
+def test_a_budget_below_one_block_reports_no_tokens(tiny_llama):
+    with pytest.raises(ValueError, match=r"holds 0 tokens \(0 blocks"):
+        LLM(str(tiny_llama), max_model_len=128, kv_cache_memory_bytes=1)

@@ -19,11 +19,13 @@ def num_kv_blocks(config: EngineConfig, available_bytes: int, bytes_per_block: i
     else:
         blocks = min(available_bytes // bytes_per_block, sched.max_num_seqs * per_seq + 1)
     if blocks - 1 < per_seq:
+        fix = (f"num_gpu_blocks_override to at least {per_seq + 1}" if cache.num_gpu_blocks_override is not None
+               else f"kv_cache_memory_bytes (at least {(per_seq + 1) * bytes_per_block} bytes here) / "
+                    "gpu_memory_utilization")
         raise ValueError(
-            f"The KV cache holds {(blocks - 1) * cache.block_size} tokens ({blocks} blocks of {cache.block_size}, "
-            f"one of them reserved), fewer than max_model_len ({sched.max_model_len}) + {lookahead} lookahead slots. "
-            f"Increase kv_cache_memory_bytes (at least {(per_seq + 1) * bytes_per_block} bytes here) / "
-            "gpu_memory_utilization or decrease max_model_len."
+            f"The KV cache holds {max(blocks - 1, 0) * cache.block_size} tokens ({blocks} blocks of "
+            f"{cache.block_size}, one of them reserved), fewer than max_model_len ({sched.max_model_len}) + "
+            f"{lookahead} lookahead slots. Increase {fix} or decrease max_model_len."
         )
     return blocks
 

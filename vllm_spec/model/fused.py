@@ -70,6 +70,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 _ROTARY_HEADS = 8   # heads per program
 
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

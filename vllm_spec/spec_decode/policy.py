@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-
 from vllm_spec.spec_decode.step_cost import Charge
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
 
