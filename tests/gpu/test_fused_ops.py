@@ -40,13 +40,28 @@ def test_rotary_in_place_on_qkv_views(dtype, T, H, KVH, D):
     qkv = torch.randn(T, (H + 2 * KVH) * D, device="cuda", dtype=dtype)
     q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
     q, k = q.view(T, H, D), k.view(T, KVH, D)
-    pos = torch.randint(0, 4096, (T,), device="cuda")
-    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device="cuda").float() / D))
-    freqs = torch.outer(pos.float(), inv)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = _cos_sin(T, D, dtype)
     ref_q, ref_k = fused.rotary_torch(q.clone(), k.clone(), cos, sin)
     v_before = v.clone()
     out_q, out_k = fused.rotary(q, k, cos, sin)
     assert rel_err(out_q, ref_q) < BOUND[dtype] and rel_err(out_k, ref_k) < BOUND[dtype]
     assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("T, H, KVH, D", [(5, 32, 8, 128), (3, 9, 3, 64)])
+def test_rotary_on_separate_q_and_k(T, H, KVH, D):
+    # In a qkv row q's head H is k's head 0, so views alone cannot tell which tensor a head is read from.
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(T, KVH, D, device="cuda", dtype=torch.bfloat16)
+    cos, sin = _cos_sin(T, D, torch.bfloat16)
+    ref_q, ref_k = fused.rotary_torch(q.clone(), k.clone(), cos, sin)
+    out_q, out_k = fused.rotary(q, k, cos, sin)
+    assert rel_err(out_q, ref_q) < BOUND[torch.bfloat16] and rel_err(out_k, ref_k) < BOUND[torch.bfloat16]
+
+
+def _cos_sin(T: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.randint(0, 4096, (T,), device="cuda")
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+    freqs = torch.outer(pos.float(), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
