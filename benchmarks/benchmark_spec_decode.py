@@ -44,6 +44,8 @@ SHAPES = {
                 intermediate_size=3072),
 }
 VOCAB = 128256
+# Tokens per request of the warm-up run before each timed one (after 8, the first timed run was the slowest).
+WARMUP_TOKENS = 24
 
 
 def write_config(folder: Path, shape: str, max_len: int, vocab: int = VOCAB, dims: dict | None = None) -> str:
@@ -220,7 +222,7 @@ def main() -> None:
     plain: dict[int, Row] = {}
     engine = build(target, None, 1, max_len, max(args.batch_sizes))
     for b in args.batch_sizes:
-        run_decode(engine, b, args.prompt_len, 24, seed=0)  # warm-up at this batch size
+        run_decode(engine, b, args.prompt_len, WARMUP_TOKENS, seed=0)
         r = run_decode(engine, b, args.prompt_len, args.gen_len, seed=1)
         plain[b] = Row("plain", b, 0, None, floor_ms=floor_ms(engine, b, args.prompt_len + args.gen_len // 2,
                                                                   bandwidth), **r)
@@ -239,7 +241,7 @@ def main() -> None:
                 worker.policy = FixedPolicy(k)
                 for a in args.acceptance:
                     worker.config.speculative.synthetic_acceptance_rate = a
-                    run_decode(engine, b, args.prompt_len, 24, seed=0)
+                    run_decode(engine, b, args.prompt_len, WARMUP_TOKENS, seed=0)
                     r = run_decode(engine, b, args.prompt_len, args.gen_len, seed=1)
                     base = plain[b]
                     c = r["draft_ms_per_step"] / k / base.ms_per_step
