@@ -34,6 +34,7 @@ SHAPES = [
     ("68m lm_head", 128256, 768),
 ]
 CALLS = 64
+WARPS = (2, 4, 8)   # swept by --rows-sweep
 
 
 def time_graph(fn, weights: list[torch.Tensor]) -> float:
@@ -69,26 +70,38 @@ def cases(n: int, k: int, dtype: torch.dtype, several: list[int]) -> dict[str, t
     return out
 
 
+def row_tilings(m: int) -> list[tuple[int, int]]:
+    """(block_m, block_m2) tilings of m rows: one tile, and a power of two plus a tile for the rest."""
+    one = gemv._rows_tile(m)
+    first = max(gemv._ROWS_TILE, 1 << (m.bit_length() - 1))
+    rest = m - first
+    return [(one, 0)] + ([(first, gemv._rows_tile(rest))] if rest > 0 and first < one else [])
+
+
 def rows_sweep(m: int, n: int, k: int, dtype: torch.dtype, weights: list[torch.Tensor], bw: float) -> dict:
-    """cuBLAS and every several-rows block config for m rows of one weight shape; prints the best four."""
+    """cuBLAS and the several-rows kernel's configs for m rows of one weight shape; prints the best four."""
     xm = torch.randn(m, k, device="cuda", dtype=dtype)
     t_ref = time_graph(lambda w: F.linear(xm, w), weights)
-    block_m = gemv._rows_tile(m)
     results = []
-    for bn, bk, warps, stages in itertools.product((16, 32, 64), (32, 64, 128, 256), (2, 4, 8), (3, 4)):
-        if (block_m + bn) * bk * 2 * stages > 200 << 10 or warps * 32 * 8 > block_m * bn:
+    for (bm, bm2), swap, bn, bk, warps, stages in itertools.product(
+            row_tilings(m), (False, True), (16, 32, 64, 128), (64, 128, 256), WARPS, (3, 4)):
+        if (bm + bm2 + bn) * bk * 2 * stages > 200 << 10 or warps * 32 * 8 > (bm + bm2) * bn or bn * bk > 16384:
             continue
+        c = gemv.RowsBlocks(bm, bm2, bn, bk, warps, stages, swap)
         try:
-            t = time_graph(lambda w, c=(block_m, bn, bk, warps, stages): gemv.rows_linear(xm, w, None, c), weights)
+            t = time_graph(lambda w, c=c: gemv.rows_linear(xm, w, None, c), weights)
         except triton.runtime.errors.OutOfResources:
             continue
-        results.append((t, bn, bk, warps, stages))
+        results.append((t, c))
     results.sort()
-    best = ", ".join(f"{bn}x{bk}/{w}w/{st}s {t:.2f}us" for t, bn, bk, w, st in results[:4])
+    current = gemv._rows_blocks(m, n, k)
+    t_cur = time_graph(lambda w: gemv.rows_linear(xm, w, None, current), weights)
+    best = ", ".join(f"{tuple(c)} {t:.2f}us" for t, c in results[:4])
     floor = n * k * 2 / bw * 1e6
-    print(f"  {m} rows {n}x{k}: cuBLAS {t_ref:.2f}us, floor {floor:.2f}us, best {best}", flush=True)
-    return dict(cublas_us=t_ref, configs=[dict(us=t, block_n=bn, block_k=bk, warps=w, stages=st)
-                                          for t, bn, bk, w, st in results])
+    print(f"  {m} rows {n}x{k}: cuBLAS {t_ref:.2f}us, floor {floor:.2f}us, current {tuple(current)} {t_cur:.2f}us, "
+          f"best {best}", flush=True)
+    return dict(cublas_us=t_ref, current=dict(us=t_cur, **current._asdict()),
+                configs=[dict(us=t, **c._asdict()) for t, c in results])
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ from vllm_spec.model import fused, gemv
 
 pytestmark = pytest.mark.gpu
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
-SHAPES = [(4096, 4096), (6144, 4096), (2048, 14336), (1000, 768), (129, 200), (7, 33), (20000, 200)]
+SHAPES = [(4096, 4096), (6144, 4096), (2048, 14336), (1000, 768), (129, 200), (7, 33), (20000, 200), (66000, 96)]
 
 
 def _poison_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -41,6 +41,20 @@ def test_linear(dtype, n, k, with_bias, rows):
     assert y.shape == (rows, n)
     for row in range(rows):   # each row on its own: a row left unwritten or mixed up with another shows
         assert rel_err(y[row], ref[row]) < BOUND[dtype], row
+
+
+@pytest.mark.parametrize("rows, block_m, block_m2", [(80, 64, 16), (70, 64, 16), (20, 16, 16), (17, 16, 16), (5, 16, 0)])
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (129, 200)])
+def test_rows_kernel_tilings(rows, block_m, block_m2, swap, n, k):
+    """Every tiling the sweeps may pick: two row tiles (the second full or partial) and the swapped product,
+    with a bias and a K that does not divide into BLOCK_K."""
+    x, w, b, _ = _draw(rows * 7 + n + k + swap, n, k, torch.bfloat16, rows)
+    ref = F.linear(x.double(), w.double(), b.double())
+    _poison_allocator((rows, n), torch.bfloat16)
+    y = gemv.rows_linear(x, w, b, gemv.RowsBlocks(block_m, block_m2, 64, 128, 4, 3, swap))
+    for row in range(rows):
+        assert rel_err(y[row], ref[row]) < BOUND[torch.bfloat16], row
 
 
 def test_rows_with_a_stride_read_their_own_elements():

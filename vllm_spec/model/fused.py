@@ -46,8 +46,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         _add_rms_norm_kernel[(T,)](
             x, residual if residual is not None else x, weight, out, res_out, N, x.stride(0),
             residual.stride(0) if residual is not None else 0, eps,
-            HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), num_warps=8 if N >= 4096 else 4)
+            HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), num_warps=_norm_warps(N))
     return out, res_out
+
+
+def _norm_warps(n: int) -> int:
+    return 8 if n >= 4096 else 4
 
 
 # SiLU(gate) * up --------------------------------------------------------------------
@@ -61,9 +65,14 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     inter = I2 // 2
     out = torch.empty(T, inter, dtype=x.dtype, device=x.device)
     if T:
-        block = 1024
-        _silu_mul_kernel[(T, triton.cdiv(inter, block))](x, out, inter, x.stride(0), BLOCK=block)
+        block, warps = _silu_config(T, inter)
+        _silu_mul_kernel[(T, triton.cdiv(inter, block))](x, out, inter, x.stride(0), BLOCK=block, num_warps=warps)
     return out
+
+
+def _silu_config(rows: int, inter: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the SiLU·mul kernel."""
+    return 1024, 4
 
 
 # Rotary embedding (rotate-half layout) ---------------------------------------------------------

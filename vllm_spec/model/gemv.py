@@ -23,6 +23,8 @@ MAX_ROWS rows) takes the unfused ops, which are also the reference in tests/gpu.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 try:
@@ -38,8 +40,8 @@ ENABLED = True
 FUSE_MAX_NUMEL = 8 << 20
 
 # 2..MAX_ROWS rows are padded to one tensor-core tile of 16 or 32 rows (module doc): up to 16 stream about as
-# fast as one row; 20 rows in a 32-row tile beat cuBLAS by 3% over an 8B layer and 5% on its LM head, 80
-# rows in a 128-row tile lost to it by 30-60%.
+# fast as one row; 20 rows in a 32-row tile beat cuBLAS by 5% over an 8B layer and 7% on its LM head; 80 rows
+# lost to it over a layer by 15% even as tiles of 64 + 16 rows (146 vs 127 µs), though not on the LM head.
 MAX_ROWS = 32
 _ROWS_TILE = 16
 
@@ -109,23 +111,36 @@ def _rows_tile(m: int) -> int:
     return max(_ROWS_TILE, triton.next_power_of_2(m))
 
 
-def _rows_blocks(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the several-rows kernel, from sweeps on an
-    H200 (8B shapes; bench_gemv.py --rows-sweep): 16 weight rows a program keep enough programs on the
-    SMs for a 16-row tile, 32 for a 32-row one; past 16384 weight rows (gate/up, LM heads) there are
-    enough with 64."""
+class RowsBlocks(NamedTuple):
+    """Launch config of the several-rows kernel: row tiles block_m (+ block_m2, 0 for none), weight rows
+    per program, BLOCK_K, warps, pipeline stages, and whether the weight takes the tile's M side."""
+    block_m: int
+    block_m2: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    swap: bool = False
+
+
+def _rows_blocks(m: int, n: int, k: int) -> RowsBlocks:
+    """The several-rows kernel's config, from sweeps on an H200 (8B shapes; bench_gemv.py --rows-sweep):
+    64 weight rows a program where that leaves enough programs (N >= 6144), the weight on the tile's M
+    side (swap) for those, and 128 rows for LM heads; small N keeps 16 (32 for a 32-row tile) a program."""
     block_m = _rows_tile(m)
-    if block_m <= 16:
-        block_k = _block_k(k, (256, 128, 64))
-        return (block_m, 64, block_k, 4, 3) if n > 16384 else (block_m, 16, block_k, 2, 4)
+    if n > 65536:
+        return RowsBlocks(block_m, 0, 128, 128, 4, 3, swap=block_m <= 16)
     if n > 16384:
-        return block_m, 64, _block_k(k, (128, 64)), 2, 3
-    return block_m, 32, _block_k(k, (256, 128, 64)), 2, 4
+        return RowsBlocks(block_m, 0, 64, 128, 4, 4, swap=True)
+    block_k = _block_k(k, (256, 128, 64))
+    if block_m > 16 or n >= 6144:
+        return RowsBlocks(block_m, 0, 64, block_k, 4, 4, swap=True)
+    return RowsBlocks(block_m, 0, 16, block_k, 2, 4)
 
 
 # (blocks, N, K) of weights whose several-rows blocks did not fit the device (shared memory: GPUs with
 # ~100 KB per SM hold fewer pipeline stages than an H200); their products go to cuBLAS.
-_ROWS_UNFIT: set[tuple[tuple[int, int, int, int, int], int, int]] = set()
+_ROWS_UNFIT: set[tuple[RowsBlocks, int, int]] = set()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,17 +160,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                blocks: tuple[int, int, int, int, int]) -> torch.Tensor:
+                blocks: RowsBlocks) -> torch.Tensor:
     """x W^T (+ b) by the several-rows kernel with the given `_rows_blocks` (benchmark sweeps pass their own)."""
     (m, k), n = x.shape, weight.shape[0]
-    block_m, block_n, block_k, warps, stages = blocks
-    if m > block_m:
-        raise ValueError(f"gemv: {m} rows do not fit a tile of {block_m}")
+    if m > blocks.block_m + blocks.block_m2:
+        raise ValueError(f"gemv: {m} rows do not fit tiles of {blocks.block_m} + {blocks.block_m2}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _rows_kernel[(triton.cdiv(n, block_n),)](
+    _rows_kernel[(triton.cdiv(n, blocks.block_n),)](
         x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
+        HAS_BIAS=bias is not None, BLOCK_M=blocks.block_m, BLOCK_M2=blocks.block_m2, BLOCK_N=blocks.block_n,
+        BLOCK_K=blocks.block_k, EVEN_K=k % blocks.block_k == 0, SWAP=blocks.swap, num_warps=blocks.warps,
+        num_stages=blocks.stages)
     return y
 
 
@@ -233,28 +248,54 @@ if triton is not None:
 
     @triton.jit
     def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-        """y [M, N] = x [M, K] W^T (+ b) for M <= BLOCK_M: the rows padded to one tensor-core tile, so
-        each weight tile is read once for all of them."""
+                     BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr):
+        """y [M, N] = x [M, K] W^T (+ b) for M <= BLOCK_M + BLOCK_M2: the rows padded to one or two
+        tensor-core tiles (two let 80 rows be 64 + 16, not 128), so each weight tile is read once for
+        all of them. SWAP multiplies W x^T instead (the weight rows in the tile's M dimension)."""
         pid = tl.program_id(0)
-        rows_m = tl.arange(0, BLOCK_M)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_mask, row_mask = rows_m < M, rows < N
+        row_mask = rows < N
         offs = tl.arange(0, BLOCK_K)
-        x_rows = x_ptr + rows_m[:, None] * stride_x
         w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        m1 = tl.arange(0, BLOCK_M)
+        m2 = BLOCK_M + tl.arange(0, BLOCK_M2 if BLOCK_M2 > 0 else 16)
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            acc2 = tl.zeros((BLOCK_N, BLOCK_M2 if BLOCK_M2 > 0 else 16), tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            acc2 = tl.zeros((BLOCK_M2 if BLOCK_M2 > 0 else 16, BLOCK_N), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + offs
-            if EVEN_K:
-                x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
-                w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None], other=0.0)
-            else:
-                col_mask = cols < K
-                x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & col_mask[None, :], other=0.0)
-                w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rows_m[:, None] * N + rows[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & row_mask[None, :])
+            w = _load_tile(w_rows + cols[None, :], row_mask, cols, K, EVEN_K)
+            x = _load_tile(x_ptr + m1[:, None] * stride_x + cols[None, :], m1 < M, cols, K, EVEN_K)
+            acc = tl.dot(w, tl.trans(x), acc) if SWAP else tl.dot(x, tl.trans(w), acc)
+            if BLOCK_M2 > 0:
+                x2 = _load_tile(x_ptr + m2[:, None] * stride_x + cols[None, :], m2 < M, cols, K, EVEN_K)
+                acc2 = tl.dot(w, tl.trans(x2), acc2) if SWAP else tl.dot(x2, tl.trans(w), acc2)
+        _store_rows(acc, b_ptr, y_ptr, m1, rows, M, N, HAS_BIAS, SWAP)
+        if BLOCK_M2 > 0:
+            _store_rows(acc2, b_ptr, y_ptr, m2, rows, M, N, HAS_BIAS, SWAP)
+
+    @triton.jit
+    def _load_tile(ptrs, row_mask, cols, K, EVEN_K: tl.constexpr):
+        """A [rows, BLOCK_K] tile; EVEN_K: no mask along K, so the loads stay 16-byte vectors."""
+        if EVEN_K:
+            return tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+        return tl.load(ptrs, mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
+
+    @triton.jit
+    def _store_rows(acc, b_ptr, y_ptr, ms, rows, M, N, HAS_BIAS: tl.constexpr, SWAP: tl.constexpr):
+        """y[ms, rows] = acc (+ b[rows]); acc is [rows, ms] when SWAP, else [ms, rows]."""
+        row_mask = rows < N
+        if SWAP:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + ms[None, :] * N + rows[:, None], acc.to(y_ptr.dtype.element_ty),
+                     mask=(ms < M)[None, :] & row_mask[:, None])
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + ms[:, None] * N + rows[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=(ms < M)[:, None] & row_mask[None, :])
