@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import numpy as np
 import torch
 from scipy import stats
 
@@ -149,26 +150,43 @@ def test_synthetic_draws_keyed_by_request_and_position():
     V, k, B = 6, 4, 4000
     target = _one_hot([1, 2, 3, 4, 5], V).unsqueeze(0).expand(B, k + 1, V)
     drafts = torch.zeros(B, k, dtype=torch.long)
-    md = _md([SamplingParams(temperature=0)] * B)
-    keys = torch.arange(B, dtype=torch.long) * 7919
-    draws = SyntheticDraws(keys, torch.full((B,), 100, dtype=torch.long))
-    out = rejection_sample(target, drafts, None, torch.full((B,), k), md, synthetic_acceptance_rate=0.7,
-                           synthetic_draws=draws)
+    keys = np.arange(B, dtype=np.int64) * 7919
+    draws = SyntheticDraws(keys, np.full(B, 100, dtype=np.int64))
+
+    def verify(d: SyntheticDraws, rows: int = B):
+        return rejection_sample(target[:rows], drafts[:rows], None, torch.full((rows,), k),
+                                _md([SamplingParams(temperature=0)] * rows), synthetic_acceptance_rate=0.7,
+                                synthetic_uniforms=torch.from_numpy(d.uniforms(k)))
+
+    out = verify(draws)
     # P(num_accepted >= 1) = 0.7 and the mean accepted length is 0.7 + 0.49 + 0.343 + 0.2401.
     assert abs((out.num_accepted >= 1).float().mean().item() - 0.7) < 0.03
     assert abs(out.num_accepted.float().mean().item() - 1.7731) < 0.06
     # Row 0 alone, and at the next position with one draft fewer: the same draws, shifted.
-    alone = rejection_sample(target[:1], drafts[:1], None, torch.tensor([k]), _md([SamplingParams(temperature=0)]),
-                             synthetic_acceptance_rate=0.7, synthetic_draws=SyntheticDraws(keys[:1], draws.first_positions[:1]))
-    assert alone.num_accepted.item() == out.num_accepted[0].item()
-    again = rejection_sample(target, drafts, None, torch.full((B,), k), md, synthetic_acceptance_rate=0.7,
-                             synthetic_draws=draws)
-    assert torch.equal(again.num_accepted, out.num_accepted)
-    shifted = rejection_sample(target, drafts, None, torch.full((B,), k), md, synthetic_acceptance_rate=0.7,
-                               synthetic_draws=SyntheticDraws(keys, draws.first_positions + 1))
+    assert verify(SyntheticDraws(keys[:1], draws.first_positions[:1]), rows=1).num_accepted.item() == \
+        out.num_accepted[0].item()
+    assert torch.equal(verify(draws).num_accepted, out.num_accepted)
+    shifted = verify(SyntheticDraws(keys, draws.first_positions + 1))
     first_accepted = out.num_accepted >= 1   # rows whose first draft was accepted ...
     assert torch.equal(shifted.num_accepted[first_accepted].clamp(max=k - 1),
                        (out.num_accepted[first_accepted] - 1).clamp(max=k - 1))   # ... continue one position on
+
+
+def test_synthetic_uniforms_are_splitmix64_of_key_and_position():
+    """The host-side hash against splitmix64 in Python integers, negative keys (prompt hashes) included."""
+    def splitmix64(x: int) -> float:
+        m = (1 << 64) - 1
+        x = (x + 0x9E3779B97F4A7C15) & m
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+        return ((x ^ (x >> 31)) >> 40) / (1 << 24)
+
+    keys, first = [-(2 ** 63), -1, 0, 12345, 2 ** 63 - 1], [0, 7, 100, 4096, 3]
+    u = SyntheticDraws(np.asarray(keys, dtype=np.int64), np.asarray(first, dtype=np.int64)).uniforms(3)
+    assert u.shape == (5, 3)
+    for r, (key, pos) in enumerate(zip(keys, first)):
+        for j in range(3):
+            assert u[r, j] == splitmix64(key * 1000003 + pos + j), (r, j)
 
 
 def test_per_row_synthetic_acceptance_overrides_the_engine_rate():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_spec.sample.argmax import argmax_rows
@@ -42,23 +43,22 @@ class SyntheticDraws:
     requests (another policy, another batch) sees the same acceptance at the same position, so
     comparisons are not decided by the luck of the draws."""
 
-    keys: torch.Tensor              # [B] int64, per request (e.g. a hash of its prompt)
-    first_positions: torch.Tensor   # [B] int64, the sequence position of the row's first draft
+    keys: np.ndarray              # [B] int64, per request (e.g. a hash of its prompt)
+    first_positions: np.ndarray   # [B] int64, the sequence position of the row's first draft
+
+    def uniforms(self, k: int) -> np.ndarray:
+        """[B, k] float64 in [0, 1): splitmix64 of (key, position) per draft. Hashed on the host, where
+        the keys are: on the device the hash was some twenty small kernels per verification."""
+        x = (self.keys.astype(np.uint64)[:, None] * np.uint64(1000003)
+             + self.first_positions.astype(np.uint64)[:, None] + np.arange(k, dtype=np.uint64) + _GOLDEN)
+        x = (x ^ (x >> np.uint64(30))) * _MIX1
+        x = (x ^ (x >> np.uint64(27))) * _MIX2
+        x = x ^ (x >> np.uint64(31))
+        return (x >> np.uint64(40)).astype(np.float64) / float(1 << 24)
 
 
-# splitmix64's constants as signed int64 (torch's integer arithmetic wraps).
-_GOLDEN, _MIX1, _MIX2 = -7046029254386353131, -4658895280553007687, -7723592293110705685
-
-
-def _hashed_uniforms(draws: SyntheticDraws, k: int) -> torch.Tensor:
-    """Uniforms [B, k] in [0, 1): splitmix64 of (key, position) per draft."""
-    x = draws.keys.unsqueeze(1) * 1000003 + draws.first_positions.unsqueeze(1) \
-        + torch.arange(k, device=draws.keys.device)
-    x = x + _GOLDEN
-    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _MIX1
-    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _MIX2
-    x = x ^ ((x >> 31) & ((1 << 33) - 1))
-    return ((x >> 40) & 0xFFFFFF).float() / float(1 << 24)
+# splitmix64's constants (uint64 arithmetic wraps).
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 def _synthetic_rates(md: SamplingMetadata, engine_rate: float | None, B: int,
@@ -81,7 +81,7 @@ def rejection_sample(
     synthetic_acceptance_rate: float | None = None,
     target_argmax: torch.Tensor | None = None,
     host_num_drafts: list[int] | None = None,
-    synthetic_draws: SyntheticDraws | None = None,
+    synthetic_uniforms: torch.Tensor | None = None,
 ) -> VerifyOutput:
     """Verify drafts against the target.
 
@@ -99,7 +99,7 @@ def rejection_sample(
         (the output is then NOT the target's distribution). Rows with their own rate
         (md.synthetic_acceptance) use theirs.
     host_num_drafts: num_drafts on the host, if the caller has it (seeded rows need it).
-    synthetic_draws: the synthetic acceptance draws keyed by request and position (else drawn
+    synthetic_uniforms: [B, k] the synthetic acceptance draws (SyntheticDraws.uniforms; else drawn
         from `generator`).
 
     A seeded row draws from its own generator what its own drafts need (a uniform per draft,
@@ -129,7 +129,7 @@ def rejection_sample(
         accept = torch.where(md.greedy.unsqueeze(1), accept, accept_random)
     rates = _synthetic_rates(md, synthetic_acceptance_rate, B, device)
     if rates is not None:
-        u = _hashed_uniforms(synthetic_draws, k) if synthetic_draws is not None else \
+        u = synthetic_uniforms if synthetic_uniforms is not None else \
             torch.rand((B, k), device=device, generator=generator)
         synthetic = u < rates.unsqueeze(1)
         accept = torch.where(rates.isnan().unsqueeze(1), accept, synthetic)

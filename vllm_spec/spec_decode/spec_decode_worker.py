@@ -241,9 +241,19 @@ class SpecDecodeWorker:
         logit_rows = last[grid_r] + grid_j
         prompt_rows = PromptLogprobRows.of(req.seqs, starts)
         row_of = {i: r for r, i in enumerate(sampled)}
-        dst_t, src_row_t, src_pos_t, rows_t, grid_r_t, grid_j_t, spec_rows_t, num_drafts_t = to_device_aligned(
-            [dst, src_row, src_pos, np.concatenate([logit_rows, np.asarray(prompt_rows.rows, dtype=np.int64)]),
-             grid_r, grid_j, np.asarray([row_of[i] for i in spec_idx], dtype=np.int64), found_np[sampled_np]], dev)
+        # The verifier's per-row metadata is the draft's when every sampled sequence speculated.
+        row_md = draft_md if spec_idx == sampled else self._metadata(
+            [self.target.sampling_row(req.seqs[i]) for i in sampled], for_draft=True)
+        rate = self.config.speculative.synthetic_acceptance_rate
+        # Synthetic draws (benchmarks) travel as float64 bits in the index arrays' one copy.
+        synthetic = rate is not None or row_md.synthetic_acceptance is not None
+        uniforms = self._synthetic_draws([req.seqs[i] for i in sampled]).uniforms(k) if synthetic \
+            else np.zeros((0, k))
+        dst_t, src_row_t, src_pos_t, rows_t, grid_r_t, grid_j_t, spec_rows_t, num_drafts_t, uniforms_t = \
+            to_device_aligned(
+                [dst, src_row, src_pos, np.concatenate([logit_rows, np.asarray(prompt_rows.rows, dtype=np.int64)]),
+                 grid_r, grid_j, np.asarray([row_of[i] for i in spec_idx], dtype=np.int64), found_np[sampled_np],
+                 uniforms.view(np.int64).ravel()], dev)
         if len(dst):
             batch.input_ids[dst_t] = proposals.token_ids[src_row_t, src_pos_t]
 
@@ -262,30 +272,34 @@ class SpecDecodeWorker:
         prompt_logprobs = prompt_rows.results(all_logits[len(logit_rows):], req.seqs)
         R = len(sampled)
         grid = (grid_r_t, grid_j_t)
+        # Every sampled row verifies k drafts (the padded, graphed case): its rows of logits are the
+        # [R, k+1] grid in order, and its drafts are the proposals' rows, with no scatter into either.
+        full = spec_idx == sampled and bool((found_np[sampled_np] == k).all())
         target_probs = target_argmax = None
         if plain_greedy:   # the greedy tokens are all the verifier needs: no [R, k+1, V] tensor
-            target_argmax = torch.zeros(R, k + 1, dtype=torch.long, device=dev)
-            target_argmax[grid] = argmax_rows(raw)
+            if full:
+                target_argmax = argmax_rows(raw).view(R, k + 1)
+            else:
+                target_argmax = torch.zeros(R, k + 1, dtype=torch.long, device=dev)
+                target_argmax[grid] = argmax_rows(raw)
         else:
             exp_md = self._metadata(exp_rows)
             processed = process_logits(raw, exp_md)
             probs = processed if exp_md.all_greedy else processed.softmax(dim=-1)
             target_probs = probs.new_zeros(R, k + 1, self.vocab_size)
             target_probs[grid] = probs
-        draft_tokens = torch.zeros(R, k, dtype=torch.long, device=dev)
-        draft_probs = None if proposals.probs is None else raw.new_zeros(R, k, self.vocab_size)
-        draft_tokens[spec_rows_t] = proposals.token_ids[:, :k]
-        if draft_probs is not None:
-            draft_probs[spec_rows_t] = proposals.probs[:, :k]
-        # The verifier's per-row metadata is the draft's when every sampled sequence speculated.
-        row_md = draft_md if spec_idx == sampled else self._metadata(
-            [self.target.sampling_row(req.seqs[i]) for i in sampled], for_draft=True)
-        rate = self.config.speculative.synthetic_acceptance_rate
-        draws = self._synthetic_draws([req.seqs[i] for i in sampled]) \
-            if rate is not None or row_md.synthetic_acceptance is not None else None
+        if full:
+            draft_tokens = proposals.token_ids[:, :k]
+            draft_probs = None if proposals.probs is None else proposals.probs[:, :k]
+        else:
+            draft_tokens = torch.zeros(R, k, dtype=torch.long, device=dev)
+            draft_probs = None if proposals.probs is None else raw.new_zeros(R, k, self.vocab_size)
+            draft_tokens[spec_rows_t] = proposals.token_ids[:, :k]
+            if draft_probs is not None:
+                draft_probs[spec_rows_t] = proposals.probs[:, :k]
         result = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts_t, row_md,
                                   self.target.sampler.generator, rate, target_argmax, found_np[sampled_np].tolist(),
-                                  draws)
+                                  uniforms_t.view(torch.float64).view(len(sampled), k) if synthetic else None)
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
         copy = HostCopy(tokens)   # the step's one device->host copy
         mark()
@@ -311,9 +325,7 @@ class SpecDecodeWorker:
                 key = self._synthetic_keys[s.seq_id] = hash(tuple(s.prompt_token_ids))
             keys.append(key)
         first = [s.start_pos + len(s.token_ids) for s in seqs]
-        keys_t, first_t = to_device_aligned([np.asarray(keys, dtype=np.int64), np.asarray(first, dtype=np.int64)],
-                                            self.device)
-        return SyntheticDraws(keys_t, first_t)
+        return SyntheticDraws(np.asarray(keys, dtype=np.int64), np.asarray(first, dtype=np.int64))
 
     def _position_rows(self, seq: SeqInput, n: int, drafts: list[int] | None) -> list[SamplingRow]:
         """Sampling rows for the n+1 verified positions: position j follows the first j drafts."""
