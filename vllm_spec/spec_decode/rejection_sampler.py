@@ -19,6 +19,7 @@ import torch
 from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.sample.metadata import SamplingMetadata
 from vllm_spec.sample.sampler import exponential_noise
+from vllm_spec.spec_decode import greedy_verify
 
 
 @dataclass
@@ -61,14 +62,20 @@ class SyntheticDraws:
 _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
-def _synthetic_rates(md: SamplingMetadata, engine_rate: float | None, B: int,
-                     device: torch.device) -> torch.Tensor | None:
-    """[B] synthetic acceptance per row: the row's own, else the engine-wide one; NaN: verify for real."""
+def _synthetic_inputs(md: SamplingMetadata, engine_rate: float | None, B: int, k: int, device: torch.device,
+                      generator: torch.Generator | None, uniforms: torch.Tensor | None
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(rates [B], draws [B, k]) of synthetic acceptance, or (None, None): a row's own rate, else the
+    engine-wide one (NaN: verify for real); the given draws, else fresh ones from `generator`."""
     if engine_rate is None:
-        return md.synthetic_acceptance
-    if md.synthetic_acceptance is None:
-        return torch.full((B,), engine_rate, device=device)
-    return md.synthetic_acceptance.nan_to_num(nan=engine_rate)
+        rates = md.synthetic_acceptance
+    elif md.synthetic_acceptance is None:
+        rates = torch.full((B,), engine_rate, device=device)
+    else:
+        rates = md.synthetic_acceptance.nan_to_num(nan=engine_rate)
+    if rates is None:
+        return None, None
+    return rates, uniforms if uniforms is not None else torch.rand((B, k), device=device, generator=generator)
 
 
 def rejection_sample(
@@ -113,6 +120,9 @@ def rejection_sample(
     k = k1 - 1
     device = target_argmax.device
     assert target_probs is not None or md.all_greedy, "sampled rows need the target's distributions"
+    rates, synthetic_u = _synthetic_inputs(md, synthetic_acceptance_rate, B, k, device, generator, synthetic_uniforms)
+    if md.all_greedy and greedy_verify.available(target_argmax):
+        return VerifyOutput(*greedy_verify.greedy_verify(target_argmax, draft_tokens, num_drafts, rates, synthetic_u))
     pos = torch.arange(k, device=device).unsqueeze(0)
     in_range = pos < num_drafts.unsqueeze(1)                                   # [B, k]
     safe_drafts = draft_tokens.clamp(min=0)
@@ -127,11 +137,8 @@ def rejection_sample(
         u = _uniform((B, k), md, device, generator, row_drafts)
         accept_random = u * q <= p
         accept = torch.where(md.greedy.unsqueeze(1), accept, accept_random)
-    rates = _synthetic_rates(md, synthetic_acceptance_rate, B, device)
     if rates is not None:
-        u = synthetic_uniforms if synthetic_uniforms is not None else \
-            torch.rand((B, k), device=device, generator=generator)
-        synthetic = u < rates.unsqueeze(1)
+        synthetic = synthetic_u < rates.unsqueeze(1)
         accept = torch.where(rates.isnan().unsqueeze(1), accept, synthetic)
     accept &= in_range
     num_accepted = accept.int().cumprod(dim=1).sum(dim=1)                      # [B]
