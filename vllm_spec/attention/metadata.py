@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Block 0 of every KV cache is never handed to a sequence: padded tokens write
@@ -16,9 +17,10 @@ import torch
 NULL_BLOCK = 0
 
 
-def compute_slot_mapping(block_tables: torch.Tensor, req_indices: torch.Tensor,
-                         positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """KV-cache slot of each token: its block from the sequence's table, then the offset."""
+def compute_slot_mapping(block_tables: torch.Tensor | np.ndarray, req_indices: torch.Tensor | np.ndarray,
+                         positions: torch.Tensor | np.ndarray, block_size: int) -> torch.Tensor | np.ndarray:
+    """KV-cache slot of each token: its block from the sequence's table, then the offset.
+    Device tensors, or host numpy arrays (a step's inputs: no per-operation torch dispatch)."""
     blocks = block_tables[req_indices, positions // block_size]
     return blocks * block_size + positions % block_size
 

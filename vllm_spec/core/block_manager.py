@@ -54,13 +54,21 @@ class BlockManager:
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1, num_lookahead: int = 0) -> None:
         """Grow the table to cover the scheduled tokens plus `num_lookahead` draft slots."""
-        need = self.blocks_needed(seq, num_new_tokens, num_lookahead)
-        if need > self.num_free_blocks:
+        if not self.try_append_slots(seq, num_new_tokens, num_lookahead):
+            need = self.blocks_needed(seq, num_new_tokens, num_lookahead)
             raise RuntimeError(f"out of KV blocks: need {need}, {self.num_free_blocks} free")
+
+    def try_append_slots(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:
+        """append_slots when the free blocks suffice (True), else change nothing (False): the
+        scheduler's check and growth in one computation, for every sequence at every step."""
+        need = self.blocks_needed(seq, num_new_tokens, num_lookahead)
+        if need > len(self.free_blocks):
+            return False
         for _ in range(need):
             block = self.free_blocks.popleft()
             self.ref_counts[block] = 1
             seq.block_table.append(block)
+        return True
 
     def free(self, seq: Sequence) -> None:
         """Release every block of a sequence (finished, aborted or preempted)."""

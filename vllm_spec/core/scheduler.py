@@ -75,33 +75,39 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
+    def _preempt_for(self, seq: Sequence, num_new_tokens: int, num_lookahead: int, out: SchedulerOutput) -> bool:
+        """Preempt until seq's slots fit: newest first, never one already scheduled this step, as a
+        last resort seq itself. True when seq got its slots, False when it was preempted."""
+        scheduled = {id(s.seq) for s in out.scheduled}
+        while True:
+            victim = next((s for s in reversed(self.running) if id(s) not in scheduled and s is not seq), seq)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+            if self.block_manager.try_append_slots(seq, num_new_tokens, num_lookahead):
+                return True
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(num_lookahead_slots=self.num_lookahead_slots)
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
+        max_model_len = self.config.max_model_len
         # Decodes first, then partially prefilled sequences, oldest first within each.
         decodes, prefills = [], []
         for seq in self.running:
-            if seq.will_finish_by_length(self.config.max_model_len):
+            uncomputed = seq.num_tokens_to_schedule(max_model_len)
+            if uncomputed is None:
                 continue   # its last token is already being sampled
-            uncomputed = seq.num_uncomputed_tokens
             (decodes if uncomputed <= 1 else prefills).append((seq, uncomputed))
         for seq, uncomputed in decodes + prefills if prefills else decodes:
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            # Preempted earlier in this loop (asked only once something was: all are RUNNING until then).
+            if out.preempted and seq.status is not SequenceStatus.RUNNING:
                 continue
             n = min(uncomputed, budget)
             lookahead = self.num_lookahead_slots if n == uncomputed else 0
-            while not bm.can_append_slots(seq, n, lookahead):
-                # Newest first, never one already scheduled this step; last resort: seq itself.
-                scheduled = {id(s.seq) for s in out.scheduled}
-                victim = next((s for s in reversed(self.running) if id(s) not in scheduled and s is not seq), seq)
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq.status is SequenceStatus.RUNNING:
-                bm.append_slots(seq, n, lookahead)
+            if bm.try_append_slots(seq, n, lookahead) or self._preempt_for(seq, n, lookahead, out):
                 out.scheduled.append(ScheduledSeq(seq, n, n == uncomputed))
                 budget -= n
         if out.preempted:

@@ -26,15 +26,17 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        # Identity tests: hashing an Enum member runs Python code, and this is asked per sequence per step.
-        return (self is SequenceStatus.FINISHED_STOPPED or self is SequenceStatus.FINISHED_LENGTH
-                or self is SequenceStatus.FINISHED_ABORTED)
+        # Identity tests against module names: hashing an Enum member runs Python code, and so does
+        # reading a member off the class (Python 3.11); this is asked per sequence per step.
+        return self is _STOPPED or self is _LENGTH or self is _ABORTED
 
     @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
 
+_STOPPED, _LENGTH, _ABORTED = (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                               SequenceStatus.FINISHED_ABORTED)
 _FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
                    SequenceStatus.FINISHED_ABORTED: "abort"}
 
@@ -105,12 +107,18 @@ class Sequence:
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output; PLACEHOLDER_TOKEN for those still in flight."""
         known = concat_slice(self.prompt_token_ids, self.output_token_ids, start, stop)
-        return known + [PLACEHOLDER_TOKEN] * (stop - max(start, self.num_tokens)) if stop > self.num_tokens else known
+        in_flight = stop - start - len(known)
+        return known + [PLACEHOLDER_TOKEN] * in_flight if in_flight > 0 else known
 
-    def will_finish_by_length(self, max_model_len: int) -> bool:
-        """Its tokens in flight already reach max_tokens or max_model_len: no step can add to it."""
-        return bool(self.num_in_flight) and (self.num_output_tokens + self.num_in_flight >= self.max_tokens
-                                             or self.num_tokens + self.num_in_flight >= max_model_len)
+    def num_tokens_to_schedule(self, max_model_len: int) -> int | None:
+        """num_uncomputed_tokens, or None when its tokens in flight already reach max_tokens or
+        max_model_len (no step can add to it). One call: the scheduler asks it of every running
+        sequence at every step."""
+        num_output, in_flight = len(self.output_token_ids), self.num_in_flight
+        num_tokens = len(self.prompt_token_ids) + num_output
+        if in_flight and (num_output + in_flight >= self.max_tokens or num_tokens + in_flight >= max_model_len):
+            return None
+        return num_tokens + in_flight - self.num_computed_tokens
 
 
 @dataclass(eq=False)

@@ -153,20 +153,14 @@ class LLMEngine:
     def _model_request(self, sched: SchedulerOutput) -> ExecuteModelRequest:
         seqs = []
         for item in sched.scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            sample = item.samples
-            seqs.append(SeqInput(
-                seq_id=seq.seq_id,
-                token_ids=seq.token_slice(start, start + item.num_new_tokens),
-                start_pos=start,
-                block_table=seq.block_table,
-                sample=sample,
-                sampling_params=seq.sampling_params if sample else None,
-                prompt_token_ids=seq.prompt_token_ids,
-                output_token_ids=seq.output_token_ids,
-                prompt_logprobs=(seq.sampling_params.prompt_logprobs
-                                 if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens else None),
-            ))
+            seq, start, sample = item.seq, item.seq.num_computed_tokens, item.samples
+            params = seq.sampling_params
+            prompt_logprobs = (params.prompt_logprobs
+                               if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens else None)
+            # Positional: keyword arguments cost twice as much, and this runs per sequence per step.
+            seqs.append(SeqInput(seq.seq_id, seq.token_slice(start, start + item.num_new_tokens), start,
+                                 seq.block_table, sample, params if sample else None, seq.prompt_token_ids,
+                                 seq.output_token_ids, prompt_logprobs))
         released, self._released = self._released, []
         return ExecuteModelRequest(seqs, released, sched.num_lookahead_slots, self._engine_host_time)
 

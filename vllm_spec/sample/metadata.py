@@ -54,6 +54,9 @@ class SamplingMetadata:
     banned_tokens: torch.Tensor | None
     generators: dict[int, torch.Generator]
     max_num_logprobs: int | None
+    # Penalties or min_tokens: the metadata follows the rows' tokens, so it holds for one step only.
+    # Otherwise it depends on the rows' parameters and generators alone and may serve again.
+    follows_tokens: bool
     # Benchmarks only: [N] per-row probability of accepting each draft token (extra_args
     # "synthetic_acceptance_rate"), NaN on rows without one (they keep the engine-wide rate, if any).
     synthetic_acceptance: torch.Tensor | None = None
@@ -75,8 +78,10 @@ class SamplingMetadata:
             top_p = to_device(top_ps, **f32)
         if max(min_ps, default=0.0) > 0.0:
             min_p = to_device(min_ps, **f32)
+        with_penalties = not for_draft and any(penalized)
+        with_min_tokens = not for_draft and any(min_tokens)
         banned_r, banned_t = [], []
-        if not for_draft and any(min_tokens):
+        if with_min_tokens:
             for i, r in enumerate(rows):
                 if len(r.output_token_ids) + r.num_pending < r.params.min_tokens:
                     ids = sorted(t for t in r.params.all_stop_token_ids if t < vocab_size)
@@ -88,11 +93,12 @@ class SamplingMetadata:
             greedy=to_device(greedy, device, torch.bool),
             all_greedy=all(greedy),
             top_k=top_k, top_p=top_p, min_p=min_p,
-            penalties=_penalties(rows, vocab_size, device) if not for_draft and any(penalized) else None,
+            penalties=_penalties(rows, vocab_size, device) if with_penalties else None,
             banned_rows=to_device(banned_r, device) if banned_r else None,
             banned_tokens=to_device(banned_t, device) if banned_t else None,
             generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None},
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
+            follows_tokens=with_penalties or with_min_tokens,
             synthetic_acceptance=(to_device([float("nan") if r is None else r for r in rates], **f32)
                                   if rates.count(None) < len(rates) else None),
         )

@@ -82,8 +82,7 @@ class ModelRunner:
         width = tables.shape[1]
         req_idx, offsets = ragged_grid(q_lens)
         positions = starts[req_idx] + offsets
-        slots = compute_slot_mapping(torch.from_numpy(tables), torch.from_numpy(req_idx),
-                                     torch.from_numpy(positions), self.block_size).numpy()
+        slots = compute_slot_mapping(tables, req_idx, positions, self.block_size)
         tokens = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=T)
         input_ids, pos_t, slot_t, qsl_t, lens_t, tables_t = to_device_aligned(
             [tokens, positions, slots, qsl, starts + q_lens, tables.ravel()], self.device)

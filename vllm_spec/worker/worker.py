@@ -35,6 +35,8 @@ class Worker:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
         self._generators: dict[int, torch.Generator] = {}
         self._last: SampledStep | None = None   # the latest step that sampled: in-flight tokens come from it
+        # The last step's sampling metadata and its rows' seq ids, while it may serve again.
+        self._reusable_md: tuple[list[int], SamplingMetadata] | None = None
 
     # KV cache -----------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -107,9 +109,7 @@ class Worker:
         seqs = [req.seqs[i] for i in sampled]
         out = None
         if sampled:
-            pending = {} if in_flight is None else dict.fromkeys(in_flight[0], 1)
-            rows = [self.sampling_row(s, pending.get(i, 0)) for i, s in zip(sampled, seqs)]
-            md = SamplingMetadata.build(rows, self.vocab_size, self.device)
+            md = self._sampling_metadata(seqs, sampled, in_flight)
             if in_flight is not None and md.penalties is not None:
                 row_of = {i: r for r, i in enumerate(sampled)}
                 md.penalties.add_tokens(to_device([row_of[i] for i in in_flight[0]], self.device), in_flight[1])
@@ -119,6 +119,19 @@ class Worker:
         if sampled:
             self._last = handle
         return handle
+
+    def _sampling_metadata(self, seqs: list[SeqInput], sampled: list[int],
+                           in_flight: tuple[list[int], torch.Tensor] | None) -> SamplingMetadata:
+        """The sampled rows' metadata: the last step's when the same sequences sample again and it
+        does not follow their tokens (a steady decode batch builds it once, not every step)."""
+        seq_ids = [s.seq_id for s in seqs]
+        if self._reusable_md is not None and self._reusable_md[0] == seq_ids:
+            return self._reusable_md[1]
+        pending = {} if in_flight is None else dict.fromkeys(in_flight[0], 1)
+        rows = [self.sampling_row(s, pending.get(i, 0)) for i, s in zip(sampled, seqs)]
+        md = SamplingMetadata.build(rows, self.vocab_size, self.device)
+        self._reusable_md = None if md.follows_tokens else (seq_ids, md)
+        return md
 
     def resolve_placeholders(self, req: ExecuteModelRequest) -> ExecuteModelRequest:
         """The request with every in-flight token replaced by its value (waits for the step that samples it)."""
