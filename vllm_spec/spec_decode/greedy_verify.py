@@ -37,7 +37,7 @@ def greedy_verify(target_argmax: torch.Tensor, draft_tokens: torch.Tensor, num_d
             uniforms if synthetic else num_drafts, tokens, num_accepted, k1 - 1,
             target_argmax.stride(0), target_argmax.stride(1), draft_tokens.stride(0), draft_tokens.stride(1),
             uniforms.stride(0) if synthetic else 0, uniforms.stride(1) if synthetic else 0,
-            SYNTHETIC=synthetic, BLOCK=triton.next_power_of_2(k1))
+            SYNTHETIC=synthetic, BLOCK=max(2, triton.next_power_of_2(k1)))
     return tokens, num_accepted
 
 
