@@ -77,7 +77,8 @@ class OutputProcessor:
     def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
         params = seq.sampling_params
         delta = self._detokenize(seq)
-        num_output = seq.num_output_tokens
+        # Lengths read directly, not through the properties: this runs per sequence per token.
+        num_output = len(seq.output_token_ids)
         # As vLLM: stop strings count only once more than min_tokens tokens exist.
         if delta and params.stop and not (params.min_tokens and num_output <= params.min_tokens):
             text = seq.output_text
@@ -96,6 +97,6 @@ class OutputProcessor:
                 if not eos:
                     seq.stop_reason = token
                 return SequenceStatus.FINISHED_STOPPED
-        if num_output >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= seq.max_tokens or len(seq.prompt_token_ids) + num_output >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None

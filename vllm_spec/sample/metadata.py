@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -109,6 +110,26 @@ class SamplingMetadata:
         if not any(r in self.generators for r in rows):
             return self
         return replace(self, generators={r: g for r, g in self.generators.items() if r not in rows})
+
+
+class ReusedMetadata:
+    """The last batch's metadata, served again while the same sequences sample in the same order.
+
+    Metadata that does not follow the rows' tokens depends on the rows' parameters and generators
+    alone, and both are fixed per sequence id (ids are never reused): a steady decode batch then
+    builds it once, not every step.
+    """
+
+    def __init__(self):
+        self._kept: tuple[list[int], SamplingMetadata] | None = None
+
+    def get(self, seq_ids: list[int], build: Callable[[], SamplingMetadata]) -> SamplingMetadata:
+        """The kept metadata when it was built for exactly `seq_ids`, else build()'s."""
+        if self._kept is not None and self._kept[0] == seq_ids:
+            return self._kept[1]
+        md = build()
+        self._kept = None if md.follows_tokens else (seq_ids, md)
+        return md
 
 
 def _token_matrix(seqs: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

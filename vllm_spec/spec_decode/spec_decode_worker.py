@@ -19,7 +19,7 @@ from vllm_spec.config import EngineConfig
 from vllm_spec.distributed.parallel_state import get_draft_tp_group
 from vllm_spec.model.loader import load_model
 from vllm_spec.sample.argmax import argmax_rows
-from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
+from vllm_spec.sample.metadata import ReusedMetadata, SamplingMetadata, SamplingRow
 from vllm_spec.sample.sampler import SamplerOutput, gather_logprobs, process_logits
 from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer
 from vllm_spec.spec_decode.ngram_proposer import NgramProposer
@@ -80,6 +80,7 @@ class SpecDecodeWorker:
         self._charges = StepCharges(config.uses_async_scheduling)   # what each step cost, for the policy
         self._synthetic_keys: dict[int, int] = {}   # seq_id -> key of its synthetic acceptance draws
         self._unread: _SpecStep | None = None   # a launched step that the next may overlap
+        self._reused_draft_md = ReusedMetadata()
 
     # KV cache: one block manager, two caches of the same number of blocks ----------------
     def kv_bytes_per_block(self) -> int:
@@ -167,7 +168,7 @@ class SpecDecodeWorker:
         timer = StepTimer(self.device)
         caught_up = self.proposer.catch_up(req.seqs, asked)
         timer.mark()
-        draft_md = self._metadata([self.target.sampling_row(req.seqs[i]) for i in spec_idx], for_draft=True)
+        draft_md = self._draft_metadata([req.seqs[i] for i in spec_idx])
         proposals = self.proposer.propose(req.seqs, asked, draft_md)
         timer.mark()
         if spec_idx:
@@ -201,6 +202,14 @@ class SpecDecodeWorker:
 
     def _metadata(self, rows: list[SamplingRow], for_draft: bool = False) -> SamplingMetadata | None:
         return SamplingMetadata.build(rows, self.vocab_size, self.device, for_draft) if rows else None
+
+    def _draft_metadata(self, seqs: list[SeqInput]) -> SamplingMetadata | None:
+        """The speculating rows' proposal metadata: for a draft it never follows tokens (no penalties,
+        no min_tokens), so it is built once while the same sequences speculate."""
+        if not seqs:
+            return None
+        return self._reused_draft_md.get([s.seq_id for s in seqs], lambda: self._metadata(
+            [self.target.sampling_row(s) for s in seqs], for_draft=True))
 
     def _score_and_verify(self, req: ExecuteModelRequest, spec_idx: list[int], proposals: Proposals,
                           draft_md: SamplingMetadata, mark: Callable[[], None]) -> StepOutput:

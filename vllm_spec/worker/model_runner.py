@@ -22,6 +22,7 @@ class PreparedBatch:
     md: AttentionMetadata
     uniform_q: int | None      # tokens per sequence when every sequence feeds the same number
     token_starts: list[int]    # host copy of query_start_loc[:-1]: each sequence's first row
+    last_rows: np.ndarray      # int64 [B]: each sequence's last row (where its next token is sampled)
 
 
 class ModelRunner:
@@ -91,7 +92,7 @@ class ModelRunner:
             max_query_len=int(q_lens.max()), max_seq_len=int((starts + q_lens).max()), block_size=self.block_size,
         )
         uniform = int(q_lens[0]) if (q_lens == q_lens[0]).all() else None
-        return PreparedBatch(input_ids, pos_t, md, uniform, qsl[:-1].tolist())
+        return PreparedBatch(input_ids, pos_t, md, uniform, qsl[:-1].tolist(), qsl[1:] - 1)
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:

@@ -12,7 +12,7 @@ from vllm_spec.config import EngineConfig
 from vllm_spec.distributed.parallel_state import GroupCoordinator, get_tp_group
 from vllm_spec.model.loader import load_model
 from vllm_spec.outputs import Logprob
-from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
+from vllm_spec.sample.metadata import ReusedMetadata, SamplingMetadata, SamplingRow
 from vllm_spec.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import PLACEHOLDER_TOKEN, ExecuteModelRequest, PromptLogprobs, SeqInput, SeqOutput, StepOutput
@@ -35,8 +35,7 @@ class Worker:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
         self._generators: dict[int, torch.Generator] = {}
         self._last: SampledStep | None = None   # the latest step that sampled: in-flight tokens come from it
-        # The last step's sampling metadata and its rows' seq ids, while it may serve again.
-        self._reusable_md: tuple[list[int], SamplingMetadata] | None = None
+        self._reused_md = ReusedMetadata()
 
     # KV cache -----------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -97,15 +96,15 @@ class Worker:
         batch = self.runner.prepare(req.seqs)
         in_flight = self._fill_placeholders(batch, req.seqs)
         sampled = [i for i, s in enumerate(req.seqs) if s.sample]
-        starts = batch.token_starts
-        prompt_rows = PromptLogprobRows.of(req.seqs, starts)
+        prompt_rows = PromptLogprobRows.of(req.seqs, batch.token_starts)
         if on_pass is not None:
             on_pass()
         if not sampled and not prompt_rows.rows:
             self.runner.forward(batch)
             return DoneStep(StepOutput([]), one_token_per_seq=True)
-        ends = [starts[i] + len(req.seqs[i].token_ids) - 1 for i in sampled]
-        all_logits = self.runner.run(batch, to_device(ends + prompt_rows.rows, self.device))
+        ends = batch.last_rows[sampled]
+        rows = np.concatenate([ends, np.asarray(prompt_rows.rows, dtype=np.int64)]) if prompt_rows.rows else ends
+        all_logits = self.runner.run(batch, to_device(rows, self.device))
         seqs = [req.seqs[i] for i in sampled]
         out = None
         if sampled:
@@ -124,14 +123,11 @@ class Worker:
                            in_flight: tuple[list[int], torch.Tensor] | None) -> SamplingMetadata:
         """The sampled rows' metadata: the last step's when the same sequences sample again and it
         does not follow their tokens (a steady decode batch builds it once, not every step)."""
-        seq_ids = [s.seq_id for s in seqs]
-        if self._reusable_md is not None and self._reusable_md[0] == seq_ids:
-            return self._reusable_md[1]
-        pending = {} if in_flight is None else dict.fromkeys(in_flight[0], 1)
-        rows = [self.sampling_row(s, pending.get(i, 0)) for i, s in zip(sampled, seqs)]
-        md = SamplingMetadata.build(rows, self.vocab_size, self.device)
-        self._reusable_md = None if md.follows_tokens else (seq_ids, md)
-        return md
+        def build() -> SamplingMetadata:
+            pending = {} if in_flight is None else dict.fromkeys(in_flight[0], 1)
+            rows = [self.sampling_row(s, pending.get(i, 0)) for i, s in zip(sampled, seqs)]
+            return SamplingMetadata.build(rows, self.vocab_size, self.device)
+        return self._reused_md.get([s.seq_id for s in seqs], build)
 
     def resolve_placeholders(self, req: ExecuteModelRequest) -> ExecuteModelRequest:
         """The request with every in-flight token replaced by its value (waits for the step that samples it)."""
@@ -162,7 +158,7 @@ class Worker:
         if not ph:
             return None
         last = self._last_sampled()
-        dst = np.asarray([batch.token_starts[i] + len(seqs[i].token_ids) - 1 for i in ph], dtype=np.int64)
+        dst = batch.last_rows[ph]
         src = np.asarray([last.row_of(seqs[i].seq_id) for i in ph], dtype=np.int64)
         dst_t, src_t = to_device_aligned([dst, src], self.device)
         tokens = last.sampled[src_t]
@@ -199,9 +195,12 @@ class SampledStep(StepHandle):
         outputs, wait = [], 0.0
         if self._out is not None:
             tokens, wait = self._copy.values(), self._copy.wait_time
-            logprobs = logprob_dicts(self._out, [s.sampling_params.logprobs for s in self.seqs])
-            outputs = [SeqOutput(s.seq_id, [t], None if lp is None else [lp])
-                       for s, t, lp in zip(self.seqs, tokens, logprobs)]
+            if self._out.logprobs is None:   # no row asked for logprobs (the common case, per row per step)
+                outputs = [SeqOutput(s.seq_id, [t]) for s, t in zip(self.seqs, tokens)]
+            else:
+                logprobs = logprob_dicts(self._out, [s.sampling_params.logprobs for s in self.seqs])
+                outputs = [SeqOutput(s.seq_id, [t], None if lp is None else [lp])
+                           for s, t, lp in zip(self.seqs, tokens, logprobs)]
         self._output = StepOutput(outputs, device_wait_time=wait, prompt_logprobs=prompt_logprobs,
                                   device_time=self._span.seconds())
         # Kept as the source of in-flight tokens: nothing but the tokens themselves.
