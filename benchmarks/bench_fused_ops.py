@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from unittest import mock
 
 import torch
 from bench_gemv import time_graph
@@ -61,24 +62,21 @@ def ops(rows: int) -> dict[str, tuple]:
 def sweep(rows: int, cases: dict) -> dict:
     """Every launch config of the SiLU·mul and norm kernels at `rows`; prints the best three of each."""
     out = {}
-    silu_default, norm_default = fused._silu_config, fused._norm_warps
     fn, inputs, _ = cases["silu_mul"]
     results = []
     for block, warps in itertools.product((256, 512, 1024, 2048, 4096, 8192), (1, 2, 4, 8, 16)):
         if block < warps * 32 * 8:  # fewer than 8 elements (one 16-byte load) per thread
             continue
-        fused._silu_config = lambda _r, _i, c=(block, warps): c
-        results.append((time_graph(fn, inputs), block, warps))
-    fused._silu_config = silu_default
+        with mock.patch.object(fused, "_silu_config", lambda _r, _i, c=(block, warps): c):
+            results.append((time_graph(fn, inputs), block, warps))
     results.sort()
     out["silu_mul"] = [dict(us=t, block=b, warps=w) for t, b, w in results]
     print(f"  {rows} rows silu_mul: " + ", ".join(f"{b}/{w}w {t:.2f}us" for t, b, w in results[:3]))
     fn, inputs, _ = cases["add_rms_norm"]
     results = []
     for warps in (2, 4, 8, 16, 32):
-        fused._norm_warps = lambda _n, w=warps: w
-        results.append((time_graph(fn, inputs), warps))
-    fused._norm_warps = norm_default
+        with mock.patch.object(fused, "_norm_warps", lambda _n, w=warps: w):
+            results.append((time_graph(fn, inputs), warps))
     results.sort()
     out["add_rms_norm"] = [dict(us=t, warps=w) for t, w in results]
     print(f"  {rows} rows add_rms_norm: " + ", ".join(f"{w}w {t:.2f}us" for t, w in results[:3]))

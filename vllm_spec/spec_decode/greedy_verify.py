@@ -51,8 +51,9 @@ if triton is not None:
         draft = tl.load(drafts_ptr + r * sd_r + j * sd_j, mask=j < k, other=-1)
         accept = (draft == target) & (draft >= 0)
         if SYNTHETIC:
-            rate = tl.load(rates_ptr + r).to(tl.float32)
-            u = tl.load(u_ptr + r * su_r + j * su_j, mask=j < k, other=2.0).to(tl.float32)
+            # Compared as torch compares them (the rate promoted to the draws' dtype).
+            rate = tl.load(rates_ptr + r)
+            u = tl.load(u_ptr + r * su_r + j * su_j, mask=j < k, other=2.0)
             accept = tl.where(rate != rate, accept, u < rate)
         accept = accept & (j < tl.load(num_drafts_ptr + r))
         # Accepted: the positions before the first rejection.
