@@ -44,7 +44,8 @@ def test_greedy_verify_matches_the_torch_ops(monkeypatch, B, k, synthetic):
         drafts[-1] = target[-1, :k]
     rates = [None] * B if synthetic != "per_row" else [None if i % 3 == 0 else 0.1 * (i % 10) for i in range(B)]
     engine_rate = 0.7 if synthetic == "engine" else None
-    uniforms = torch.rand(B, k, device="cuda", generator=g, dtype=torch.float64)
+    # As SyntheticDraws makes them: multiples of 2^-24 in float64 (exact in the kernel's float32).
+    uniforms = torch.randint(0, 1 << 24, (B, k), device="cuda", generator=g).double() / (1 << 24)
     fused, ref = _both(monkeypatch, None, drafts, None, num_drafts, _greedy_md(rates),
                        synthetic_acceptance_rate=engine_rate, target_argmax=target,
                        synthetic_uniforms=uniforms if synthetic != "none" else None)

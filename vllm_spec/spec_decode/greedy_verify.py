@@ -26,7 +26,8 @@ def greedy_verify(target_argmax: torch.Tensor, draft_tokens: torch.Tensor, num_d
     """(tokens [B, k+1] with -1 past each row's end, num_accepted [B]) for `available` inputs.
 
     target_argmax [B, k+1], draft_tokens [B, k] (any strides), num_drafts [B]; rates [B] synthetic
-    acceptance (NaN: verify for real) with uniforms [B, k], or both None."""
+    acceptance (NaN: verify for real) with uniforms [B, k], or both None. Draws are compared in float32:
+    exact for SyntheticDraws' (multiples of 2^-24) and torch.rand's float32 ones."""
     B, k1 = target_argmax.shape
     tokens = torch.empty(B, k1, dtype=torch.long, device=target_argmax.device)
     num_accepted = torch.empty(B, dtype=torch.long, device=target_argmax.device)
@@ -51,9 +52,8 @@ if triton is not None:
         draft = tl.load(drafts_ptr + r * sd_r + j * sd_j, mask=j < k, other=-1)
         accept = (draft == target) & (draft >= 0)
         if SYNTHETIC:
-            # Compared as torch compares them (the rate promoted to the draws' dtype).
-            rate = tl.load(rates_ptr + r)
-            u = tl.load(u_ptr + r * su_r + j * su_j, mask=j < k, other=2.0)
+            rate = tl.load(rates_ptr + r).to(tl.float32)
+            u = tl.load(u_ptr + r * su_r + j * su_j, mask=j < k, other=2.0).to(tl.float32)
             accept = tl.where(rate != rate, accept, u < rate)
         accept = accept & (j < tl.load(num_drafts_ptr + r))
         # Accepted: the positions before the first rejection.
