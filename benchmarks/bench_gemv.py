@@ -83,8 +83,10 @@ def rows_sweep(m: int, n: int, k: int, dtype: torch.dtype, weights: list[torch.T
     xm = torch.randn(m, k, device="cuda", dtype=dtype)
     t_ref = time_graph(lambda w: F.linear(xm, w), weights)
     results = []
+    # Every program reads all m rows of x (from L2): at 80 rows of 4096 that is 655 KB a program, more in
+    # all than the weights themselves at 64 weight rows a program, hence up to 256.
     for (bm, bm2), swap, bn, bk, warps, stages in itertools.product(
-            row_tilings(m), (False, True), (16, 32, 64, 128), (64, 128, 256), WARPS, (3, 4)):
+            row_tilings(m), (False, True), (16, 32, 64, 128, 256), (64, 128, 256), WARPS, (3, 4)):
         if (bm + bm2 + bn) * bk * 2 * stages > 200 << 10 or warps * 32 * 8 > (bm + bm2) * bn or bn * bk > 16384:
             continue
         c = gemv.RowsBlocks(bm, bm2, bn, bk, warps, stages, swap)
