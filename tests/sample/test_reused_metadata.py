@@ -35,3 +35,21 @@ def test_metadata_that_follows_tokens_is_built_every_time():
     # A draft's metadata leaves penalties out: it does not follow tokens and is kept.
     draft = reused.get([4, 9], _builder(penalized, calls, for_draft=True))
     assert not draft.follows_tokens and reused.get([4, 9], _builder(penalized, calls, for_draft=True)) is draft
+
+
+def test_min_tokens_follow_tokens_only_while_a_row_is_short_of_them():
+    reused, calls = ReusedMetadata(), []
+    params = SamplingParams(temperature=0.7, min_tokens=2, stop_token_ids=[7])
+
+    def build(outputs: list[int]):
+        def make() -> SamplingMetadata:
+            calls.append(1)
+            return SamplingMetadata.build([SamplingRow(params, [1, 2], outputs, None)], 50, CPU)
+        return make
+
+    short = reused.get([4], build([3]))
+    assert short.follows_tokens and short.banned_rows is not None
+    met = reused.get([4], build([3, 5]))   # rebuilt, and now min_tokens is met
+    assert met is not short and len(calls) == 2
+    assert not met.follows_tokens and met.banned_rows is None
+    assert reused.get([4], build([3, 5, 6])) is met and len(calls) == 2

@@ -55,7 +55,8 @@ class SamplingMetadata:
     banned_tokens: torch.Tensor | None
     generators: dict[int, torch.Generator]
     max_num_logprobs: int | None
-    # Penalties or min_tokens: the metadata follows the rows' tokens, so it holds for one step only.
+    # Penalties, or a row short of min_tokens: the metadata follows the rows' tokens, so it holds for
+    # one step only.
     # Otherwise it depends on the rows' parameters and generators alone and may serve again.
     follows_tokens: bool
     # Benchmarks only: [N] per-row probability of accepting each draft token (extra_args
@@ -99,7 +100,9 @@ class SamplingMetadata:
             banned_tokens=to_device(banned_t, device) if banned_t else None,
             generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None},
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
-            follows_tokens=with_penalties or with_min_tokens,
+            # A row's output (plus pending) count only grows: once no row is short of min_tokens, none
+            # will be again.
+            follows_tokens=with_penalties or bool(banned_r),
             synthetic_acceptance=(to_device([float("nan") if r is None else r for r in rates], **f32)
                                   if rates.count(None) < len(rates) else None),
         )
