@@ -122,8 +122,9 @@ class AdaptivePolicy:
         """The sequences' per-token acceptance beliefs (Beta means): their own decayed counts shrunk
         towards the global rate."""
         prior, strength = self._global_rate(), self.prior_strength
-        seqs, pseudo = self._seqs, prior * strength
-        return [(acc + pseudo) / (trials + strength) for acc, trials in (seqs.get(s, _NO_TRIALS) for s in seq_ids)]
+        pseudo = prior * strength
+        return [(acc + pseudo) / (trials + strength)
+                for acc, trials in map(self._seqs.get, seq_ids, itertools.repeat(_NO_TRIALS))]
 
     def choose(self, shape: StepShape) -> list[int]:
         # Plain Python on the decoding path: the policy runs on every speculative step's critical
@@ -157,13 +158,14 @@ class AdaptivePolicy:
     def _expected_drafts(self, rates: list[float], caps: list[int]) -> list[float]:
         """[K] for K = 0..max_k: the accepted drafts a step of these sequences expects drafting K
         each (min(K, cap) for each; a draft token counts as the chance all before it, and it, pass)."""
-        per_position = [0.0] * self.max_k
-        for rate, cap in zip(rates, caps):
-            rate = min(max(rate, 0.0), 0.999)
-            value = 1.0
-            for j in range(min(cap, self.max_k)):
-                value *= rate
-                per_position[j] += value
+        # Position by position over all sequences (one list comprehension each), not sequence by
+        # sequence: the policy runs on every step's critical path, at batch 256 too.
+        clipped = [rate if 0.0 <= rate <= 0.999 else (0.0 if rate < 0.0 else 0.999) for rate in rates]
+        capped = min(caps, default=self.max_k) < self.max_k   # a sequence near max_model_len
+        power, per_position = clipped, []
+        for j in range(self.max_k):
+            per_position.append(sum(v for v, cap in zip(power, caps) if cap > j) if capped else sum(power))
+            power = [v * rate for v, rate in zip(power, clipped)]
         return list(itertools.accumulate(per_position, initial=0.0))
 
     def _choose_decoding(self, beliefs: list[float], drawn: Callable[[], list[float]],
@@ -232,7 +234,7 @@ class AdaptivePolicy:
                 state.probe_every = self.explore_every
         if K > 0:
             state.last_spec = state.visits
-        return [min(cap, K) for cap in caps], best > 0
+        return [cap if cap < K else K for cap in caps], best > 0
 
     def _probe_spacing(self, n: int, k: int, plain: float, round_trip: float, tokens_per_seq: float) -> float:
         """Steps between probes of k from plain decoding that keep what they lose within the budget:
