@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
@@ -284,3 +285,13 @@ def test_sequences_near_their_length_limit_draft_no_more_than_their_caps():
     chosen = policy.choose(shape)
     assert chosen == [min(c, max(chosen)) for c in shape.caps] and max(chosen) == 4
     assert policy.choose(StepShape([5, 6], [0, 0], 0)) == [0, 0]
+
+
+def test_expected_drafts_respect_caps_and_clip_rates():
+    """Position j counts the chance that drafts 1..j+1 all pass, only for sequences that may draft j+1
+    (cap > j); beliefs outside [0, 0.999] are clipped (a drawn shift can push them out)."""
+    p = AdaptivePolicy(max_k=4)
+    expected = p._expected_drafts([0.5, 0.9, 1.2, -0.1], [1, 4, 2, 4])
+    per_position = [0.5 + 0.9 + 0.999, 0.81 + 0.999 ** 2, 0.729, 0.6561]
+    assert expected == pytest.approx([0.0] + list(np.cumsum(per_position)))
+    assert p._expected_drafts([], []) == [0.0] * 5
