@@ -315,7 +315,7 @@ class SpecDecodeWorker:
         rows, wait = copy.values(), copy.wait_time
         emitted = [row[: row.index(-1)] if row[-1] < 0 else row for row in rows]   # -1 past each row's end
 
-        logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r.tolist(), grid_j.tolist())
+        logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
         outputs = [SeqOutput(req.seqs[i].seq_id, toks, lps) for i, toks, lps in zip(sampled, emitted, logprobs)]
         accepted = [len(emitted[row_of[i]]) - 1 for i in spec_idx]
         self.proposer.on_verified([req.seqs[i].seq_id for i in spec_idx], proposals.num_drafts, accepted)
@@ -347,11 +347,12 @@ class SpecDecodeWorker:
                 for j in range(n + 1)]
 
     def _logprobs(self, raw: torch.Tensor, emitted: list[list[int]], seqs: list[SeqInput],
-                  grid_r: list[int], grid_j: list[int]) -> list[list | None]:
+                  grid_r: np.ndarray, grid_j: np.ndarray) -> list[list | None]:
         """Raw-logit logprobs of each emitted token, at the position that emitted it."""
         wanted = [s.sampling_params.logprobs for s in seqs]
         if all(w is None for w in wanted):
             return [None] * len(seqs)
+        grid_r, grid_j = grid_r.tolist(), grid_j.tolist()
         keep = [n for n, (r, j) in enumerate(zip(grid_r, grid_j)) if j < len(emitted[r])]
         tokens = to_device([emitted[grid_r[n]][grid_j[n]] for n in keep], raw.device)
         ids, lps, ranks = gather_logprobs(raw[to_device(keep, raw.device)], tokens,
