@@ -43,7 +43,8 @@ def test_linear(dtype, n, k, with_bias, rows):
         assert rel_err(y[row], ref[row]) < BOUND[dtype], row
 
 
-@pytest.mark.parametrize("rows, block_m, block_m2", [(80, 64, 16), (70, 64, 16), (20, 16, 16), (17, 16, 16), (5, 16, 0)])
+@pytest.mark.parametrize("rows, block_m, block_m2",
+                         [(80, 64, 16), (70, 64, 16), (20, 16, 16), (17, 16, 16), (5, 16, 0)])
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("n, k", [(4096, 4096), (129, 200)])
 def test_rows_kernel_tilings(rows, block_m, block_m2, swap, n, k):
