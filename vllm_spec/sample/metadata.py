@@ -56,8 +56,8 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]
     max_num_logprobs: int | None
     # Penalties, or a row short of min_tokens: the metadata follows the rows' tokens, so it holds for
-    # one step only.
-    # Otherwise it depends on the rows' parameters and generators alone and may serve again.
+    # one step only. Otherwise it depends on the rows' parameters and generators alone and may serve
+    # again.
     follows_tokens: bool
     # Benchmarks only: [N] per-row probability of accepting each draft token (extra_args
     # "synthetic_acceptance_rate"), NaN on rows without one (they keep the engine-wide rate, if any).

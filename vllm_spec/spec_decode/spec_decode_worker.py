@@ -251,7 +251,8 @@ class SpecDecodeWorker:
         prompt_rows = PromptLogprobRows.of(req.seqs, starts)
         row_of = {i: r for r, i in enumerate(sampled)}
         # The verifier's per-row metadata is the draft's when every sampled sequence speculated.
-        row_md = draft_md if spec_idx == sampled else self._metadata(
+        all_drafted = spec_idx == sampled
+        row_md = draft_md if all_drafted else self._metadata(
             [self.target.sampling_row(req.seqs[i]) for i in sampled], for_draft=True)
         rate = self.config.speculative.synthetic_acceptance_rate
         # Synthetic draws (benchmarks) travel as float64 bits in the index arrays' one copy.
@@ -283,7 +284,7 @@ class SpecDecodeWorker:
         grid = (grid_r_t, grid_j_t)
         # Every sampled row verifies k drafts (the padded, graphed case): its rows of logits are the
         # [R, k+1] grid in order, and its drafts are the proposals' rows, with no scatter into either.
-        full = spec_idx == sampled and bool((found_np[sampled_np] == k).all())
+        full = all_drafted and bool((found_np[sampled_np] == k).all())
         target_probs = target_argmax = None
         if plain_greedy:   # the greedy tokens are all the verifier needs: no [R, k+1, V] tensor
             if full:
