@@ -151,6 +151,27 @@ def test_only_a_few_half_precision_rows_are_eligible_and_one_is_fusable():
     assert not gemv.fusable(torch.randn(1, 32, device="cuda", dtype=torch.bfloat16), big)
 
 
+def test_deep_weights_past_max_rows_take_a_zero_bias(monkeypatch):
+    """Past MAX_ROWS rows (up to LT_MAX_ROWS) a weight with K > N is multiplied with a zero bias (cuBLASLt's
+    path): same product; wide weights, fewer or more rows, float32 and CPU take none; a capture never makes
+    the zeros."""
+    from vllm_spec.model.layers import linear
+    monkeypatch.setattr(gemv, "_ZERO_BIAS", {})
+    deep = torch.randn(96, 640, device="cuda", dtype=torch.bfloat16) / 640 ** 0.5
+    x = torch.randn(80, 640, device="cuda", dtype=torch.bfloat16)
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        assert gemv.lt_bias(x, deep) is None
+    zeros = gemv.lt_bias(x, deep)
+    assert zeros.shape == (96,) and not zeros.any()
+    assert gemv.lt_bias(x, deep) is zeros
+    assert rel_err(linear(x, deep), F.linear(x.double(), deep.double())) < BOUND[torch.bfloat16]
+    assert gemv.lt_bias(x[: gemv.MAX_ROWS], deep) is None
+    assert gemv.lt_bias(torch.cat([x, x]), deep) is None
+    assert gemv.lt_bias(x[:, :96], deep.t().contiguous()[:, :96]) is None
+    assert gemv.lt_bias(x.float(), deep.float()) is None
+    assert gemv.lt_bias(x.cpu(), deep.cpu()) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])   # qwen2: q/k/v bias, untied LM head
 def test_decoder_forward_matches_unfused(request, arch, dtype, monkeypatch):

@@ -33,7 +33,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if gemv.eligible(x, weight):
         return gemv.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return F.linear(x, weight, bias if bias is not None else gemv.lt_bias(x, weight))
 
 
 def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor:
