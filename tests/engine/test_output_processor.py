@@ -49,3 +49,54 @@ def test_stream_is_used_for_fast_tokenizers(tokenizer):
     seq = Sequence("r", 0, [5, 6], SamplingParams(detokenize=False), 4)
     OutputProcessor(tokenizer, set(), 100).start(seq)
     assert seq.detok_stream is None
+
+
+def _finish(processor: OutputProcessor, params: SamplingParams, prompt: list[int], max_tokens: int,
+            output: list[int], quick: bool) -> tuple:
+    """Append `output` in chunks of 1-3 tokens until the sequence stops; quick=False runs the full
+    stop check at every token (as before start(): max_output_len 0)."""
+    seq = Sequence("r", 0, list(prompt), params, max_tokens)
+    processor.start(seq)
+    if not quick:
+        seq.max_output_len = 0
+    kept, i = [], 0
+    while i < len(output) and not seq.is_finished:
+        chunk = output[i: i + 1 + i % 3]
+        kept.append(processor.append(seq, chunk, None))
+        i += len(chunk)
+    return seq.output_token_ids, seq.status, seq.stop_reason, seq.output_text, kept
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_append_quick_stop_check_matches_the_full_check(seed):
+    """append runs the full stop check only for a stop/EOS token, new text or the length limit:
+    it must stop exactly where the full check at every token stops (eos, stop ids, ignore_eos,
+    min_tokens, max_tokens, max_model_len)."""
+    rng = random.Random(seed)
+    vocab = 12
+    eos = set(rng.sample(range(vocab), rng.randrange(0, 3)))
+    processor = OutputProcessor(None, eos, max_model_len=rng.randrange(8, 40))
+    max_tokens = rng.randrange(1, 30)
+    params = SamplingParams(stop_token_ids=rng.sample(range(vocab), rng.randrange(0, 3)),
+                            ignore_eos=rng.random() < 0.3, min_tokens=rng.randrange(0, max_tokens + 1),
+                            max_tokens=max_tokens)
+    prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 8))]
+    output = [rng.randrange(vocab) for _ in range(40)]
+    assert _finish(processor, params, prompt, max_tokens, output, quick=True) == \
+        _finish(processor, params, prompt, max_tokens, output, quick=False)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_append_quick_stop_check_matches_with_stop_strings(tokenizer, seed):
+    rng = random.Random(seed)
+    vocab = len(tokenizer)
+    output = [rng.randrange(vocab) for _ in range(30)]
+    text = tokenizer.decode(output)
+    # A stop string taken from the text itself (so that it is met), or one that is never met.
+    start = rng.randrange(len(text) - 3)
+    stop = text[start: start + rng.randrange(1, 4)] if rng.random() < 0.7 else "\x00never\x00"
+    params = SamplingParams(stop=[stop], include_stop_str_in_output=rng.random() < 0.5,
+                            min_tokens=rng.randrange(0, 5), max_tokens=30, stop_token_ids=[output[-5]])
+    processor = OutputProcessor(tokenizer, {tokenizer.eos_token_id}, 10_000)
+    assert _finish(processor, params, [5, 6], 30, output, quick=True) == \
+        _finish(processor, params, [5, 6], 30, output, quick=False)

@@ -61,6 +61,8 @@ class BlockManager:
     def try_append_slots(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:
         """append_slots when the free blocks suffice (True), else change nothing (False): the
         scheduler's check and growth in one computation, for every sequence at every step."""
+        if seq.num_computed_tokens + num_new_tokens + num_lookahead <= len(seq.block_table) * self.block_size:
+            return True   # the table covers them already: most decode steps
         need = self.blocks_needed(seq, num_new_tokens, num_lookahead)
         if need > len(self.free_blocks):
             return False

@@ -92,22 +92,33 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
         max_model_len = self.config.max_model_len
-        # Decodes first, then partially prefilled sequences, oldest first within each.
-        decodes, prefills = [], []
-        for seq in self.running:
-            uncomputed = seq.num_tokens_to_schedule(max_model_len)
-            if uncomputed is None:
-                continue   # its last token is already being sampled
-            (decodes if uncomputed <= 1 else prefills).append((seq, uncomputed))
-        for seq, uncomputed in decodes + prefills if prefills else decodes:
+        lookahead = self.num_lookahead_slots
+        # Decodes first, then partially prefilled sequences, oldest first within each. Decodes are
+        # scheduled where the one pass over the running list meets them (it visits every sequence at
+        # every step): all of their tokens (<= 1) fit the budget left (> 0), so each samples.
+        prefills = []
+        for seq in self.running.copy():   # a copy: preemption removes from the list
             if budget <= 0:
                 break
             # Preempted earlier in this loop (asked only once something was: all are RUNNING until then).
             if out.preempted and seq.status is not SequenceStatus.RUNNING:
                 continue
+            uncomputed = seq.num_tokens_to_schedule(max_model_len)
+            if uncomputed is None:
+                continue   # its last token is already being sampled
+            if uncomputed > 1:
+                prefills.append((seq, uncomputed))
+            elif bm.try_append_slots(seq, uncomputed, lookahead) or self._preempt_for(seq, uncomputed, lookahead, out):
+                out.scheduled.append(ScheduledSeq(seq, uncomputed, True))
+                budget -= uncomputed
+        for seq, uncomputed in prefills:
+            if budget <= 0:
+                break
+            if out.preempted and seq.status is not SequenceStatus.RUNNING:
+                continue
             n = min(uncomputed, budget)
-            lookahead = self.num_lookahead_slots if n == uncomputed else 0
-            if bm.try_append_slots(seq, n, lookahead) or self._preempt_for(seq, n, lookahead, out):
+            slots = lookahead if n == uncomputed else 0
+            if bm.try_append_slots(seq, n, slots) or self._preempt_for(seq, n, slots, out):
                 out.scheduled.append(ScheduledSeq(seq, n, n == uncomputed))
                 budget -= n
         if out.preempted:
@@ -117,11 +128,11 @@ class Scheduler:
             if seq.num_in_flight:   # preempted while a step sampled for it: recompute once it is known
                 break
             n = min(seq.num_uncomputed_tokens, budget)
-            lookahead = self.num_lookahead_slots if n == seq.num_uncomputed_tokens else 0
-            if not bm.can_allocate(seq, n, lookahead):
+            slots = lookahead if n == seq.num_uncomputed_tokens else 0
+            if not bm.can_allocate(seq, n, slots):
                 break
             self.waiting.popleft()
-            bm.allocate(seq, n, lookahead)
+            bm.allocate(seq, n, slots)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, n == seq.num_uncomputed_tokens))

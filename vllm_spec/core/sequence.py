@@ -80,6 +80,11 @@ class Sequence:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
+    # Set by the output processor's start(): the tokens that can stop the sequence (subject to
+    # min_tokens) and its output length limit (max_tokens or max_model_len, whichever comes first;
+    # 0 before start(): every token then gets the full stop check).
+    stop_check_ids: set[int] = field(default_factory=set, repr=False)
+    max_output_len: int = 0
     # What the last DELTA output reported (tokens, characters).
     num_reported_tokens: int = 0
     num_reported_chars: int = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
 import time
@@ -190,9 +191,10 @@ class LLMEngine:
             self._released = request.finished_seq_ids + self._released
             raise
         for item in sched.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
             if item.samples:
-                item.seq.num_in_flight += 1
+                seq.num_in_flight += 1
         launched = _Launched(handle, schedule_time=t1 - t0, launch_time=time.perf_counter() - t1)
         # The new step is in flight before the previous one is read (kept, should that read raise).
         previous, self._in_flight = self._in_flight, launched
@@ -237,20 +239,21 @@ class LLMEngine:
         # run Python code in 3.11).
         seqs, requests, append = self._seqs, self.requests, self.output_processor.append
         running, final_only = SequenceStatus.RUNNING, RequestOutputKind.FINAL_ONLY
-        for out in result.outputs:
-            seq = seqs.get(out.seq_id)
+        logprobs = result.logprobs or itertools.repeat(None)
+        for seq_id, token_ids, lps in zip(result.seq_ids, result.token_ids, logprobs):
+            seq = seqs.get(seq_id)
             if seq is None:   # finished or aborted while this step was in flight: its token is void
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self.stats.on_first_token(now - seq.arrival_time)
-            generated += append(seq, out.token_ids, out.logprobs)
+            generated += append(seq, token_ids, lps)
             seq.num_in_flight -= 1
             status = seq.status
             if not seq.num_in_flight and status is running:
                 # Every token but the newest now has its K/V in the cache.
                 seq.num_computed_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids) - 1
-            if status.finished:
+            if status is not running and status.finished:   # the property runs Python code: asked last
                 self._finish(seq, status)
             elif seq.sampling_params.output_kind is final_only:
                 continue

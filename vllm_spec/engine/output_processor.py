@@ -23,6 +23,10 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def start(self, seq: Sequence) -> None:
+        params = seq.sampling_params
+        # What can end the sequence at a new token without new text: append checks these first.
+        seq.stop_check_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        seq.max_output_len = min(seq.max_tokens, self.max_model_len - seq.num_prompt_tokens)
         seq.read_offset = seq.num_prompt_tokens
         seq.prefix_offset = max(0, seq.read_offset - _CONTEXT_TOKENS)
         backend = getattr(self.tokenizer, "_tokenizer", None)   # a fast (Rust) tokenizer
@@ -35,17 +39,22 @@ class OutputProcessor:
 
     def append(self, seq: Sequence, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None) -> int:
         """Append tokens one by one until a stop condition; returns how many were kept."""
+        params, output = seq.sampling_params, seq.output_token_ids
+        detokenize = self.tokenizer is not None and params.detokenize
         for i, token in enumerate(token_ids):
-            seq.output_token_ids.append(token)
+            output.append(token)
             if logprobs is not None:
                 entry = logprobs[i]
                 seq.output_logprobs.append(entry)
                 seq.cumulative_logprob += entry[token].logprob
                 self.decode_logprobs(entry)
-            status = self._check_stop(seq, token)
-            if status is not None:
-                seq.status = status
-                return i + 1
+            delta = self._detokenize(seq) if detokenize else ""
+            # Nothing else can stop it: the full check is skipped for most tokens (per sequence per step).
+            if (delta and params.stop) or token in seq.stop_check_ids or len(output) >= seq.max_output_len:
+                status = self._check_stop(seq, token, delta)
+                if status is not None:
+                    seq.status = status
+                    return i + 1
         return len(token_ids)
 
     def decode_logprobs(self, entry: dict[int, Logprob]) -> None:
@@ -56,15 +65,12 @@ class OutputProcessor:
             lp.decoded_token = self.tokenizer.decode([tid])
 
     def _detokenize(self, seq: Sequence) -> str:
-        params = seq.sampling_params
-        if self.tokenizer is None or not params.detokenize:
-            return ""
         if seq.detok_stream is not None:
             delta = seq.detok_stream.step(self.tokenizer._tokenizer, seq.output_token_ids[-1]) or ""
             seq.output_text += delta
             return delta
         ids = seq.token_slice(seq.prefix_offset, seq.num_tokens)
-        skip = params.skip_special_tokens
+        skip = seq.sampling_params.skip_special_tokens
         prefix = self.tokenizer.decode(ids[: seq.read_offset - seq.prefix_offset], skip_special_tokens=skip)
         text = self.tokenizer.decode(ids, skip_special_tokens=skip)
         if len(text) <= len(prefix) or text.endswith("\ufffd"):
@@ -74,10 +80,9 @@ class OutputProcessor:
         seq.output_text += delta
         return delta
 
-    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+    def _check_stop(self, seq: Sequence, token: int, delta: str) -> SequenceStatus | None:
+        """How `token`, whose text `delta` was just detokenized, ends the sequence (None: it does not)."""
         params = seq.sampling_params
-        delta = self._detokenize(seq)
-        # Lengths read directly, not through the properties: this runs per sequence per token.
         num_output = len(seq.output_token_ids)
         # As vLLM: stop strings count only once more than min_tokens tokens exist.
         if delta and params.stop and not (params.min_tokens and num_output <= params.min_tokens):

@@ -106,7 +106,7 @@ class DraftModelProposer:
         fed = [i for i, s in enumerate(seqs) if num_drafts[i] > 0 or not s.sample or len(s.token_ids) > 1]
         k = max(num_drafts, default=0)
         if spec and md.all_greedy and fed == spec and len(spec) <= BATCH_BUCKETS[-1] and all(
-                2 <= seqs[i].seq_len and seqs[i].seq_len - self._start(seqs[i]) <= 2 for i in spec):
+                2 <= (length := seqs[i].seq_len) and length - self._start(seqs[i]) <= 2 for i in spec):
             return self._propose_in_loop([seqs[i] for i in spec], [num_drafts[i] for i in spec], k)
         catch_up = [SeqInput(seqs[i].seq_id, tokens_from(seqs[i], self._start(seqs[i])), self._start(seqs[i]),
                              seqs[i].block_table, sample=False) for i in fed]
@@ -155,15 +155,17 @@ class DraftModelProposer:
         """Every row feeds its last two tokens (see draft_loop); one device program proposes all."""
         B = len(seqs)
         tables = block_table_array(seqs)
-        lens = np.fromiter((s.seq_len for s in seqs), dtype=np.int64, count=B)
+        seq_lens = [s.seq_len for s in seqs]   # read once: a property, per sequence per step
+        lens = np.asarray(seq_lens, dtype=np.int64)
         limits = lens + np.asarray(num_drafts, dtype=np.int64) - 1
-        tokens = np.fromiter((t for s in seqs for t in tokens_from(s, s.seq_len - 2)), dtype=np.int64, count=2 * B)
+        tokens = np.fromiter((t for s, n in zip(seqs, seq_lens) for t in tokens_from(s, n - 2)), dtype=np.int64,
+                             count=2 * B)
         tokens_t, first_t, limits_t, tables_t = to_device_aligned([tokens, lens - 2, limits, tables.ravel()],
                                                                   self.runner.device)
         drafts = self.loop(tokens_t.view(B, 2), first_t, limits_t, tables_t.view(tables.shape), k,
                            max_seq_len=int(limits.max()) + 1)
-        for s, n in zip(seqs, num_drafts):
-            self._computed[s.seq_id] = s.seq_len + n - 1
+        for s, length, n in zip(seqs, seq_lens, num_drafts):
+            self._computed[s.seq_id] = length + n - 1
             self._fed[s.seq_id] = n - 1
         return Proposals(drafts, None, num_drafts)
 

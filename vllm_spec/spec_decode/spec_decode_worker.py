@@ -31,7 +31,7 @@ from vllm_spec.spec_decode.step_cost import StepCharges
 from vllm_spec.spec_decode.timer import StepTimer
 from vllm_spec.spec_decode.tp_proposer import TPProposer
 from vllm_spec.utils import to_device
-from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SeqOutput, SpecStepStats, StepOutput
+from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SpecStepStats, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner, ragged_grid, to_device_aligned
 from vllm_spec.worker.step_handle import DoneStep, HostCopy, StepHandle
 from vllm_spec.worker.worker import PromptLogprobRows, Worker, logprob_dicts
@@ -152,7 +152,7 @@ class SpecDecodeWorker:
         for sid in req.finished_seq_ids:
             self._synthetic_keys.pop(sid, None)
         if not req.seqs:
-            return DoneStep(StepOutput([]))
+            return DoneStep(StepOutput([], []))
         asked, shape, rows = self.num_drafts(req)
         if self.tp.world_size > 1:  # rank 0's policy decides (its timings differ from the other ranks')
             asked = self.tp.broadcast(torch.tensor(asked, dtype=torch.long, device=self.device)).tolist()
@@ -194,7 +194,7 @@ class SpecDecodeWorker:
         stats.draft_time = stats.catch_up_time + draft_time
         if timer.cuda:
             result.device_time = stats.draft_time + prepare_time + stats.verify_time
-        by_id = {o.seq_id: len(o.token_ids) - 1 for o in result.outputs}
+        by_id = {sid: len(toks) - 1 for sid, toks in zip(result.seq_ids, result.token_ids)}
         charge = self._charges.read(time.perf_counter(), obs.start, obs.engine_host_time, obs.speculative)
         charge.seconds = max(charge.seconds - stats.catch_up_time, 1e-6)
         self.policy.observe(obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids], stats, charge)
@@ -317,13 +317,13 @@ class SpecDecodeWorker:
         emitted = [row[: row.index(-1)] if row[-1] < 0 else row for row in rows]   # -1 past each row's end
 
         logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
-        outputs = [SeqOutput(req.seqs[i].seq_id, toks, lps) for i, toks, lps in zip(sampled, emitted, logprobs)]
         accepted = [len(emitted[row_of[i]]) - 1 for i in spec_idx]
         self.proposer.on_verified([req.seqs[i].seq_id for i in spec_idx], proposals.num_drafts, accepted)
         per_pos = (np.asarray(accepted, dtype=np.int64)[:, None] > np.arange(k)).sum(axis=0).tolist()
         stats = SpecStepStats(sum(1 for n in proposals.num_drafts if n > 0), sum(proposals.num_drafts),
                               sum(accepted), per_pos, 0.0, 0.0, num_verified_tokens=int(batch.input_ids.shape[0]))
-        return StepOutput(outputs, stats, prompt_logprobs, device_wait_time=wait)
+        return StepOutput([req.seqs[i].seq_id for i in sampled], emitted, logprobs, stats, prompt_logprobs,
+                          device_wait_time=wait)
 
     def _synthetic_draws(self, seqs: list[SeqInput]) -> SyntheticDraws:
         """Benchmarks only: synthetic acceptance keyed by the request's prompt and the draft's position,
@@ -348,11 +348,11 @@ class SpecDecodeWorker:
                 for j in range(n + 1)]
 
     def _logprobs(self, raw: torch.Tensor, emitted: list[list[int]], seqs: list[SeqInput],
-                  grid_r: np.ndarray, grid_j: np.ndarray) -> list[list | None]:
-        """Raw-logit logprobs of each emitted token, at the position that emitted it."""
+                  grid_r: np.ndarray, grid_j: np.ndarray) -> list[list | None] | None:
+        """Raw-logit logprobs of each emitted token, at the position that emitted it (None: none asked)."""
         wanted = [s.sampling_params.logprobs for s in seqs]
         if all(w is None for w in wanted):
-            return [None] * len(seqs)
+            return None
         grid_r, grid_j = grid_r.tolist(), grid_j.tolist()
         keep = [n for n, (r, j) in enumerate(zip(grid_r, grid_j)) if j < len(emitted[r])]
         tokens = to_device([emitted[grid_r[n]][grid_j[n]] for n in keep], raw.device)

@@ -12,7 +12,7 @@ from vllm_spec.sampling_params import SamplingParams
 PLACEHOLDER_TOKEN = -1
 
 
-@dataclass
+@dataclass(slots=True)   # built per sequence per step: slots make it cheaper to build and read
 class SeqInput:
     """One sequence's slice of a step: feed `token_ids` at positions start_pos, start_pos+1, ...
 
@@ -46,15 +46,6 @@ class ExecuteModelRequest:
     # Host seconds the engine spent on the previous step outside the worker (scheduling, output
     # processing): part of what a step costs, for the speculation policy.
     engine_host_time: float = 0.0
-
-
-@dataclass
-class SeqOutput:
-    """New tokens of one sampled sequence (one, or several when drafts were accepted)."""
-
-    seq_id: int
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass
@@ -92,7 +83,12 @@ class PromptLogprobs:
 
 @dataclass
 class StepOutput:
-    outputs: list[SeqOutput]
+    """The new tokens of each sampled sequence, as columns (no object per sequence per step)."""
+
+    seq_ids: list[int]
+    token_ids: list[list[int]]   # one token per sequence, or several when drafts were accepted
+    # Per sequence, one entry per new token, or None where not asked; None: no sequence asked.
+    logprobs: list[list[dict[int, Logprob]] | None] | None = None
     spec: SpecStepStats | None = None
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     # Seconds the worker's host thread waited for the device (the step's device->host copy):

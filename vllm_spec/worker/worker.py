@@ -15,7 +15,7 @@ from vllm_spec.outputs import Logprob
 from vllm_spec.sample.metadata import ReusedMetadata, SamplingMetadata, SamplingRow
 from vllm_spec.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from vllm_spec.utils import to_device
-from vllm_spec.worker.batch import PLACEHOLDER_TOKEN, ExecuteModelRequest, PromptLogprobs, SeqInput, SeqOutput, StepOutput
+from vllm_spec.worker.batch import PLACEHOLDER_TOKEN, ExecuteModelRequest, PromptLogprobs, SeqInput, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner, PreparedBatch, to_device_aligned
 from vllm_spec.worker.step_handle import DeviceSpan, DoneStep, HostCopy, StepHandle
 
@@ -91,35 +91,39 @@ class Worker:
         `on_pass` is called once the inputs are prepared, as the model's pass is launched."""
         self.release(req.finished_seq_ids)
         if not req.seqs:
-            return DoneStep(StepOutput([]))
+            return DoneStep(StepOutput([], []))
         span = DeviceSpan(self.device)
         batch = self.runner.prepare(req.seqs)
-        in_flight = self._fill_placeholders(batch, req.seqs)
+        seq_ids = [s.seq_id for s in req.seqs]
+        in_flight = self._fill_placeholders(batch, req.seqs, seq_ids)
         sampled = [i for i, s in enumerate(req.seqs) if s.sample]
+        if len(sampled) < len(req.seqs):
+            seqs, seq_ids = [req.seqs[i] for i in sampled], [seq_ids[i] for i in sampled]
+            ends = batch.last_rows[sampled]
+        else:   # every sequence samples (decode): no per-row selection
+            seqs, ends = req.seqs, batch.last_rows
         prompt_rows = PromptLogprobRows.of(req.seqs, batch.token_starts)
         if on_pass is not None:
             on_pass()
         if not sampled and not prompt_rows.rows:
             self.runner.forward(batch)
-            return DoneStep(StepOutput([]), one_token_per_seq=True)
-        ends = batch.last_rows[sampled]
+            return DoneStep(StepOutput([], []), one_token_per_seq=True)
         rows = np.concatenate([ends, np.asarray(prompt_rows.rows, dtype=np.int64)]) if prompt_rows.rows else ends
         all_logits = self.runner.run(batch, to_device(rows, self.device))
-        seqs = [req.seqs[i] for i in sampled]
         out = None
         if sampled:
-            md = self._sampling_metadata(seqs, sampled, in_flight)
+            md = self._sampling_metadata(seqs, seq_ids, sampled, in_flight)
             if in_flight is not None and md.penalties is not None:
                 row_of = {i: r for r, i in enumerate(sampled)}
                 md.penalties.add_tokens(to_device([row_of[i] for i in in_flight[0]], self.device), in_flight[1])
             out = self.sampler(all_logits[: len(ends)], md)
         span.end()
-        handle = SampledStep(seqs, out, prompt_rows, all_logits[len(ends):], req.seqs, span)
+        handle = SampledStep(seqs, seq_ids, out, prompt_rows, all_logits[len(ends):], req.seqs, span)
         if sampled:
             self._last = handle
         return handle
 
-    def _sampling_metadata(self, seqs: list[SeqInput], sampled: list[int],
+    def _sampling_metadata(self, seqs: list[SeqInput], seq_ids: list[int], sampled: list[int],
                            in_flight: tuple[list[int], torch.Tensor] | None) -> SamplingMetadata:
         """The sampled rows' metadata: the last step's when the same sequences sample again and it
         does not follow their tokens (a steady decode batch builds it once, not every step)."""
@@ -127,7 +131,7 @@ class Worker:
             pending = {} if in_flight is None else dict.fromkeys(in_flight[0], 1)
             rows = [self.sampling_row(s, pending.get(i, 0)) for i, s in zip(sampled, seqs)]
             return SamplingMetadata.build(rows, self.vocab_size, self.device)
-        return self._reused_md.get([s.seq_id for s in seqs], build)
+        return self._reused_md.get(seq_ids, build)
 
     def resolve_placeholders(self, req: ExecuteModelRequest) -> ExecuteModelRequest:
         """The request with every in-flight token replaced by its value (waits for the step that samples it)."""
@@ -147,7 +151,7 @@ class Worker:
             raise RuntimeError("a step feeds a token in flight, but no earlier step sampled one.")
         return self._last
 
-    def _fill_placeholders(self, batch: PreparedBatch, seqs: list[SeqInput]
+    def _fill_placeholders(self, batch: PreparedBatch, seqs: list[SeqInput], seq_ids: list[int]
                            ) -> tuple[list[int], torch.Tensor] | None:
         """Copy, on the device, the tokens the previous step sampled into this step's input rows.
 
@@ -158,8 +162,11 @@ class Worker:
         if not ph:
             return None
         last = self._last_sampled()
-        dst = batch.last_rows[ph]
-        src = np.asarray([last.row_of(seqs[i].seq_id) for i in ph], dtype=np.int64)
+        if len(ph) == len(seqs) and seq_ids == last.seq_ids:   # a steady decode batch: row for row
+            dst, src = batch.last_rows, np.arange(len(seqs))
+        else:
+            dst = batch.last_rows[ph]
+            src = np.asarray([last.row_of(seq_ids[i]) for i in ph], dtype=np.int64)
         dst_t, src_t = to_device_aligned([dst, src], self.device)
         tokens = last.sampled[src_t]
         batch.input_ids[dst_t] = tokens
@@ -171,9 +178,10 @@ class SampledStep(StepHandle):
 
     one_token_per_seq = True
 
-    def __init__(self, seqs: list[SeqInput], out: SamplerOutput | None, prompt_rows: "PromptLogprobRows",
-                 prompt_logits: torch.Tensor, chunk_seqs: list[SeqInput], span: DeviceSpan):
-        self.seqs, self._out, self._span = seqs, out, span
+    def __init__(self, seqs: list[SeqInput], seq_ids: list[int], out: SamplerOutput | None,
+                 prompt_rows: "PromptLogprobRows", prompt_logits: torch.Tensor, chunk_seqs: list[SeqInput],
+                 span: DeviceSpan):
+        self.seqs, self.seq_ids, self._out, self._span = seqs, seq_ids, out, span
         self._prompt_rows, self._prompt_logits, self._chunk_seqs = prompt_rows, prompt_logits, chunk_seqs
         self.sampled = out.sampled if out is not None else None
         self._copy = HostCopy(out.sampled) if out is not None else None
@@ -182,7 +190,7 @@ class SampledStep(StepHandle):
 
     def row_of(self, seq_id: int) -> int:
         if self._rows is None:
-            self._rows = {s.seq_id: r for r, s in enumerate(self.seqs)}
+            self._rows = {sid: r for r, sid in enumerate(self.seq_ids)}
         return self._rows[seq_id]
 
     def token_of(self, seq_id: int) -> int:
@@ -192,17 +200,15 @@ class SampledStep(StepHandle):
         if self._output is not None:
             return self._output
         prompt_logprobs = self._prompt_rows.results(self._prompt_logits, self._chunk_seqs)
-        outputs, wait = [], 0.0
+        seq_ids, token_ids, logprobs, wait = [], [], None, 0.0
         if self._out is not None:
-            tokens, wait = self._copy.values(), self._copy.wait_time
-            if self._out.logprobs is None:   # no row asked for logprobs (the common case, per row per step)
-                outputs = [SeqOutput(s.seq_id, [t]) for s, t in zip(self.seqs, tokens)]
-            else:
-                logprobs = logprob_dicts(self._out, [s.sampling_params.logprobs for s in self.seqs])
-                outputs = [SeqOutput(s.seq_id, [t], None if lp is None else [lp])
-                           for s, t, lp in zip(self.seqs, tokens, logprobs)]
-        self._output = StepOutput(outputs, device_wait_time=wait, prompt_logprobs=prompt_logprobs,
-                                  device_time=self._span.seconds())
+            seq_ids, tokens, wait = self.seq_ids, self._copy.values(), self._copy.wait_time
+            token_ids = [[t] for t in tokens]
+            if self._out.logprobs is not None:   # some row asked for logprobs (not the common case)
+                dicts = logprob_dicts(self._out, [s.sampling_params.logprobs for s in self.seqs])
+                logprobs = [None if lp is None else [lp] for lp in dicts]
+        self._output = StepOutput(seq_ids, token_ids, logprobs, device_wait_time=wait,
+                                  prompt_logprobs=prompt_logprobs, device_time=self._span.seconds())
         # Kept as the source of in-flight tokens: nothing but the tokens themselves.
         self._out = self._prompt_logits = self._chunk_seqs = None
         return self._output
