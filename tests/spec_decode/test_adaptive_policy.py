@@ -158,6 +158,10 @@ def test_a_sequence_that_stops_drafting_forgets_its_own_trials():
     rate = policy._rates([1])[0]
     assert rate > low
     assert rate == pytest.approx(policy._global_rate(), abs=0.02)
+    for _ in range(60):   # once its trials are negligible they are dropped: the global belief exactly
+        policy.observe(shape, [0], [0], SpecStepStats(0, 0, 0, [], 0.0, 0.01), Charge(0.01))
+    assert 1 not in policy._seqs
+    assert policy._rates([1, 2]) == [policy._global_rate()] * 2
 
 
 def test_near_best_choices_are_re_measured_one_at_a_time():
@@ -295,3 +299,17 @@ def test_expected_drafts_respect_caps_and_clip_rates():
     per_position = [0.5 + 0.9 + 0.999, 0.81 + 0.999 ** 2, 0.729, 0.6561]
     assert expected == pytest.approx([0.0] + list(np.cumsum(per_position)))
     assert p._expected_drafts([], []) == [0.0] * 5
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.37, 0.999, 1.3, -0.2])
+def test_one_belief_for_all_takes_the_closed_form(rate):
+    """Every sequence at one rate (the closed form) counts as the sequence-by-sequence sum does: the
+    latter checked through a batch whose rates differ by nothing that shows (one rate 1e-15 off, or
+    another that clips to the same)."""
+    p = AdaptivePolicy(max_k=5)
+    n = 37
+    other = {0.0: -0.5, 1.3: 5.0, -0.2: -1.0}.get(rate, rate - 1e-15)
+    general = p._expected_drafts([rate] * (n - 1) + [other], [5] * n)
+    assert p._expected_drafts([rate] * n, [5] * n) == pytest.approx(general, rel=1e-12, abs=1e-12)
+    clipped = min(max(rate, 0.0), 0.999)
+    assert p._expected_drafts([rate] * n, [5] * n)[2] == pytest.approx(n * (clipped + clipped ** 2))

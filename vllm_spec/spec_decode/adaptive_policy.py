@@ -43,6 +43,9 @@ _SWITCH_HORIZON = 16
 # and both switches, against plain steps) stays within this share of the time.
 _PROBE_BUDGET = 0.01
 _MAX_PROBE_EVERY = 800
+# A sequence's own decayed trials below this are forgotten (its belief is then the global rate's to
+# within 0.03%): steps whose sequences all hold the global belief take a closed form (_expected_drafts).
+_FORGET_TRIALS = 1e-3
 
 
 @functools.cache   # asked many times per step, for a handful of batch sizes
@@ -123,6 +126,9 @@ class AdaptivePolicy:
         towards the global rate."""
         prior, strength = self._global_rate(), self.prior_strength
         pseudo = prior * strength
+        if not any(map(self._seqs.__contains__, seq_ids)):
+            # None has trials of its own (as after a stretch of plain steps): the same value as below.
+            return [pseudo / strength] * len(seq_ids)
         return [(acc + pseudo) / (trials + strength)
                 for acc, trials in map(self._seqs.get, seq_ids, itertools.repeat(_NO_TRIALS))]
 
@@ -160,8 +166,13 @@ class AdaptivePolicy:
         each (min(K, cap) for each; a draft token counts as the chance all before it, and it, pass)."""
         # Position by position over all sequences (one list comprehension each), not sequence by
         # sequence: the policy runs on every step's critical path, at batch 256 too.
-        clipped = [rate if 0.0 <= rate <= 0.999 else (0.0 if rate < 0.0 else 0.999) for rate in rates]
         capped = min(caps, default=self.max_k) < self.max_k   # a sequence near max_model_len
+        if rates and not capped and rates.count(rates[0]) == len(rates):
+            # One belief for all (every sequence at the global rate, as after a stretch of plain steps).
+            rate = min(max(rates[0], 0.0), 0.999)
+            return list(itertools.accumulate((len(rates) * rate ** j for j in range(1, self.max_k + 1)),
+                                             initial=0.0))
+        clipped = [rate if 0.0 <= rate <= 0.999 else (0.0 if rate < 0.0 else 0.999) for rate in rates]
         power, per_position = clipped, []
         for j in range(self.max_k):
             per_position.append(sum(v for v, cap in zip(power, caps) if cap > j) if capped else sum(power))
@@ -329,7 +340,10 @@ class AdaptivePolicy:
                 # A sequence that stopped drafting forgets its own trials step by step, back to the
                 # global rate: an unlucky run must not stop its drafts (and their correction) for good.
                 acc, tr = self._seqs[sid]
-                self._seqs[sid] = (acc * decay, tr * decay)
+                if tr * decay < _FORGET_TRIALS:
+                    del self._seqs[sid]
+                else:
+                    self._seqs[sid] = (acc * decay, tr * decay)
             elif k > 0:
                 trials = a + (a < k)
                 acc, tr = self._seqs.get(sid, _NO_TRIALS)
