@@ -22,7 +22,8 @@ from vllm_spec.spec_decode.proposer import Proposals, tokens_from
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import SeqInput
 from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for
-from vllm_spec.worker.model_runner import ModelRunner, block_table_array, to_device_aligned
+from vllm_spec.worker.block_table import BlockTableArray
+from vllm_spec.worker.model_runner import ModelRunner, to_device_aligned
 
 
 # Query lengths of the catch-up graphs, and their most query tokens (a longer lag or a larger
@@ -43,6 +44,7 @@ class DraftModelProposer:
                                     runner.max_model_len, use_graphs=runner.cuda_graphs)
         # Catch-ups feed one query length to every row (replayed in a graph) where graphs run.
         self.uniform_catch_up = runner.cuda_graphs
+        self._block_tables = BlockTableArray()   # the loop's own: its batches are not the runner's
 
     def capture_graphs(self, max_k: int, max_batch: int) -> None:
         """Capture the whole-proposal and catch-up graphs up front, so no step pays for a capture
@@ -154,7 +156,7 @@ class DraftModelProposer:
     def _propose_in_loop(self, seqs: list[SeqInput], num_drafts: list[int], k: int) -> Proposals:
         """Every row feeds its last two tokens (see draft_loop); one device program proposes all."""
         B = len(seqs)
-        tables = block_table_array(seqs)
+        tables = self._block_tables(seqs)
         seq_lens = [s.seq_len for s in seqs]   # read once: a property, per sequence per step
         lens = np.asarray(seq_lens, dtype=np.int64)
         limits = lens + np.asarray(num_drafts, dtype=np.int64) - 1

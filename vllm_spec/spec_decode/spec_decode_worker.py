@@ -268,11 +268,11 @@ class SpecDecodeWorker:
             batch.input_ids[dst_t] = proposals.token_ids[src_row_t, src_pos_t]
 
         drafts_host = proposals.token_ids.tolist() if any(
-            req.seqs[i].sampling_params.has_penalties for i in spec_idx) else None
-        # Plain greedy rows (no penalties, min_tokens met) verify against argmax of the raw
-        # logits: no per-position sampling metadata, no softmax over [rows, V].
-        plain_greedy = all(p.is_greedy and not p.has_penalties and p.min_tokens <= len(s.output_token_ids)
-                           for s, p in ((req.seqs[i], req.seqs[i].sampling_params) for i in sampled))
+            req.seqs[i].sampling_params.batch_fields.has_penalties for i in spec_idx) else None
+        # Plain greedy rows (no penalties, min_tokens met) verify against argmax of the raw logits: no
+        # per-position sampling metadata, no softmax over [rows, V]. (batch_fields: computed once per request.)
+        plain_greedy = all(f.greedy and not f.has_penalties and f.min_tokens <= len(s.output_token_ids)
+                           for s, f in ((req.seqs[i], req.seqs[i].sampling_params.batch_fields) for i in sampled))
         exp_rows = [] if plain_greedy else [
             row for i in sampled for row in self._position_rows(
                 req.seqs[i], found.get(i, 0), drafts_host[spec_row[i]] if drafts_host and i in spec_row else None)]

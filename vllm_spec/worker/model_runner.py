@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata, compute_slot_mapping
+from vllm_spec.attention.metadata import AttentionMetadata, compute_slot_mapping
 from vllm_spec.config import MAX_SPECULATIVE_TOKENS
 from vllm_spec.model.llama import LlamaForCausalLM
 from vllm_spec.worker.batch import SeqInput
+from vllm_spec.worker.block_table import BlockTableArray
 from vllm_spec.worker.cuda_graph import GraphedForward, bucket_for
 
 
@@ -44,6 +45,7 @@ class ModelRunner:
             model.pack_for_cpu()
         self._graphs: dict[int, GraphedForward] = {}
         self._graph_pool = None
+        self._block_tables = BlockTableArray()
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -79,7 +81,7 @@ class ModelRunner:
         T = int(q_lens.sum())
         qsl = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
-        tables = block_table_array(seqs)
+        tables = self._block_tables(seqs)
         width = tables.shape[1]
         req_idx, offsets = ragged_grid(q_lens)
         positions = starts[req_idx] + offsets
@@ -140,16 +142,6 @@ def ragged_grid(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(row, offset within the row) of every cell, row-major, for rows of counts[r] cells."""
     rows = np.repeat(np.arange(len(counts)), counts)
     return rows, np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
-
-
-def block_table_array(seqs: list[SeqInput]) -> np.ndarray:
-    """[B, longest table] int64 block tables, NULL_BLOCK past each sequence's end."""
-    lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
-    flat = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int64,
-                       count=int(lens.sum()))
-    tables = np.full((len(seqs), int(lens.max())), NULL_BLOCK, dtype=np.int64)
-    tables[np.arange(tables.shape[1])[None, :] < lens[:, None]] = flat   # row-major, as `flat`
-    return tables
 
 
 # Each view starts on a 64-byte boundary: Triton specialises kernels on pointer alignment, so
