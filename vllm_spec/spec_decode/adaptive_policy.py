@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_spec.spec_decode.policy import StepShape
+from vllm_spec.spec_decode.ragged_choice import choose_ragged
 from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge, LinearFit, StepCost
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
 from vllm_spec.worker.cuda_graph import bucket_for
@@ -156,7 +157,8 @@ class AdaptivePolicy:
         else:
             j = np.arange(1, self.max_k + 1)[None, :]
             gains = np.clip(np.array(drawn()), 0.0, 0.999)[:, None] ** j
-            chosen = self._choose_ragged(gains, np.array(shape.caps), shape.num_other_tokens).tolist()
+            chosen = choose_ragged(gains, np.array(shape.caps), shape.num_other_tokens, self._target,
+                                   self._draft_forward(n)).tolist()
             self._speculating = any(chosen)
         self.last_mean_k = sum(chosen) / n
         return chosen
@@ -256,30 +258,6 @@ class AdaptivePolicy:
         loss = step + round_trip - tokens_per_seq * plain
         # At most _MAX_PROBE_EVERY steps: one slow measurement must not stop probes for good.
         return min(max(loss, 0.0) / (_PROBE_BUDGET * plain), _MAX_PROBE_EVERY)
-
-    def _choose_ragged(self, gains: np.ndarray, caps: np.ndarray, num_other_tokens: int) -> np.ndarray:
-        """Prefill chunks in the step: verification is ragged, so k is chosen per sequence
-        (Dinkelbach on the linear cost model: keep a token while its expected value beats its
-        verification cost at the current rate)."""
-        n = len(caps)
-        j = np.arange(1, self.max_k + 1)
-        base_q = num_other_tokens + n
-        plain_rate = n / self._target(base_q)
-        best_k, best_rate = np.zeros(n, dtype=int), plain_rate
-        for K in range(1, int(min(self.max_k, caps.max())) + 1):
-            draft_time = K * self._draft_forward(n)
-            rate = plain_rate
-            for _ in range(3):
-                per_token = self._target(base_q + 1) - self._target(base_q)
-                take = np.cumprod((gains[:, :K] >= rate * per_token) & (j[None, :K] <= caps[:, None]), axis=1)
-                k = take.sum(axis=1)
-                rate_new = (n + float((take * gains[:, :K]).sum())) / (draft_time + self._target(base_q + int(k.sum())))
-                if abs(rate_new - rate) < 1e-6 * rate:
-                    break
-                rate = rate_new
-            if rate_new > best_rate and k.max() > 0:
-                best_k, best_rate = k, rate_new
-        return best_k
 
     def _bucket_state(self, n: int) -> BucketState:
         return self._buckets.setdefault(_bucket(n), BucketState(probe_every=self.explore_every))
