@@ -1,4 +1,5 @@
-"""Incremental detokenization: the streaming (DecodeStream) path gives the text the window path gives."""
+"""The output processor: incremental detokenization (the streaming DecodeStream path gives the text the
+window path gives) and the quick stop check against the full one."""
 
 from __future__ import annotations
 

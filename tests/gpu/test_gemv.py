@@ -152,19 +152,26 @@ def test_only_a_few_half_precision_rows_are_eligible_and_one_is_fusable():
 
 
 def test_deep_weights_past_max_rows_take_a_zero_bias(monkeypatch):
-    """Past MAX_ROWS rows (up to LT_MAX_ROWS) a weight with K > N is multiplied with a zero bias (cuBLASLt's
-    path): same product; wide weights, fewer or more rows, float32 and CPU take none; a capture never makes
-    the zeros."""
-    from vllm_spec.model.layers import linear
+    """Past MAX_ROWS rows (up to LT_MAX_ROWS) a weight with K > N gets a zero bias (cuBLASLt's path), which
+    a row-parallel linear multiplies with: same product; wide weights, fewer or more rows, float32 and CPU
+    get none; a capture never makes the zeros."""
+    from vllm_spec.distributed.parallel_state import GroupCoordinator
+    from vllm_spec.model.layers import RowParallelLinear
     monkeypatch.setattr(gemv, "_ZERO_BIAS", {})
-    deep = torch.randn(96, 640, device="cuda", dtype=torch.bfloat16) / 640 ** 0.5
+    layer = RowParallelLinear(640, 96, False, GroupCoordinator(), torch.bfloat16).cuda()
+    deep = layer.weight.data
+    deep.copy_(torch.randn(96, 640, device="cuda", dtype=torch.bfloat16) / 640 ** 0.5)
     x = torch.randn(80, 640, device="cuda", dtype=torch.bfloat16)
     with torch.cuda.graph(torch.cuda.CUDAGraph()):
         assert gemv.lt_bias(x, deep) is None
     zeros = gemv.lt_bias(x, deep)
     assert zeros.shape == (96,) and not zeros.any()
     assert gemv.lt_bias(x, deep) is zeros
-    assert rel_err(linear(x, deep), F.linear(x.double(), deep.double())) < BOUND[torch.bfloat16]
+    asked = []
+    monkeypatch.setattr(gemv, "lt_bias", lambda *a: asked.append(a) or zeros)
+    assert rel_err(layer(x), F.linear(x.double(), deep.double())) < BOUND[torch.bfloat16]
+    assert len(asked) == 1 and asked[0][1] is layer.weight
+    monkeypatch.undo()
     assert gemv.lt_bias(x[: gemv.MAX_ROWS], deep) is None
     assert gemv.lt_bias(torch.cat([x, x]), deep) is None
     assert gemv.lt_bias(x[:, :96], deep.t().contiguous()[:, :96]) is None

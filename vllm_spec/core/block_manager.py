@@ -66,6 +66,7 @@ class BlockManager:
         need = self.blocks_needed(seq, num_new_tokens, num_lookahead)
         if need > len(self.free_blocks):
             return False
+        # Tables only ever grow by append here (worker/block_table.py keeps arrays on that).
         for _ in range(need):
             block = self.free_blocks.popleft()
             self.ref_counts[block] = 1
@@ -80,4 +81,4 @@ class BlockManager:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_blocks.append(block)
-        seq.block_table = []
+        seq.block_table = []   # a new list, never the old one cleared (worker/block_table.py)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import itertools
 import json
 import logging
 import time
@@ -239,8 +238,8 @@ class LLMEngine:
         # run Python code in 3.11).
         seqs, requests, append = self._seqs, self.requests, self.output_processor.append
         running, final_only = SequenceStatus.RUNNING, RequestOutputKind.FINAL_ONLY
-        logprobs = result.logprobs or itertools.repeat(None)
-        for seq_id, token_ids, lps in zip(result.seq_ids, result.token_ids, logprobs):
+        logprobs = result.logprobs or [None] * len(result.seq_ids)
+        for seq_id, token_ids, lps in zip(result.seq_ids, result.token_ids, logprobs, strict=True):
             seq = seqs.get(seq_id)
             if seq is None:   # finished or aborted while this step was in flight: its token is void
                 continue

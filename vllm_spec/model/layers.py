@@ -33,7 +33,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if gemv.eligible(x, weight):
         return gemv.linear(x, weight, bias)
-    return F.linear(x, weight, bias if bias is not None else gemv.lt_bias(x, weight))
+    return F.linear(x, weight, bias)
 
 
 def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor:
@@ -156,7 +156,8 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(weight.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(self._matmul(x))
+        # Its bias comes after the reduce, so the matmul's bias slot is free for gemv.lt_bias's zeros.
+        return self._reduce(self._matmul(x, gemv.lt_bias(x, self.weight)))
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """self(silu_mul(x)) for x = [gate | up], in one kernel where gemv fuses them."""

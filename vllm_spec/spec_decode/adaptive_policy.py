@@ -45,7 +45,8 @@ _SWITCH_HORIZON = 16
 _PROBE_BUDGET = 0.01
 _MAX_PROBE_EVERY = 800
 # A sequence's own decayed trials below this are forgotten (its belief is then the global rate's to
-# within 0.03%): steps whose sequences all hold the global belief take a closed form (_expected_drafts).
+# within this over prior_strength: 0.025% at the default 4): steps whose sequences all hold the
+# global belief take a closed form (_expected_drafts).
 _FORGET_TRIALS = 1e-3
 
 

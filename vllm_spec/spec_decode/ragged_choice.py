@@ -21,13 +21,14 @@ def choose_ragged(gains: np.ndarray, caps: np.ndarray, num_other_tokens: int, ta
     j = np.arange(1, max_k + 1)
     base_q = num_other_tokens + n
     plain_rate = n / target(base_q)
+    per_token = target(base_q + 1) - target(base_q)
     best_k, best_rate = np.zeros(n, dtype=int), plain_rate
     for K in range(1, int(min(max_k, caps.max())) + 1):
         draft_time = K * draft_forward
+        allowed = j[None, :K] <= caps[:, None]
         rate = plain_rate
         for _ in range(3):
-            per_token = target(base_q + 1) - target(base_q)
-            take = np.cumprod((gains[:, :K] >= rate * per_token) & (j[None, :K] <= caps[:, None]), axis=1)
+            take = np.cumprod((gains[:, :K] >= rate * per_token) & allowed, axis=1)
             k = take.sum(axis=1)
             rate_new = (n + float((take * gains[:, :K]).sum())) / (draft_time + target(base_q + int(k.sum())))
             if abs(rate_new - rate) < 1e-6 * rate:

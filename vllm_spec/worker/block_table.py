@@ -51,5 +51,6 @@ class BlockTableArray:
                 start, table = self._lens[i], tables[i]
                 self._array[i, start: len(table)] = table[start:]
         self._tables, self._lens = tables, lens
-        return self._array[:, :width]
-
+        view = self._array[:, :width]
+        view.flags.writeable = False   # the array is kept for the next step: a write would corrupt it
+        return view
