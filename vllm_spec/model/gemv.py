@@ -15,8 +15,8 @@ Verifying k drafts at batch 1 multiplies k + 1 rows by every weight: still one p
 over the weights, so 2..MAX_ROWS rows take a kernel that reads each weight tile once
 and multiplies it by all rows on the tensor cores (padded to a 16- or 32-row tile:
 CUDA cores multiplying every weight by 5-8 rows fell well behind the memory; past 32
-rows cuBLAS is faster; up to LT_MAX_ROWS, cuBLASLt for the MLP's down projection: lt_bias). The norm and SiLU·mul
-stay unfused there.
+rows cuBLAS is faster; up to LT_MAX_ROWS, cuBLASLt for the MLP's down projection:
+lt_bias). The norm and SiLU·mul stay unfused there.
 
 Used for float16/bfloat16 rows on CUDA; everything else (CPU, float32, more than
 MAX_ROWS rows) takes the unfused ops, which are also the reference in tests/gpu.
@@ -145,14 +145,15 @@ _ZERO_BIAS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def lt_bias(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """A zero bias for x W^T at MAX_ROWS + 1..LT_MAX_ROWS half-precision rows on CUDA of a row-parallel
-    weight (its callers) deeper than it is wide (K > N: the MLP's down projection, unsharded or split
-    in two), else None; column-parallel shards can be deep too (q/k/v at tp 4), and were not measured. torch runs a product with a bias through
-    cuBLASLt's bias epilogue, whose kernel choice splits K for these and plain cuBLAS's does not: on an
-    H200, 8B down (4096 x 14336) at 40-96 rows took 31.6-33.3 µs against 34.1-38.2 (floor 27.6): plain
-    decoding at batch 64 -2.8% a step, verifying 5 tokens at batch 16 -2%. At 128 rows it lost; at 256 it
-    won alone but a whole batch-256 step was 0.2% slower; wide weights gained nothing steadily. The zeros
-    are made outside graph capture (warm-up runs first), so a capture never records their fill."""
+    """A zero bias for x W^T at MAX_ROWS + 1..LT_MAX_ROWS half-precision rows on CUDA of a weight deeper
+    than it is wide (K > N), else None. Only row-parallel linears ask (the MLP's down projection, whole or
+    split in two): column-parallel shards can be deep too (q/k/v at tp 4), and were not measured.
+    torch runs a product with a bias through cuBLASLt's bias epilogue, whose kernel choice splits K for
+    these and plain cuBLAS's does not: on an H200, 8B down (4096 x 14336) at 40-96 rows took 31.6-33.3
+    µs against 34.1-38.2 (floor 27.6): plain decoding at batch 64 -2.8% a step, verifying 5 tokens at
+    batch 16 -2%. At 128 rows it lost; at 256 it won alone but a whole batch-256 step was 0.2% slower;
+    wide weights gained nothing steadily. The zeros are made outside graph capture (warm-up runs
+    first), so a capture never records their fill."""
     if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2
             and MAX_ROWS < x.shape[0] <= LT_MAX_ROWS and weight.shape[1] > weight.shape[0]):
         return None
