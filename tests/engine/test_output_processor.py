@@ -52,14 +52,20 @@ def test_stream_is_used_for_fast_tokenizers(tokenizer):
     assert seq.detok_stream is None
 
 
+class _EveryToken:
+    def __contains__(self, token: int) -> bool:
+        return True
+
+
 def _finish(processor: OutputProcessor, params: SamplingParams, prompt: list[int], max_tokens: int,
             output: list[int], quick: bool) -> tuple:
     """Append `output` in chunks of 1-3 tokens until the sequence stops; quick=False runs the full
-    stop check at every token (as before start(): max_output_len 0)."""
+    stop check at every token: every token counts as one that may stop it and the length limit is 0,
+    so the reference does not rest on any one of the quick conditions it is compared with."""
     seq = Sequence("r", 0, list(prompt), params, max_tokens)
     processor.start(seq)
     if not quick:
-        seq.max_output_len = 0
+        seq.stop_check_ids, seq.max_output_len = _EveryToken(), 0
     kept, i = [], 0
     while i < len(output) and not seq.is_finished:
         chunk = output[i: i + 1 + i % 3]
