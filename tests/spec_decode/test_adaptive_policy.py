@@ -313,3 +313,18 @@ def test_one_belief_for_all_takes_the_closed_form(rate):
     assert p._expected_drafts([rate] * n, [5] * n) == pytest.approx(general, rel=1e-12, abs=1e-12)
     clipped = min(max(rate, 0.0), 0.999)
     assert p._expected_drafts([rate] * n, [5] * n)[2] == pytest.approx(n * (clipped + clipped ** 2))
+    # The closed form never walks the rates sequence by sequence (the general sum does).
+    same, mixed = _Watched([rate] * n), _Watched([rate] * (n - 1) + [other])
+    p._expected_drafts(same, [5] * n)
+    p._expected_drafts(mixed, [5] * n)
+    assert not same.walked and mixed.walked
+
+
+class _Watched(list):
+    """A list that records whether it was iterated in Python (list.count reads it without that)."""
+
+    walked = False
+
+    def __iter__(self):
+        self.walked = True
+        return super().__iter__()

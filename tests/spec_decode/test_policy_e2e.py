@@ -204,13 +204,13 @@ def test_verification_time_stops_where_the_host_starts_reading(spec_pair, monkey
     worker = llm.llm_engine.executor.worker
     worker.policy = policy = _Recording(period=2)
     slow = 0.05
-    logprobs = worker._logprobs
+    logprobs = worker.scorer._logprobs
 
     def slow_logprobs(*args):
         time.sleep(slow)
         return logprobs(*args)
 
-    monkeypatch.setattr(worker, "_logprobs", slow_logprobs)
+    monkeypatch.setattr(worker.scorer, "_logprobs", slow_logprobs)
     runner = worker.target.runner
     prepare = runner.prepare
 

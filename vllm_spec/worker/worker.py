@@ -82,6 +82,10 @@ class Worker:
         return SamplingRow(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids, self.generator_for(seq),
                            num_pending)
 
+    def rows_metadata(self, seqs: list[SeqInput], for_draft: bool = False) -> SamplingMetadata:
+        """Sampling metadata of one row per sequence, nothing in flight."""
+        return SamplingMetadata.build([self.sampling_row(s) for s in seqs], self.vocab_size, self.device, for_draft)
+
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
         return self.launch(req).result()
 
