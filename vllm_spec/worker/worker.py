@@ -112,8 +112,11 @@ class Worker:
         if not sampled and not prompt_rows.rows:
             self.runner.forward(batch)
             return DoneStep(StepOutput([], []), one_token_per_seq=True)
-        rows = np.concatenate([ends, np.asarray(prompt_rows.rows, dtype=np.int64)]) if prompt_rows.rows else ends
-        all_logits = self.runner.run(batch, to_device(rows, self.device))
+        if prompt_rows.rows:
+            rows = to_device(np.concatenate([ends, np.asarray(prompt_rows.rows, dtype=np.int64)]), self.device)
+        else:   # one token per sequence, every one sampled (decode): the logits of every row, no index
+            rows = None if batch.uniform_q == 1 and len(ends) == len(req.seqs) else to_device(ends, self.device)
+        all_logits = self.runner.run(batch, rows)
         out = None
         if sampled:
             md = self._sampling_metadata(seqs, seq_ids, sampled, in_flight)
@@ -167,6 +170,9 @@ class Worker:
             return None
         last = self._last_sampled()
         if len(ph) == len(seqs) and seq_ids == last.seq_ids:   # a steady decode batch: row for row
+            if batch.uniform_q == 1:   # one row per sequence: the sampled tokens are the input, in order
+                batch.input_ids.copy_(last.sampled)
+                return ph, last.sampled
             dst, src = batch.last_rows, np.arange(len(seqs))
         else:
             dst = batch.last_rows[ph]
