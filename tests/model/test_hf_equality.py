@@ -121,7 +121,7 @@ def _worker(path: Path, block_size: int, num_blocks: int) -> Worker:
 
 def _forward_all(worker: Worker, seqs: list[SeqInput]) -> torch.Tensor:
     """float32 logits of every token of the batch."""
-    return worker.runner.run(worker.runner.prepare(seqs))
+    return worker.runner.run(worker.runner.prepare(seqs)).float()
 
 
 def test_prefill_logits_match_hf(case):

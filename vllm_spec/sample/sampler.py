@@ -115,7 +115,10 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        raw = logits.float()
+        # Greedy rows that nothing modifies take the argmax of the model-dtype logits (float32 holds
+        # every bf16/fp16 value exactly: the same token), without a float32 copy of them.
+        argmax_only = md.all_greedy and md.penalties is None and md.banned_rows is None and md.max_num_logprobs is None
+        raw = logits if argmax_only else logits.float()
         tokens = sample_from_logits(process_logits(raw, md), md, self.generator)
         if md.max_num_logprobs is None:
             return SamplerOutput(tokens, None, None, None)

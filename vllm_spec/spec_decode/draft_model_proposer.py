@@ -138,7 +138,7 @@ class DraftModelProposer:
             for step in range(1, k):
                 hidden = graph(tokens, positions, md_step) if graph is not None \
                     else self.runner.model(tokens, positions, md_step)
-                logits = self.runner.model.compute_logits(hidden).float()
+                logits = self.runner.model.compute_logits(hidden)
                 tokens, probs = self._sample(logits, md.without_generators_of(
                     [r for r, n in enumerate(asked) if n <= step]))
                 all_tokens.append(tokens)
@@ -184,7 +184,7 @@ class DraftModelProposer:
         model = self.runner.model
         if md.all_greedy:
             return model.token_ids_of(argmax_rows(logits)), None
-        logits = apply_top_k_top_p_min_p(logits / md.temperature.unsqueeze(1), md)
+        logits = apply_top_k_top_p_min_p(logits.float() / md.temperature.unsqueeze(1), md)
         probs = logits.softmax(dim=-1)
         noise = exponential_noise(tuple(probs.shape), md, probs.device, self.generator)
         sampled = argmax_rows(probs / noise)

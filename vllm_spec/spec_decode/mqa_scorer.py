@@ -122,7 +122,7 @@ class MQAScorer:
                 target_argmax[grid] = argmax_rows(raw)
         else:
             exp_md = SamplingMetadata.build(exp_rows, self.vocab_size, dev)
-            processed = process_logits(raw, exp_md)
+            processed = process_logits(raw.float(), exp_md)
             probs = processed if exp_md.all_greedy else processed.softmax(dim=-1)
             target_probs = probs.new_zeros(R, k + 1, self.vocab_size)
             target_probs[grid] = probs
@@ -131,7 +131,7 @@ class MQAScorer:
             draft_probs = None if proposals.probs is None else proposals.probs[:, :k]
         else:
             draft_tokens = torch.zeros(R, k, dtype=torch.long, device=dev)
-            draft_probs = None if proposals.probs is None else raw.new_zeros(R, k, self.vocab_size)
+            draft_probs = None if proposals.probs is None else proposals.probs.new_zeros(R, k, self.vocab_size)
             draft_tokens[spec_rows_t] = proposals.token_ids[:, :k]
             if draft_probs is not None:
                 draft_probs[spec_rows_t] = proposals.probs[:, :k]
@@ -184,7 +184,7 @@ class MQAScorer:
         grid_r, grid_j = grid_r.tolist(), grid_j.tolist()
         keep = [n for n, (r, j) in enumerate(zip(grid_r, grid_j)) if j < len(emitted[r])]
         tokens = to_device([emitted[grid_r[n]][grid_j[n]] for n in keep], raw.device)
-        ids, lps, ranks = gather_logprobs(raw[to_device(keep, raw.device)], tokens,
+        ids, lps, ranks = gather_logprobs(raw[to_device(keep, raw.device)].float(), tokens,
                                           max(w for w in wanted if w is not None))
         dicts = logprob_dicts(SamplerOutput(tokens, ids, lps, ranks), [wanted[grid_r[n]] for n in keep])
         per_seq: list[list | None] = [[] if w is not None else None for w in wanted]

@@ -102,7 +102,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden[rows]).float()
+        return self.model.compute_logits(hidden[rows])
 
     def graph_for(self, q_len: int, num_seqs: int) -> GraphedForward | None:
         """The graph runner for this batch shape, or None when it must run eagerly."""
@@ -123,10 +123,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: PreparedBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits of the given token rows (every token when rows is None)."""
+        """Logits of the given token rows (every token when rows is None), in the model's dtype: a
+        greedy row needs only their argmax, and converting [rows, vocab] to float32 is a pass over
+        twice their bytes (callers that compute distributions convert)."""
         hidden = self.hidden_states(batch)
         if rows is None:
-            return self.model.compute_logits(hidden).float()
+            return self.model.compute_logits(hidden)
         return self.logits(hidden, rows)
 
     def capture_graphs(self, q_lens: list[int], max_batch: int, max_tokens: int | None = None) -> None:
