@@ -18,12 +18,15 @@ except ImportError:  # CPU-only installs
     triton = None
 
 _CHUNK = 2048
+# From about one row per SM torch's reduction fills the device by itself, and one launch costs the
+# host less than the chunked version's five (tens of microseconds each on a slow host).
+_MANY_ROWS = 128
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Index of the first maximum along the last dim of a 2-D tensor (long [N])."""
     N, V = x.shape
-    if triton is None or not x.is_cuda or V < 4 * _CHUNK or N == 0 or x.stride(-1) != 1:
+    if triton is None or not x.is_cuda or V < 4 * _CHUNK or N == 0 or N >= _MANY_ROWS or x.stride(-1) != 1:
         return x.argmax(dim=-1)
     chunks = triton.cdiv(V, _CHUNK)
     best = torch.empty((N, chunks), dtype=torch.float32, device=x.device)
