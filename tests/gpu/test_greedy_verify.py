@@ -61,3 +61,27 @@ def test_greedy_verify_stops_at_each_rows_drafts():
                            target_argmax=target)
     assert out.tokens.tolist() == [[3, -1, -1], [3, 4, -1], [3, 4, -1]]
     assert out.num_accepted.tolist() == [0, 1, 1]
+
+
+def _compiled_variants() -> int:
+    caches = getattr(greedy_verify._greedy_verify_kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps no device_caches to count compiled variants in")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_warm_up_compiles_every_variant_serving_meets(batch):
+    """After warm_up(k), verifying any k' <= k, any batch, with or without synthetic draws (float64,
+    as the scorer sends them), compiles nothing more."""
+    greedy_verify.warm_up(4, torch.device("cuda"))
+    before = _compiled_variants()
+    for k in range(1, 5):
+        drafts = torch.randint(0, 9, (batch, 4), device="cuda")[:, :k]   # a view, as the scorer's
+        argmax = torch.randint(0, 9, (batch, k + 1), device="cuda")
+        num_drafts = torch.randint(0, k + 1, (batch,), device="cuda")
+        rates = torch.rand(batch, device="cuda")
+        greedy_verify.greedy_verify(argmax, drafts, num_drafts, None, None)
+        greedy_verify.greedy_verify(argmax, drafts, num_drafts, rates, torch.rand(batch, k, device="cuda",
+                                                                                   dtype=torch.float64))
+    assert _compiled_variants() == before

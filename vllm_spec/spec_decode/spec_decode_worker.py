@@ -18,6 +18,7 @@ from vllm_spec.distributed.parallel_state import get_draft_tp_group
 from vllm_spec.model.loader import load_model
 from vllm_spec.sample.metadata import ReusedMetadata, SamplingMetadata
 from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
+from vllm_spec.spec_decode import greedy_verify
 from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer
 from vllm_spec.spec_decode.mqa_scorer import MQAScorer
 from vllm_spec.spec_decode.ngram_proposer import NgramProposer
@@ -91,6 +92,7 @@ class SpecDecodeWorker:
         # Plain decode, and verification of any k up to the configured one (the policy varies it).
         k = self.config.speculative.num_speculative_tokens
         self.target.runner.capture_graphs(list(range(1, k + 2)), max_batch)
+        greedy_verify.warm_up(k, self.device)
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(num_blocks, self.config.model.dtype)
             # Draft steps (1 token) and the catch-up after a fully accepted step (2 tokens).

@@ -11,6 +11,7 @@ import torch
 from vllm_spec.attention.metadata import AttentionMetadata, compute_slot_mapping
 from vllm_spec.config import MAX_SPECULATIVE_TOKENS
 from vllm_spec.model.llama import LlamaForCausalLM
+from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.worker.batch import SeqInput
 from vllm_spec.worker.block_table import BlockTableArray
 from vllm_spec.worker.cuda_graph import GraphedForward, bucket_for
@@ -68,6 +69,16 @@ class ModelRunner:
         backend = attn.backend_for(attn.k_cache)
         if hasattr(backend, "warm_up"):   # compiled kernels (Triton): compile them before serving
             backend.warm_up(attn.num_heads, attn.k_cache, attn.v_cache, attn.scale, attn.sliding_window, dtype)
+            self._warm_up_argmax(dtype)
+
+    @torch.inference_mode()
+    def _warm_up_argmax(self, dtype: torch.dtype) -> None:
+        """Compile the argmax of this model's logits (greedy rows: the model's dtype; sampled rows:
+        float32) before serving: a compile mid-serving stalls a step for about half a second."""
+        logits = self.model.compute_logits(torch.zeros(1, self.model.config.hidden_size, dtype=dtype,
+                                                       device=self.device))
+        argmax_rows(logits)
+        argmax_rows(logits.float())
 
     def prepare(self, seqs: list[SeqInput]) -> PreparedBatch:
         """Flatten the sequences' new tokens and build the attention metadata.
