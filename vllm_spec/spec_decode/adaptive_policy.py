@@ -342,7 +342,7 @@ class AdaptivePolicy:
         self._target.update(stats.num_verified_tokens or q, stats.verify_time)
         forwards = max(chosen, default=0)
         if forwards > 0:
-            self._draft.update(sum(1 for k in chosen if k > 0), draft / forwards)
+            self._draft.update(drafted, draft / forwards)
         if shape.num_other_tokens == 0 and shape.seq_ids:
             self._observe_decoding(shape, chosen, stats, charge, draft)
 
