@@ -164,7 +164,7 @@ class LLMEngine:
             prompt_logprobs = (params.prompt_logprobs
                                if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens else None)
             output, in_flight = seq.output_token_ids, seq.num_in_flight
-            if n == 1 and output and start == len(seq.prompt_token_ids) + len(output) + in_flight - 1:
+            if n == 1 and (output or in_flight) and start == len(seq.prompt_token_ids) + len(output) + in_flight - 1:
                 tokens = [PLACEHOLDER_TOKEN] if in_flight else output[-1:]   # a decode: its newest token
             else:
                 tokens = seq.token_slice(start, start + n)
