@@ -1,9 +1,88 @@
-"""Batch-size buckets of the CUDA graphs (CPU: no graph is captured here)."""
+"""CUDA graphs: batch-size buckets, and the persistent inputs' padding rows at every replay (on CUDA
+with real graphs; on the CPU with graphs that re-run their function eagerly, which tests the same
+bookkeeping)."""
 
-from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata
+from vllm_spec.worker import cuda_graph
+from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, GraphedForward, bucket_for
+
+BLOCK, MAX_BLOCKS = 4, 6
 
 
 def test_a_batch_goes_to_the_smallest_bucket_that_holds_it():
     for batch in range(0, BATCH_BUCKETS[-1] + 50):
         fits = [b for b in BATCH_BUCKETS if b >= batch]
         assert bucket_for(batch) == (min(fits) if fits else None), batch
+
+
+class _Echo(torch.nn.Module):
+    """A row's hidden state = (input id, position, slot): what the replay was given, row by row."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.one = torch.nn.Parameter(torch.ones((), device=device))
+
+    def forward(self, input_ids, positions, md):
+        return torch.stack([input_ids, positions, md.slot_mapping], dim=1).float() * self.one
+
+
+class _EagerGraph:
+    """Stands in for a captured graph on the CPU: a replay re-runs the captured function."""
+
+    def __init__(self, run):
+        self._run = run
+        self.out = run()
+
+    def replay(self) -> None:
+        self.out.copy_(self._run())
+
+    def pool(self) -> None:
+        return None
+
+
+def _batch(batch: int, q: int, seed: int, device: str):
+    g = torch.Generator().manual_seed(seed)
+    tokens = batch * q
+    positions = torch.randint(0, 20, (tokens,), generator=g)
+    md = AttentionMetadata(
+        query_start_loc=torch.arange(batch + 1) * q, seq_lens=positions.view(batch, q)[:, -1] + 1,
+        block_tables=torch.randint(1, 50, (batch, int(torch.randint(1, MAX_BLOCKS + 1, (), generator=g))), generator=g),
+        slot_mapping=torch.randint(BLOCK, 200, (tokens,), generator=g), max_query_len=q, max_seq_len=21,
+        block_size=BLOCK)
+    md = AttentionMetadata(**{f: (v.to(device) if isinstance(v, torch.Tensor) else v) for f, v in vars(md).items()})
+    return torch.randint(1, 1000, (tokens,), generator=g).to(device), positions.to(device), md
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("q", [1, 3])
+def test_rows_past_the_batch_are_padding_at_every_replay(device, q, monkeypatch):
+    """Batches that grow and shrink within and across buckets (a steady batch resets nothing): the
+    replay sees the batch's rows, and every other row of its bucket as padding (null block, q tokens at
+    positions 0..q-1), never an earlier batch's inputs."""
+    if device == "cpu":
+        monkeypatch.setattr(cuda_graph, "capture_graph", lambda run, pool=None: (g := _EagerGraph(run), g.out))
+    graphed = GraphedForward(_Echo(device), q, MAX_BLOCKS, BLOCK, 64)
+    graphed.capture(16)
+    resets, reset = [], graphed._reset_padding
+    monkeypatch.setattr(graphed, "_reset_padding", lambda start, stop: (resets.append(start), reset(start, stop)))
+    previous = None
+    for step, batch in enumerate([5, 5, 3, 3, 7, 2, 16, 1, 12, 9, 9, 1, 12, 4]):
+        ids, positions, md = _batch(batch, q, step, device)
+        resets.clear()
+        out = graphed(ids, positions, md)
+        assert not (batch == previous and resets), step   # a steady batch launches no reset
+        previous = batch
+        assert torch.equal(out[:, 0].long(), ids) and torch.equal(out[:, 1].long(), positions)
+        assert torch.equal(out[:, 2].long(), md.slot_mapping)
+        bucket, tokens = bucket_for(batch), batch * q
+        pad_positions = torch.arange(q, device=device).repeat(bucket - batch)
+        assert torch.equal(graphed.positions[tokens: bucket * q], pad_positions), step
+        assert torch.equal(graphed.slot_mapping[tokens: bucket * q], NULL_BLOCK * BLOCK + pad_positions % BLOCK)
+        assert (graphed.input_ids[tokens: bucket * q] == 0).all(), step
+        assert (graphed.seq_lens[batch: bucket] == q).all(), step
+        assert (graphed.block_tables[batch: bucket] == NULL_BLOCK).all(), step
