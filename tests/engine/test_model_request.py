@@ -11,6 +11,7 @@ from vllm_spec.core.scheduler import ScheduledSeq, SchedulerOutput
 from vllm_spec.core.sequence import Sequence
 from vllm_spec.engine.llm_engine import LLMEngine
 from vllm_spec.sampling_params import SamplingParams
+from vllm_spec.worker.batch import PLACEHOLDER_TOKEN
 
 
 def _random_chunk(rng: random.Random) -> ScheduledSeq:
@@ -18,7 +19,7 @@ def _random_chunk(rng: random.Random) -> ScheduledSeq:
     preemption, decode with or without a token in flight) and the chunk it feeds next."""
     seq = Sequence("r", 0, [rng.randrange(100) for _ in range(rng.randint(1, 6))], SamplingParams(), 64)
     seq.output_token_ids = [rng.randrange(100) for _ in range(rng.choice([0, 0, 1, 2, 5]))]
-    seq.num_in_flight = rng.choice([0, 0, 1])
+    seq.num_in_flight = rng.choice([0, 0, 1, 2])
     total = seq.num_tokens + seq.num_in_flight
     seq.num_computed_tokens = rng.choice([0, total - 1, rng.randrange(total)])
     n = rng.randint(1, total - seq.num_computed_tokens)
@@ -28,7 +29,7 @@ def _random_chunk(rng: random.Random) -> ScheduledSeq:
 @pytest.mark.parametrize("seed", range(5))
 def test_chunk_tokens_are_the_sequences_own(seed):
     """Fed tokens are tokens[computed : computed + n] of prompt + output, placeholders for those in
-    flight, whichever way the request builds them (the decode case takes a shortcut)."""
+    flight (Sequence.token_slice has a shortcut for tokens all in flight)."""
     rng = random.Random(seed)
     chunks = [_random_chunk(rng) for _ in range(300)]
     engine = SimpleNamespace(_released=[], _engine_host_time=0.0)
@@ -37,5 +38,7 @@ def test_chunk_tokens_are_the_sequences_own(seed):
     for item, s in zip(chunks, req.seqs):
         start = item.seq.num_computed_tokens
         assert s.start_pos == start
-        assert s.token_ids == item.seq.token_slice(start, start + item.num_new_tokens)
+        seq = item.seq
+        every = seq.prompt_token_ids + seq.output_token_ids + [PLACEHOLDER_TOKEN] * seq.num_in_flight
+        assert s.token_ids == every[start: start + item.num_new_tokens]
         assert s.sample == item.samples and (s.sampling_params is not None) == item.samples

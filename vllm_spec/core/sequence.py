@@ -111,7 +111,10 @@ class Sequence:
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output; PLACEHOLDER_TOKEN for those still in flight."""
-        known = concat_slice(self.prompt_token_ids, self.output_token_ids, start, stop)
+        prompt, output = self.prompt_token_ids, self.output_token_ids
+        if start >= len(prompt) + len(output):   # all in flight: a decode under async scheduling
+            return [PLACEHOLDER_TOKEN] * (stop - start)
+        known = concat_slice(prompt, output, start, stop)
         in_flight = stop - start - len(known)
         return known + [PLACEHOLDER_TOKEN] * in_flight if in_flight > 0 else known
 

@@ -22,7 +22,7 @@ from vllm_spec.outputs import CompletionOutput, RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
 from vllm_spec.tokenizer import get_tokenizer
-from vllm_spec.worker.batch import PLACEHOLDER_TOKEN, ExecuteModelRequest, SeqInput
+from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput
 from vllm_spec.worker.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
@@ -163,14 +163,10 @@ class LLMEngine:
             params = seq.sampling_params
             prompt_logprobs = (params.prompt_logprobs
                                if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens else None)
-            output, in_flight = seq.output_token_ids, seq.num_in_flight
-            if n == 1 and (output or in_flight) and start == len(seq.prompt_token_ids) + len(output) + in_flight - 1:
-                tokens = [PLACEHOLDER_TOKEN] if in_flight else output[-1:]   # a decode: its newest token
-            else:
-                tokens = seq.token_slice(start, start + n)
             # Positional: keyword arguments cost twice as much, and this runs per sequence per step.
-            seqs.append(SeqInput(seq.seq_id, tokens, start, seq.block_table, sample, params if sample else None,
-                                 seq.prompt_token_ids, output, prompt_logprobs))
+            seqs.append(SeqInput(seq.seq_id, seq.token_slice(start, start + n), start, seq.block_table, sample,
+                                 params if sample else None, seq.prompt_token_ids, seq.output_token_ids,
+                                 prompt_logprobs))
         released, self._released = self._released, []
         return ExecuteModelRequest(seqs, released, sched.num_lookahead_slots, self._engine_host_time)
 
