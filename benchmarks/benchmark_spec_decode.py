@@ -205,7 +205,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.7, 0.9])
-    ap.add_argument("--drafts", nargs="+", default=["68m", "1b"], choices=["68m", "1b"])
+    ap.add_argument("--drafts", nargs="*", default=["68m", "1b"], choices=["68m", "1b"],
+                    help="draft shapes (none: plain decode only)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate (batch 1)")

@@ -203,3 +203,24 @@ class BurstsPolicy(ScriptedPolicy):
         self.steps += 1
         return [min(cap, 3) if self.steps % self.period == 0 else 0 for cap in shape.caps]
 
+
+
+class EagerGraph:
+    """Stands in for a captured CUDA graph on the CPU: a replay re-runs the captured function into
+    the same output tensor, so the static-buffer bookkeeping around graphs runs without a GPU."""
+
+    def __init__(self, run):
+        self._run = run
+        self.out = run()
+
+    def replay(self) -> None:
+        self.out.copy_(self._run())
+
+    def pool(self) -> None:
+        return None
+
+
+def eager_capture(run, pool=None):
+    """cuda_graph.capture_graph's stand-in: (graph, its output)."""
+    graph = EagerGraph(run)
+    return graph, graph.out

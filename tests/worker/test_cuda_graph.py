@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import eager_capture
 
 from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata
 from vllm_spec.worker import cuda_graph
@@ -31,20 +32,6 @@ class _Echo(torch.nn.Module):
         return torch.stack([input_ids, positions, md.slot_mapping], dim=1).float() * self.one
 
 
-class _EagerGraph:
-    """Stands in for a captured graph on the CPU: a replay re-runs the captured function."""
-
-    def __init__(self, run):
-        self._run = run
-        self.out = run()
-
-    def replay(self) -> None:
-        self.out.copy_(self._run())
-
-    def pool(self) -> None:
-        return None
-
-
 def _batch(batch: int, q: int, seed: int, device: str):
     g = torch.Generator().manual_seed(seed)
     tokens = batch * q
@@ -58,20 +45,40 @@ def _batch(batch: int, q: int, seed: int, device: str):
     return torch.randint(1, 1000, (tokens,), generator=g).to(device), positions.to(device), md
 
 
+def _check_padding(graphed: GraphedForward, batch: int, q: int, step: int) -> None:
+    """Every row of the batch's bucket past the batch is padding: null block, q tokens at 0..q-1."""
+    device = graphed.positions.device
+    bucket, tokens = bucket_for(batch), batch * q
+    pad_positions = torch.arange(q, device=device).repeat(bucket - batch)
+    assert torch.equal(graphed.positions[tokens: bucket * q], pad_positions), step
+    assert torch.equal(graphed.slot_mapping[tokens: bucket * q], NULL_BLOCK * BLOCK + pad_positions % BLOCK)
+    assert (graphed.input_ids[tokens: bucket * q] == 0).all(), step
+    assert (graphed.seq_lens[batch: bucket] == q).all(), step
+    assert (graphed.block_tables[batch: bucket] == NULL_BLOCK).all(), step
+
+
+def _graphed(device: str, q: int, monkeypatch) -> GraphedForward:
+    if device == "cpu":
+        monkeypatch.setattr(cuda_graph, "capture_graph", eager_capture)
+    graphed = GraphedForward(_Echo(device), q, MAX_BLOCKS, BLOCK, 64)
+    graphed.capture(16)
+    return graphed
+
+
+BATCHES = [5, 5, 3, 3, 7, 2, 16, 1, 12, 9, 9, 1, 12, 4, 16, 16, 2]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("q", [1, 3])
 def test_rows_past_the_batch_are_padding_at_every_replay(device, q, monkeypatch):
     """Batches that grow and shrink within and across buckets (a steady batch resets nothing): the
     replay sees the batch's rows, and every other row of its bucket as padding (null block, q tokens at
     positions 0..q-1), never an earlier batch's inputs."""
-    if device == "cpu":
-        monkeypatch.setattr(cuda_graph, "capture_graph", lambda run, pool=None: (g := _EagerGraph(run), g.out))
-    graphed = GraphedForward(_Echo(device), q, MAX_BLOCKS, BLOCK, 64)
-    graphed.capture(16)
+    graphed = _graphed(device, q, monkeypatch)
     resets, reset = [], graphed._reset_padding
     monkeypatch.setattr(graphed, "_reset_padding", lambda start, stop: (resets.append(start), reset(start, stop)))
     previous = None
-    for step, batch in enumerate([5, 5, 3, 3, 7, 2, 16, 1, 12, 9, 9, 1, 12, 4]):
+    for step, batch in enumerate(BATCHES):
         ids, positions, md = _batch(batch, q, step, device)
         resets.clear()
         out = graphed(ids, positions, md)
@@ -79,10 +86,35 @@ def test_rows_past_the_batch_are_padding_at_every_replay(device, q, monkeypatch)
         previous = batch
         assert torch.equal(out[:, 0].long(), ids) and torch.equal(out[:, 1].long(), positions)
         assert torch.equal(out[:, 2].long(), md.slot_mapping)
-        bucket, tokens = bucket_for(batch), batch * q
-        pad_positions = torch.arange(q, device=device).repeat(bucket - batch)
-        assert torch.equal(graphed.positions[tokens: bucket * q], pad_positions), step
-        assert torch.equal(graphed.slot_mapping[tokens: bucket * q], NULL_BLOCK * BLOCK + pad_positions % BLOCK)
-        assert (graphed.input_ids[tokens: bucket * q] == 0).all(), step
-        assert (graphed.seq_lens[batch: bucket] == q).all(), step
-        assert (graphed.block_tables[batch: bucket] == NULL_BLOCK).all(), step
+        _check_padding(graphed, batch, q, step)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("q", [1, 3])
+def test_staged_batches_mixed_with_device_inputs(device, q, monkeypatch):
+    """Batches sent from the host in one copy (stage + replay), alternating at random with inputs
+    copied in on the device, growing and shrinking: each replay sees its own batch, the metadata views
+    hold what was staged, every other row of the bucket is padding, and a replay of a batch whose
+    inputs were replaced since is refused."""
+    graphed = _graphed(device, q, monkeypatch)
+    rng = torch.Generator().manual_seed(0)
+    for step, batch in enumerate(BATCHES * 2):
+        ids, positions, md = _batch(batch, q, step, device)
+        if torch.rand((), generator=rng) < 0.4:
+            out = graphed(ids, positions, md)
+        else:
+            host = [t.cpu().numpy() for t in (ids, positions, md.slot_mapping, md.seq_lens, md.block_tables)]
+            ids_v, positions_v, md_v, stage = graphed.stage(*host)
+            assert torch.equal(ids_v, ids) and torch.equal(positions_v, positions)
+            assert torch.equal(md_v.block_tables, md.block_tables) and torch.equal(md_v.seq_lens, md.seq_lens)
+            assert torch.equal(md_v.slot_mapping, md.slot_mapping) and md_v.max_seq_len == int(md.seq_lens.max())
+            assert torch.equal(md_v.query_start_loc, md.query_start_loc)
+            out = graphed.replay(batch, stage)
+        assert torch.equal(out[:, 0].long(), ids) and torch.equal(out[:, 1].long(), positions), step
+        assert torch.equal(out[:, 2].long(), md.slot_mapping), step
+        _check_padding(graphed, batch, q, step)
+    stale = graphed.stage(*[t.cpu().numpy() for t in (ids, positions, md.slot_mapping, md.seq_lens,
+                                                        md.block_tables)])[3]
+    graphed.stage(*[t.cpu().numpy() for t in (ids, positions, md.slot_mapping, md.seq_lens, md.block_tables)])
+    with pytest.raises(RuntimeError, match="restaged"):
+        graphed.replay(batch, stale)

@@ -25,6 +25,14 @@ class PreparedBatch:
     uniform_q: int | None      # tokens per sequence when every sequence feeds the same number
     token_starts: list[int]    # host copy of query_start_loc[:-1]: each sequence's first row
     last_rows: np.ndarray      # int64 [B]: each sequence's last row (where its next token is sampled)
+    # The graph whose static buffers hold the inputs (views of them above), and its stage number.
+    graph: GraphedForward | None = None
+    stage: int = 0
+
+
+# Graphs serve decode, verification and the draft's catch-up: at most k+1 tokens per sequence
+# (a uniform prefill runs eagerly rather than capturing a graph for its prompt length).
+MAX_GRAPH_QUERY_LEN = MAX_SPECULATIVE_TOKENS + 1
 
 
 class ModelRunner:
@@ -83,8 +91,9 @@ class ModelRunner:
     def prepare(self, seqs: list[SeqInput]) -> PreparedBatch:
         """Flatten the sequences' new tokens and build the attention metadata.
 
-        Everything is assembled on the host in one int64 array and sent in ONE copy;
-        the device tensors are views into it.
+        Everything is assembled on the host and sent in ONE copy; the device tensors are views into
+        it. A batch a CUDA graph will replay is written straight into that graph's static buffers
+        (valid until the next batch of its shape is prepared).
         """
         B = len(seqs)
         q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B)
@@ -98,13 +107,18 @@ class ModelRunner:
         positions = starts[req_idx] + offsets
         slots = compute_slot_mapping(tables, req_idx, positions, self.block_size)
         tokens = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=T)
+        seq_lens = starts + q_lens
+        uniform = int(q_lens[0]) if (q_lens == q_lens[0]).all() else None
+        graph = self.graph_for(uniform, B) if uniform else None
+        if graph is not None:
+            input_ids, pos_t, md, stage = graph.stage(tokens, positions, slots, seq_lens, tables)
+            return PreparedBatch(input_ids, pos_t, md, uniform, qsl[:-1].tolist(), qsl[1:] - 1, graph, stage)
         input_ids, pos_t, slot_t, qsl_t, lens_t, tables_t = to_device_aligned(
-            [tokens, positions, slots, qsl, starts + q_lens, tables.ravel()], self.device)
+            [tokens, positions, slots, qsl, seq_lens, tables.ravel()], self.device)
         md = AttentionMetadata(
             query_start_loc=qsl_t, seq_lens=lens_t, block_tables=tables_t.view(B, width), slot_mapping=slot_t,
-            max_query_len=int(q_lens.max()), max_seq_len=int((starts + q_lens).max()), block_size=self.block_size,
+            max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()), block_size=self.block_size,
         )
-        uniform = int(q_lens[0]) if (q_lens == q_lens[0]).all() else None
         return PreparedBatch(input_ids, pos_t, md, uniform, qsl[:-1].tolist(), qsl[1:] - 1)
 
     @torch.inference_mode()
@@ -117,7 +131,7 @@ class ModelRunner:
 
     def graph_for(self, q_len: int, num_seqs: int) -> GraphedForward | None:
         """The graph runner for this batch shape, or None when it must run eagerly."""
-        if not self.cuda_graphs or bucket_for(num_seqs) is None:
+        if not self.cuda_graphs or bucket_for(num_seqs) is None or q_len > MAX_GRAPH_QUERY_LEN:
             return None
         if q_len not in self._graphs:
             if self._graph_pool is None:
@@ -128,9 +142,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def hidden_states(self, batch: PreparedBatch) -> torch.Tensor:
-        """The model's forward: a graph replay for a uniform batch, else eager."""
-        graph = self.graph_for(batch.uniform_q, batch.md.num_seqs) if batch.uniform_q else None
-        return graph(batch.input_ids, batch.positions, batch.md) if graph is not None else self.forward(batch)
+        """The model's forward: a graph replay for a batch staged in a graph's buffers, else eager."""
+        if batch.graph is not None:
+            return batch.graph.replay(batch.md.num_seqs, batch.stage)
+        return self.forward(batch)
 
     @torch.inference_mode()
     def run(self, batch: PreparedBatch, rows: torch.Tensor | None = None) -> torch.Tensor:

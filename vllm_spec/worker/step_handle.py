@@ -43,41 +43,50 @@ class DeviceSpan:
     """The device-clock span of a step's queued work: begun at construction, ended by end()."""
 
     def __init__(self, device: torch.device):
-        self._events = None
+        self._start = self._end = None
         if device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
 
-    def end(self) -> None:
-        if self._events is not None:
-            self._events[1].record()
+    def end(self, last: "HostCopy | None" = None) -> None:
+        """End the span now, or where `last` (the step's last device work, just queued) ends: its
+        event serves both (one event less to record per step: tens of microseconds on the H200)."""
+        if self._start is None:
+            return
+        if last is not None:
+            self._end = last.event
+        else:
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._end.record()
 
     def seconds(self) -> float:
         """The span, once the step's outputs reached the host (0 on CPU)."""
-        if self._events is None:
+        if self._start is None:
             return 0.0
-        return self._events[0].elapsed_time(self._events[1]) / 1e3
+        return self._start.elapsed_time(self._end) / 1e3
 
 
 class HostCopy:
-    """A device tensor's copy to the host, started now without waiting; `values()` waits for it."""
+    """A device tensor's copy to the host, started now without waiting; `values()` waits for it.
+    `event` (CUDA) is recorded right after the copy, timing enabled (it may end a DeviceSpan)."""
 
     def __init__(self, t: torch.Tensor):
+        self.event = None
         if t.device.type == "cuda":
             self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self._host.copy_(t, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
         else:
-            self._host, self._event = t, None
+            self._host = t
         self._values: list | None = None
         self.wait_time = 0.0   # seconds the host waited for the device
 
     def values(self) -> list:
         if self._values is None:
             start = time.perf_counter()
-            if self._event is not None:
-                self._event.synchronize()
+            if self.event is not None:
+                self.event.synchronize()
             self._values = self._host.tolist()
             self.wait_time = time.perf_counter() - start
         return self._values

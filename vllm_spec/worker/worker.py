@@ -124,8 +124,9 @@ class Worker:
                 row_of = {i: r for r, i in enumerate(sampled)}
                 md.penalties.add_tokens(to_device([row_of[i] for i in in_flight[0]], self.device), in_flight[1])
             out = self.sampler(all_logits[: len(ends)], md)
-        span.end()
-        handle = SampledStep(seqs, seq_ids, out, prompt_rows, all_logits[len(ends):], req.seqs, span)
+        copy = HostCopy(out.sampled) if out is not None else None
+        span.end(copy)
+        handle = SampledStep(seqs, seq_ids, out, copy, prompt_rows, all_logits[len(ends):], req.seqs, span)
         if sampled:
             self._last = handle
         return handle
@@ -188,13 +189,14 @@ class SampledStep(StepHandle):
 
     one_token_per_seq = True
 
-    def __init__(self, seqs: list[SeqInput], seq_ids: list[int], out: SamplerOutput | None,
+    def __init__(self, seqs: list[SeqInput], seq_ids: list[int], out: SamplerOutput | None, copy: HostCopy | None,
                  prompt_rows: "PromptLogprobRows", prompt_logits: torch.Tensor, chunk_seqs: list[SeqInput],
                  span: DeviceSpan):
+        """copy: the sampled tokens' copy to the host (None when nothing was sampled)."""
         self.seqs, self.seq_ids, self._out, self._span = seqs, seq_ids, out, span
         self._prompt_rows, self._prompt_logits, self._chunk_seqs = prompt_rows, prompt_logits, chunk_seqs
         self.sampled = out.sampled if out is not None else None
-        self._copy = HostCopy(out.sampled) if out is not None else None
+        self._copy = copy
         self._rows: dict[int, int] | None = None
         self._output: StepOutput | None = None
 
