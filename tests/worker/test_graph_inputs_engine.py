@@ -1,19 +1,23 @@
 """The whole engine through the CUDA-graph input path, on the CPU: graphs stood in by eager replays
-(conftest.EagerGraph), so batches are staged into the graphs' static buffers, padded to their bucket
-and replayed exactly as on a GPU. Outputs must equal the eager engine's."""
+(conftest.EagerGraph), so batches are staged into the graphs' static buffers (the model's and the
+greedy draft loop's), padded to their bucket and replayed exactly as on a GPU. Outputs must equal the
+eager engine's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FIXED, SPEC_KV, eager_capture, make_prompts, output_ids
+from conftest import FIXED, SPEC_KV, eager_capture, make_prompts, metric_values, output_ids
 
 from vllm_spec import LLM, SamplingParams
+from vllm_spec.spec_decode import draft_loop
 from vllm_spec.worker import cuda_graph
 from vllm_spec.worker.model_runner import ModelRunner
 
-GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-SEEDED = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(12)]
+# Lengths differ so that batches shrink step by step (padding rows come back into use).
+GREEDY = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True) for i in range(12)]
+SEEDED = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=6 + 2 * i, ignore_eos=True)
+          for i in range(12)]
 
 
 def _runners(llm: LLM) -> list[ModelRunner]:
@@ -27,6 +31,7 @@ def _runners(llm: LLM) -> list[ModelRunner]:
 def graphs_on_cpu(monkeypatch):
     """Returns a function turning an engine's runners to the graph path; counts staged batches."""
     monkeypatch.setattr(cuda_graph, "capture_graph", eager_capture)
+    monkeypatch.setattr(draft_loop, "capture_graph", eager_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     staged = []
     stage = cuda_graph.GraphedForward.stage
@@ -40,6 +45,10 @@ def graphs_on_cpu(monkeypatch):
     def turn_on(llm: LLM) -> list[int]:
         for runner in _runners(llm):
             runner.cuda_graphs = True
+        proposer = getattr(llm.llm_engine.executor.worker, "draft_proposer", None)
+        if proposer is not None:   # the greedy draft loop's graphs too, and uniform catch-ups
+            proposer.uniform_catch_up = proposer.loop.use_graphs = True
+            proposer.loop.capture(llm.llm_engine.config.speculative.num_speculative_tokens, 16)
         return staged
     return turn_on
 
@@ -54,7 +63,8 @@ def test_staged_graph_inputs_match_eager(spec_pair, graphs_on_cpu, engine, param
         kw["speculative_model"] = draft
     prompts = make_prompts(12, seed=3)
     sp = GREEDY if params == "greedy" else SEEDED
-    reference = output_ids(LLM(target, enforce_eager=True, **kw).generate(prompts, sp, use_tqdm=False))
+    eager = LLM(target, enforce_eager=True, **kw)
+    reference = output_ids(eager.generate(prompts, sp, use_tqdm=False))
     llm = LLM(target, **kw)
     staged = graphs_on_cpu(llm)
     assert output_ids(llm.generate(prompts, sp, use_tqdm=False)) == reference
@@ -63,5 +73,10 @@ def test_staged_graph_inputs_match_eager(spec_pair, graphs_on_cpu, engine, param
         assert set(staged) == {1}, "decode batches did not go through a graph's staged inputs"
     elif engine.get("speculative_policy") == "fixed":
         assert k + 1 in staged, "no verification batch was staged"
+        loop = llm.llm_engine.executor.worker.draft_proposer.loop
+        assert (params == "greedy") == any(g.replays for g, _ in loop.graphs.values())
+        # The same drafts as the eager draft's (output equality alone cannot see a draft gone wrong).
+        drafted = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+        assert [metric_values(llm)[m] for m in drafted] == [metric_values(eager)[m] for m in drafted]
     else:
         assert staged

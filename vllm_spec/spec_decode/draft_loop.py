@@ -13,12 +13,14 @@ Without CUDA graphs (CPU, enforce_eager) the same code runs eagerly.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata, compute_slot_mapping
 from vllm_spec.model.llama import LlamaForCausalLM
 from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for, capture_graph
+from vllm_spec.worker.staging import StagingBuffer
 
 
 class GreedyDraftLoop:
@@ -30,12 +32,19 @@ class GreedyDraftLoop:
         # A draft sharded over ranks gathers its logits: a collective kept out of graphs.
         self.use_graphs = use_graphs and model.lm_head.tp.world_size == 1
         dev = next(model.parameters()).device
-        n = BATCH_BUCKETS[-1]
-        long = dict(dtype=torch.long, device=dev)
-        self.tokens = torch.zeros((n, 2), **long)        # [t_{p-1}, t_p] per row
-        self.first_pos = torch.zeros(n, **long)           # p - 1
-        self.limits = torch.zeros(n, **long)              # last position a row's draft steps may write
-        self.block_tables = torch.full((n, max_blocks), NULL_BLOCK, **long)
+        n = self._rows = BATCH_BUCKETS[-1]
+        self.max_blocks = max_blocks
+        # The static buffers: views of one staging buffer the host fills and sends in one copy,
+        # [tokens (n x 2) | first positions | limits | block tables (n x max_blocks)].
+        self._staging = StagingBuffer(4 * n + n * max_blocks, dev)
+        buf = self._staging.device
+        self.tokens = buf[: 2 * n].view(n, 2)             # [t_{p-1}, t_p] per row
+        self.first_pos = buf[2 * n: 3 * n]                 # p - 1
+        self.limits = buf[3 * n: 4 * n]                    # last position a row's draft steps may write
+        self.block_tables = buf[4 * n:].view(n, max_blocks)
+        self._pad_host(self._staging.host(), 0, n)
+        self._staging.send(len(buf))
+        self._host_padding_from = 0   # the mirror's rows from here on are padding
         # (batch bucket, k) -> the graph and its drafts tensor (in the graph's pool)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = pool
@@ -96,20 +105,36 @@ class GreedyDraftLoop:
                 if (bucket, k) not in self.graphs:
                     self.graphs[(bucket, k)] = self._capture(bucket, k)
 
+    def _pad_host(self, host: np.ndarray, start: int, stop: int) -> None:
+        """The mirror's rows [start, stop) become padding, as _pad makes the device's."""
+        n, W = self._rows, self.max_blocks
+        host[2 * start: 2 * stop] = 0
+        host[2 * n + start: 2 * n + stop] = 0
+        host[3 * n + start: 3 * n + stop] = 1
+        host[4 * n + start * W: 4 * n + stop * W] = NULL_BLOCK
+
     @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, first_pos: torch.Tensor, limits: torch.Tensor,
-                 block_tables: torch.Tensor, k: int, max_seq_len: int) -> torch.Tensor:
-        """tokens [B, 2] at positions first_pos, first_pos + 1; drafts [B, k] (greedy)."""
-        batch = tokens.shape[0]
-        self.tokens[:batch].copy_(tokens)
-        self.first_pos[:batch].copy_(first_pos)
-        self.limits[:batch].copy_(limits)
-        self.block_tables[:batch, : block_tables.shape[1]].copy_(block_tables)
+    def __call__(self, tokens: np.ndarray, first_pos: np.ndarray, limits: np.ndarray, block_tables: np.ndarray,
+                 k: int, max_seq_len: int) -> torch.Tensor:
+        """tokens [B, 2] at positions first_pos, first_pos + 1 (host arrays, sent in one copy);
+        drafts [B, k] (greedy) on the device."""
+        batch, n = len(first_pos), self._rows
         bucket = bucket_for(batch)
-        if not self.use_graphs or (bucket, k) not in self.graphs:
+        graphed = self.use_graphs and (bucket, k) in self.graphs
+        host = self._staging.host()
+        host[: 2 * batch] = tokens.ravel()
+        host[2 * n: 2 * n + batch] = first_pos
+        host[3 * n: 3 * n + batch] = limits
+        # Columns past a table's width keep older ids: a row never reads past its length.
+        host[4 * n: 4 * n + batch * self.max_blocks].reshape(batch, self.max_blocks)[:, : block_tables.shape[1]] \
+            = block_tables
+        if self._host_padding_from > batch:
+            self._pad_host(host, batch, self._host_padding_from)
+        self._host_padding_from = batch
+        # Rows past the bucket are not read by its graph: their tables are not sent.
+        self._staging.send(4 * n + bucket * self.max_blocks)
+        if not graphed:
             return self._run(batch, k, max_seq_len)
-        if bucket > batch:
-            self._pad(batch, bucket)
         graph, drafts = self.graphs[(bucket, k)]
         graph.replay()
         return drafts[:batch].clone()

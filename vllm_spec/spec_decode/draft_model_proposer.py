@@ -23,7 +23,7 @@ from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import SeqInput
 from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for
 from vllm_spec.worker.block_table import BlockTableArray
-from vllm_spec.worker.model_runner import ModelRunner, to_device_aligned
+from vllm_spec.worker.model_runner import ModelRunner
 
 
 # Query lengths of the catch-up graphs, and their most query tokens (a longer lag or a larger
@@ -162,10 +162,7 @@ class DraftModelProposer:
         limits = lens + np.asarray(num_drafts, dtype=np.int64) - 1
         tokens = np.fromiter((t for s, n in zip(seqs, seq_lens) for t in tokens_from(s, n - 2)), dtype=np.int64,
                              count=2 * B)
-        tokens_t, first_t, limits_t, tables_t = to_device_aligned([tokens, lens - 2, limits, tables.ravel()],
-                                                                  self.runner.device)
-        drafts = self.loop(tokens_t.view(B, 2), first_t, limits_t, tables_t.view(tables.shape), k,
-                           max_seq_len=int(limits.max()) + 1)
+        drafts = self.loop(tokens, lens - 2, limits, tables, k, max_seq_len=int(limits.max()) + 1)
         for s, length, n in zip(seqs, seq_lens, num_drafts):
             self._computed[s.seq_id] = length + n - 1
             self._fed[s.seq_id] = n - 1
