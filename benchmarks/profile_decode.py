@@ -5,6 +5,7 @@
     python benchmarks/profile_decode.py --batch 256 --host-profile               # where the host's time goes
     python benchmarks/profile_decode.py --batch 1 --draft 68m --k 8 --draft-graph  # one draft step in the graph
     python benchmarks/profile_decode.py --batch 64 --sync-check                  # host waits for the device
+    python benchmarks/profile_decode.py --batch 256 --api-calls                  # CUDA API calls per step
 
 --trace-steps prints every engine step's wall time and draft/verify times, and how
 many Triton kernels were compiled during the traced steps (a recompiling kernel in
@@ -107,6 +108,23 @@ def sync_check(engine, batch: int, steps: int = 8) -> None:
         print(f"{n:4d}  {site}")
 
 
+def api_calls(engine, batch: int, steps: int = 16) -> None:
+    """CUDA runtime/driver calls the host makes per steady-state step, by name: each call that queues
+    device work costs host time (tens of microseconds on the H200's host), and unlike that time the
+    count does not move between runs."""
+    import collections
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    calls = collections.Counter(e.name for e in prof.events()
+                                if e.device_type.name == "CPU" and e.name.startswith("cu"))
+    print(f"CUDA API calls per step at batch {batch}: {sum(calls.values()) / steps:.1f}")
+    for name, n in calls.most_common():
+        print(f"{n / steps:7.1f}  {name}")
+
+
 def draft_graph_steps(engine, batch: int, max_k: int, context: int = 256, reps: int = 200) -> None:
     """Replay the whole-proposal graph for k = 1..max_k; the slope over k is one draft step inside the graph.
 
@@ -163,6 +181,8 @@ def main() -> None:
                     help="speculative_disable_by_batch_size: 1 runs the speculative engine without speculating")
     ap.add_argument("--sync-check", action="store_true",
                     help="list the calls that make the host wait for the device in steady-state steps")
+    ap.add_argument("--api-calls", action="store_true",
+                    help="count the CUDA API calls of steady-state steps (per step, by name)")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile of the host side of decode steps (Python functions by own time)")
     ap.add_argument("--chrome-trace", default=None,
@@ -187,14 +207,14 @@ def main() -> None:
     if args.trace_steps:
         trace_steps(engine, args.batch, args.trace_steps, args.mixed)
         return
-    if args.sync_check:
+    if args.sync_check or args.api_calls:
         from vllm_spec import SamplingParams
 
         for i in range(args.batch):
             engine.add_request(f"s{i}", [2 + i] * 128, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
         while any(s.num_output_tokens < 2 for s in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()
-        sync_check(engine, args.batch)
+        (sync_check if args.sync_check else api_calls)(engine, args.batch)
         return
     if args.host_profile:
         import cProfile
