@@ -155,9 +155,10 @@ def check_draft(llm: LLM, draft_hf, prompts: list[list[int]]) -> dict:
     for ids in prompts:
         # Block 0 is the null block; this cache has no prefix sharing, so any other block is free now.
         table = list(range(1, 1 + -(-len(ids) // runner.block_size)))
-        batch = runner.prepare([SeqInput(seq_id=0, token_ids=ids, start_pos=0, block_table=table, sample=False)])
-        # forward + logits rather than run(): run() would capture a CUDA graph for this one prompt length.
-        ours = runner.logits(runner.forward(batch), torch.arange(len(ids), device=runner.device))
+        # Eager: a graph would be captured for this one prompt length.
+        batch = runner.prepare([SeqInput(seq_id=0, token_ids=ids, start_pos=0, block_table=table, sample=False)],
+                               use_graph=False)
+        ours = runner.run(batch)
         theirs = draft_hf(torch.tensor([ids], device=draft_hf.device)).logits[0].float().to(ours.device)
         if runner.model.output_ids is not None:   # the engine's draft proposes from a vocabulary subset
             theirs = theirs[:, runner.model.output_ids]

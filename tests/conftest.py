@@ -204,7 +204,6 @@ class BurstsPolicy(ScriptedPolicy):
         return [min(cap, 3) if self.steps % self.period == 0 else 0 for cap in shape.caps]
 
 
-
 class EagerGraph:
     """Stands in for a captured CUDA graph on the CPU: a replay re-runs the captured function into
     the same output tensor, so the static-buffer bookkeeping around graphs runs without a GPU."""

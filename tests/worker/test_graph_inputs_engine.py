@@ -11,7 +11,7 @@ from conftest import FIXED, SPEC_KV, eager_capture, make_prompts, metric_values,
 
 from vllm_spec import LLM, SamplingParams
 from vllm_spec.spec_decode import draft_loop
-from vllm_spec.worker import cuda_graph
+from vllm_spec.worker import cuda_graph, staging
 from vllm_spec.worker.model_runner import ModelRunner
 
 # Lengths differ so that batches shrink step by step (padding rows come back into use).
@@ -53,10 +53,13 @@ def graphs_on_cpu(monkeypatch):
     return turn_on
 
 
+@pytest.mark.parametrize("tables", ["whole rows", "compact"])
 @pytest.mark.parametrize("params", ["greedy", "seeded"])
 @pytest.mark.parametrize("engine", [dict(async_scheduling=False), dict(async_scheduling=True),
                                     dict(num_speculative_tokens=3, **FIXED), dict(num_speculative_tokens=4)])
-def test_staged_graph_inputs_match_eager(spec_pair, graphs_on_cpu, engine, params):
+def test_staged_graph_inputs_match_eager(spec_pair, graphs_on_cpu, engine, params, tables, monkeypatch):
+    if tables == "compact":   # block tables sent as a compact block, as long contexts do
+        monkeypatch.setattr(staging, "_FULL_ROWS_MAX", 0)
     target, draft = spec_pair
     kw = dict(SPEC_KV, dtype="float32", **engine)
     if "num_speculative_tokens" in engine:

@@ -16,11 +16,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata, compute_slot_mapping
+from vllm_spec.attention.metadata import AttentionMetadata, compute_slot_mapping
 from vllm_spec.model.llama import LlamaForCausalLM
 from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for, capture_graph
 from vllm_spec.worker.staging import StagingBuffer
+
+
+_NO_TABLES = np.zeros((0, 1), dtype=np.int64)   # every row sent as padding
 
 
 class GreedyDraftLoop:
@@ -33,18 +36,17 @@ class GreedyDraftLoop:
         self.use_graphs = use_graphs and model.lm_head.tp.world_size == 1
         dev = next(model.parameters()).device
         n = self._rows = BATCH_BUCKETS[-1]
-        self.max_blocks = max_blocks
         # The static buffers: views of one staging buffer the host fills and sends in one copy,
-        # [tokens (n x 2) | first positions | limits | block tables (n x max_blocks)].
-        self._staging = StagingBuffer(4 * n + n * max_blocks, dev)
+        # [tokens (n x 2) | first positions | limits] then the block tables.
+        self._staging = StagingBuffer(4 * n, n, max_blocks, dev)
         buf = self._staging.device
         self.tokens = buf[: 2 * n].view(n, 2)             # [t_{p-1}, t_p] per row
         self.first_pos = buf[2 * n: 3 * n]                 # p - 1
         self.limits = buf[3 * n: 4 * n]                    # last position a row's draft steps may write
-        self.block_tables = buf[4 * n:].view(n, max_blocks)
-        self._pad_host(self._staging.host(), 0, n)
-        self._staging.send(len(buf))
-        self._host_padding_from = 0   # the mirror's rows from here on are padding
+        self.block_tables = self._staging.tables
+        self._host_padding_from = n   # the mirror's rows from here on are padding
+        self._pad_host(0)
+        self._staging.send(_NO_TABLES, n)
         # (batch bucket, k) -> the graph and its drafts tensor (in the graph's pool)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = pool
@@ -83,17 +85,11 @@ class GreedyDraftLoop:
         return torch.stack(drafts, dim=1)
 
     def _capture(self, batch: int, k: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        self._pad(0, batch)
+        self._pad_host(0)
+        self._staging.send(_NO_TABLES, batch)
         graph, drafts = capture_graph(lambda: self._run(batch, k, self.max_model_len), self.pool)
         self.pool = graph.pool()
         return graph, drafts
-
-    def _pad(self, start: int, stop: int) -> None:
-        """Rows [start, stop) feed token 0 at positions 0, 1 of the null block."""
-        self.tokens[start:stop] = 0
-        self.first_pos[start:stop] = 0
-        self.limits[start:stop] = 1
-        self.block_tables[start:stop] = NULL_BLOCK
 
     @torch.inference_mode()
     def capture(self, max_k: int, max_batch: int) -> None:
@@ -105,13 +101,16 @@ class GreedyDraftLoop:
                 if (bucket, k) not in self.graphs:
                     self.graphs[(bucket, k)] = self._capture(bucket, k)
 
-    def _pad_host(self, host: np.ndarray, start: int, stop: int) -> None:
-        """The mirror's rows [start, stop) become padding, as _pad makes the device's."""
-        n, W = self._rows, self.max_blocks
-        host[2 * start: 2 * stop] = 0
-        host[2 * n + start: 2 * n + stop] = 0
-        host[3 * n + start: 3 * n + stop] = 1
-        host[4 * n + start * W: 4 * n + stop * W] = NULL_BLOCK
+    def _pad_host(self, start: int) -> np.ndarray:
+        """The mirror's rows from `start` on feed token 0 at positions 0, 1 (their block-table rows
+        are sent as the null block: a row's slots come from its table); returns the mirror."""
+        host, stop, n = self._staging.host(), self._host_padding_from, self._rows
+        if stop > start:
+            host[2 * start: 2 * stop] = 0
+            host[2 * n + start: 2 * n + stop] = 0
+            host[3 * n + start: 3 * n + stop] = 1
+        self._host_padding_from = start
+        return host
 
     @torch.inference_mode()
     def __call__(self, tokens: np.ndarray, first_pos: np.ndarray, limits: np.ndarray, block_tables: np.ndarray,
@@ -121,18 +120,11 @@ class GreedyDraftLoop:
         batch, n = len(first_pos), self._rows
         bucket = bucket_for(batch)
         graphed = self.use_graphs and (bucket, k) in self.graphs
-        host = self._staging.host()
+        host = self._pad_host(batch)
         host[: 2 * batch] = tokens.ravel()
         host[2 * n: 2 * n + batch] = first_pos
         host[3 * n: 3 * n + batch] = limits
-        # Columns past a table's width keep older ids: a row never reads past its length.
-        host[4 * n: 4 * n + batch * self.max_blocks].reshape(batch, self.max_blocks)[:, : block_tables.shape[1]] \
-            = block_tables
-        if self._host_padding_from > batch:
-            self._pad_host(host, batch, self._host_padding_from)
-        self._host_padding_from = batch
-        # Rows past the bucket are not read by its graph: their tables are not sent.
-        self._staging.send(4 * n + bucket * self.max_blocks)
+        self._staging.send(block_tables, bucket)   # the bucket's rows past the batch: the null block
         if not graphed:
             return self._run(batch, k, max_seq_len)
         graph, drafts = self.graphs[(bucket, k)]

@@ -116,7 +116,7 @@ class DraftModelProposer:
             self._computed[s.seq_id] = s.seq_len
         if not spec:
             if catch_up:
-                self.runner.forward(self.runner.prepare(catch_up))
+                self.runner.hidden_states(self.runner.prepare(catch_up))
             return Proposals(torch.empty(0, 0, dtype=torch.long), None, [])
         batch = self.runner.prepare(catch_up)
         row_in_batch = {i: r for r, i in enumerate(fed)}

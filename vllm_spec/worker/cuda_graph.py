@@ -50,32 +50,31 @@ class GraphedForward:
     staged (`stage`, then `replay`): written into a host mirror laid out as the buffers are and sent
     in ONE copy; inputs computed on the device (a sampled draft's next step) are copied in by
     `__call__`. The static buffers are views of one staging buffer: [ids | positions | slots |
-    seq_lens | block tables (rows of max_blocks)].
+    seq_lens] then the block tables.
+
+    Rows of a bucket past the batch are padding: q_len tokens at positions 0.. whose K/V go to the
+    null block. Their block-table rows are not reset: whatever ids they hold are blocks of this
+    cache, read for rows whose outputs are discarded, and written by nothing (the slots say where).
     """
 
     def __init__(self, model: LlamaForCausalLM, q_len: int, max_blocks: int, block_size: int,
                  max_seq_len: int, pool=None):
         self.model, self.q_len, self.block_size, self.max_seq_len = model, q_len, block_size, max_seq_len
-        self.max_blocks = max_blocks
         dev = next(model.parameters()).device
         n, tokens = BATCH_BUCKETS[-1], BATCH_BUCKETS[-1] * q_len
-        self._tables_at = 3 * tokens + n
-        self._staging = StagingBuffer(self._tables_at + n * max_blocks, dev)
+        self._staging = StagingBuffer(3 * tokens + n, n, max_blocks, dev)
         buf = self._staging.device
         self.input_ids, self.positions, self.slot_mapping = buf[:tokens], buf[tokens: 2 * tokens], \
             buf[2 * tokens: 3 * tokens]
-        self.seq_lens = buf[3 * tokens: self._tables_at]
-        self.block_tables = buf[self._tables_at:].view(n, max_blocks)
+        self.seq_lens = buf[3 * tokens: 3 * tokens + n]
+        self.block_tables = self._staging.tables
         self.query_start_loc = torch.arange(n + 1, dtype=torch.long, device=dev) * q_len
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = pool
-        # Every row from here on holds padding (a replay never changes its inputs): only a batch smaller
-        # than the last resets rows, those the last one filled, so a steady batch launches no reset
-        # (a reset is several launches, tens of microseconds of host time each on the H200). One mark
-        # for the device buffers (inputs copied in on the device), one for the host mirror (staged).
-        self._padding_from = self._host_padding_from = 0
-        self._reset_host_padding(self._staging.host(), 0, n)
-        self._staging.send(len(buf))
+        # Rows from these on hold padding, in the device's buffers and in the host mirror. Only a
+        # batch smaller than the last makes rows padding again, so a steady batch resets nothing.
+        self._padding_from = self._host_padding_from = n
+        self._reset_padding(0)
         self._staged = 0   # how many batches were staged: a replay checks it replays the latest
 
     def _metadata(self, batch: int) -> AttentionMetadata:
@@ -85,30 +84,27 @@ class GraphedForward:
             max_query_len=self.q_len, max_seq_len=self.max_seq_len, block_size=self.block_size,
         )
 
-    def _reset_padding(self, start: int, stop: int) -> None:
-        """Rows [start, stop) become harmless: length q_len at positions 0.., all in the null block."""
-        q = self.q_len
-        self.seq_lens[start:stop] = q
-        self.block_tables[start:stop] = NULL_BLOCK
-        offs = torch.arange(q, device=self.positions.device).repeat(stop - start)
-        self.positions[start * q: stop * q] = offs
-        self.slot_mapping[start * q: stop * q] = NULL_BLOCK * self.block_size + offs % self.block_size
-        self.input_ids[start * q: stop * q] = 0
+    def _pad_host(self, start: int) -> np.ndarray:
+        """The mirror's rows from `start` on become padding; returns the mirror."""
+        host, stop = self._staging.host(), self._host_padding_from
+        if stop > start:
+            q, tokens = self.q_len, len(self.input_ids)
+            offs = np.tile(np.arange(q), stop - start)
+            host[start * q: stop * q] = 0
+            host[tokens + start * q: tokens + stop * q] = offs
+            host[2 * tokens + start * q: 2 * tokens + stop * q] = NULL_BLOCK * self.block_size + offs % self.block_size
+            host[3 * tokens + start: 3 * tokens + stop] = q
+        self._host_padding_from = start
+        return host
 
-    def _reset_host_padding(self, host: np.ndarray, start: int, stop: int) -> None:
-        """The mirror's rows [start, stop) become padding, as _reset_padding makes the device's."""
-        q, tokens = self.q_len, len(self.input_ids)
-        offs = np.tile(np.arange(q), stop - start)
-        host[start * q: stop * q] = 0
-        host[tokens + start * q: tokens + stop * q] = offs
-        host[2 * tokens + start * q: 2 * tokens + stop * q] = NULL_BLOCK * self.block_size + offs % self.block_size
-        host[3 * tokens + start: 3 * tokens + stop] = q
-        host[self._tables_at + start * self.max_blocks: self._tables_at + stop * self.max_blocks] = NULL_BLOCK
+    def _reset_padding(self, start: int) -> None:
+        """The device's rows from `start` on become padding (the mirror's, sent in one copy)."""
+        self._pad_host(start)
+        self._staging.send()
+        self._padding_from = start
 
     def _capture(self, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        self._reset_padding(0, batch)
-        if self._padding_from <= batch:
-            self._padding_from = 0
+        self._reset_padding(0)
         tokens = batch * self.q_len
         # Metadata built inside the captured function: a backend may cache layouts on the object.
         graph, out = capture_graph(
@@ -135,30 +131,21 @@ class GraphedForward:
               tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, int]:
         """Send a host-prepared batch (B sequences of q_len tokens; tables [B, width]) to the static
         buffers in one copy. Returns the device views of its ids, positions and metadata, and the
-        stage number `replay` takes: they hold this batch until the next stage."""
+        stage number `replay` takes: they hold this batch until the next stage, capture or call."""
         batch, q = len(seq_lens), self.q_len
-        bucket = bucket_for(batch)
         self._graph(batch)   # a capture overwrites the buffers: before the batch is sent, not after
-        host = self._staging.host()
-        n_tok, width, W = batch * q, tables.shape[1], self.max_blocks
-        T = len(self.input_ids)
+        host = self._pad_host(batch)
+        n_tok, T = batch * q, len(self.input_ids)
         host[:n_tok] = tokens
         host[T: T + n_tok] = positions
         host[2 * T: 2 * T + n_tok] = slots
         host[3 * T: 3 * T + batch] = seq_lens
-        # Columns past a table's width keep older ids: a row never reads past its length.
-        host[self._tables_at: self._tables_at + batch * W].reshape(batch, W)[:, :width] = tables
-        if self._host_padding_from > batch:
-            self._reset_host_padding(host, batch, self._host_padding_from)
-        self._host_padding_from = batch
-        # Rows past the bucket are not read by its graph: their tables are not sent.
-        self._staging.send(self._tables_at + bucket * W)
-        # The device's rows past this batch are padding now, but for tables past the bucket.
-        self._padding_from = max(self._padding_from, batch)
+        self._staging.send(tables, batch)
+        self._padding_from = batch
         self._staged += 1
         md = AttentionMetadata(
             query_start_loc=self.query_start_loc[: batch + 1], seq_lens=self.seq_lens[:batch],
-            block_tables=self.block_tables[:batch, :width], slot_mapping=self.slot_mapping[:n_tok],
+            block_tables=self.block_tables[:batch, : tables.shape[1]], slot_mapping=self.slot_mapping[:n_tok],
             max_query_len=q, max_seq_len=int(seq_lens.max()), block_size=self.block_size)
         return self.input_ids[:n_tok], self.positions[:n_tok], md, self._staged
 
@@ -177,14 +164,14 @@ class GraphedForward:
         its inputs on the device."""
         batch, q = md.num_seqs, self.q_len
         graph, out = self._graph(batch)
+        if self._padding_from > batch:   # an earlier, larger batch's inputs: padding again, once
+            self._reset_padding(batch)
         tokens = batch * q
         self.input_ids[:tokens].copy_(input_ids)
         self.positions[:tokens].copy_(positions)
         self.slot_mapping[:tokens].copy_(md.slot_mapping)
         self.seq_lens[:batch].copy_(md.seq_lens)
         self.block_tables[:batch, : md.block_tables.shape[1]].copy_(md.block_tables)
-        if self._padding_from > batch:   # an earlier, larger batch's inputs: padding again, once
-            self._reset_padding(batch, self._padding_from)
         self._padding_from = batch
         self._staged += 1   # a staged batch's inputs are gone
         graph.replay()

@@ -30,8 +30,9 @@ class PreparedBatch:
     stage: int = 0
 
 
-# Graphs serve decode, verification and the draft's catch-up: at most k+1 tokens per sequence
-# (a uniform prefill runs eagerly rather than capturing a graph for its prompt length).
+# Graphs serve decode and verification (at most k+1 tokens per sequence) and the query lengths
+# announced by capture_graphs (the draft's catch-ups): a uniform prefill runs eagerly rather than
+# capturing a graph for its prompt length.
 MAX_GRAPH_QUERY_LEN = MAX_SPECULATIVE_TOKENS + 1
 
 
@@ -88,12 +89,13 @@ class ModelRunner:
         argmax_rows(logits)
         argmax_rows(logits.float())
 
-    def prepare(self, seqs: list[SeqInput]) -> PreparedBatch:
+    def prepare(self, seqs: list[SeqInput], use_graph: bool = True) -> PreparedBatch:
         """Flatten the sequences' new tokens and build the attention metadata.
 
         Everything is assembled on the host and sent in ONE copy; the device tensors are views into
         it. A batch a CUDA graph will replay is written straight into that graph's static buffers
-        (valid until the next batch of its shape is prepared).
+        (valid until that graph's buffers are next written: the next prepare of the same query
+        length, a capture, or a call with device inputs); use_graph=False keeps it off graphs.
         """
         B = len(seqs)
         q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B)
@@ -109,7 +111,7 @@ class ModelRunner:
         tokens = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=T)
         seq_lens = starts + q_lens
         uniform = int(q_lens[0]) if (q_lens == q_lens[0]).all() else None
-        graph = self.graph_for(uniform, B) if uniform else None
+        graph = self.graph_for(uniform, B) if uniform and use_graph else None
         if graph is not None:
             input_ids, pos_t, md, stage = graph.stage(tokens, positions, slots, seq_lens, tables)
             return PreparedBatch(input_ids, pos_t, md, uniform, qsl[:-1].tolist(), qsl[1:] - 1, graph, stage)
@@ -122,30 +124,31 @@ class ModelRunner:
         return PreparedBatch(input_ids, pos_t, md, uniform, qsl[:-1].tolist(), qsl[1:] - 1)
 
     @torch.inference_mode()
-    def forward(self, batch: PreparedBatch) -> torch.Tensor:
-        return self.model(batch.input_ids, batch.positions, batch.md)
-
-    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden[rows])
 
     def graph_for(self, q_len: int, num_seqs: int) -> GraphedForward | None:
         """The graph runner for this batch shape, or None when it must run eagerly."""
-        if not self.cuda_graphs or bucket_for(num_seqs) is None or q_len > MAX_GRAPH_QUERY_LEN:
+        if not self.cuda_graphs or bucket_for(num_seqs) is None:
             return None
-        if q_len not in self._graphs:
-            if self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            self._graphs[q_len] = GraphedForward(self.model, q_len, self.max_blocks_per_seq, self.block_size,
-                                                 self.max_model_len, self._graph_pool)
-        return self._graphs[q_len]
+        graph = self._graphs.get(q_len)
+        if graph is None and q_len <= MAX_GRAPH_QUERY_LEN:
+            graph = self._new_graph(q_len)
+        return graph
+
+    def _new_graph(self, q_len: int) -> GraphedForward:
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = self._graphs[q_len] = GraphedForward(self.model, q_len, self.max_blocks_per_seq, self.block_size,
+                                                     self.max_model_len, self._graph_pool)
+        return graph
 
     @torch.inference_mode()
     def hidden_states(self, batch: PreparedBatch) -> torch.Tensor:
         """The model's forward: a graph replay for a batch staged in a graph's buffers, else eager."""
         if batch.graph is not None:
             return batch.graph.replay(batch.md.num_seqs, batch.stage)
-        return self.forward(batch)
+        return self.model(batch.input_ids, batch.positions, batch.md)
 
     @torch.inference_mode()
     def run(self, batch: PreparedBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -160,10 +163,11 @@ class ModelRunner:
     def capture_graphs(self, q_lens: list[int], max_batch: int, max_tokens: int | None = None) -> None:
         """Capture up front the graphs the worker will replay, so no step pays for a capture
         (batches of at most max_tokens query tokens, when given)."""
+        if not self.cuda_graphs:
+            return
         for q in q_lens:
-            graph = self.graph_for(q, 1)
-            if graph is not None:
-                graph.capture(max_batch if max_tokens is None else min(max_batch, max_tokens // q))
+            graph = self._graphs.get(q) or self._new_graph(q)
+            graph.capture(max_batch if max_tokens is None else min(max_batch, max_tokens // q))
 
 
 def ragged_grid(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

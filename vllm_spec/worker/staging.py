@@ -1,10 +1,10 @@
-"""An int64 device buffer written through a host mirror and sent in one copy.
+"""Static int64 inputs of a CUDA graph, written through a host mirror and sent in one copy.
 
-On the H200's host every call that queues device work costs tens of microseconds: a step
-whose inputs live in one buffer, written in place on the host (pinned memory) and sent by ONE
+On the H200's host every call that queues device work costs tens of microseconds: a step whose
+inputs live in one buffer, written in place on the host (pinned memory) and sent by ONE
 asynchronous copy, pays for one such call instead of one per input tensor. The mirror is
 written while earlier copies may still be queued; an event recorded after each send says when
-the copy has read it, so a write never races the copy before it.
+the copies have read it, so a write never races the copy before it.
 """
 
 from __future__ import annotations
@@ -12,12 +12,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_spec.attention.metadata import NULL_BLOCK
+
+# Block tables go as whole rows of max_blocks (the static table's layout: one copy with the rest)
+# while that stays this small; past it (long contexts, large batches) the rows' used columns go as
+# a compact block, copied into place on the device: two copies more, a fraction of the bytes.
+_FULL_ROWS_MAX = 1 << 15
+
 
 class StagingBuffer:
-    """`device` [size] int64 and its host mirror; send(stop) copies the mirror's first stop entries."""
+    """A device buffer [fixed part | block tables (rows x max_blocks) | compact tables] and its host
+    mirror [fixed part | tables]; `host()` is the mirror to write, `send` queues the copies."""
 
-    def __init__(self, size: int, device: torch.device):
-        self.device = torch.zeros(size, dtype=torch.long, device=device)
+    def __init__(self, fixed: int, rows: int, max_blocks: int, device: torch.device):
+        self.fixed, self.max_blocks = fixed, max_blocks
+        size = fixed + rows * max_blocks
+        self.device = torch.zeros(size + rows * max_blocks, dtype=torch.long, device=device)
+        self.tables = self.device[fixed: size].view(rows, max_blocks)
+        self._compact = self.device[size:]
         self._host = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
         self._host_array = self._host.numpy()
         self._sent = torch.cuda.Event() if device.type == "cuda" else None
@@ -30,9 +42,30 @@ class StagingBuffer:
             self._in_flight = False
         return self._host_array
 
-    def send(self, stop: int) -> None:
-        """Queue the copy of the mirror's [0, stop) into the device buffer; returns at once."""
-        self.device[:stop].copy_(self._host[:stop], non_blocking=True)
+    def send(self, tables: np.ndarray | None = None, rows: int = 0) -> None:
+        """Queue the fixed part's copy and, given `tables` [B, width], the block tables of rows
+        [0, rows): B real rows, then null ones (padding). Call after writing the fixed part into
+        host(); returns at once. Columns past `width` keep older ids: no row reads past its length."""
+        host, fixed = self.host(), self.fixed
+        if tables is None or rows == 0:
+            self._copy(0, fixed, 0)
+        else:
+            B, width = tables.shape
+            W = self.max_blocks
+            if rows * W <= _FULL_ROWS_MAX:
+                block = host[fixed: fixed + rows * W].reshape(rows, W)
+                block[:B, :width] = tables
+                block[B:] = NULL_BLOCK
+                self._copy(0, fixed + rows * W, 0)
+            else:
+                host[fixed: fixed + B * width] = tables.ravel()
+                host[fixed + B * width: fixed + rows * width] = NULL_BLOCK
+                self._copy(0, fixed, 0)
+                self._copy(fixed, fixed + rows * width, len(self.device) - len(self._compact))
+                self.tables[:rows, :width].copy_(self._compact[: rows * width].view(rows, width))
         if self._sent is not None:
             self._sent.record()
             self._in_flight = True
+
+    def _copy(self, start: int, stop: int, device_start: int) -> None:
+        self.device[device_start: device_start + stop - start].copy_(self._host[start:stop], non_blocking=True)

@@ -49,8 +49,8 @@ class DeviceSpan:
             self._start.record()
 
     def end(self, last: "HostCopy | None" = None) -> None:
-        """End the span now, or where `last` (the step's last device work, just queued) ends: its
-        event serves both (one event less to record per step: tens of microseconds on the H200)."""
+        """End the span now, or where `last` (the step's last device work, just queued; a timed
+        copy) ends: its event serves both (one event less to record per step on the H200)."""
         if self._start is None:
             return
         if last is not None:
@@ -68,14 +68,15 @@ class DeviceSpan:
 
 class HostCopy:
     """A device tensor's copy to the host, started now without waiting; `values()` waits for it.
-    `event` (CUDA) is recorded right after the copy, timing enabled (it may end a DeviceSpan)."""
+    `event` (CUDA) is recorded right after the copy; `timed`: with timing enabled, so that it may
+    end a DeviceSpan."""
 
-    def __init__(self, t: torch.Tensor):
+    def __init__(self, t: torch.Tensor, timed: bool = False):
         self.event = None
         if t.device.type == "cuda":
             self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self._host.copy_(t, non_blocking=True)
-            self.event = torch.cuda.Event(enable_timing=True)
+            self.event = torch.cuda.Event(enable_timing=timed)
             self.event.record()
         else:
             self._host = t

@@ -110,7 +110,7 @@ class Worker:
         if on_pass is not None:
             on_pass()
         if not sampled and not prompt_rows.rows:
-            self.runner.forward(batch)
+            self.runner.hidden_states(batch)
             return DoneStep(StepOutput([], []), one_token_per_seq=True)
         if prompt_rows.rows:
             rows = to_device(np.concatenate([ends, np.asarray(prompt_rows.rows, dtype=np.int64)]), self.device)
@@ -124,7 +124,7 @@ class Worker:
                 row_of = {i: r for r, i in enumerate(sampled)}
                 md.penalties.add_tokens(to_device([row_of[i] for i in in_flight[0]], self.device), in_flight[1])
             out = self.sampler(all_logits[: len(ends)], md)
-        copy = HostCopy(out.sampled) if out is not None else None
+        copy = HostCopy(out.sampled, timed=True) if out is not None else None
         span.end(copy)
         handle = SampledStep(seqs, seq_ids, out, copy, prompt_rows, all_logits[len(ends):], req.seqs, span)
         if sampled:
