@@ -4,8 +4,8 @@ Plain decode (1 token per sequence), verification (k+1) and draft steps are
 such batches. One graph per (query length, batch-size bucket), captured at
 start-up (or on first use for shapes nobody announced), replays the model's
 forward pass over persistent input buffers that are updated in place; the LM
-head runs outside, on the rows that are needed. Padding rows point at the null
-block, so they read and write nothing real.
+head runs outside, on the rows that are needed. Padding rows write their K/V into
+the null block, so they change nothing real.
 """
 
 from __future__ import annotations
