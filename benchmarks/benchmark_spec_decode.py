@@ -11,7 +11,8 @@ V = verify step / target step, all measured here (the draft and the verification
 device spans; 'idle ms' is the rest of the step's device span, where the device waits for the
 host to prepare the target pass). Host time per step (scheduling, the worker's input
 preparation and launches, output processing; not the time spent waiting for the device) is
-reported separately.
+reported separately: its mean ('host ms') and its median over the engine's calls ('host md', which
+a few steps slowed by other work on the host do not move).
 
     python benchmarks/benchmark_spec_decode.py --batch-sizes 1 4 16 64 256 --ks 1 2 4 8 \\
         --acceptance 0.5 0.7 0.9 --drafts 68m 1b --hf
@@ -23,6 +24,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -69,6 +71,7 @@ class Row:
     tokens_per_s: float
     ms_per_token_per_seq: float
     host_ms_per_step: float
+    host_ms_median: float = 0.0       # median over the engine's calls: robust to the host's hiccups
     device_ms_per_step: float = 0.0   # the step's span on the device's clock
     draft_ms_per_step: float = 0.0
     verify_ms_per_step: float = 0.0
@@ -132,9 +135,15 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_len: int, see
     d0, v0, s0 = (spec.draft_time, spec.verify_time, spec.num_steps) if spec else (0, 0, 0)
     t0 = time.perf_counter()
     # Steps read, not calls: with async scheduling one call may read two steps.
-    last_step = engine.stats.num_steps + window if window is not None else float("inf")
-    while engine.has_unfinished_requests() and engine.stats.num_steps < last_step:
+    stats = engine.stats
+    last_step = stats.num_steps + window if window is not None else float("inf")
+    host_per_call = []   # each call's host seconds per step it read
+    while engine.has_unfinished_requests() and stats.num_steps < last_step:
+        host, steps_before = stats.schedule_time + stats.worker_host_time + stats.output_time, stats.num_steps
         engine.step()
+        if stats.num_steps > steps_before:
+            host_per_call.append((stats.schedule_time + stats.worker_host_time + stats.output_time - host)
+                                 / (stats.num_steps - steps_before))
     sync()
     elapsed = time.perf_counter() - t0
     delta = {n: metric(engine, n) - v for n, v in before.items()}
@@ -151,6 +160,7 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_len: int, see
         ms_per_token_per_seq=elapsed / (generated / batch) * 1e3,
         host_ms_per_step=(delta["vllm:engine_host_schedule_seconds"] + delta["vllm:engine_host_worker_seconds"]
                           + delta["vllm:engine_host_output_seconds"]) / steps * 1e3,
+        host_ms_median=statistics.median(host_per_call) * 1e3 if host_per_call else 0.0,
         device_ms_per_step=delta["vllm:engine_device_seconds"] / steps * 1e3,
     )
     if spec:
@@ -262,7 +272,7 @@ def main() -> None:
         hf[1] = hf_generate(target, 1, args.prompt_len, min(args.gen_len, 64))
 
     print(f"\n{'system':10} {'B':>4} {'k':>2} {'A':>4} {'ms/step':>8} {'dev ms':>7} {'idle ms':>7} {'tok/s':>9} "
-          f"{'host ms':>7} {'c':>5} {'V':>5} {'speedup':>7} {'theory':>6} {'%theory':>7} {'floor':>6}")
+          f"{'host ms':>7} {'host md':>7} {'c':>5} {'V':>5} {'speedup':>7} {'theory':>6} {'%theory':>7} {'floor':>6}")
     for r in rows:
         base = plain[r.batch]
         c = r.draft_ms_per_step / max(r.k, 1) / base.ms_per_step if r.k else 0
@@ -271,7 +281,7 @@ def main() -> None:
         idle = r.device_ms_per_step - r.draft_ms_per_step - r.verify_ms_per_step if r.k else 0
         print(f"{r.system:10} {r.batch:4d} {r.k:2d} {r.acceptance or 0:4.2f} {r.ms_per_step:8.3f} "
               f"{r.device_ms_per_step:7.3f} {idle:7.3f} "
-              f"{r.tokens_per_s:9.1f} {r.host_ms_per_step:7.3f} {c:5.3f} {v:5.3f} {r.speedup:7.2f} "
+              f"{r.tokens_per_s:9.1f} {r.host_ms_per_step:7.3f} {r.host_ms_median:7.3f} {c:5.3f} {v:5.3f} {r.speedup:7.2f} "
               f"{r.theoretical:6.2f} {pct:7.1f} {r.floor_ms:6.2f}")
     for b, ms in hf.items():
         print(f"HF transformers generate, batch {b}: {ms:.2f} ms/step "
