@@ -78,8 +78,8 @@ class HostCopy:
             self._host.copy_(t, non_blocking=True)
             self.event = torch.cuda.Event(enable_timing=timed)
             self.event.record()
-        else:
-            self._host = t
+        else:   # a copy still: the values are those of now, whatever is written into t later
+            self._host = t.clone()
         self._values: list | None = None
         self.wait_time = 0.0   # seconds the host waited for the device
 
