@@ -7,6 +7,7 @@ import torch
 from conftest import BurstsPolicy
 
 from vllm_spec import LLM, SamplingParams
+from vllm_spec.worker import staging
 
 pytestmark = pytest.mark.gpu
 
@@ -24,15 +25,21 @@ def eager_reference(spec_pair):
     return _ids(LLM(spec_pair[0], enforce_eager=True, **KV).generate(PROMPTS, GREEDY, use_tqdm=False))
 
 
-def test_cuda_graphs_match_eager(spec_pair, eager_reference):
+@pytest.mark.parametrize("tables", ["whole rows", "compact"])
+def test_cuda_graphs_match_eager(spec_pair, eager_reference, tables, monkeypatch):
+    if tables == "compact":   # block tables sent as a compact block, as long contexts do
+        monkeypatch.setattr(staging, "_FULL_ROWS_MAX", 0)
     llm = LLM(spec_pair[0], **KV)
     assert llm.llm_engine.executor.worker.runner.cuda_graphs
     assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == eager_reference
     assert llm.llm_engine.executor.worker.runner._graphs, "no CUDA graph was used"
 
 
+@pytest.mark.parametrize("tables", ["whole rows", "compact"])
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_speculation_on_gpu_matches_plain(spec_pair, eager_reference, k):
+def test_speculation_on_gpu_matches_plain(spec_pair, eager_reference, k, tables, monkeypatch):
+    if tables == "compact":
+        monkeypatch.setattr(staging, "_FULL_ROWS_MAX", 0)
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=k,
               speculative_policy="fixed", **KV)
     assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == eager_reference
