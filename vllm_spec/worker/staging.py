@@ -21,15 +21,16 @@ _FULL_ROWS_MAX = 1 << 15
 
 
 class StagingBuffer:
-    """A device buffer [fixed part | block tables (rows x max_blocks) | compact tables] and its host
-    mirror [fixed part | tables]; `host()` is the mirror to write, `send` queues the copies."""
+    """A device buffer [fixed part | block tables (rows x max_blocks)] and its host mirror of the same
+    layout; `host()` is the mirror to write, `send` queues the copies. Compact tables go through a
+    device scratch allocated on first use (short contexts never need it)."""
 
     def __init__(self, fixed: int, rows: int, max_blocks: int, device: torch.device):
         self.fixed, self.max_blocks = fixed, max_blocks
         size = fixed + rows * max_blocks
-        self.device = torch.zeros(size + rows * max_blocks, dtype=torch.long, device=device)
-        self.tables = self.device[fixed: size].view(rows, max_blocks)
-        self._compact = self.device[size:]
+        self.device = torch.zeros(size, dtype=torch.long, device=device)
+        self.tables = self.device[fixed:].view(rows, max_blocks)
+        self._compact: torch.Tensor | None = None
         self._host = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
         self._host_array = self._host.numpy()
         self._sent = torch.cuda.Event() if device.type == "cuda" else None
@@ -48,7 +49,7 @@ class StagingBuffer:
         host(); returns at once. Columns past `width` keep older ids: no row reads past its length."""
         host, fixed = self.host(), self.fixed
         if tables is None or rows == 0:
-            self._copy(0, fixed, 0)
+            self._send_prefix(fixed)
         else:
             B, width = tables.shape
             W = self.max_blocks
@@ -56,16 +57,18 @@ class StagingBuffer:
                 block = host[fixed: fixed + rows * W].reshape(rows, W)
                 block[:B, :width] = tables
                 block[B:] = NULL_BLOCK
-                self._copy(0, fixed + rows * W, 0)
+                self._send_prefix(fixed + rows * W)
             else:
                 host[fixed: fixed + B * width] = tables.ravel()
                 host[fixed + B * width: fixed + rows * width] = NULL_BLOCK
-                self._copy(0, fixed, 0)
-                self._copy(fixed, fixed + rows * width, len(self.device) - len(self._compact))
+                if self._compact is None:
+                    self._compact = torch.empty(self.tables.numel(), dtype=torch.long, device=self.device.device)
+                self._compact[: rows * width].copy_(self._host[fixed: fixed + rows * width], non_blocking=True)
+                self._send_prefix(fixed)
                 self.tables[:rows, :width].copy_(self._compact[: rows * width].view(rows, width))
         if self._sent is not None:
             self._sent.record()
             self._in_flight = True
 
-    def _copy(self, start: int, stop: int, device_start: int) -> None:
-        self.device[device_start: device_start + stop - start].copy_(self._host[start:stop], non_blocking=True)
+    def _send_prefix(self, stop: int) -> None:
+        self.device[:stop].copy_(self._host[:stop], non_blocking=True)
