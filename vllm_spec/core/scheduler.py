@@ -93,6 +93,7 @@ class Scheduler:
         bm = self.block_manager
         max_model_len = self.config.max_model_len
         lookahead = self.num_lookahead_slots
+        block_size = bm.block_size
         # Decodes first, then partially prefilled sequences, oldest first within each. Decodes are
         # scheduled where the one pass over the running list meets them (it visits every sequence at
         # every step): all of their tokens (<= 1) fit the budget left (> 0), so each samples.
@@ -108,7 +109,11 @@ class Scheduler:
                 continue   # its last token is already being sampled
             if uncomputed > 1:
                 prefills.append((seq, uncomputed))
-            elif bm.try_append_slots(seq, uncomputed, lookahead) or self._preempt_for(seq, uncomputed, lookahead, out):
+            # The table covering the step already (most steps) is try_append_slots's own first check,
+            # made here: the call costs more than the check, for every sequence at every step.
+            elif (seq.num_computed_tokens + uncomputed + lookahead <= len(seq.block_table) * block_size
+                  or bm.try_append_slots(seq, uncomputed, lookahead)
+                  or self._preempt_for(seq, uncomputed, lookahead, out)):
                 out.scheduled.append(ScheduledSeq(seq, uncomputed, True))
                 budget -= uncomputed
         for seq, uncomputed in prefills:
