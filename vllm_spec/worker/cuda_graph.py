@@ -71,9 +71,9 @@ class GraphedForward:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.long, device=dev) * q_len
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = pool
-        # Rows from these on hold padding, in the device's buffers and in the host mirror. Only a
+        # Rows from here on hold padding, in the host mirror and in the device's buffers. Only a
         # batch smaller than the last makes rows padding again, so a steady batch resets nothing.
-        self._padding_from = self._host_padding_from = n
+        self._padding_from = n
         self._reset_padding(0)
         self._staged = 0   # how many batches were staged: a replay checks it replays the latest
 
@@ -85,8 +85,9 @@ class GraphedForward:
         )
 
     def _pad_host(self, start: int) -> np.ndarray:
-        """The mirror's rows from `start` on become padding; returns the mirror."""
-        host, stop = self._staging.host(), self._host_padding_from
+        """The mirror's rows from `start` on become padding (the device's too, once it is sent);
+        returns the mirror."""
+        host, stop = self._staging.host(), self._padding_from
         if stop > start:
             q, tokens = self.q_len, len(self.input_ids)
             offs = np.tile(np.arange(q), stop - start)
@@ -94,14 +95,13 @@ class GraphedForward:
             host[tokens + start * q: tokens + stop * q] = offs
             host[2 * tokens + start * q: 2 * tokens + stop * q] = NULL_BLOCK * self.block_size + offs % self.block_size
             host[3 * tokens + start: 3 * tokens + stop] = q
-        self._host_padding_from = start
+        self._padding_from = start
         return host
 
     def _reset_padding(self, start: int) -> None:
         """The device's rows from `start` on become padding (the mirror's, sent in one copy)."""
         self._pad_host(start)
         self._staging.send()
-        self._padding_from = start
 
     def _capture(self, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self._reset_padding(0)
@@ -117,8 +117,7 @@ class GraphedForward:
     def capture(self, max_batch: int) -> None:
         """Capture every bucket up to max_batch, largest first (smaller ones reuse its pool memory)."""
         for bucket in sorted((b for b in BATCH_BUCKETS if b <= bucket_for(max_batch)), reverse=True):
-            if bucket not in self.graphs:
-                self.graphs[bucket] = self._capture(bucket)
+            self._graph(bucket)
 
     def _graph(self, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         bucket = bucket_for(batch)
@@ -141,7 +140,6 @@ class GraphedForward:
         host[2 * T: 2 * T + n_tok] = slots
         host[3 * T: 3 * T + batch] = seq_lens
         self._staging.send(tables, batch)
-        self._padding_from = batch
         self._staged += 1
         md = AttentionMetadata(
             query_start_loc=self.query_start_loc[: batch + 1], seq_lens=self.seq_lens[:batch],
