@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vllm_spec.sampling_params import SamplingParams
+from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 
 
 def random_id(prefix: str) -> str:
@@ -116,6 +116,10 @@ class _SamplingFields(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             extra_args=self.vllm_xargs,
+            # As vLLM: a response sent whole needs no per-step output (building one per request per
+            # step is host time the engine spends between launches); a stream rebuilds its deltas
+            # from cumulative outputs (stop-string holdback needs the text so far).
+            output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
         )
         try:
             return SamplingParams(**kwargs)
