@@ -32,13 +32,12 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
+        # Identity tests too (a dict lookup would hash the member): asked per request per step.
+        return "stop" if self is _STOPPED else "length" if self is _LENGTH else "abort" if self is _ABORTED else None
 
 
 _STOPPED, _LENGTH, _ABORTED = (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
                                SequenceStatus.FINISHED_ABORTED)
-_FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
-                   SequenceStatus.FINISHED_ABORTED: "abort"}
 
 
 _seq_ids = itertools.count()
@@ -142,4 +141,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        # A loop, not all() over a generator: asked per request per step.
+        for seq in self.seqs:
+            if not seq.status.finished:
+                return False
+        return True
