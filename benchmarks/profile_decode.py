@@ -109,20 +109,35 @@ def sync_check(engine, batch: int, steps: int = 8) -> None:
 
 
 def api_calls(engine, batch: int, steps: int = 16) -> None:
-    """CUDA runtime/driver calls the host makes per steady-state step, by name: each call that queues
-    device work costs host time (tens of microseconds on the H200's host), and unlike that time the
-    count does not move between runs."""
+    """CUDA runtime/driver calls the host makes per steady-state step, by name, with their host time,
+    then the ops that take the host's time: each call that queues device work costs host time, and
+    unlike that time the count does not move between runs."""
     import collections
 
+    stats = engine.stats
+    before = (stats.num_steps, stats.schedule_time, stats.worker_host_time, stats.output_time)
+    for _ in range(steps):
+        engine.step()
+    n = stats.num_steps - before[0]
+    print(f"host us per step without the profiler at batch {batch}: schedule {(stats.schedule_time - before[1]) / n * 1e6:.0f}"
+          f", worker {(stats.worker_host_time - before[2]) / n * 1e6:.0f}, outputs {(stats.output_time - before[3]) / n * 1e6:.0f}")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    calls = collections.Counter(e.name for e in prof.events()
-                                if e.device_type.name == "CPU" and e.name.startswith("cu"))
-    print(f"CUDA API calls per step at batch {batch}: {sum(calls.values()) / steps:.1f}")
+    calls, host_us = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type.name == "CPU":
+            host_us[e.name] += e.self_cpu_time_total
+            if e.name.startswith("cu"):
+                calls[e.name] += 1
+    print(f"CUDA API calls per step at batch {batch}: {sum(calls.values()) / steps:.1f}, "
+          f"{sum(host_us[n] for n in calls) / steps:.0f} us of host time")
     for name, n in calls.most_common():
-        print(f"{n / steps:7.1f}  {name}")
+        print(f"{n / steps:7.1f}  {host_us[name] / steps:8.1f} us  {name}")
+    print("host time per step by op (self time, us; the profiler's own cost included):")
+    for name, us in host_us.most_common(25):
+        print(f"{us / steps:8.1f}  {name}")
 
 
 def draft_graph_steps(engine, batch: int, max_k: int, context: int = 256, reps: int = 200) -> None:
@@ -209,9 +224,12 @@ def main() -> None:
         return
     if args.sync_check or args.api_calls:
         from vllm_spec import SamplingParams
+        from vllm_spec.sampling_params import RequestOutputKind
 
+        # FINAL_ONLY, as LLM.generate and the benchmarks: no per-step outputs in the host's time.
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
         for i in range(args.batch):
-            engine.add_request(f"s{i}", [2 + i] * 128, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+            engine.add_request(f"s{i}", [2 + i] * 128, params)
         while any(s.num_output_tokens < 2 for s in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()
         (sync_check if args.sync_check else api_calls)(engine, args.batch)
