@@ -81,6 +81,11 @@ def find_model_source(model: str, load_format: str) -> tuple[str, Path]:
     )
 
 
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass
 class ModelConfig:
     """The model to run and how: architecture, dtype, context length."""
@@ -110,7 +115,7 @@ class ModelConfig:
         limit = arch.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit
-        elif not (isinstance(max_model_len, int) and 1 <= max_model_len):
+        elif not (_is_int(max_model_len) and 1 <= max_model_len):
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}.")
         elif max_model_len > limit and not (arch.rope_scaling and arch.rope_scaling.get("rope_type") != "default"):
             raise ValueError(
@@ -168,7 +173,7 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}.")
         if self.distributed_executor_backend not in (None, *DISTRIBUTED_EXECUTOR_BACKENDS):
             raise ValueError(
@@ -194,6 +199,8 @@ def check_tensor_parallel(arch: ArchConfig, tp: int, what: str) -> None:
 
 
 SPEC_METHODS = ("draft_model", "ngram")
+
+
 SPEC_POLICIES = ("adaptive", "fixed")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -229,11 +236,15 @@ class SpeculativeConfig:
         else:
             raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {method!r}.")
         k = num_speculative_tokens
-        if not (isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
+        if not (_is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}.")
-        if disable_by_batch_size is not None and disable_by_batch_size < 1:
-            raise ValueError(f"speculative_disable_by_batch_size must be >= 1, got {disable_by_batch_size!r}.")
+        for name, value in (("speculative_disable_by_batch_size", disable_by_batch_size),
+                            ("speculative_draft_tensor_parallel_size", draft_tensor_parallel_size),
+                            ("ngram_prompt_lookup_max", prompt_lookup_max),
+                            ("ngram_prompt_lookup_min", prompt_lookup_min)):
+            if value is not None and not (_is_int(value) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if synthetic_acceptance_rate is not None and not 0.0 <= synthetic_acceptance_rate <= 1.0:
             raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], got {synthetic_acceptance_rate!r}.")
         if policy not in (None, *SPEC_POLICIES):
@@ -243,11 +254,12 @@ class SpeculativeConfig:
                   disable_by_batch_size=disable_by_batch_size, synthetic_acceptance_rate=synthetic_acceptance_rate,
                   policy=policy or "adaptive")
         if method == "ngram":
+            # As vLLM: one bound given sets the other (max from min, min = min(2, max)).
             hi = prompt_lookup_max or prompt_lookup_min or 5
             lo = prompt_lookup_min or min(2, hi)
-            if not 1 <= lo <= hi:
+            if lo > hi:
                 raise ValueError(
-                    f"ngram_prompt_lookup_min ({lo}) must be >= 1 and <= ngram_prompt_lookup_max ({hi})."
+                    f"ngram_prompt_lookup_min ({lo}) must be <= ngram_prompt_lookup_max ({hi})."
                 )
             cfg.prompt_lookup_max, cfg.prompt_lookup_min = hi, lo
             return cfg

@@ -75,6 +75,18 @@ def test_out_of_vocab_token_rejected(llm):
         llm.generate({"prompt_token_ids": [1, 2, 10_000]}, greedy(), use_tqdm=False)
 
 
+def test_stop_strings_without_detokenization_rejected(llm, tiny_llama, reference):
+    with pytest.raises(ValueError, match="stop strings"):
+        llm.generate(PROMPT, greedy(stop=["a"], detokenize=False), use_tqdm=False)
+    bare = LLM(str(tiny_llama), skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=MAX_MODEL_LEN)
+    with pytest.raises(ValueError, match="stop strings"):
+        bare.generate({"prompt_token_ids": [5, 6, 7]}, greedy(stop=["a"]), use_tqdm=False)
+    # Nothing was left behind: both engines keep serving.
+    assert llm.generate(PROMPT, greedy(ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids == reference.token_ids
+    assert len(bare.generate({"prompt_token_ids": [5, 6, 7]}, greedy(max_tokens=3), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 3
+
+
 def test_mismatched_params_list_rejected(llm):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([PROMPT, PROMPT], [greedy()], use_tqdm=False)

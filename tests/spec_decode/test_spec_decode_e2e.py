@@ -220,6 +220,20 @@ def test_speculative_config_dict_form(spec_pair, greedy_reference):
     ({"speculative_config": {"num_speculative_tokens": 2, "bogus": 1, "model": "x"}}, "bogus"),
     ({"num_speculative_tokens": 2, "speculative_policy": "greedy"}, "speculative_policy"),
     ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 2.5}, "disable_by_batch_size"),
+    ({"num_speculative_tokens": 2, "speculative_draft_tensor_parallel_size": 1.0}, "draft_tensor_parallel_size"),
+    ({"speculative_model": "[ngram]", "num_speculative_tokens": 2, "ngram_prompt_lookup_max": 3.5},
+     "ngram_prompt_lookup_max"),
+    ({"speculative_model": "[ngram]", "num_speculative_tokens": 2, "ngram_prompt_lookup_max": 0},
+     "ngram_prompt_lookup_max"),
+    ({"speculative_model": "[ngram]", "num_speculative_tokens": 2, "ngram_prompt_lookup_max": -5},
+     "ngram_prompt_lookup_max"),
+    ({"speculative_model": "[ngram]", "num_speculative_tokens": 2, "ngram_prompt_lookup_min": 0},
+     "ngram_prompt_lookup_min"),
+    ({"speculative_model": "[ngram]", "num_speculative_tokens": 2, "ngram_prompt_lookup_min": 4,
+      "ngram_prompt_lookup_max": 3}, "ngram_prompt_lookup_min"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": "1"}},
+     "ngram_prompt_lookup_min"),
 ])
 def test_invalid_speculative_settings(spec_pair, kwargs, match):
     kwargs.setdefault("speculative_model", spec_pair[1])

@@ -98,6 +98,10 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use.")
+        if params.stop and (self.tokenizer is None or not params.detokenize):
+            # As vLLM: stop strings match text, which only detokenized tokens have.
+            raise ValueError(f"stop strings ({params.stop!r}) need detokenized output: detokenize=True and an engine "
+                             "with a tokenizer (not skip_tokenizer_init). Use stop_token_ids instead.")
         text, ids = self.tokenize_prompt(prompt)
         vocab, max_len = self.config.model.arch.vocab_size, self.config.model.max_model_len
         if not ids:
