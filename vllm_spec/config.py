@@ -240,7 +240,6 @@ class SpeculativeConfig:
             raise ValueError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}.")
         for name, value in (("speculative_disable_by_batch_size", disable_by_batch_size),
-                            ("speculative_draft_tensor_parallel_size", draft_tensor_parallel_size),
                             ("ngram_prompt_lookup_max", prompt_lookup_max),
                             ("ngram_prompt_lookup_min", prompt_lookup_min)):
             if value is not None and not (_is_int(value) and value >= 1):
@@ -303,7 +302,7 @@ class EngineConfig:
         if self.speculative is not None:
             draft_tp = self.speculative.draft_tensor_parallel_size
             allowed = [d for d in range(1, tp + 1) if tp % d == 0]
-            if draft_tp not in allowed:
+            if not _is_int(draft_tp) or draft_tp not in allowed:
                 raise ValueError(
                     f"speculative_draft_tensor_parallel_size (speculative_config['draft_tensor_parallel_size']) "
                     f"must divide tensor_parallel_size ({tp}): one of {allowed}, got {draft_tp!r}. The draft runs "

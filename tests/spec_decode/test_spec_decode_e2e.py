@@ -177,6 +177,36 @@ def test_seeded_request_arriving_while_others_speculate(spec_pair, method):
     assert run(True) == run(False)
 
 
+@pytest.mark.parametrize("policy", [FIXED, {}], ids=["fixed", "adaptive"])
+def test_seeded_request_whose_prompt_ends_in_a_one_token_chunk(spec_pair, policy):
+    """A token budget shared with other prompts cuts the seeded prompt so that its last chunk is one
+    token: that chunk ends the prompt (no drafts, as when the prompt runs whole), not a decode step."""
+    seeded = SamplingParams(temperature=0.8, seed=42, max_tokens=16, ignore_eos=True)
+    other = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(11, 21))}
+    # Budget 12: the three 4-token prompts fill the first step, their decodes leave 9 tokens of the
+    # second for the seeded prompt, whose last token goes alone in the third.
+    others = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(3)]
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, max_num_batched_tokens=12,
+              **policy, **KV)
+    alone = output_ids(llm.generate(prompt, seeded, use_tqdm=False))[0]
+    mixed = llm.generate(others + [prompt], [other] * 3 + [seeded], use_tqdm=False)
+    assert output_ids(mixed)[-1] == alone
+
+
+def test_seeded_sampling_is_independent_of_preemption(spec_pair):
+    """Preempted seeded requests recompute their tokens; the recompute's last chunk drafts as the step
+    it replays did (its drafts placed after the whole chunk), so each output is the unpreempted one."""
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)
+    prompts = make_prompts(6, seed=21)
+    kw = dict(speculative_model=spec_pair[1], num_speculative_tokens=3, block_size=4, max_model_len=128, **FIXED)
+    reference = output_ids(LLM(spec_pair[0], **kw, **KV).generate(prompts, seeded, use_tqdm=False))
+    tight = LLM(spec_pair[0], **kw, num_gpu_blocks_override=34)
+    assert output_ids(tight.generate(prompts, seeded, use_tqdm=False)) == reference
+    assert metric_values(tight)["vllm:num_preemptions"] > 0
+    assert metric_values(tight)["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
 def test_penalised_row_speculating_next_to_a_sampled_prefill(spec_pair, baseline):
     greedy = SamplingParams(temperature=0, max_tokens=16, presence_penalty=0.5, ignore_eos=True)
     prompt = make_prompts(1, seed=13)[0]

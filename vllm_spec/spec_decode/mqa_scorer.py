@@ -65,11 +65,15 @@ class MQAScorer:
         starts_np = np.asarray(starts, dtype=np.int64)
         sampled = [i for i, s in enumerate(req.seqs) if s.sample]
         # Index arrays, built in numpy and sent in one copy: the j-th draft of speculating row r goes
-        # right after its sequence's last token; sampled row r is scored at its last token and at
-        # each of its drafts (grid: row r, position j).
+        # right after its sequence's last token (a decode feeds one; a seeded row's recompute after
+        # preemption, its whole last chunk); sampled row r is scored at its last token and at each
+        # of its drafts (grid: row r, position j).
         drafted = np.asarray(proposals.num_drafts, dtype=np.int64)
         src_row, src_pos = ragged_grid(drafted)
-        dst = starts_np[np.asarray(spec_idx, dtype=np.int64)][src_row] + 1 + src_pos
+        spec_np = np.asarray(spec_idx, dtype=np.int64)
+        fed_ends = starts_np[spec_np] + np.fromiter((len(req.seqs[i].token_ids) for i in spec_idx), dtype=np.int64,
+                                                    count=len(spec_idx))
+        dst = fed_ends[src_row] + src_pos
         found_np = np.zeros(len(req.seqs), dtype=np.int64)
         found_np[spec_idx] = drafted
         sampled_np = np.asarray(sampled, dtype=np.int64)

@@ -105,8 +105,11 @@ class SpecDecodeWorker:
         speculate as the policy says, never past max_model_len, and not at all while the batch
         holds speculative_disable_by_batch_size sequences or more.
 
-        Otherwise seeded sampled requests always draft the full k: their output then depends on
-        their seed alone, not on the batch they share (which steers the policy).
+        Otherwise seeded sampled requests draft the full k at every step that samples past their
+        prompt, and never at the prompt's end: which positions are drafted (and so the draws from
+        their generators) then follows from their seed and tokens alone, not from the batch they
+        share (which steers the policy), how their prompt was chunked (a last chunk of one token
+        is no decode), or a preemption (the recompute's last chunk drafts as the step it replays).
         """
         spec = self.config.speculative
         lookahead, max_len = req.num_lookahead_slots, self.config.model.max_model_len
@@ -119,17 +122,16 @@ class SpecDecodeWorker:
         other_tokens = 0
         for i, s in enumerate(req.seqs):
             n = len(s.token_ids)
-            if n != 1 or not s.sample:
+            if s.sample and s.sampling_params.seeded_sampling:
+                if s.seq_len > len(s.prompt_token_ids):
+                    asked[i] = min(lookahead, max_len - s.seq_len)
+                other_tokens += n + asked[i]
+            elif n != 1 or not s.sample:
                 other_tokens += n
-                continue
-            cap = min(lookahead, max_len - s.start_pos - 1)
-            if s.sampling_params.seeded_sampling:
-                asked[i] = cap
-                other_tokens += 1 + cap
             else:
                 rows.append(i)
                 seq_ids.append(s.seq_id)
-                caps.append(cap)
+                caps.append(min(lookahead, max_len - s.seq_len))
         shape = StepShape(seq_ids, caps, other_tokens)
         chosen = self.policy.choose(shape)
         for i, k in zip(rows, chosen):
