@@ -260,6 +260,22 @@ def test_chat_uses_the_chat_template(llm):
     assert len(two) == 2 and "system" not in two[1].prompt
 
 
+
+def test_chat_content_parts_and_continue_final_message(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "def"}, {"type": "text", "text": "wrap"}]}]
+    plain = [{"role": "user", "content": "def\nwrap"}]
+    assert llm.chat(parts, greedy(max_tokens=2), use_tqdm=False)[0].prompt == \
+        llm.chat(plain, greedy(max_tokens=2), use_tqdm=False)[0].prompt
+    with pytest.raises(ValueError, match="text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
+    # The assistant's last message is continued: no end-of-turn after it, no new generation prompt.
+    partial = plain + [{"role": "assistant", "content": "Sure,"}]
+    out = llm.chat(partial, greedy(max_tokens=2), use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True)
+    assert out[0].prompt.endswith("<|im_start|>assistant\nSure,")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(partial, use_tqdm=False, continue_final_message=True)
+
 # Metrics ------------------------------------------------------------------------------------------------------
 
 EXPECTED_METRICS = {

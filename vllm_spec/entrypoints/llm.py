@@ -10,6 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from vllm_spec.engine.arg_utils import EngineArgs
+from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.engine.llm_engine import LLMEngine, PromptType
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
@@ -81,18 +82,17 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate.
+        Message contents may be strings or OpenAI content parts (text parts only)."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this LLM was built with skip_tokenizer_init=True.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conv in conversations:
-            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template)
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
+        prompts = [render_chat(tokenizer, conv, add_generation_prompt, continue_final_message, chat_template,
+                               **(chat_template_kwargs or {})) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_metrics(self) -> list[Metric]:

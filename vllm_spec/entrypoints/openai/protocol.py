@@ -189,20 +189,6 @@ class ChatMessage(OpenAIBaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
-    def to_template_dict(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise OpenAIServingError(
-                        f"only text content parts are supported, got type {part.get('type')!r}.",
-                        param="messages")
-                parts.append(part["text"])
-            content = "\n".join(parts)
-        out = self.model_dump(exclude_none=True)
-        out["content"] = content if content is not None else ""
-        return out
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.entrypoints.openai import serving
 from vllm_spec.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -28,18 +29,12 @@ from vllm_spec.outputs import CompletionOutput, Logprob
 
 def _chat_prompt(state: serving.ServerState, request: ChatCompletionRequest) -> dict[str, Any]:
     tok = serving.need_tokenizer(state)
-    messages = [m.to_template_dict() for m in request.messages]
-    kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
-    if request.continue_final_message:
-        kwargs["continue_final_message"] = True
+    messages = [m.model_dump(exclude_none=True) for m in request.messages]
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=request.add_generation_prompt,
-                                       chat_template=request.chat_template, **kwargs)
+        return render_chat(tok, messages, request.add_generation_prompt, request.continue_final_message,
+                           request.chat_template, **(request.chat_template_kwargs or {}))
     except Exception as e:
         raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
-    if not isinstance(text, str):
-        raise OpenAIServingError("the chat template did not render to text.", param="messages")
-    return {"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids}
 
 
 def _chat_logprobs(state: serving.ServerState, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]],

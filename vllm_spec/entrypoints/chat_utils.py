@@ -1,0 +1,41 @@
+"""Chat messages to a prompt, one way for the offline API (LLM.chat) and the server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def text_content(content: Any) -> str:
+    """A message's content as text: a string, None (empty), or OpenAI content parts whose text parts
+    are joined by newlines, as vLLM does; any other part (an image, say) is a ValueError."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"message content must be a string or a list of content parts, got {type(content).__name__}.")
+    parts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"only text content parts are supported, got type {kind!r}.")
+        parts.append(part["text"])
+    return "\n".join(parts)
+
+
+def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template: str | None = None,
+                **template_kwargs: Any) -> dict[str, Any]:
+    """{"prompt", "prompt_token_ids"} of a conversation under the tokenizer's chat template (or the
+    given one). ValueError for contents it cannot render."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true.")
+    messages = [{**m, "content": text_content(m.get("content"))} for m in messages]
+    if continue_final_message:
+        template_kwargs["continue_final_message"] = True
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template, **template_kwargs)
+    if not isinstance(text, str):
+        raise ValueError("the chat template did not render to text.")
+    # The template writes the special tokens itself: tokenized without adding them again.
+    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
