@@ -32,6 +32,7 @@ from vllm_spec.entrypoints.openai.protocol import ModelCard, ModelList, OpenAISe
 from vllm_spec.entrypoints.openai.serving import ERROR_TYPES, ServerState, error_response
 from vllm_spec.entrypoints.openai.serving_chat import create_chat_completion
 from vllm_spec.entrypoints.openai.serving_completion import create_completion
+from vllm_spec.entrypoints.openai.serving_tokenize import detokenize, tokenize
 
 logger = logging.getLogger("vllm_spec.api_server")
 
@@ -122,8 +123,14 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():   # vLLM's (SageMaker's) liveness probe: /health's answer
+        return await health()
+
     app.post("/v1/completions")(create_completion)
     app.post("/v1/chat/completions")(create_chat_completion)
+    app.post("/tokenize")(tokenize)
+    app.post("/detokenize")(detokenize)
 
     if state.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key)

@@ -60,8 +60,21 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+# vLLM's request extras that change what is generated and that this server does not implement, with
+# the values that change nothing: set otherwise, they get a 400 naming them rather than an output that
+# silently ignores them. Other unknown fields are ignored, as vLLM ignores them.
+_UNSUPPORTED_EXTRAS: dict[str, Any] = {
+    "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
+    "truncate_prompt_tokens": None, "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
+    "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "logits_processors": None,
+    "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
+}
+
+
 class _SamplingFields(OpenAIBaseModel):
     """Sampling fields common to completions and chat (OpenAI's plus vLLM's extras)."""
+
+    model_config = ConfigDict(extra="allow")   # kept, to be checked against _UNSUPPORTED_EXTRAS
 
     model: str | None = None
     n: int = 1
@@ -84,10 +97,18 @@ class _SamplingFields(OpenAIBaseModel):
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
     # vLLM's extension: free-form arguments passed to SamplingParams.extra_args.
     vllm_xargs: dict[str, str | int | float] | None = None
 
     def _check_unsupported(self) -> None:
+        extras = self.model_extra or {}
+        for name, neutral in _UNSUPPORTED_EXTRAS.items():
+            value = extras.get(name, neutral)
+            if value not in (neutral, None, [], {}):
+                raise OpenAIServingError(f"{name} is not supported by this server.", param=name)
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise OpenAIServingError("only response_format type 'text' is supported.", param="response_format")
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIServingError("best_of != n is not supported.", param="best_of")
         if self.logit_bias:
@@ -202,7 +223,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         self._check_unsupported()
@@ -210,8 +230,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise OpenAIServingError("messages must not be empty.", param="messages")
         if self.tools:
             raise OpenAIServingError("tools are not supported.", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise OpenAIServingError("only response_format type 'text' is supported.", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIServingError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         if self.add_generation_prompt and self.continue_final_message:
@@ -278,6 +296,38 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+
+
+# /tokenize, /detokenize (vLLM's) -------------------------------------------------------------------
+class TokenizeRequest(OpenAIBaseModel):
+    """A text prompt, or a conversation rendered by the chat template (then special tokens are the
+    template's: add_special_tokens defaults to false, as vLLM)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
 
 
 # /v1/models -----------------------------------------------------------------------------------------

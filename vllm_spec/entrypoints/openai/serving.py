@@ -86,7 +86,8 @@ def check_model(state: ServerState, model: str | None) -> None:
     if model is None or model in state.served_model_names:
         return
     raise OpenAIServingError(f"The model `{model}` does not exist; this server serves "
-                             f"{', '.join(repr(n) for n in state.served_model_names)}.", param="model")
+                             f"{', '.join(repr(n) for n in state.served_model_names)}.", 404, "NotFoundError",
+                             param="model")
 
 
 def _check_length(state: ServerState, num_prompt_tokens: int, params: SamplingParams) -> None:

@@ -1,0 +1,50 @@
+"""/tokenize and /detokenize, as vLLM's server has them."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from vllm_spec.entrypoints.chat_utils import render_chat
+from vllm_spec.entrypoints.openai import serving
+from vllm_spec.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    OpenAIServingError,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+
+async def tokenize(request: TokenizeRequest, raw_request: Request):
+    state = serving.server_state(raw_request)
+    serving.check_model(state, request.model)
+    tok = serving.need_tokenizer(state)
+    if (request.prompt is None) == (request.messages is None):
+        raise OpenAIServingError("give exactly one of prompt and messages.", param="prompt")
+    if request.messages is not None:
+        try:
+            ids = render_chat(tok, [m.model_dump(exclude_none=True) for m in request.messages],
+                              request.add_generation_prompt, request.continue_final_message, request.chat_template,
+                              **(request.chat_template_kwargs or {}))["prompt_token_ids"]
+        except Exception as e:
+            raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
+        if request.add_special_tokens:
+            ids = tok.build_inputs_with_special_tokens(ids)
+    else:
+        add = True if request.add_special_tokens is None else request.add_special_tokens
+        ids = tok(request.prompt, add_special_tokens=add).input_ids
+    strs = tok.convert_ids_to_tokens(ids) if request.return_token_strs else None
+    return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
+                                         token_strs=strs).model_dump())
+
+
+async def detokenize(request: DetokenizeRequest, raw_request: Request):
+    state = serving.server_state(raw_request)
+    serving.check_model(state, request.model)
+    tok = serving.need_tokenizer(state)
+    vocab = len(tok)
+    bad = next((t for t in request.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise OpenAIServingError(f"token id {bad} is out of the vocabulary range [0, {vocab}).", param="tokens")
+    return JSONResponse(DetokenizeResponse(prompt=tok.decode(request.tokens)).model_dump())
