@@ -14,7 +14,7 @@ INVALID = [
     ("presence_penalty", "0.1"), ("presence_penalty", None),
     ("frequency_penalty", 2.01), ("frequency_penalty", -3), ("frequency_penalty", math.nan),
     ("frequency_penalty", "1"),
-    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", 2.5),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("repetition_penalty", math.inf), ("repetition_penalty", math.nan), ("repetition_penalty", None),
     ("temperature", -0.1), ("temperature", -math.inf), ("temperature", math.nan), ("temperature", "hot"),
     ("temperature", None),
@@ -100,3 +100,17 @@ def test_for_child_offsets_seed_and_keeps_original():
     kids[0].stop.append("y")
     assert p.stop == ["x"] and p.n == 3 and p.seed == 10
     assert SamplingParams(n=2).for_child(1).seed is None
+
+
+def test_vllm_names_accepted_where_they_change_nothing():
+    assert SamplingParams(n=3, best_of=3).n == 3
+    assert SamplingParams(repetition_penalty=2.5).repetition_penalty == 2.5
+    assert SamplingParams.from_optional(temperature=None, top_p=0.5, seed=None).temperature == 1.0
+    for kwargs, name in [(dict(best_of=2), "best_of"), (dict(allowed_token_ids=[1]), "allowed_token_ids"),
+                         (dict(bad_words=["x"]), "bad_words"), (dict(logit_bias={1: 2.0}), "logit_bias"),
+                         (dict(logits_processors=[print]), "logits_processors"),
+                         (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
+                         (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+                         (dict(repetition_penalty=float("inf")), "repetition_penalty")]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)

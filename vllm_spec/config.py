@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from vllm_spec.model.arch_config import ArchConfig
+from vllm_spec.utils import is_int
 
 _DTYPES = {
     "half": torch.float16, "float16": torch.float16, "fp16": torch.float16,
@@ -82,9 +83,6 @@ def find_model_source(model: str, load_format: str) -> tuple[str, Path]:
 
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 @dataclass
 class ModelConfig:
@@ -115,7 +113,7 @@ class ModelConfig:
         limit = arch.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit
-        elif not (_is_int(max_model_len) and 1 <= max_model_len):
+        elif not (is_int(max_model_len) and 1 <= max_model_len):
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}.")
         elif max_model_len > limit and not (arch.rope_scaling and arch.rope_scaling.get("rope_type") != "default"):
             raise ValueError(
@@ -173,7 +171,7 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+        if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}.")
         if self.distributed_executor_backend not in (None, *DISTRIBUTED_EXECUTOR_BACKENDS):
             raise ValueError(
@@ -236,13 +234,13 @@ class SpeculativeConfig:
         else:
             raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {method!r}.")
         k = num_speculative_tokens
-        if not (_is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
+        if not (is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}.")
         for name, value in (("speculative_disable_by_batch_size", disable_by_batch_size),
                             ("ngram_prompt_lookup_max", prompt_lookup_max),
                             ("ngram_prompt_lookup_min", prompt_lookup_min)):
-            if value is not None and not (_is_int(value) and value >= 1):
+            if value is not None and not (is_int(value) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if synthetic_acceptance_rate is not None and not 0.0 <= synthetic_acceptance_rate <= 1.0:
             raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], got {synthetic_acceptance_rate!r}.")
@@ -302,7 +300,7 @@ class EngineConfig:
         if self.speculative is not None:
             draft_tp = self.speculative.draft_tensor_parallel_size
             allowed = [d for d in range(1, tp + 1) if tp % d == 0]
-            if not _is_int(draft_tp) or draft_tp not in allowed:
+            if not is_int(draft_tp) or draft_tp not in allowed:
                 raise ValueError(
                     f"speculative_draft_tensor_parallel_size (speculative_config['draft_tensor_parallel_size']) "
                     f"must divide tensor_parallel_size ({tp}): one of {allowed}, got {draft_tp!r}. The draft runs "

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+from vllm_spec.utils import is_int
+
 # Temperatures below this are treated as greedy, as in vLLM.
 SAMPLING_EPS = 1e-5
 
@@ -54,12 +56,28 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # Left truncation of the prompt to its last k tokens (vLLM's); None keeps it whole.
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Free-form arguments for custom sampling code (vLLM's extra_args), passed through untouched.
     # Recognised here: "synthetic_acceptance_rate" (benchmarks only), see synthetic_acceptance_rate.
     extra_args: dict | None = None
+    # vLLM's names for what is not implemented here, accepted at the values that change nothing only:
+    # best_of (= n), spaces_between_special_tokens (True), the rest None.
+    best_of: int | None = None
+    spaces_between_special_tokens: bool = True
+    logits_processors: list | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logit_bias: dict | None = None
+    guided_decoding: object | None = None
     # Filled by the engine: the model's EOS ids, so min_tokens can mask them.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """vLLM's constructor for optional arguments: those given as None take their defaults."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,9 +100,6 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
         def is_num(v) -> bool:  # checked first, so a wrong type is a ValueError too, not a TypeError
             return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
@@ -93,8 +108,8 @@ class SamplingParams:
                "presence_penalty", "in [-2, 2]", self.presence_penalty)
         _check(is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
                "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        _check(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
-               "repetition_penalty", "in (0, 2]", self.repetition_penalty)
+        _check(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty < float("inf"),
+               "repetition_penalty", "a number > 0", self.repetition_penalty)
         _check(is_num(self.temperature) and self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
         _check(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(is_int(self.top_k) and self.top_k >= 0, "top_k", "0 or -1 (disabled) or a positive integer", self.top_k)
@@ -120,6 +135,15 @@ class SamplingParams:
             all(is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids", "a list of non-negative integers", self.stop_token_ids,
         )
+        _check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens)
+                                                       and self.truncate_prompt_tokens >= 1),
+               "truncate_prompt_tokens", "None or an integer >= 1", self.truncate_prompt_tokens)
+        _check(self.best_of is None or self.best_of == self.n, "best_of",
+               f"None or equal to n ({self.n}): best-of-n selection is not supported", self.best_of)
+        _check(self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
+               "True (the only detokenization supported)", self.spaces_between_special_tokens)
+        for name in ("logits_processors", "allowed_token_ids", "bad_words", "logit_bias", "guided_decoding"):
+            _check(getattr(self, name) in (None, [], {}), name, "None (not supported)", getattr(self, name))
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
                f"one of {[k.name for k in RequestOutputKind]}", self.output_kind)
         _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", "a dict or None",

@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 
+def is_int(value: object) -> bool:
+    """An integer, not a bool (True is an int to isinstance)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def concat_slice(first: list[int], second: list[int], start: int, stop: int) -> list[int]:
     """(first + second)[start:stop] without building the concatenation."""
     n = len(first)

@@ -172,3 +172,26 @@ def test_explicit_model_keeps_auto_dtype(monkeypatch, tiny_llama):
     monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
     kw, _ = _kwargs(["--model", str(tiny_llama), "--device", "cpu"])
     assert kw["dtype"] == "auto"
+
+
+def test_vllm_serve_spellings_parse():
+    """vLLM's spellings of serve flags: -tp, --flag_name for --flag-name, --model, and flags vLLM
+    users pass (accepted at the values this engine supports)."""
+    parser = cli.make_parser()
+    ns = parser.parse_args(["serve", "M", "-tp", "2", "--max_model_len", "100", "--max_num_seqs=8",
+                            "--chat-template", "{{ messages }}", "--response-role", "bot", "--trust-remote-code",
+                            "--disable-log-stats", "--max-logprobs", "20", "--swap-space", "0"])
+    assert (ns.model, ns.tensor_parallel_size, ns.max_model_len, ns.max_num_seqs) == ("M", 2, 100, 8)
+    assert (ns.chat_template, ns.response_role, ns.trust_remote_code) == ("{{ messages }}", "bot", True)
+    assert parser.parse_args(["serve", "--model", "M2"]).model_flag == "M2"
+    # Values are left alone: only flag names lose their underscores.
+    gen = parser.parse_args(["generate", "--max_tokens", "5", "hello_world", "--seed=3"])
+    assert (gen.max_tokens, gen.prompts, gen.seed) == (5, ["hello_world"], 3)
+
+
+def test_serve_model_given_twice_is_a_clear_error(capsys):
+    from vllm_spec.entrypoints.openai.cli_args import serve_main
+
+    ns = cli.make_parser().parse_args(["serve", "A", "--model", "B"])
+    assert serve_main(ns) == 2
+    assert "MODEL given twice" in capsys.readouterr().err

@@ -87,6 +87,14 @@ def test_stop_strings_without_detokenization_rejected(llm, tiny_llama, reference
                .outputs[0].token_ids) == 3
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    ids = list(range(5, 25))
+    cut = llm.generate({"prompt_token_ids": ids}, greedy(max_tokens=6, truncate_prompt_tokens=4), use_tqdm=False)[0]
+    tail = llm.generate({"prompt_token_ids": ids[-4:]}, greedy(max_tokens=6), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-4:]
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+
+
 def test_mismatched_params_list_rejected(llm):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([PROMPT, PROMPT], [greedy()], use_tqdm=False)
@@ -338,10 +346,16 @@ def test_tqdm_does_not_break_generation(llm, reference, capsys):
 
 def test_vllm_flags_with_their_supported_values(tiny_llama):
     # vLLM configurations often spell these out; the supported value works, the other is a clear error.
-    llm = LLM(str(tiny_llama), enable_chunked_prefill=True, enable_prefix_caching=False,
-              kv_cache_memory_bytes=1 << 24)
+    llm = LLM(str(tiny_llama), str(tiny_llama), enable_chunked_prefill=True, enable_prefix_caching=False,
+              kv_cache_memory_bytes=1 << 24, trust_remote_code=True, tokenizer_mode="auto", swap_space=4,
+              quantization=None, revision=None, tokenizer_revision=None, download_dir=None, disable_log_stats=True,
+              max_logprobs=20, kv_cache_dtype="auto")
     assert len(llm.generate("hi", greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="enable_prefix_caching must be False"):
         LLM(str(tiny_llama), enable_prefix_caching=True)
     with pytest.raises(ValueError, match="enable_chunked_prefill must be True"):
         LLM(str(tiny_llama), enable_chunked_prefill=False)
+    for name, value in [("quantization", "awq"), ("tokenizer_mode", "slow"), ("revision", "main"),
+                        ("max_logprobs", 5), ("kv_cache_dtype", "fp8"), ("swap_space", -1)]:
+        with pytest.raises(ValueError, match=name):
+            LLM(str(tiny_llama), **{name: value})

@@ -62,7 +62,6 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server):
         ("/v1/completions", {**good, "allowed_token_ids": [5]}, "json", "allowed_token_ids"),
         ("/v1/completions", {**good, "guided_json": {"type": "object"}}, "json", "guided_json"),
         ("/v1/completions", {**good, "response_format": {"type": "json_object"}}, "json", "response_format"),
-        ("/v1/completions", {**good, "truncate_prompt_tokens": 2}, "json", "truncate_prompt_tokens"),
         ("/v1/completions", {**good, "prompt_logprobs": 1}, "json", "prompt_logprobs"),
         ("/v1/completions", {**good, "bad_words": ["x"]}, "json", "bad_words"),
         ("/v1/chat/completions", {**chat_good, "guided_choice": ["yes", "no"]}, "json", "guided_choice"),
@@ -86,6 +85,9 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server):
     for extra in ({"use_beam_search": False}, {"response_format": {"type": "text"}}, {"length_penalty": 1.0},
                   {"some_future_field": 1}):
         assert _post(server, "/v1/completions", {**good, **extra}).status_code == 200, extra
+    # truncate_prompt_tokens keeps the prompt's last tokens, before the length check.
+    r = _post(server, "/v1/completions", {**good, "prompt": "hello " * 600, "truncate_prompt_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3, r.text
     # The official client maps it to BadRequestError too.
     with pytest.raises(openai.BadRequestError):
         server.client().completions.create(model=MODEL_NAME, prompt="x", temperature=-2)

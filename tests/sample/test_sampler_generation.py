@@ -81,6 +81,14 @@ def test_generation_logprobs_and_cumulative(llm, hf):
     assert any(entry[t].rank > 1 for t, entry in zip(c.token_ids, c.logprobs))  # really sampled
 
 
+def test_logprobs_without_detokenization_have_no_text(llm):
+    p = SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=1, detokenize=False)
+    out = llm.generate(PROMPT_A, p, use_tqdm=False)[0]
+    entries = out.outputs[0].logprobs + [e for e in out.prompt_logprobs if e is not None]
+    assert entries and all(lp.decoded_token is None for e in entries for lp in e.values())
+    assert out.outputs[0].text == ""
+
+
 def test_no_logprobs_unless_asked(llm):
     c = llm.generate(PROMPT_A, SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0]
     assert c.logprobs is None and c.cumulative_logprob is None

@@ -52,6 +52,19 @@ class EngineArgs:
     enable_chunked_prefill: bool = _opt(True, "Split prompts over steps to fit max_num_batched_tokens (always on, "
                                               "as in vLLM V1; False is refused).")
     enable_prefix_caching: bool = _opt(False, "Share KV blocks of common prompt prefixes (not supported: False).")
+    # vLLM's names for what this engine does one way only, accepted at that way (checked in
+    # create_engine_config): configurations written for vLLM run unchanged where they mean the same.
+    trust_remote_code: bool = _opt(False, "Accepted for vLLM compatibility: no remote code is ever run "
+                                          "(the built-in Llama-family architectures only).")
+    tokenizer_mode: str = _opt("auto", "auto (the only mode: a fast tokenizer where the model has one).")
+    revision: str | None = _opt(None, "Not supported (models are local folders or files): None.")
+    tokenizer_revision: str | None = _opt(None, "Not supported (models are local folders or files): None.")
+    download_dir: str | None = _opt(None, "Accepted for vLLM compatibility: nothing is downloaded here.")
+    quantization: str | None = _opt(None, "Not supported: None (GGUF weights are dequantized on load).")
+    kv_cache_dtype: str = _opt("auto", "auto (the only choice: the model's dtype).")
+    swap_space: float = _opt(4.0, "Accepted for vLLM compatibility: preemption recomputes, it never swaps.")
+    disable_log_stats: bool = _opt(False, "Accepted for vLLM compatibility (statistics are kept in memory).")
+    max_logprobs: int = _opt(20, "Most logprobs / prompt_logprobs a request may ask for: 20 (fixed).")
     speculative_model: str | None = _opt(None, "Draft model (folder or .gguf), or '[ngram]' for prompt lookup.")
     num_speculative_tokens: int | None = _opt(None, "Draft tokens per step, k in [1, 16].")
     speculative_config: dict | None = _opt(
@@ -74,14 +87,14 @@ class EngineArgs:
         for f in dataclasses.fields(cls):
             if f.name in skip:
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, ())]
             kind = hints[f.name]
             if kind is bool or kind == bool | None:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default,
                                     help=f.metadata["help"])
                 continue
             base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-            parser.add_argument(flag, type=_parser_for(base), default=f.default, help=f.metadata["help"])
+            parser.add_argument(*flags, type=_parser_for(base), default=f.default, help=f.metadata["help"])
         return parser
 
     @classmethod
@@ -98,6 +111,7 @@ class EngineArgs:
         if self.enable_prefix_caching is not False:
             raise ValueError(f"enable_prefix_caching must be False (prefix caching is not supported), "
                              f"got {self.enable_prefix_caching!r}.")
+        self._check_fixed_choices()
         model = ModelConfig.create(self.model, self.tokenizer, self.dtype, self.device, self.max_model_len,
                                    self.load_format, self.seed)
         return EngineConfig(
@@ -110,6 +124,15 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             async_scheduling=self.async_scheduling,
         )
+
+    def _check_fixed_choices(self) -> None:
+        for name, allowed in (("tokenizer_mode", ("auto",)), ("revision", (None,)), ("tokenizer_revision", (None,)),
+                              ("quantization", (None,)), ("kv_cache_dtype", ("auto",)), ("max_logprobs", (20,))):
+            value = getattr(self, name)
+            if value not in allowed or isinstance(value, bool):
+                raise ValueError(f"{name} must be one of {list(allowed)} (the only supported choice), got {value!r}.")
+        if not (isinstance(self.swap_space, (int, float)) and self.swap_space >= 0):
+            raise ValueError(f"swap_space must be a number >= 0 (GiB), got {self.swap_space!r}.")
 
     def _speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
         """Merge the V0-style flags and the V1 `speculative_config` dict (the dict wins)."""
@@ -136,6 +159,27 @@ class EngineArgs:
                 raise ValueError("num_speculative_tokens needs speculative_model (or speculative_config).")
             return None
         return SpeculativeConfig.create(target, **opts)
+
+
+# vLLM's short spellings.
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser that takes --flag_name for --flag-name, as vLLM's does."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        import sys
+
+        args = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args([_dashed(a) for a in args], namespace)
+
+
+def _dashed(arg: str) -> str:
+    if not arg.startswith("--") or arg == "--":
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
 
 
 def _parser_for(kind: Any):

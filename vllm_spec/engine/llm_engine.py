@@ -103,6 +103,8 @@ class LLMEngine:
             raise ValueError(f"stop strings ({params.stop!r}) need detokenized output: detokenize=True and an engine "
                              "with a tokenizer (not skip_tokenizer_init). Use stop_token_ids instead.")
         text, ids = self.tokenize_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
         vocab, max_len = self.config.model.arch.vocab_size, self.config.model.max_model_len
         if not ids:
             raise ValueError("The prompt cannot be empty (prompt_token_ids has length 0).")
@@ -231,8 +233,9 @@ class LLMEngine:
         for scored in result.prompt_logprobs:
             seq = self._seqs.get(scored.seq_id)
             if seq is not None:   # a recomputed prefill (after preemption) rewrites the same entries
-                for entry in scored.entries:
-                    self.output_processor.decode_logprobs(entry)
+                if seq.sampling_params.detokenize:
+                    for entry in scored.entries:
+                        self.output_processor.decode_logprobs(entry)
                 seq.prompt_logprobs[scored.start: scored.start + len(scored.entries)] = scored.entries
         # Requests to report on: every one that advanced, except FINAL_ONLY ones still running.
         touched: dict[str, Request] = {}

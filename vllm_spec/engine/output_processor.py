@@ -47,7 +47,8 @@ class OutputProcessor:
                 entry = logprobs[i]
                 seq.output_logprobs.append(entry)
                 seq.cumulative_logprob += entry[token].logprob
-                self.decode_logprobs(entry)
+                if detokenize:   # as vLLM: no text for the candidates of an undetokenized request
+                    self.decode_logprobs(entry)
             delta = self._detokenize(seq) if detokenize else ""
             # Nothing else can stop it: the full check is skipped for most tokens (per sequence per step).
             if (delta and params.stop) or token in seq.stop_check_ids or len(output) >= seq.max_output_len:

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
+from vllm_spec.engine.arg_utils import FlexibleArgumentParser
+
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 EXIT_USAGE = 2  # argparse's code for bad flags; also used for bad values and a missing model
@@ -72,7 +74,7 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlexibleArgumentParser(
         prog="vllm-spec",
         description="vLLM-style LLM engine with lossless speculative decoding (draft models, n-gram).",
     )

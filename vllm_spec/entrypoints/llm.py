@@ -20,8 +20,8 @@ from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 class LLM:
     """Batch generation over an LLMEngine. Keyword arguments are EngineArgs fields."""
 
-    def __init__(self, model: str, **kwargs: Any):
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+    def __init__(self, model: str, tokenizer: str | None = None, **kwargs: Any):
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, tokenizer=tokenizer, **kwargs))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -138,7 +138,8 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence[str] | None = None,
-                api_key: str | None = None) -> ServerState:
+                api_key: str | None = None, chat_template: str | None = None,
+                response_role: str = "assistant") -> ServerState:
     """Server state around a built engine; loads the server's own tokenizer copy (the engine's is
     used by the engine thread only)."""
     from vllm_spec.tokenizer import get_tokenizer
@@ -147,7 +148,8 @@ def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence
     tokenizer = get_tokenizer(cfg) if engine.tokenizer is not None else None
     names = [n for n in (served_model_names or []) if n] or [model]
     return ServerState(engine=engine, served_model_names=names, model_path=str(model), tokenizer=tokenizer,
-                       api_key=api_key or None, max_model_len=cfg.max_model_len)
+                       api_key=api_key or None, max_model_len=cfg.max_model_len, chat_template=chat_template,
+                       response_role=response_role)
 
 
 # Running ----------------------------------------------------------------------------------------------------
@@ -186,7 +188,8 @@ def run_server(args: argparse.Namespace) -> int:
                 time.perf_counter() - t0,
                 f"speculative: {spec.method}, k={spec.num_speculative_tokens}" if spec else "no speculation",
                 engine.num_usable_blocks, engine.config.model.max_model_len)
-    state = build_state(engine, args.model, args.served_model_name, args.api_key)
+    state = build_state(engine, args.model, args.served_model_name, args.api_key, args.chat_template,
+                        args.response_role)
     app = build_app(state)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on",

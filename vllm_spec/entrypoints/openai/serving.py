@@ -53,6 +53,8 @@ class ServerState:
     tokenizer: Any = None
     api_key: str | None = None
     max_model_len: int = 0
+    chat_template: str | None = None   # --chat-template: for requests that bring none
+    response_role: str = "assistant"   # --response-role: the role of generated chat messages
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -364,6 +366,8 @@ class Submission:
 async def submit(state: ServerState, id_prefix: str, model: str | None, prompts: list[dict[str, Any]],
                  params: SamplingParams) -> Submission:
     """Check each prompt's length, then add them all to the engine as one Submission."""
+    if params.truncate_prompt_tokens is not None:   # left truncation, before the length checks
+        prompts = [{**p, "prompt_token_ids": p["prompt_token_ids"][-params.truncate_prompt_tokens:]} for p in prompts]
     for p in prompts:
         _check_length(state, len(p["prompt_token_ids"]), params)
     base_id = random_id(id_prefix)

@@ -32,7 +32,7 @@ def _chat_prompt(state: serving.ServerState, request: ChatCompletionRequest) -> 
     messages = [m.model_dump(exclude_none=True) for m in request.messages]
     try:
         return render_chat(tok, messages, request.add_generation_prompt, request.continue_final_message,
-                           request.chat_template, **(request.chat_template_kwargs or {}))
+                           request.chat_template or state.chat_template, **(request.chat_template_kwargs or {}))
     except Exception as e:
         raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
 
@@ -72,7 +72,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
                 logprobs=lps, finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
 
         # As OpenAI: each choice opens with a delta that carries only the role.
-        opening = [ChatCompletionResponseStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content=""))
+        opening = [ChatCompletionResponseStreamChoice(index=idx, delta=DeltaMessage(role=state.response_role, content=""))
                    for idx in range(params.n)]
         return sub.stream(ChatCompletionStreamResponse, request.stream_options, [""], opening, choice)
 
@@ -81,7 +81,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
         return Response(status_code=499)  # the client is gone; nobody reads this
     choices = [
         ChatCompletionResponseChoice(
-            index=comp.index, message=ChatResponseMessage(content=comp.text),
+            index=comp.index, message=ChatResponseMessage(role=state.response_role, content=comp.text),
             logprobs=(_chat_logprobs(state, comp.token_ids, comp.logprobs, k)
                       if k is not None and comp.logprobs is not None else None),
             finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)

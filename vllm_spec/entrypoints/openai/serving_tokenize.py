@@ -25,7 +25,8 @@ async def tokenize(request: TokenizeRequest, raw_request: Request):
     if request.messages is not None:
         try:
             ids = render_chat(tok, [m.model_dump(exclude_none=True) for m in request.messages],
-                              request.add_generation_prompt, request.continue_final_message, request.chat_template,
+                              request.add_generation_prompt, request.continue_final_message,
+                              request.chat_template or state.chat_template,
                               **(request.chat_template_kwargs or {}))["prompt_token_ids"]
         except Exception as e:
             raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e

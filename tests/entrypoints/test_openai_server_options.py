@@ -1,0 +1,37 @@
+"""Server-wide options, in process: --chat-template and --response-role."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from vllm_spec.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm_spec.engine.async_llm_engine import AsyncLLMEngine  # noqa: E402
+from vllm_spec.entrypoints.openai.api_server import build_app, build_state  # noqa: E402
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+def test_chat_template_and_response_role(tiny_llama):
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                        max_model_len=256))
+    state = build_state(engine, str(tiny_llama), ["m"], chat_template=TEMPLATE, response_role="bot")
+    tok = state.tokenizer
+    messages = [{"role": "user", "content": "hello"}]
+    with TestClient(build_app(state)) as client:
+        r = client.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["message"]["role"] == "bot"
+        # The server's template, not the tokenizer's, rendered the prompt.
+        assert body["usage"]["prompt_tokens"] == len(tok("<user>hello", add_special_tokens=False).input_ids)
+        assert client.post("/tokenize", json={"messages": messages}).json()["tokens"] == \
+            tok("<user>hello", add_special_tokens=False).input_ids
+        # A request's own template still wins.
+        own = client.post("/tokenize", json={"messages": messages, "chat_template": "{{ messages[0]['content'] }}"})
+        assert own.json()["tokens"] == tok("hello", add_special_tokens=False).input_ids
+        stream = client.post("/v1/chat/completions",
+                             json={"model": "m", "messages": messages, "max_tokens": 2, "stream": True})
+        assert '"role":"bot"' in stream.text.replace(" ", "")
