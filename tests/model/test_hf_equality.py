@@ -31,7 +31,7 @@ PROMPTS = [
     "Reformat the single paragraph in 'text' so it fits in lines of no more than 'width' columns.",
     "x = 1",
 ]
-ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa"]
+ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwen2_window"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -50,8 +50,24 @@ def tiny_gqa(tmp_path_factory) -> Path:
                            num_attention_heads=8, num_key_value_heads=1, head_dim=16)
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_biases(tmp_path_factory) -> Path:
+    # Llama's attention_bias biases q, k, v AND o_proj; mlp_bias the three MLP projections.
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama_biases"), "llama", seed=5, attention_bias=True,
+                           mlp_bias=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_window(tmp_path_factory) -> Path:
+    # Qwen2 windows only the layers from max_window_layers on: layer 0 attends to everything, layer 1
+    # to its last 8 tokens.
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_window"), "qwen2", seed=6, use_sliding_window=True,
+                           sliding_window=8, max_window_layers=1)
+
+
 _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mistral",
-             "llama3_tied": "tiny_llama3_tied", "gqa": "tiny_gqa"}
+             "llama3_tied": "tiny_llama3_tied", "gqa": "tiny_gqa", "llama_biases": "tiny_llama_biases",
+             "qwen2_window": "tiny_qwen2_window"}
 
 
 class Case:
@@ -59,7 +75,8 @@ class Case:
 
     def __init__(self, path: Path):
         self.path = path
-        self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # Eager attention: the reference for sliding windows in every transformers version.
+        self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
         self.llm = LLM(str(path), kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=MAX_BATCHED)
         tok = self.llm.get_tokenizer()
         self.prompt_ids = [tok(p).input_ids for p in PROMPTS]

@@ -11,6 +11,8 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
 }
+# A config without "architectures" names its model_type (transformers loads it from that).
+_ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass
@@ -30,9 +32,13 @@ class ArchConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False   # q/k/v biases
+    o_proj_bias: bool = False      # Llama's attention_bias biases o_proj too (Qwen2's q/k/v bias does not)
     mlp_bias: bool = False
     sliding_window: int | None = None
+    # The layers that attend within sliding_window (None: all of them, as Mistral; Qwen2 windows the
+    # layers from max_window_layers on, or those its layer_types call sliding).
+    windowed_layers: tuple[int, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
@@ -42,22 +48,41 @@ class ArchConfig:
     # verification stays exact). None: the whole vocabulary.
     draft_vocab: tuple[int, ...] | None = None
 
+    def sliding_window_for(self, layer: int) -> int | None:
+        if self.windowed_layers is not None and layer not in self.windowed_layers:
+            return None
+        return self.sliding_window
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ArchConfig":
-        archs = cfg.get("architectures") or []
+        archs = cfg.get("architectures") or [_ARCH_OF_MODEL_TYPE.get(cfg.get("model_type"), "")]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
-                f"Unsupported model architecture {archs or cfg.get('model_type')!r}; "
+                f"Unsupported model architecture {[a for a in archs if a] or cfg.get('model_type')!r}; "
                 f"supported architectures: {sorted(SUPPORTED_ARCHITECTURES)}."
             )
+        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+        if act not in ("silu", "swish"):
+            raise ValueError(f"Unsupported hidden_act {act!r} in the model config: only silu is supported.")
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
+            raise ValueError(f"Quantized checkpoints are not supported (quantization_config: {method!r}); "
+                             "give unquantized weights or a GGUF file (dequantized on load).")
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
+        layers = cfg["num_hidden_layers"]
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        sliding = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-            sliding = None
+        sliding, windowed = cfg.get("sliding_window"), None
+        if arch == "Qwen2ForCausalLM":
+            if not cfg.get("use_sliding_window", False):
+                sliding = None
+            elif isinstance(cfg.get("layer_types"), list):
+                windowed = tuple(i for i, t in enumerate(cfg["layer_types"]) if t == "sliding_attention")
+            else:
+                windowed = tuple(range(cfg.get("max_window_layers", 0), layers))
         rope_scaling = cfg.get("rope_scaling")
         rope_params = cfg.get("rope_parameters")  # transformers >= 5 layout
         rope_theta = cfg.get("rope_theta")
@@ -72,7 +97,7 @@ class ArchConfig:
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
@@ -82,8 +107,10 @@ class ArchConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", SUPPORTED_ARCHITECTURES[arch]),
+            o_proj_bias=arch == "LlamaForCausalLM" and bool(cfg.get("attention_bias", False)),
             mlp_bias=cfg.get("mlp_bias", False),
             sliding_window=sliding,
+            windowed_layers=windowed,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),

@@ -21,9 +21,15 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+def _check_shape(weight: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """A checkpoint tensor must have its parameter's full (unsharded) shape: narrowing a larger one
+    would load part of it silently."""
+    if tuple(weight.shape) != tuple(expected):
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match the expected {tuple(expected)}")
+
+
 def _default_loader(param: nn.Parameter, weight: torch.Tensor, shard_id=None) -> None:
-    if param.shape != weight.shape:
-        raise ValueError(f"weight shape {tuple(weight.shape)} does not match parameter {tuple(param.shape)}")
+    _check_shape(weight, param.shape)
     param.data.copy_(weight)
 
 
@@ -104,6 +110,7 @@ class ColumnParallelLinear(LinearBase):
             assert len(self.shard_sizes) == 1
             shard_id = 0
         offset, size = self._offsets(shard_id)
+        _check_shape(weight, (size * self.tp.world_size, *param.shape[1:]))
         src = weight.narrow(0, self.tp.rank * size, size)
         param.data.narrow(0, offset, size).copy_(src)
 
@@ -138,7 +145,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _load(self, param: nn.Parameter, weight: torch.Tensor, shard_id: str | None = None) -> None:
         idx = {"q": 0, "k": 1, "v": 2}[shard_id]
         offset, size = self._offsets(idx)
-        rank = self.tp.rank if idx == 0 else self.tp.rank // self.kv_replicas
+        replicas = 1 if idx == 0 else self.kv_replicas
+        _check_shape(weight, (size * self.tp.world_size // replicas, *param.shape[1:]))
+        rank = self.tp.rank // replicas
         param.data.narrow(0, offset, size).copy_(weight.narrow(0, rank * size, size))
 
 
@@ -153,6 +162,7 @@ class RowParallelLinear(LinearBase):
         self.bias = _param(output_size, dtype=dtype, loader=_default_loader) if bias else None
 
     def _load(self, param: nn.Parameter, weight: torch.Tensor, shard_id=None) -> None:
+        _check_shape(weight, (param.shape[0], self.in_shard * self.tp.world_size))
         param.data.copy_(weight.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,6 +192,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _param(self.shard, hidden, dtype=dtype, loader=self._load)
 
     def _load(self, param: nn.Parameter, weight: torch.Tensor, shard_id=None) -> None:
+        _check_shape(weight, (self.vocab_size, param.shape[1]))
         rows = weight[self.start: self.start + self.shard]
         param.data.zero_()
         param.data[: rows.shape[0]].copy_(rows)

@@ -35,15 +35,16 @@ _FUSED = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype):
+    def __init__(self, cfg: ArchConfig, layer: int, tp: GroupCoordinator, dtype: torch.dtype):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, cfg.attention_bias, tp, dtype)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, False, tp, dtype)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias,
+                                        tp, dtype)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
-                              cfg.sliding_window)
+                              cfg.sliding_window_for(layer))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, cos: torch.Tensor,
                 sin: torch.Tensor, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,9 +73,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype):
+    def __init__(self, cfg: ArchConfig, layer: int, tp: GroupCoordinator, dtype: torch.dtype):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp, dtype)
+        self.self_attn = LlamaAttention(cfg, layer, tp, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -95,7 +96,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
@@ -160,10 +161,11 @@ class LlamaForCausalLM(nn.Module):
         """Load HF-named tensors; each parameter's loader keeps only this rank's shard."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb" in name:
+        shards: dict[str, set] = {}   # fused parameter -> the checkpoint tensors (shard ids) it got
+        for ckpt_name, tensor in weights:
+            if "rotary_emb" in ckpt_name:
                 continue
-            name = name.removeprefix("model.")
+            name = ckpt_name.removeprefix("model.")
             shard = None
             for old, (new, shard_id) in _FUSED.items():
                 if old in name:
@@ -174,9 +176,20 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"Unexpected weight {name!r} in checkpoint for {self.config.architecture}.")
             param = params[name]
-            with torch.no_grad():
-                param.weight_loader(param, tensor.to(param.dtype), shard)
+            try:
+                with torch.no_grad():
+                    param.weight_loader(param, tensor.to(param.dtype), shard)
+            except (ValueError, RuntimeError) as e:
+                raise ValueError(f"Checkpoint tensor {ckpt_name!r}: {e}") from e
             loaded.add(name)
+            if shard is not None:
+                shards.setdefault(name, set()).add(shard)
+        # A fused parameter loaded from some of its tensors only would keep garbage in the rest.
+        for name, got in shards.items():
+            part = next(new for new, _ in _FUSED.values() if new in name)
+            for old, (new, shard_id) in _FUSED.items():
+                if new == part and shard_id not in got:
+                    raise ValueError(f"Checkpoint is missing weights: [{name.replace(new, old)!r}]")
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
         if self.config.embeddings_from_target:

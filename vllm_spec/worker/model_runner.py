@@ -77,7 +77,9 @@ class ModelRunner:
         attn = self.model.attention_layers()[0]
         backend = attn.backend_for(attn.k_cache)
         if hasattr(backend, "warm_up"):   # compiled kernels (Triton): compile them before serving
-            backend.warm_up(attn.num_heads, attn.k_cache, attn.v_cache, attn.scale, attn.sliding_window, dtype)
+            # Once per window the layers use (Qwen2 may window some layers only).
+            for window in {a.sliding_window: None for a in self.model.attention_layers()}:
+                backend.warm_up(attn.num_heads, attn.k_cache, attn.v_cache, attn.scale, window, dtype)
             self._warm_up_argmax(dtype)
 
     @torch.inference_mode()

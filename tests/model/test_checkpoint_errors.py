@@ -1,0 +1,83 @@
+"""Checkpoints this engine cannot run as written are refused by name, never loaded partly or wrongly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from safetensors.torch import load_file, save_file
+
+from vllm_spec import LLM, SamplingParams
+
+KW = dict(kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("ckpt_base"), "llama", seed=7)
+
+
+def _variant(base: Path, dest: Path, config: dict | None = None, tensors=None) -> Path:
+    """A copy of base with config.json keys replaced and its tensors edited by `tensors(dict)`."""
+    dest.mkdir()
+    cfg = json.loads((base / "config.json").read_text())
+    for key, value in (config or {}).items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (dest / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(base / "model.safetensors")
+    if tensors is not None:
+        tensors(weights)
+    save_file(weights, dest / "model.safetensors")
+    return dest
+
+
+def test_config_without_architectures_loads_by_model_type(base, tmp_path):
+    ref = LLM(str(base), **KW)
+    other = LLM(str(_variant(base, tmp_path / "m", {"architectures": None})), **KW)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    assert other.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == \
+        ref.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config: 'fp8'"),
+    ({"architectures": ["GPTNeoXForCausalLM"]}, "GPTNeoXForCausalLM"),
+])
+def test_unsupported_config_is_named(base, tmp_path, config, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(_variant(base, tmp_path / "m", config)), **KW)
+
+
+def _grow(name: str, dim: int):
+    def edit(w: dict) -> None:
+        t = w[name]
+        extra = list(t.shape)
+        extra[dim] = 16
+        w[name] = torch.cat([t, torch.zeros(extra, dtype=t.dtype)], dim=dim)
+    return edit
+
+
+@pytest.mark.parametrize("name, dim", [
+    ("model.layers.0.self_attn.q_proj.weight", 0), ("model.layers.0.self_attn.k_proj.weight", 0),
+    ("model.layers.1.mlp.gate_proj.weight", 0), ("model.layers.0.mlp.down_proj.weight", 1),
+    ("model.layers.0.self_attn.o_proj.weight", 1), ("model.embed_tokens.weight", 0), ("lm_head.weight", 0),
+])
+def test_tensor_of_the_wrong_shape_is_named(base, tmp_path, name, dim):
+    """A larger tensor than the parameter would load cut down (and a smaller one zero-padded)."""
+    with pytest.raises(ValueError, match=f"{name}.*does not match the expected"):
+        LLM(str(_variant(base, tmp_path / "m", tensors=_grow(name, dim))), **KW)
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"])
+def test_missing_part_of_a_fused_weight_is_named(base, tmp_path, name):
+    """q/k/v and gate/up load into one fused parameter each: one of them missing would leave garbage."""
+    with pytest.raises(ValueError, match=f"missing weights.*{name.removeprefix('model.')}"):
+        LLM(str(_variant(base, tmp_path / "m", tensors=lambda w: w.pop(name))), **KW)
