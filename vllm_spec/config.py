@@ -70,6 +70,9 @@ def find_model_source(model: str, load_format: str) -> tuple[str, Path]:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return "gguf", ggufs[0]
+        if ggufs:
+            raise ValueError(f"model {model!r} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs)}) "
+                             "and no config.json: name the file to load.")
     from vllm_spec.model import offline_models
 
     if not path.exists() and offline_models.resolve(model) is not None:

@@ -171,6 +171,48 @@ def test_unsupported_architecture(tmp_path):
             fn(path)
 
 
+def test_llama_gguf_with_qkv_biases_only_loads(tmp_path):
+    # The file decides which biases exist: q/k/v here, o_proj not (an HF Llama config could not say so).
+    path = tmp_path / "b.gguf"
+    write_synthetic(path, "llama", bias=True)
+    from vllm_spec import LLM, SamplingParams
+
+    llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20, dtype="float32")
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_corrupt_or_ambiguous_gguf_is_a_clear_error(tmp_path):
+    good = tmp_path / "good.gguf"
+    write_synthetic(good, "llama")
+    truncated = tmp_path / "trunc" / "t.gguf"
+    truncated.parent.mkdir()
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size * 2 // 3])
+    with pytest.raises(ValueError, match="t.gguf.*(truncated or corrupt)|could not be read"):
+        list(iter_gguf_weights(truncated))
+    twice = tmp_path / "two"
+    twice.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (twice / name).write_bytes(good.read_bytes())
+    from vllm_spec.config import find_model_source
+
+    with pytest.raises(ValueError, match="2 .gguf files.*a.gguf, b.gguf"):
+        find_model_source(str(twice), "auto")
+
+
+def test_gguf_without_tokenizer_says_what_to_do(tmp_path):
+    path = tmp_path / "notok.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="notok.gguf.*tokenizer=PATH.*skip_tokenizer_init"):
+        load_gguf_tokenizer(path)
+
+
 def test_missing_file(tmp_path):
     for fn in (read_gguf_config, iter_gguf_weights, load_gguf_tokenizer):
         with pytest.raises(FileNotFoundError, match="nope.gguf"):

@@ -42,7 +42,10 @@ def _open(path: str | Path) -> tuple[GGUFReader, str]:
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     st = path.stat()
-    reader = _reader(str(path.resolve()), st.st_mtime_ns, st.st_size)
+    try:
+        reader = _reader(str(path.resolve()), st.st_mtime_ns, st.st_size)
+    except (ValueError, OSError, IndexError) as e:   # gguf's own errors name neither the file nor the cause
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
     arch = _value(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -105,6 +108,8 @@ def _config(reader: GGUFReader, arch: str) -> dict[str, Any]:
         "max_position_embeddings": kv("context_length", 2048),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
+        # The file says which biases it has: o_proj's need not follow q/k/v's.
+        "vllm_spec_o_proj_bias": "blk.0.attn_output.bias" in tensors,
         "hidden_act": "silu",
     }
     # key_length is head_dim when it is not hidden/heads; llama's rotary dims always equal head_dim.
@@ -206,7 +211,10 @@ def _iter_weights(reader: GGUFReader, arch: str, n_head: int, n_kv_head: int) ->
         if t.name in _NOT_PARAMETERS:
             continue
         name = _hf_name(t.name)
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        try:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"GGUF tensor {t.name!r} could not be read (truncated or corrupt file?): {e}") from e
         if np.may_share_memory(w, t.data):  # F32 tensors come back as views of the read-only map
             w = w.copy()
         w = w.reshape([int(d) for d in reversed(t.shape)])
@@ -222,4 +230,8 @@ def load_gguf_tokenizer(path: str | Path):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"no tokenizer could be built from {path} ({e}); pass tokenizer=PATH, or "
+                         "skip_tokenizer_init=True and give prompts as token ids.") from e
