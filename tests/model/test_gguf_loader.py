@@ -157,15 +157,20 @@ def test_synthetic_llama3_rope_from_rope_freqs(tmp_path):
     assert_weights_equal(path, hf)  # rope_freqs is config, not a parameter
 
 
-def test_unsupported_architecture(tmp_path):
-    path = tmp_path / "gemma.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma3")
+def write_minimal(path: Path, arch: str) -> Path:
+    """A GGUF of one block with an embedding and no metadata (no tokenizer either)."""
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_unsupported_architecture(tmp_path):
+    path = write_minimal(tmp_path / "gemma.gguf", "gemma3")
     for fn in (read_gguf_config, iter_gguf_weights):
         with pytest.raises(ValueError, match="gemma3.*llama.*qwen2"):
             fn(path)
@@ -201,14 +206,7 @@ def test_corrupt_or_ambiguous_gguf_is_a_clear_error(tmp_path):
 
 
 def test_gguf_without_tokenizer_says_what_to_do(tmp_path):
-    path = tmp_path / "notok.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_minimal(tmp_path / "notok.gguf", "llama")
     with pytest.raises(ValueError, match="notok.gguf.*tokenizer=PATH.*skip_tokenizer_init"):
         load_gguf_tokenizer(path)
 
