@@ -35,6 +35,16 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request arrived, got its first token, its latest and finished (time.monotonic seconds)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     """The state of one request after an engine step (final when finished is True)."""
 
@@ -45,3 +55,4 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = field(default=None)
+    metrics: RequestMetrics | None = None

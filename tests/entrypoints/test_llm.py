@@ -95,6 +95,18 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
 
 
+def test_request_metrics_and_unsupported_methods(llm, tiny_llama):
+    out = llm.generate(PROMPT, greedy(max_tokens=4), use_tqdm=False)[0]
+    m = out.metrics
+    assert m.arrival_time <= m.first_token_time <= m.last_token_time == m.finished_time
+    for method in ("encode", "embed", "beam_search"):
+        with pytest.raises(NotImplementedError, match=method):
+            getattr(llm, method)(PROMPT)
+    tok = llm.get_tokenizer()
+    llm.set_tokenizer(tok)
+    assert llm.get_tokenizer() is tok and llm.llm_engine.output_processor.tokenizer is tok
+
+
 def test_mismatched_params_list_rejected(llm):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([PROMPT, PROMPT], [greedy()], use_tqdm=False)

@@ -18,7 +18,7 @@ from vllm_spec.engine.output_processor import OutputProcessor
 from vllm_spec.engine.stats import EngineStats
 from vllm_spec.executor import create_executor
 from vllm_spec.metrics import Metric
-from vllm_spec.outputs import CompletionOutput, RequestOutput
+from vllm_spec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
 from vllm_spec.tokenizer import get_tokenizer
@@ -269,7 +269,7 @@ class LLMEngine:
         for request in touched.values():
             finished = request.is_finished
             if finished or request.sampling_params.output_kind is not final_only:
-                outputs.append(self._request_output(request, finished))
+                outputs.append(self._request_output(request, finished, now))
             if finished:
                 self.stats.on_finished(self.requests.pop(request.request_id), now)
         t4 = time.perf_counter()
@@ -280,7 +280,7 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _request_output(request: Request, finished: bool) -> RequestOutput:
+    def _request_output(request: Request, finished: bool, now: float) -> RequestOutput:
         # Built per streamed request per step: positional arguments (keywords cost twice as much).
         delta = request.sampling_params.output_kind is _DELTA
         completions = []
@@ -292,8 +292,10 @@ class LLMEngine:
                                                 seq.status.finish_reason, seq.stop_reason))
             if delta:
                 seq.num_reported_tokens, seq.num_reported_chars = len(seq.output_token_ids), len(seq.output_text)
+        first = min((s.first_token_time for s in request.seqs if s.first_token_time is not None), default=None)
+        metrics = RequestMetrics(request.arrival_time, first, now, now if finished else None)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
-                             request.seqs[0].prompt_logprobs)
+                             request.seqs[0].prompt_logprobs, None, metrics)
 
     # Metrics ------------------------------------------------------------------------
     def get_metrics(self) -> list[Metric]:

@@ -27,6 +27,24 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def set_tokenizer(self, tokenizer) -> None:
+        """Use this tokenizer for the requests that come next (text prompts, detokenization)."""
+        self.llm_engine.tokenizer = self.llm_engine.output_processor.tokenizer = tokenizer
+
+    def _not_generative(self, method: str):
+        raise NotImplementedError(f"LLM.{method} is not supported: this engine serves generative (decoder) "
+                                  "models; use generate() or chat().")
+
+    def encode(self, *args: Any, **kwargs: Any):
+        self._not_generative("encode")
+
+    def embed(self, *args: Any, **kwargs: Any):
+        self._not_generative("embed")
+
+    def beam_search(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError("LLM.beam_search is not supported: use generate() (greedy or sampled, with "
+                                  "n for several samples).")
+
     def generate(
         self,
         prompts: PromptType | SequenceABC[PromptType],
