@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BurstsPolicy
+from conftest import BurstsPolicy, make_tiny_model
 
 from vllm_spec import LLM, SamplingParams
 from vllm_spec.worker import staging
@@ -54,6 +54,24 @@ def test_torch_backend_matches_triton_on_gpu(spec_pair, eager_reference):
     for layer in llm.llm_engine.executor.worker.runner.model.attention_layers():
         layer.backend = torch_backend
     assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == eager_reference
+
+
+@pytest.mark.parametrize("arch, options", [
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),   # layer 1 windowed only
+    ("llama", dict(attention_bias=True, mlp_bias=True)),                                # o_proj biased too
+])
+def test_model_variants_in_graphs_match_torch_backend(tmp_path, arch, options):
+    from vllm_spec.attention import torch_backend
+
+    path = str(make_tiny_model(tmp_path / arch, arch, seed=9, **options))
+    reference = LLM(path, enforce_eager=True, **KV)
+    for layer in reference.llm_engine.executor.worker.runner.model.attention_layers():
+        layer.backend = torch_backend
+    expected = _ids(reference.generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm = LLM(path, **KV)
+    windows = {a.sliding_window for a in llm.llm_engine.executor.worker.runner.model.attention_layers()}
+    assert windows == ({None, 8} if arch == "qwen2" else {None})
+    assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
 
 
 def test_bf16_default_runs(spec_pair):
