@@ -114,3 +114,17 @@ def test_vllm_names_accepted_where_they_change_nothing():
                          (dict(repetition_penalty=float("inf")), "repetition_penalty")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
+
+
+def test_seed_range_and_children():
+    for seed in (-(1 << 63), (1 << 64) - 1, 0):
+        assert SamplingParams(temperature=1.0, seed=seed).seed == seed
+    for seed, n in (((1 << 64), 1), (-(1 << 63) - 1, 1), ((1 << 64) - 1, 2)):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(temperature=1.0, seed=seed, n=n)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=1e39)
+    import dataclasses
+    child = SamplingParams(n=3, best_of=3, seed=5).for_child(2)
+    assert (child.n, child.best_of, child.seed) == (1, None, 7)
+    dataclasses.replace(child)   # a child is a valid SamplingParams of its own

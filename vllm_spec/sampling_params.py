@@ -13,6 +13,8 @@ from vllm_spec.utils import is_int
 
 # Temperatures below this are treated as greedy, as in vLLM.
 SAMPLING_EPS = 1e-5
+# Penalties are applied in float32: a larger one would become inf there (0 * inf = NaN logits).
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:
@@ -108,13 +110,15 @@ class SamplingParams:
                "presence_penalty", "in [-2, 2]", self.presence_penalty)
         _check(is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
                "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        _check(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty < float("inf"),
-               "repetition_penalty", "a number > 0", self.repetition_penalty)
+        _check(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= _FLOAT32_MAX,
+               "repetition_penalty", "a number > 0 (and finite in float32)", self.repetition_penalty)
         _check(is_num(self.temperature) and self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
         _check(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(is_int(self.top_k) and self.top_k >= 0, "top_k", "0 or -1 (disabled) or a positive integer", self.top_k)
         _check(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
-        _check(self.seed is None or is_int(self.seed), "seed", "an integer or None", self.seed)
+        # torch generators take seeds in [-2**63, 2**64); children n > 1 use seed + index.
+        _check(self.seed is None or (is_int(self.seed) and -(1 << 63) <= self.seed and self.seed + self.n <= 1 << 64),
+               "seed", "None or an integer in [-2**63, 2**64 - n]", self.seed)
         _check(
             self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
             "max_tokens", "an integer >= 1 or None", self.max_tokens,
@@ -189,7 +193,7 @@ class SamplingParams:
     def for_child(self, index: int) -> "SamplingParams":
         """Parameters for the index-th of n parallel samples (vLLM: seed + index)."""
         child = self.clone()
-        child.n = 1
+        child.n, child.best_of = 1, None
         if child.seed is not None:
             child.seed = self.seed + index
         return child

@@ -195,3 +195,16 @@ def test_serve_model_given_twice_is_a_clear_error(capsys):
     ns = cli.make_parser().parse_args(["serve", "A", "--model", "B"])
     assert serve_main(ns) == 2
     assert "MODEL given twice" in capsys.readouterr().err
+
+
+def test_flag_spelling_stops_at_double_dash():
+    ns = cli.make_parser().parse_args(["generate", "--max_tokens", "3", "--", "--snake_case prompt"])
+    assert ns.max_tokens == 3 and ns.prompts == ["--snake_case prompt"]
+
+
+def test_serve_chat_template_that_is_neither_file_nor_template(capsys):
+    from vllm_spec.entrypoints.openai.cli_args import serve_main
+
+    ns = cli.make_parser().parse_args(["serve", "M", "--chat-template", "templates/chatml.jinja"])
+    assert serve_main(ns) == 2
+    assert "neither a file nor a Jinja template" in capsys.readouterr().err

@@ -103,8 +103,11 @@ def test_request_metrics_and_unsupported_methods(llm, tiny_llama):
         with pytest.raises(NotImplementedError, match=method):
             getattr(llm, method)(PROMPT)
     tok = llm.get_tokenizer()
-    llm.set_tokenizer(tok)
-    assert llm.get_tokenizer() is tok and llm.llm_engine.output_processor.tokenizer is tok
+    bare = LLM(str(tiny_llama), skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, max_model_len=MAX_MODEL_LEN)
+    bare.set_tokenizer(tok)
+    assert bare.get_tokenizer() is tok and bare.llm_engine.output_processor.tokenizer is tok
+    assert tok.eos_token_id in bare.llm_engine.output_processor.eos_token_ids   # its EOS stops requests
+    assert bare.generate(PROMPT, greedy(max_tokens=4), use_tqdm=False)[0].outputs[0].text
 
 
 def test_mismatched_params_list_rejected(llm):
@@ -295,6 +298,9 @@ def test_chat_content_parts_and_continue_final_message(llm):
     assert out[0].prompt.endswith("<|im_start|>assistant\nSure,")
     with pytest.raises(ValueError, match="continue_final_message"):
         llm.chat(partial, use_tqdm=False, continue_final_message=True)
+    for reserved in ("add_generation_prompt", "tokenizer", "add_special_tokens"):
+        with pytest.raises(ValueError, match=f"chat_template_kwargs.*{reserved}"):
+            llm.chat(plain, use_tqdm=False, chat_template_kwargs={reserved: False})
 
 # Metrics ------------------------------------------------------------------------------------------------------
 

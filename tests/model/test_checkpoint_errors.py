@@ -81,3 +81,16 @@ def test_missing_part_of_a_fused_weight_is_named(base, tmp_path, name):
     """q/k/v and gate/up load into one fused parameter each: one of them missing would leave garbage."""
     with pytest.raises(ValueError, match=f"missing weights.*{name.removeprefix('model.')}"):
         LLM(str(_variant(base, tmp_path / "m", tensors=lambda w: w.pop(name))), **KW)
+
+
+def test_qwen2_windows_follow_transformers_defaults():
+    from vllm_spec.model.arch_config import ArchConfig
+
+    base = dict(architectures=["Qwen2ForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=4, num_attention_heads=4, sliding_window=8)
+    windows = lambda cfg: [ArchConfig.from_hf_dict(cfg).sliding_window_for(i) for i in range(4)]  # noqa: E731
+    assert windows(base) == [None] * 4                                     # use_sliding_window off
+    assert windows({**base, "use_sliding_window": True}) == [None] * 4     # max_window_layers 28 by default
+    assert windows({**base, "use_sliding_window": True, "max_window_layers": 2}) == [None, None, 8, 8]
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    assert windows({**base, "use_sliding_window": True, "layer_types": layer_types}) == [8, None, 8, None]

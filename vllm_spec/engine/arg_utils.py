@@ -172,11 +172,12 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         import sys
 
         args = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args([_dashed(a) for a in args], namespace)
+        end = args.index("--") if "--" in args else len(args)   # past "--", arguments are values
+        return super().parse_known_args([_dashed(a) for a in args[:end]] + args[end:], namespace)
 
 
 def _dashed(arg: str) -> str:
-    if not arg.startswith("--") or arg == "--":
+    if not arg.startswith("--"):
         return arg
     name, eq, value = arg.partition("=")
     return name.replace("_", "-") + eq + value

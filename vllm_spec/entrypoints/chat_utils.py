@@ -23,11 +23,21 @@ def text_content(content: Any) -> str:
     return "\n".join(parts)
 
 
+# Arguments of apply_chat_template that render_chat sets itself: not template variables.
+_RESERVED = ("add_generation_prompt", "continue_final_message", "chat_template", "tokenize", "conversation",
+             "messages", "tokenizer", "add_special_tokens")
+
+
 def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: str | None = None,
-                **template_kwargs: Any) -> dict[str, Any]:
+                add_special_tokens: bool = False, template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """{"prompt", "prompt_token_ids"} of a conversation under the tokenizer's chat template (or the
-    given one). ValueError for contents it cannot render."""
+    given one); add_special_tokens adds the tokenizer's own (BOS...) to the template's. ValueError for
+    contents it cannot render."""
+    template_kwargs = dict(template_kwargs or {})
+    reserved = sorted(set(template_kwargs) & set(_RESERVED))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs cannot set {reserved}: they are arguments of their own.")
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true.")
     messages = [{**m, "content": text_content(m.get("content"))} for m in messages]
@@ -37,5 +47,5 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
                                          chat_template=chat_template, **template_kwargs)
     if not isinstance(text, str):
         raise ValueError("the chat template did not render to text.")
-    # The template writes the special tokens itself: tokenized without adding them again.
-    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+    # The template writes the special tokens itself: tokenized without adding them again unless asked.
+    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=add_special_tokens).input_ids}

@@ -29,7 +29,9 @@ class LLM:
 
     def set_tokenizer(self, tokenizer) -> None:
         """Use this tokenizer for the requests that come next (text prompts, detokenization)."""
-        self.llm_engine.tokenizer = self.llm_engine.output_processor.tokenizer = tokenizer
+        engine = self.llm_engine
+        engine.tokenizer = engine.output_processor.tokenizer = tokenizer
+        engine.output_processor.eos_token_ids = engine._eos_token_ids()   # its EOS stops requests too
 
     def _not_generative(self, method: str):
         raise NotImplementedError(f"LLM.{method} is not supported: this engine serves generative (decoder) "
@@ -109,8 +111,8 @@ class LLM:
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this LLM was built with skip_tokenizer_init=True.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [render_chat(tokenizer, conv, add_generation_prompt, continue_final_message, chat_template,
-                               **(chat_template_kwargs or {})) for conv in conversations]
+        prompts = [render_chat(tokenizer, conv, add_generation_prompt, continue_final_message, chat_template, False,
+                               chat_template_kwargs) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_metrics(self) -> list[Metric]:

@@ -82,7 +82,7 @@ class ArchConfig:
             elif isinstance(cfg.get("layer_types"), list):
                 windowed = tuple(i for i, t in enumerate(cfg["layer_types"]) if t == "sliding_attention")
             else:
-                windowed = tuple(range(cfg.get("max_window_layers", 0), layers))
+                windowed = tuple(range(cfg.get("max_window_layers", 28), layers))   # transformers' default
         rope_scaling = cfg.get("rope_scaling")
         rope_params = cfg.get("rope_parameters")  # transformers >= 5 layout
         rope_theta = cfg.get("rope_theta")

@@ -61,9 +61,14 @@ def serve_main(ns: argparse.Namespace) -> int:
             print(f"error: MODEL given twice: {ns.model!r} and --model {ns.model_flag!r}.", file=sys.stderr)
             return 2
         ns.model = ns.model_flag
-    if ns.chat_template is not None and os.path.isfile(ns.chat_template):
-        with open(ns.chat_template, encoding="utf-8") as f:
-            ns.chat_template = f.read()
+    if ns.chat_template is not None:
+        if os.path.isfile(ns.chat_template):
+            with open(ns.chat_template, encoding="utf-8") as f:
+                ns.chat_template = f.read()
+        elif not any(mark in ns.chat_template for mark in ("{{", "{%")):   # as vLLM: a path, mistyped
+            print(f"error: --chat-template: {ns.chat_template!r} is neither a file nor a Jinja template.",
+                  file=sys.stderr)
+            return 2
     if not ns.model:
         from vllm_spec.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 

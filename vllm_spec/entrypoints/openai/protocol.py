@@ -64,7 +64,7 @@ class UsageInfo(OpenAIBaseModel):
 # the values that change nothing: set otherwise, they get a 400 naming them rather than an output that
 # silently ignores them. Other unknown fields are ignored, as vLLM ignores them.
 _UNSUPPORTED_EXTRAS: dict[str, Any] = {
-    "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
+    "use_beam_search": False, "allowed_token_ids": None, "bad_words": None, "echo": False,
     "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "logits_processors": None,
     "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
@@ -160,6 +160,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True
 
     def to_sampling_params(self) -> SamplingParams:
         self._check_unsupported()
@@ -220,6 +221,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    add_special_tokens: bool = False   # the template writes them; True adds the tokenizer's too
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None

@@ -32,7 +32,8 @@ def _chat_prompt(state: serving.ServerState, request: ChatCompletionRequest) -> 
     messages = [m.model_dump(exclude_none=True) for m in request.messages]
     try:
         return render_chat(tok, messages, request.add_generation_prompt, request.continue_final_message,
-                           request.chat_template or state.chat_template, **(request.chat_template_kwargs or {}))
+                           request.chat_template or state.chat_template, request.add_special_tokens,
+                           request.chat_template_kwargs)
     except Exception as e:
         raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
 

@@ -35,7 +35,8 @@ def _completion_prompts(state: serving.ServerState, request: CompletionRequest) 
     for item in items:
         if isinstance(item, str):
             tok = serving.need_tokenizer(state)
-            out.append({"prompt": item, "prompt_token_ids": tok(item).input_ids})
+            out.append({"prompt": item, "prompt_token_ids": tok(item, add_special_tokens=request.add_special_tokens)
+                        .input_ids})
         else:
             text = state.tokenizer.decode(item) if (state.tokenizer is not None and request.echo) else None
             out.append({"prompt": text, "prompt_token_ids": list(item)})

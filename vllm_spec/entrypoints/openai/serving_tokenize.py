@@ -26,12 +26,10 @@ async def tokenize(request: TokenizeRequest, raw_request: Request):
         try:
             ids = render_chat(tok, [m.model_dump(exclude_none=True) for m in request.messages],
                               request.add_generation_prompt, request.continue_final_message,
-                              request.chat_template or state.chat_template,
-                              **(request.chat_template_kwargs or {}))["prompt_token_ids"]
+                              request.chat_template or state.chat_template, bool(request.add_special_tokens),
+                              request.chat_template_kwargs)["prompt_token_ids"]
         except Exception as e:
             raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
-        if request.add_special_tokens:
-            ids = tok.build_inputs_with_special_tokens(ids)
     else:
         add = True if request.add_special_tokens is None else request.add_special_tokens
         ids = tok(request.prompt, add_special_tokens=add).input_ids
