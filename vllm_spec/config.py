@@ -85,8 +85,6 @@ def find_model_source(model: str, load_format: str) -> tuple[str, Path]:
     )
 
 
-
-
 @dataclass
 class ModelConfig:
     """The model to run and how: architecture, dtype, context length."""
@@ -200,8 +198,6 @@ def check_tensor_parallel(arch: ArchConfig, tp: int, what: str) -> None:
 
 
 SPEC_METHODS = ("draft_model", "ngram")
-
-
 SPEC_POLICIES = ("adaptive", "fixed")
 MAX_SPECULATIVE_TOKENS = 16
 

@@ -10,8 +10,8 @@ from typing import Any
 from tqdm import tqdm
 
 from vllm_spec.engine.arg_utils import EngineArgs
-from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.engine.llm_engine import LLMEngine, PromptType
+from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
