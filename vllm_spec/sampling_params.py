@@ -174,6 +174,14 @@ class SamplingParams:
         with this probability, whatever the models say (its output is then NOT the target's)."""
         return (self.extra_args or {}).get("synthetic_acceptance_rate")
 
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters of output text held back from streamed (unfinished) outputs: they could still
+        become a stop string, which is cut from the output (vLLM's name and rule)."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(map(len, self.stop)) - 1
+
     @cached_property
     def seeded_sampling(self) -> bool:
         """Sampled with the request's own seed: its draws may not depend on the batch it shares."""

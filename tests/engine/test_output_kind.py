@@ -50,3 +50,41 @@ def test_output_kind_is_validated():
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="delta")
 
+
+
+def _texts(engine, kind: RequestOutputKind, **kw) -> list[str]:
+    engine.add_request(f"{kind.name}-{kw}", "hello world", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                                       output_kind=kind, **kw))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+    return texts
+
+
+def _spanning_stop(steps: list[str]) -> str:
+    """A 3-character stop string that starts with the last character of one step's text and ends
+    in the next step's, first seen there."""
+    full = steps[-1]
+    for t in range(1, len(steps) - 1):
+        end = len(steps[t])
+        if len(steps[t + 1]) >= end + 2 and full.find(full[end - 1:end + 2]) == end - 1:
+            return full[end - 1:end + 2]
+    pytest.skip("no step boundary to put a stop string across")
+
+
+def test_streamed_text_holds_back_a_possible_stop_string(engine):
+    """vLLM holds back len(longest stop) - 1 characters of unfinished outputs: text that a stop string
+    completed later would cut must not be reported first (cumulative text never shrinks, deltas add
+    up to the final text)."""
+    unheld = _texts(engine, RequestOutputKind.CUMULATIVE)
+    stop = _spanning_stop(unheld)
+    cumulative = _texts(engine, RequestOutputKind.CUMULATIVE, stop=[stop, "\x00"])
+    final = cumulative[-1]
+    assert final == unheld[-1][:unheld[-1].index(stop)]
+    assert cumulative[:-1] == [t[:max(len(t) - 2, 0)] for t in unheld[:len(cumulative) - 1]]
+    assert "".join(_texts(engine, RequestOutputKind.DELTA, stop=[stop])) == final
+    # Kept in the output, a stop string cuts nothing: nothing is held back.
+    kept = _texts(engine, RequestOutputKind.CUMULATIVE, stop=[stop], include_stop_str_in_output=True)
+    assert kept[-1] == final + stop and all(kept[-1].startswith(t) for t in kept)
+    assert SamplingParams(stop=["ab", "abcd"]).output_text_buffer_length == 3
+    assert SamplingParams(stop=["abcd"], include_stop_str_in_output=True).output_text_buffer_length == 0

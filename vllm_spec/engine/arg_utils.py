@@ -77,7 +77,8 @@ class EngineArgs:
         None, "Tensor-parallel size of the draft: a divisor of tensor_parallel_size (default 1); the draft runs "
               "on the first that many ranks of the target's processes.")
     speculative_disable_by_batch_size: int | None = _opt(
-        None, "No speculation while this many or more requests are running.")
+        None, "No speculation while this many or more requests are running (seeded requests included: their "
+              "output then also depends on whether such steps occurred).")
     speculative_policy: str | None = _opt(
         None, "adaptive (default: k per sequence and step maximising goodput) or fixed (always k).")
 

@@ -286,12 +286,16 @@ class LLMEngine:
         completions = []
         for seq in request.seqs:
             tok, chars = (seq.num_reported_tokens, seq.num_reported_chars) if delta else (0, 0)
-            lps = seq.output_logprobs[tok:] if seq.sampling_params.logprobs is not None else None
-            completions.append(CompletionOutput(seq.index, seq.output_text[chars:], seq.output_token_ids[tok:],
+            params, text = seq.sampling_params, seq.output_text
+            if params.stop and not seq.is_finished:
+                hold = params.output_text_buffer_length
+                text = text[:max(len(text) - hold, chars)] if hold else text
+            lps = seq.output_logprobs[tok:] if params.logprobs is not None else None
+            completions.append(CompletionOutput(seq.index, text[chars:], seq.output_token_ids[tok:],
                                                 None if lps is None else seq.cumulative_logprob, lps,
                                                 seq.status.finish_reason, seq.stop_reason))
             if delta:
-                seq.num_reported_tokens, seq.num_reported_chars = len(seq.output_token_ids), len(seq.output_text)
+                seq.num_reported_tokens, seq.num_reported_chars = len(seq.output_token_ids), len(text)
         first = min((s.first_token_time for s in request.seqs if s.first_token_time is not None), default=None)
         metrics = RequestMetrics(request.arrival_time, first, now, now if finished else None)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,

@@ -225,8 +225,7 @@ def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 class ChoiceState:
     """What has been streamed of one choice: text length, token count, logprob text offset."""
 
-    def __init__(self, holdback: int, text_prefix: str = ""):
-        self.holdback = holdback
+    def __init__(self, text_prefix: str = ""):
         self.sent_text = 0
         self.sent_tokens = 0
         self.text_offset = len(text_prefix)
@@ -234,20 +233,13 @@ class ChoiceState:
 
     def advance(self, comp: CompletionOutput) -> tuple[str, int, int]:
         """(new text, first new token index, end token index) to send now."""
-        finished = comp.finish_reason is not None
-        text = comp.text
-        # Hold back what could still become a stop string (it would be cut from the output).
-        limit = len(text) if finished else max(self.sent_text, len(text) - self.holdback)
-        delta = text[self.sent_text:limit] if limit > self.sent_text else ""
-        self.sent_text = max(self.sent_text, limit)
+        # The engine's text of an unfinished output holds back what could still become a stop string.
+        delta = comp.text[self.sent_text:]
+        self.sent_text += len(delta)
         start, end = self.sent_tokens, len(comp.token_ids)
         self.sent_tokens = end
-        self.done = finished
+        self.done = comp.finish_reason is not None
         return delta, start, end
-
-
-def _holdback(params: SamplingParams) -> int:
-    return max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
 
 
 def _sse(payload: Any) -> str:
@@ -334,7 +326,7 @@ class Submission:
         include_usage = bool(options and options.include_usage)
         continuous = bool(options and options.continuous_usage_stats)
         n, k = self.params.n, self.params.logprobs
-        states = [ChoiceState(_holdback(self.params), text_prefixes[i // n]) for i in range(len(self.streams) * n)]
+        states = [ChoiceState(text_prefixes[i // n]) for i in range(len(self.streams) * n)]
         last: list[RequestOutput | None] = [None] * len(self.streams)
         chunk = functools.partial(chunk_type, id=self.base_id, created=int(time.time()), model=self.model)
         try:
