@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from vllm_spec.model.arch_config import ArchConfig
-from vllm_spec.utils import is_int
+from vllm_spec.utils import check_int, is_int
 
 _DTYPES = {
     "half": torch.float16, "float16": torch.float16, "fp16": torch.float16,
@@ -102,7 +103,17 @@ class ModelConfig:
 
     @classmethod
     def create(cls, model: str, tokenizer: str | None, dtype: str | torch.dtype, device: str,
-               max_model_len: int | None, load_format: str, seed: int) -> "ModelConfig":
+               max_model_len: int | None, load_format: str, seed: int | None) -> "ModelConfig":
+        for name, value in (("model", model), ("tokenizer", tokenizer)):
+            if not isinstance(value, (str, os.PathLike)) and (name == "model" or value is not None):
+                raise ValueError(f"{name} must be a path (a folder, or a .gguf file for the model), got {value!r}.")
+        if tokenizer is not None and not Path(tokenizer).exists():
+            raise ValueError(f"tokenizer {str(tokenizer)!r} not found: give a local tokenizer folder (model hubs are "
+                             "not contacted).")
+        if seed is None:
+            seed = 0   # vLLM's default; its engine takes None as 0 too
+        elif not (is_int(seed) and -(1 << 63) <= seed < 1 << 64):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {seed!r}.")
         source, path = find_model_source(model, load_format)
         if source == "gguf":
             from vllm_spec.model.gguf_loader import read_gguf_config
@@ -135,14 +146,15 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
 
     def __post_init__(self) -> None:
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+        if not is_int(self.block_size) or self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size!r}.")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes!r}.")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
-            raise ValueError(f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override!r}.")
+        util = self.gpu_memory_utilization
+        if not (isinstance(util, (int, float)) and not isinstance(util, bool) and 0.0 < util <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}.")
+        if isinstance(self.kv_cache_memory_bytes, float) and self.kv_cache_memory_bytes.is_integer():
+            self.kv_cache_memory_bytes = int(self.kv_cache_memory_bytes)   # 1e9 bytes, as people write it
+        check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
+        check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 2, optional=True)
 
 
 @dataclass
@@ -154,10 +166,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}.")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}.")
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
@@ -172,8 +182,7 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
-        if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}.")
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.distributed_executor_backend not in (None, *DISTRIBUTED_EXECUTOR_BACKENDS):
             raise ValueError(
                 f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS} or None, "
@@ -228,8 +237,9 @@ class SpeculativeConfig:
             method = "ngram"
         elif method in (None, "draft_model"):
             method = "draft_model"
-            if not model:
-                raise ValueError("speculative_model (speculative_config['model']) is required for a draft model.")
+            if not model or not isinstance(model, (str, os.PathLike)):
+                raise ValueError("speculative_model (speculative_config['model']) must be given for a draft model: "
+                                 f"a model folder or a .gguf file, got {model!r}.")
         else:
             raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {method!r}.")
         k = num_speculative_tokens
@@ -239,10 +249,10 @@ class SpeculativeConfig:
         for name, value in (("speculative_disable_by_batch_size", disable_by_batch_size),
                             ("ngram_prompt_lookup_max", prompt_lookup_max),
                             ("ngram_prompt_lookup_min", prompt_lookup_min)):
-            if value is not None and not (is_int(value) and value >= 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        if synthetic_acceptance_rate is not None and not 0.0 <= synthetic_acceptance_rate <= 1.0:
-            raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], got {synthetic_acceptance_rate!r}.")
+            check_int(name, value, 1, optional=True)
+        rate = synthetic_acceptance_rate
+        if rate is not None and not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate <= 1):
+            raise ValueError(f"synthetic_acceptance_rate must be a number in [0, 1], got {rate!r}.")
         if policy not in (None, *SPEC_POLICIES):
             raise ValueError(f"speculative_policy must be one of {SPEC_POLICIES}, got {policy!r}.")
         cfg = cls(method, k, draft_tensor_parallel_size=1 if draft_tensor_parallel_size is None
@@ -290,6 +300,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         tp = self.parallel.tensor_parallel_size
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}.")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be True, False or None (automatic), got {self.async_scheduling!r}.")
         if self.async_scheduling and tp > 1:

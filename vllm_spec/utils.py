@@ -10,6 +10,14 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
+    """ValueError naming the field unless value is an integer >= minimum (or None, if optional): a
+    float or a bool would be taken for one and fail far from where it was given."""
+    if not ((optional and value is None) or (is_int(value) and value >= minimum)):
+        allowed = f"an integer >= {minimum}" + (" or None" if optional else "")
+        raise ValueError(f"{name} must be {allowed}, got {value!r}.")
+
+
 def concat_slice(first: list[int], second: list[int], start: int, stop: int) -> list[int]:
     """(first + second)[start:stop] without building the concatenation."""
     n = len(first)

@@ -208,3 +208,28 @@ def test_serve_chat_template_that_is_neither_file_nor_template(capsys):
     ns = cli.make_parser().parse_args(["serve", "M", "--chat-template", "templates/chatml.jinja"])
     assert serve_main(ns) == 2
     assert "neither a file nor a Jinja template" in capsys.readouterr().err
+
+
+def test_flag_errors_name_the_flag_and_abbreviations_are_refused(tiny_llama, capsys):
+    for argv, needle in [(["--speculative-config", "{model: x}"], "--speculative-config: not valid JSON"),
+                         (["--speculative-config", "[1]"], "must be a JSON object"),
+                         (["--temp", "0.5"], "unrecognized arguments: --temp")]:
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["generate", "--model", str(tiny_llama), *argv, "hi"])
+        assert exc.value.code == 2 and needle in capsys.readouterr().err
+    assert cli.main(["generate", "--model", str(tiny_llama), "--seed", str(1 << 64), "hi"]) == 2
+    assert "error: seed" in capsys.readouterr().err
+
+
+def test_generate_seed_makes_speculative_sampling_reproducible(spec_pair, capsys):
+    # The adaptive policy's k follows measured step times; only a seed of the request's own keeps its
+    # draws independent of them (--seed seeds the requests too).
+    argv = ["generate", "--model", spec_pair[0], "--speculative-model", spec_pair[1], "--num-speculative-tokens",
+            "3", "--temperature", "0.9", "--seed", "7", "--max-tokens", "24", "--ignore-eos", "--n", "2",
+            "--kv-cache-memory-bytes", str(1 << 24), "a b", "c d e"]
+    runs = []
+    for _ in range(2):
+        assert cli.main(argv) == 0
+        runs.append([line for line in capsys.readouterr().out.splitlines() if not line.startswith(("generated", "["))])
+    assert runs[0] == runs[1]
+    assert sum(line.startswith("--- [") for line in runs[0]) == 4   # two prompts, two completions each

@@ -377,3 +377,45 @@ def test_vllm_flags_with_their_supported_values(tiny_llama):
                         ("max_logprobs", 5), ("kv_cache_dtype", "fp8"), ("swap_space", -1)]:
         with pytest.raises(ValueError, match=name):
             LLM(str(tiny_llama), **{name: value})
+
+
+@pytest.mark.parametrize("name, value", [
+    ("gpu_memory_utilization", None), ("gpu_memory_utilization", "0.5"), ("max_num_seqs", "8"),
+    ("max_num_seqs", 1.5), ("max_num_seqs", True), ("max_num_batched_tokens", 0), ("max_num_batched_tokens", "64"),
+    ("kv_cache_memory_bytes", "1000000"), ("num_gpu_blocks_override", 100.5), ("block_size", 16.0),
+    ("block_size", True), ("swap_space", True), ("enforce_eager", "no"), ("seed", 1.5), ("seed", 1 << 64),
+    ("tokenizer", 5), ("speculative_model", 5),
+])
+def test_engine_keywords_of_the_wrong_type_name_the_field(tiny_llama, name, value):
+    # A float or bool taken for an integer failed deep in the worker (or silently meant 1); a string
+    # number raised a TypeError; 0 batched tokens silently meant the default.
+    with pytest.raises(ValueError, match=name):
+        LLM(str(tiny_llama), **{name: value})
+
+
+def test_engine_keywords_as_vllm_users_write_them(tiny_llama):
+    llm = LLM(str(tiny_llama), seed=None, kv_cache_memory_bytes=1e7)
+    assert llm.llm_engine.config.cache.kv_cache_memory_bytes == 10_000_000
+    assert len(llm.generate("hi", greedy(3), use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def test_speculative_config_values_of_the_wrong_type(tiny_llama):
+    with pytest.raises(ValueError, match="speculative_config\\['model'\\]"):
+        LLM(str(tiny_llama), speculative_config={"model": 5, "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="synthetic_acceptance_rate"):
+        LLM(str(tiny_llama), speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                  "synthetic_acceptance_rate": "x"})
+
+
+def test_missing_tokenizer_folder_is_named_without_a_hub_request(tiny_llama, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a model hub was contacted")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_hub)
+    with pytest.raises(ValueError, match="tokenizer 'no/such-tokenizer' not found"):
+        LLM(str(tiny_llama), tokenizer="no/such-tokenizer")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no tokenizer found in .*empty"):
+        LLM(str(tiny_llama), tokenizer=str(tmp_path / "empty"))

@@ -31,7 +31,8 @@ class EngineArgs:
     tokenizer: str | None = _opt(None, "Tokenizer folder (default: the model's own).")
     skip_tokenizer_init: bool = _opt(False, "Do not load a tokenizer; prompts must be token ids.")
     dtype: str = _opt("auto", "auto, float32, float16 or bfloat16 (auto: float32 on CPU, bfloat16 on GPU).")
-    seed: int = _opt(0, "Seed for requests without their own seed and for dummy weights.")
+    seed: int | None = _opt(0, "Seed for requests without their own seed and for dummy weights (vllm-spec "
+                              "generate: for each request too).")
     max_model_len: int | None = _opt(None, "Context length (default: the model's max_position_embeddings).")
     load_format: str = _opt("auto", "auto, safetensors, gguf or dummy (random weights).")
     device: str = _opt("auto", "auto, cpu or cuda.")
@@ -119,7 +120,8 @@ class EngineArgs:
             model=model,
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes,
                               self.num_gpu_blocks_override),
-            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens or 2048, model.max_model_len),
+            scheduler=SchedulerConfig(self.max_num_seqs, 2048 if self.max_num_batched_tokens is None
+                                      else self.max_num_batched_tokens, model.max_model_len),
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             speculative=self._speculative_config(model),
             enforce_eager=self.enforce_eager,
@@ -132,7 +134,8 @@ class EngineArgs:
             value = getattr(self, name)
             if value not in allowed or isinstance(value, bool):
                 raise ValueError(f"{name} must be one of {list(allowed)} (the only supported choice), got {value!r}.")
-        if not (isinstance(self.swap_space, (int, float)) and self.swap_space >= 0):
+        if not (isinstance(self.swap_space, (int, float)) and not isinstance(self.swap_space, bool)
+                and self.swap_space >= 0):
             raise ValueError(f"swap_space must be a number >= 0 (GiB), got {self.swap_space!r}.")
 
     def _speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
@@ -167,7 +170,12 @@ _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}
 
 
 class FlexibleArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser that takes --flag_name for --flag-name, as vLLM's does."""
+    """An ArgumentParser that takes --flag_name for --flag-name, as vLLM's does, and no abbreviated
+    flags (--temp would silently be --temperature, --n ambiguous among --ngram-... flags)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
         import sys
@@ -186,5 +194,16 @@ def _dashed(arg: str) -> str:
 
 def _parser_for(kind: Any):
     if kind is dict or typing.get_origin(kind) is dict:
-        return json.loads
+        return json_object
     return kind
+
+
+def json_object(text: str) -> dict:
+    """argparse type of a JSON-object flag: the parser's own message on bad JSON."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value

@@ -64,6 +64,7 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     sampling.add_argument("--top-p", type=float, default=1.0)
     sampling.add_argument("--top-k", type=int, default=0, help="0 or -1 disables top-k")
+    sampling.add_argument("--n", type=int, default=1, help="completions per prompt")
     sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS up to --max-tokens")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the tokenizer's chat template to each prompt (default: on for the default "
@@ -171,8 +172,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from vllm_spec.sampling_params import SamplingParams
 
     # Validate the sampling flags before the (slow) model load.
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, ignore_eos=args.ignore_eos)
+    # --seed seeds each request too: with speculation, only a request's own seed makes its sampled
+    # output independent of the adaptive policy's (timing-driven) choices of k.
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, ignore_eos=args.ignore_eos, seed=args.seed)
     kwargs, used_default = _engine_kwargs(args)
     chat = args.chat if args.chat is not None else used_default
     prompts = list(args.prompts) or [DEFAULT_PROMPT]
