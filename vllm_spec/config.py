@@ -62,6 +62,16 @@ def find_model_source(model: str, load_format: str) -> tuple[str, Path]:
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}.")
+    source, path = _model_source(model)
+    wanted = {"gguf": "gguf", "safetensors": "hf"}.get(load_format, source)
+    if source != wanted:
+        found = "a .gguf file" if source == "gguf" else "an HF folder (config.json + safetensors)"
+        raise ValueError(f"load_format={load_format!r} does not match model {model!r}, which is {found}: "
+                         "use load_format='auto'.")
+    return source, path
+
+
+def _model_source(model: str) -> tuple[str, Path]:
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return "gguf", path
@@ -119,7 +129,10 @@ class ModelConfig:
             from vllm_spec.model.gguf_loader import read_gguf_config
             hf_cfg = read_gguf_config(path)
         else:
-            hf_cfg = json.loads((path / "config.json").read_text())
+            try:
+                hf_cfg = json.loads((path / "config.json").read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from e
         arch = ArchConfig.from_hf_dict(hf_cfg)
         dev = resolve_device(device)
         limit = arch.max_position_embeddings

@@ -94,3 +94,17 @@ def test_qwen2_windows_follow_transformers_defaults():
     assert windows({**base, "use_sliding_window": True, "max_window_layers": 2}) == [None, None, 8, 8]
     layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
     assert windows({**base, "use_sliding_window": True, "layer_types": layer_types}) == [8, None, 8, None]
+
+
+def test_malformed_config_json_is_named(base, tmp_path):
+    bad = _variant(base, tmp_path / "bad")
+    (bad / "config.json").write_text('{"architectures": ')
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        LLM(str(bad), **KW)
+
+
+def test_load_format_must_match_the_checkpoint(base):
+    with pytest.raises(ValueError, match="load_format='gguf' does not match .* an HF folder"):
+        LLM(str(base), load_format="gguf", **KW)
+    llm = LLM(str(base), load_format="safetensors", **KW)
+    assert len(llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2), use_tqdm=False)) == 1
