@@ -53,6 +53,15 @@ def test_chat_greedy_match_offline(server):
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref
         assert chunks[-1].choices[0].finish_reason == "length"
+    # continuous_usage_stats: every chunk carries usage, the opening (role) chunk too, as in vLLM.
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES[0], max_tokens=3, temperature=0,
+                                            stream=True, stream_options={"include_usage": True,
+                                                                         "continuous_usage_stats": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    assert chunks[0].usage.completion_tokens == 0 and chunks[0].usage.prompt_tokens > 0
+    assert chunks[-1].usage.completion_tokens == 3
 
 
 def test_stop_string_streaming_and_not(server):

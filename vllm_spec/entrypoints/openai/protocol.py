@@ -60,6 +60,8 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+MAX_N = 128
+
 # vLLM's request extras that change what is generated and that this server does not implement, with
 # the values that change nothing: set otherwise, they get a 400 naming them rather than an output that
 # silently ignores them. Other unknown fields are ignored, as vLLM ignores them.
@@ -103,6 +105,10 @@ class _SamplingFields(OpenAIBaseModel):
     vllm_xargs: dict[str, str | int | float] | None = None
 
     def _check_unsupported(self) -> None:
+        if self.n > MAX_N:
+            # A request's n sequences are built on the engine's thread: a huge n held up every other
+            # request there (and its memory grew without bound).
+            raise OpenAIServingError(f"n must be an integer in [1, {MAX_N}] (OpenAI's bound), got {self.n}.", param="n")
         extras = self.model_extra or {}
         for name, neutral in _UNSUPPORTED_EXTRAS.items():
             value = extras.get(name, neutral)
@@ -118,7 +124,10 @@ class _SamplingFields(OpenAIBaseModel):
             raise OpenAIServingError("stream_options can only be set when stream is true.",
                                      param="stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         sent_as: dict[str, str] | None = None) -> SamplingParams:
+        """SamplingParams from the fields; a ValueError names the request's field (sent_as maps a
+        SamplingParams field to the request field it came from where the names differ)."""
         kwargs: dict[str, Any] = dict(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -141,7 +150,7 @@ class _SamplingFields(OpenAIBaseModel):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             # As vLLM: a response sent whole needs no per-step output (building one per request per
             # step is host time the engine spends between launches); a stream rebuilds its deltas
-            # from cumulative outputs (stop-string holdback needs the text so far).
+            # from cumulative outputs.
             output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
         )
         try:
@@ -150,6 +159,9 @@ class _SamplingFields(OpenAIBaseModel):
             msg = str(e)
             first = msg.split(" ", 1)[0]
             param = "vllm_xargs" if first.startswith("extra_args") else first if first in kwargs else None
+            if param in (sent_as or {}):
+                param = sent_as[param]
+                msg = param + msg[len(first):]
             raise OpenAIServingError(msg, param=param) from e
 
 
@@ -241,7 +253,10 @@ class ChatCompletionRequest(_SamplingFields):
                                      param="continue_final_message")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        sent_as = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            sent_as["max_tokens"] = "max_completion_tokens"
+        return self._sampling_params(max_tokens, logprobs, sent_as)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):

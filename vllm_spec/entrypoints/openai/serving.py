@@ -92,14 +92,14 @@ def check_model(state: ServerState, model: str | None) -> None:
                              param="model")
 
 
-def _check_length(state: ServerState, num_prompt_tokens: int, params: SamplingParams) -> None:
+def _check_length(state: ServerState, num_prompt_tokens: int, params: SamplingParams, prompt_param: str) -> None:
     max_len = state.max_model_len
     if num_prompt_tokens == 0:
-        raise OpenAIServingError("The prompt cannot be empty.", param="prompt")
+        raise OpenAIServingError("The prompt cannot be empty.", param=prompt_param)
     if num_prompt_tokens > max_len or (params.max_tokens is None and num_prompt_tokens >= max_len):
         raise OpenAIServingError(
             f"This model's maximum context length is {max_len} tokens. However, your prompt has "
-            f"{num_prompt_tokens} tokens. Please reduce the length of the prompt.", param="prompt")
+            f"{num_prompt_tokens} tokens. Please reduce the length of the prompt.", param=prompt_param)
     if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > max_len:
         raise OpenAIServingError(
             f"This model's maximum context length is {max_len} tokens. However, you requested "
@@ -115,9 +115,10 @@ def need_tokenizer(state: ServerState):
 
 
 # Engine requests ------------------------------------------------------------------------------------
-async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any]],
-                   params: SamplingParams) -> tuple[list[str], list[AsyncStream]]:
-    """Add one engine request per prompt; on any failure abort those already added."""
+async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any]], params: SamplingParams,
+                   prompt_param: str) -> tuple[list[str], list[AsyncStream]]:
+    """Add one engine request per prompt; on any failure abort those already added. The engine
+    refuses what is wrong with a prompt (its token ids): prompt_param names the request's field."""
     ids: list[str] = []
     streams: list[AsyncStream] = []
     try:
@@ -127,7 +128,7 @@ async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any
             ids.append(rid)
     except ValueError as e:
         state.engine.abort(ids)
-        raise OpenAIServingError(str(e)) from e
+        raise OpenAIServingError(str(e), param=prompt_param) from e
     except EngineDeadError as e:
         state.engine.abort(ids)
         raise OpenAIServingError(str(e), 503, "ServiceUnavailableError") from e
@@ -331,7 +332,10 @@ class Submission:
         chunk = functools.partial(chunk_type, id=self.base_id, created=int(time.time()), model=self.model)
         try:
             for choice in opening:
-                yield _sse(chunk(choices=[choice]))
+                event = chunk(choices=[choice])
+                if continuous:   # as vLLM: every chunk carries usage, the opening ones too
+                    event.usage = count_usage(self.prompt_lens, last)
+                yield _sse(event)
             async for i, out in _merge(self.streams):
                 last[i] = out
                 for comp in out.outputs:
@@ -356,13 +360,14 @@ class Submission:
 
 
 async def submit(state: ServerState, id_prefix: str, model: str | None, prompts: list[dict[str, Any]],
-                 params: SamplingParams) -> Submission:
-    """Check each prompt's length, then add them all to the engine as one Submission."""
+                 params: SamplingParams, prompt_param: str) -> Submission:
+    """Check each prompt's length, then add them all to the engine as one Submission (prompt_param:
+    the request field the prompts came from, which errors about them name)."""
     if params.truncate_prompt_tokens is not None:   # left truncation, before the length checks
         prompts = [{**p, "prompt_token_ids": p["prompt_token_ids"][-params.truncate_prompt_tokens:]} for p in prompts]
     for p in prompts:
-        _check_length(state, len(p["prompt_token_ids"]), params)
+        _check_length(state, len(p["prompt_token_ids"]), params, prompt_param)
     base_id = random_id(id_prefix)
     prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
-    ids, streams = await _add_all(state, base_id, prompts, params)
+    ids, streams = await _add_all(state, base_id, prompts, params, prompt_param)
     return Submission(state, base_id, model or state.model_name, params, prompt_lens, ids, streams)

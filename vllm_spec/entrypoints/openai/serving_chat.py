@@ -59,7 +59,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     serving.check_model(state, request.model)
     params = request.to_sampling_params()
     prompt = _chat_prompt(state, request)
-    sub = await serving.submit(state, "chatcmpl", request.model, [prompt], params)
+    sub = await serving.submit(state, "chatcmpl", request.model, [prompt], params, "messages")
     k = params.logprobs
 
     if request.stream:

@@ -67,7 +67,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
     serving.check_model(state, request.model)
     params = request.to_sampling_params()
     prompts = _completion_prompts(state, request)
-    sub = await serving.submit(state, "cmpl", request.model, prompts, params)
+    sub = await serving.submit(state, "cmpl", request.model, prompts, params, "prompt")
     n, k = params.n, params.logprobs
     echo = [(p["prompt"] or "") if request.echo else "" for p in prompts]
 
