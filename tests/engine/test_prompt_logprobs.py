@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from vllm_spec import LLM, EngineArgs, LLMEngine, SamplingParams
 
 PROMPTS = [[5, 17, 42, 99, 7, 250, 31, 8, 64, 120, 3, 77], [9, 9, 14], [200]]
-KV = dict(kv_cache_memory_bytes=1 << 24)
+KV = dict(kv_cache_memory_bytes=1 << 24, dtype="float32")   # the reference is float32 (GPUs default to bf16)
 
 
 @pytest.fixture(scope="module")
