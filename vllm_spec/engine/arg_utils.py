@@ -17,6 +17,7 @@ from vllm_spec.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from vllm_spec.utils import is_int
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -154,10 +155,21 @@ class EngineArgs:
         if self.speculative_config is not None:
             if not isinstance(self.speculative_config, dict):
                 raise ValueError("speculative_config must be a dict (JSON object).")
-            unknown = set(self.speculative_config) - set(opts)
+            given = dict(self.speculative_config)
+            # vLLM's keys with nothing to set here: accepted at their neutral values, as the engine's own.
+            for name in ("quantization", "revision", "code_revision"):
+                if given.pop(name, None) is not None:
+                    raise ValueError(f"speculative_config['{name}'] must be None (not supported), got "
+                                     f"{self.speculative_config[name]!r}.")
+            draft_len = given.pop("max_model_len", None)
+            if draft_len is not None and not (is_int(draft_len) and draft_len >= target.max_model_len):
+                raise ValueError(f"speculative_config['max_model_len'] must be an integer >= max_model_len "
+                                 f"({target.max_model_len}): the draft proposes at every position, got {draft_len!r}.")
+            unknown = set(given) - set(opts)
             if unknown:
-                raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; allowed: {sorted(opts)}.")
-            opts.update({k: v for k, v in self.speculative_config.items() if v is not None})
+                allowed = sorted([*opts, "max_model_len", "quantization", "revision", "code_revision"])
+                raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; allowed: {allowed}.")
+            opts.update({k: v for k, v in given.items() if v is not None})
         if opts["model"] is None and opts["method"] is None:
             if opts["num_speculative_tokens"] is not None:
                 raise ValueError("num_speculative_tokens needs speculative_model (or speculative_config).")
