@@ -99,7 +99,7 @@ def run(target: str, draft: str | None, tp: int, draft_tp: int | None, batch: in
                      use_tqdm=False)                                                    # warm-up
         engine = llm.llm_engine
         if engine.spec_metrics is not None:
-            engine.spec_metrics = SpecDecodeMetrics()
+            engine.spec_metrics = SpecDecodeMetrics(engine.spec_metrics.num_speculative_tokens)
         t = time.perf_counter()
         ids = [o.outputs[0].token_ids for o in llm.generate(batch_prompts, params, use_tqdm=False)]
         secs = time.perf_counter() - t

@@ -181,6 +181,8 @@ def test_disable_by_batch_size_stops_seeded_drafts_too(spec_pair):
     llm.generate(make_prompts(3), seeded, use_tqdm=False)
     assert metric_values(llm)["vllm:spec_decode_num_drafts"] == 0
     assert llm.llm_engine.executor.worker.policy._speculating is False
+    # One entry per draft position, as vLLM's, also before any position was drafted.
+    assert metric_values(llm)["vllm:spec_decode_num_accepted_tokens_per_pos"] == [0, 0]
 
 
 class _Recording(BurstsPolicy):

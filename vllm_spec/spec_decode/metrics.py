@@ -10,16 +10,21 @@ from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
 
 @dataclass
 class SpecDecodeMetrics:
-    """Running totals over all speculative steps."""
+    """Running totals over all speculative steps; accepted_per_pos has an entry per draft position up
+    to num_speculative_tokens (as vLLM's), also for positions the policy has not drafted yet."""
 
+    num_speculative_tokens: int
     num_steps: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(init=False)
     draft_time: float = 0.0
     verify_time: float = 0.0
     policy: PolicyEstimates | None = None
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.num_speculative_tokens
 
     def add(self, s: SpecStepStats) -> None:
         if s.policy is not None:
@@ -28,8 +33,6 @@ class SpecDecodeMetrics:
         self.num_drafts += s.num_drafts
         self.num_draft_tokens += s.num_draft_tokens
         self.num_accepted_tokens += s.num_accepted_tokens
-        if len(self.accepted_per_pos) < len(s.accepted_per_pos):
-            self.accepted_per_pos += [0] * (len(s.accepted_per_pos) - len(self.accepted_per_pos))
         for j, n in enumerate(s.accepted_per_pos):
             self.accepted_per_pos[j] += n
         self.draft_time += s.draft_time
