@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from vllm_spec.model.arch_config import ArchConfig
-from vllm_spec.utils import check_int, is_int
+from vllm_spec.utils import check_int, is_int, is_number
 
 _DTYPES = {
     "half": torch.float16, "float16": torch.float16, "fp16": torch.float16,
@@ -162,7 +162,7 @@ class CacheConfig:
         if not is_int(self.block_size) or self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size!r}.")
         util = self.gpu_memory_utilization
-        if not (isinstance(util, (int, float)) and not isinstance(util, bool) and 0.0 < util <= 1.0):
+        if not (is_number(util) and 0.0 < util <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}.")
         if isinstance(self.kv_cache_memory_bytes, float) and self.kv_cache_memory_bytes.is_integer():
             self.kv_cache_memory_bytes = int(self.kv_cache_memory_bytes)   # 1e9 bytes, as people write it
@@ -264,7 +264,7 @@ class SpeculativeConfig:
                             ("ngram_prompt_lookup_min", prompt_lookup_min)):
             check_int(name, value, 1, optional=True)
         rate = synthetic_acceptance_rate
-        if rate is not None and not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate <= 1):
+        if rate is not None and not (is_number(rate) and 0 <= rate <= 1):
             raise ValueError(f"synthetic_acceptance_rate must be a number in [0, 1], got {rate!r}.")
         if policy not in (None, *SPEC_POLICIES):
             raise ValueError(f"speculative_policy must be one of {SPEC_POLICIES}, got {policy!r}.")

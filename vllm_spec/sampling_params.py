@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import copy
 import enum
-import numbers
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from vllm_spec.utils import is_int
+from vllm_spec.utils import is_int, is_number
 
 # Temperatures below this are treated as greedy, as in vLLM.
 SAMPLING_EPS = 1e-5
@@ -102,20 +101,17 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
-        def is_num(v) -> bool:  # checked first, so a wrong type is a ValueError too, not a TypeError
-            return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
         _check(is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
-        _check(is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+        _check(is_number(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
                "presence_penalty", "in [-2, 2]", self.presence_penalty)
-        _check(is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+        _check(is_number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
                "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        _check(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= _FLOAT32_MAX,
+        _check(is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= _FLOAT32_MAX,
                "repetition_penalty", "a number > 0 (and finite in float32)", self.repetition_penalty)
-        _check(is_num(self.temperature) and self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
-        _check(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(is_number(self.temperature) and self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _check(is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(is_int(self.top_k) and self.top_k >= 0, "top_k", "0 or -1 (disabled) or a positive integer", self.top_k)
-        _check(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        _check(is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
         # torch generators take seeds in [-2**63, 2**64); children n > 1 use seed + index.
         _check(self.seed is None or (is_int(self.seed) and -(1 << 63) <= self.seed and self.seed + self.n <= 1 << 64),
                "seed", "None or an integer in [-2**63, 2**64 - n]", self.seed)
@@ -153,7 +149,7 @@ class SamplingParams:
         _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", "a dict or None",
                self.extra_args)
         rate = self.synthetic_acceptance_rate
-        _check(rate is None or (is_num(rate) and 0.0 <= rate <= 1.0),
+        _check(rate is None or (is_number(rate) and 0.0 <= rate <= 1.0),
                'extra_args["synthetic_acceptance_rate"]', "a number in [0, 1]", rate)
 
     @property

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 
 def is_int(value: object) -> bool:
     """An integer, not a bool (True is an int to isinstance)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """A real number, not a bool (checked before comparisons, so a wrong type is a ValueError too)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:

@@ -17,7 +17,7 @@ from vllm_spec.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from vllm_spec.utils import is_int
+from vllm_spec.utils import is_int, is_number
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -135,8 +135,7 @@ class EngineArgs:
             value = getattr(self, name)
             if value not in allowed or isinstance(value, bool):
                 raise ValueError(f"{name} must be one of {list(allowed)} (the only supported choice), got {value!r}.")
-        if not (isinstance(self.swap_space, (int, float)) and not isinstance(self.swap_space, bool)
-                and self.swap_space >= 0):
+        if not (is_number(self.swap_space) and self.swap_space >= 0):
             raise ValueError(f"swap_space must be a number >= 0 (GiB), got {self.swap_space!r}.")
 
     def _speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
