@@ -22,13 +22,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import triton
-import triton.testing
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmark_spec_decode import require_cuda  # noqa: E402
 
-from vllm_spec.attention import torch_backend, triton_backend  # noqa: E402
+from vllm_spec.attention import torch_backend  # noqa: E402
+
+try:
+    import triton.testing
+
+    from vllm_spec.attention import triton_backend
+except ImportError:   # CPU-only installs: main() refuses before any use
+    triton = triton_backend = None
 from vllm_spec.attention.metadata import AttentionMetadata, compute_slot_mapping  # noqa: E402
 
 H, KVH, D, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16
@@ -145,7 +152,7 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="also time prefill (TFLOP/s)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    require_cuda("bench_attention.py")
     copy_bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {copy_bw / 1e9:.0f} GB/s",
           flush=True)

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from benchmark_spec_decode import build, write_config  # noqa: E402
+from benchmark_spec_decode import build, positive_int, write_config  # noqa: E402
 
 from vllm_spec import SamplingParams  # noqa: E402
 from vllm_spec.sampling_params import RequestOutputKind  # noqa: E402
@@ -85,11 +85,11 @@ def time_steps(batch: int, kind: RequestOutputKind, steps: int, prompt_len: int)
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--kinds", nargs="+", default=[k.name for k in RequestOutputKind],
                    choices=[k.name for k in RequestOutputKind])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=positive_int, default=300)
+    p.add_argument("--prompt-len", type=positive_int, default=128)
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
     rows = []

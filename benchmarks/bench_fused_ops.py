@@ -19,7 +19,7 @@ from unittest import mock
 
 import torch
 from bench_gemv import time_graph
-from benchmark_spec_decode import copy_bandwidth
+from benchmark_spec_decode import copy_bandwidth, require_cuda
 
 from vllm_spec.model import fused
 
@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default="fused.json")
     args = ap.parse_args()
+    require_cuda("bench_fused_ops.py")
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     print(f"{'op':<14} {'rows':>5} {'us':>7} {'floor us':>8}")

@@ -20,8 +20,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-import triton
-from benchmark_spec_decode import copy_bandwidth
+from benchmark_spec_decode import copy_bandwidth, require_cuda
 
 from vllm_spec.model import fused, gemv
 from vllm_spec.worker.cuda_graph import capture_graph
@@ -92,7 +91,7 @@ def rows_sweep(m: int, n: int, k: int, dtype: torch.dtype, weights: list[torch.T
         c = gemv.RowsBlocks(bm, bm2, bn, bk, warps, stages, swap)
         try:
             t = time_graph(lambda w, c=c: gemv.rows_linear(xm, w, None, c), weights)
-        except triton.runtime.errors.OutOfResources:
+        except gemv.triton.runtime.errors.OutOfResources:
             continue
         results.append((t, c))
     results.sort()
@@ -119,6 +118,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="only the shapes whose name starts with this (e.g. 8b)")
     ap.add_argument("--out", default="gemv.json")
     args = ap.parse_args()
+    require_cuda("bench_gemv.py")
     dtype = torch.bfloat16
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import random
 import statistics
@@ -79,6 +80,24 @@ class Row:
     speedup: float = 0.0
     theoretical: float = 0.0
     floor_ms: float = 0.0
+
+
+def require_cuda(script: str) -> None:
+    """GPU-only benchmarks refuse in one line where there is no CUDA device (or no Triton)."""
+    if importlib.util.find_spec("triton") is None:
+        raise SystemExit(f"{script}: needs Triton and a CUDA GPU (Triton is not installed).")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script}: needs a CUDA GPU (none found). On CPU: benchmark_spec_cpu.py, "
+                         "compare_plain_steps.py --tiny, benchmark_policy.py --tiny, benchmark_tp.py, "
+                         "bench_engine_host.py.")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
 
 
 def copy_bandwidth() -> float:
@@ -223,6 +242,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None, help="PNG of speedup vs batch size")
     args = ap.parse_args()
+    require_cuda("benchmark_spec_decode.py")
 
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)

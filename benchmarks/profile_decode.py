@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchmark_spec_decode import build, run_decode, sync, write_config
+from benchmark_spec_decode import build, require_cuda, run_decode, sync, write_config
 from torch.profiler import ProfilerActivity, profile
 
 from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
@@ -203,6 +203,7 @@ def main() -> None:
     ap.add_argument("--chrome-trace", default=None,
                     help="also write the profile's timeline (chrome://tracing JSON) to this path")
     args = ap.parse_args()
+    require_cuda("profile_decode.py")   # before building an 8B-shape model
     tmp = Path(tempfile.mkdtemp())
     target = write_config(tmp, "8b", 512)
     draft = write_config(tmp, args.draft, 512) if args.draft else None

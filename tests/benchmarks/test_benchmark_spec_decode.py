@@ -23,3 +23,23 @@ def test_run_decode_reports_host_time_mean_and_median(tmp_path, monkeypatch, asy
     assert 0 < out["host_ms_median"] <= 2 * out["ms_per_step"]
     assert 0 < out["host_ms_per_step"] <= 1.01 * out["ms_per_step"]
     assert not engine.has_unfinished_requests()
+
+
+GPU_ONLY = ["bench_attention.py", "bench_gemv.py", "bench_fused_ops.py", "profile_decode.py", "benchmark_spec_decode.py"]
+
+
+@pytest.mark.parametrize("script", GPU_ONLY)
+def test_gpu_only_benchmarks_help_and_refuse_without_cuda(script):
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the benchmark would run")
+    run = [sys.executable, str(BENCHMARKS / script)]
+    assert subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120).returncode == 0
+    # profile_decode built an 8B-shape model on the CPU first; the others raised tracebacks.
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "needs" in proc.stderr and script in proc.stderr
