@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from benchmark_spec_decode import VOCAB, build, run_decode, write_config
+from benchmark_spec_decode import VOCAB, build, positive_int, run_decode, write_config
 
 from vllm_spec import LLMEngine
 from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
@@ -228,14 +228,14 @@ def plot(summary: list[Summary], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--drafts", nargs="+", default=["68m", "1b"], choices=["68m", "1b"])
     ap.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.8])
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--gen-len", type=int, default=192, help="max tokens per request (> window * (k + 1))")
-    ap.add_argument("--window", type=int, default=32, help="timed steps, every request running throughout")
-    ap.add_argument("--warmup-len", type=int, default=16, help="tokens per request of each warm-up run")
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--prompt-len", type=positive_int, default=64)
+    ap.add_argument("--gen-len", type=positive_int, default=192, help="max tokens per request (> window * (k + 1))")
+    ap.add_argument("--window", type=positive_int, default=32, help="timed steps, every request running throughout")
+    ap.add_argument("--warmup-len", type=positive_int, default=16, help="tokens per request of each warm-up run")
+    ap.add_argument("--repeats", type=positive_int, default=1,
                     help="rounds per batch size (policies interleaved); the table reports medians")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU, float32 (smoke test)")
     ap.add_argument("--trace", action="store_true", help="every step of the adaptive policy into the JSON")

@@ -42,6 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmark_spec_decode import positive_int  # noqa: E402
+
 from vllm_spec import LLM, SamplingParams  # noqa: E402
 from vllm_spec.spec_decode.metrics import SpecDecodeMetrics  # noqa: E402
 
@@ -117,14 +119,14 @@ def run(target: str, draft: str | None, tp: int, draft_tp: int | None, batch: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8], help="target TP sizes")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--tp", type=positive_int, nargs="+", default=[2, 4, 8], help="target TP sizes")
+    ap.add_argument("--batch", type=positive_int, nargs="+", default=[1, 8])
+    ap.add_argument("--k", type=positive_int, default=4)
     ap.add_argument("--acceptance", type=float, default=0.7,
                     help="synthetic acceptance rate; < 0: real verification (then ids must equal plain's)")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--max-model-len", type=int, default=256)
-    ap.add_argument("--kv-cache-mb", type=int, default=64)
+    ap.add_argument("--max-tokens", type=positive_int, default=32)
+    ap.add_argument("--max-model-len", type=positive_int, default=256)
+    ap.add_argument("--kv-cache-mb", type=positive_int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--target", help="target checkpoint (default: a tiny random Llama)")
     ap.add_argument("--draft", help="draft checkpoint (default: a smaller tiny random Llama)")
