@@ -14,6 +14,7 @@ bandwidth (bytes read + written) measured in the same run. Writes JSON to benchm
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -30,11 +31,11 @@ from benchmark_spec_decode import require_cuda  # noqa: E402
 
 from vllm_spec.attention import torch_backend  # noqa: E402
 
-try:
+if importlib.util.find_spec("triton") is not None:
     import triton.testing
 
     from vllm_spec.attention import triton_backend
-except ImportError:   # CPU-only installs: main() refuses before any use
+else:   # CPU-only installs: main() refuses before any use
     triton = triton_backend = None
 from vllm_spec.attention.metadata import AttentionMetadata, compute_slot_mapping  # noqa: E402
 

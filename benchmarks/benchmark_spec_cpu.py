@@ -42,6 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmark_spec_decode import positive_int
+
 from vllm_spec import LLM, SamplingParams
 from vllm_spec.model import offline_models
 
@@ -192,20 +194,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--qwen", action="store_true",
                    help="add the Qwen2.5-Coder 1.5B target + 0.5B draft pair (~1.6 GB download, ~10 GB RAM)")
     p.add_argument("--no-default-pair", action="store_true", help="only the --qwen pair")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per step (draft model and n-gram)")
+    p.add_argument("--k", type=positive_int, default=4, help="draft tokens per step (draft model and n-gram)")
     p.add_argument("--policies", nargs="+", default=["fixed", "adaptive"], choices=["fixed", "adaptive"])
-    p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes (prompts per generate call)")
-    p.add_argument("--num-prompts", type=int, default=len(PROMPTS))
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--batch", type=positive_int, nargs="+", default=[1], help="batch sizes (prompts per generate call)")
+    p.add_argument("--num-prompts", type=positive_int, default=len(PROMPTS))
+    p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--ngram-min", type=int, default=2)
     p.add_argument("--systems", nargs="+", default=["draft", "ngram"], choices=["draft", "ngram"],
                    help="speculative systems to compare with plain")
-    p.add_argument("--repeats", type=int, default=1, help="timed repeats per batch size (median reported)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="timed repeats per batch size (median reported)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-mb", type=int, default=256)
+    p.add_argument("--max-model-len", type=positive_int, default=2048)
+    p.add_argument("--kv-cache-mb", type=positive_int, default=256)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/spec_cpu_<time>.json)")
     args = p.parse_args(argv)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchmark_spec_decode import build, require_cuda, run_decode, sync, write_config
+from benchmark_spec_decode import build, positive_int, require_cuda, run_decode, sync, write_config
 from torch.profiler import ProfilerActivity, profile
 
 from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
@@ -182,9 +182,9 @@ def draft_graph_steps(engine, batch: int, max_k: int, context: int = 256, reps: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", type=positive_int, default=1)
     ap.add_argument("--draft", default=None, choices=[None, "68m", "1b"])
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=positive_int, default=4)
     ap.add_argument("--acceptance", type=float, default=0.8)
     ap.add_argument("--eager", action="store_true", help="profile without CUDA graphs (per-kernel detail)")
     ap.add_argument("--trace-steps", type=int, default=0, help="print per-step timings instead of a profile")

@@ -124,6 +124,7 @@ class ModelConfig:
             seed = 0   # vLLM's default; its engine takes None as 0 too
         elif not (is_int(seed) and -(1 << 63) <= seed < 1 << 64):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {seed!r}.")
+        seed = int(seed)   # torch's generators refuse numpy integers
         source, path = find_model_source(model, load_format)
         if source == "gguf":
             from vllm_spec.model.gguf_loader import read_gguf_config

@@ -72,6 +72,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     logit_bias: dict | None = None
     guided_decoding: object | None = None
+    # Characters of output text held back from streamed (unfinished) outputs: they could still become
+    # a stop string, which is cut from the output (vLLM's name and rule; set from stop).
+    output_text_buffer_length: int = field(default=0, init=False, repr=False)
     # Filled by the engine: the model's EOS ids, so min_tokens can mask them.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -93,12 +96,16 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if is_int(self.seed):
+            self.seed = int(self.seed)   # numpy's would overflow in seed + index and torch refuses them
         self._verify()
         if self.is_greedy:
             # Greedy ignores the truncation knobs; normalising them lets the
             # sampler skip work for mixed batches.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self.all_stop_token_ids = set(self.stop_token_ids)
+        if self.stop and not self.include_stop_str_in_output:
+            self.output_text_buffer_length = max(map(len, self.stop)) - 1
 
     def _verify(self) -> None:
         _check(is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
@@ -169,14 +176,6 @@ class SamplingParams:
         """Benchmarks only: speculative verification accepts each of this request's draft tokens
         with this probability, whatever the models say (its output is then NOT the target's)."""
         return (self.extra_args or {}).get("synthetic_acceptance_rate")
-
-    @property
-    def output_text_buffer_length(self) -> int:
-        """Characters of output text held back from streamed (unfinished) outputs: they could still
-        become a stop string, which is cut from the output (vLLM's name and rule)."""
-        if not self.stop or self.include_stop_str_in_output:
-            return 0
-        return max(map(len, self.stop)) - 1
 
     @cached_property
     def seeded_sampling(self) -> bool:

@@ -8,8 +8,8 @@ import torch
 
 
 def is_int(value: object) -> bool:
-    """An integer, not a bool (True is an int to isinstance)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (numpy's too), not a bool (True is an int to isinstance)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_number(value: object) -> bool:

@@ -226,10 +226,12 @@ def test_generate_seed_makes_speculative_sampling_reproducible(spec_pair, capsys
     # draws independent of them (--seed seeds the requests too).
     argv = ["generate", "--model", spec_pair[0], "--speculative-model", spec_pair[1], "--num-speculative-tokens",
             "3", "--temperature", "0.9", "--seed", "7", "--max-tokens", "24", "--ignore-eos", "--n", "2",
-            "--kv-cache-memory-bytes", str(1 << 24), "a b", "c d e"]
+            "--kv-cache-memory-bytes", str(1 << 24), "a b", "a b"]
     runs = []
-    for _ in range(2):
-        assert cli.main(argv) == 0
+    for policy in ("fixed", "adaptive"):   # different k at the same steps: unseeded draws would differ
+        assert cli.main([*argv, "--speculative-policy", policy]) == 0
         runs.append([line for line in capsys.readouterr().out.splitlines() if not line.startswith(("generated", "["))])
     assert runs[0] == runs[1]
     assert sum(line.startswith("--- [") for line in runs[0]) == 4   # two prompts, two completions each
+    texts = [runs[0][i + 1] for i, line in enumerate(runs[0]) if line.startswith("--- [")]
+    assert len(set(texts)) == 4   # each prompt (the same one twice) and sample has a seed of its own

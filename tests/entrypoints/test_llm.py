@@ -419,3 +419,12 @@ def test_missing_tokenizer_folder_is_named_without_a_hub_request(tiny_llama, tmp
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no tokenizer found in .*empty"):
         LLM(str(tiny_llama), tokenizer=str(tmp_path / "empty"))
+
+
+def test_numpy_integers_are_integers(tiny_llama):
+    import numpy as np
+
+    llm = LLM(str(tiny_llama), seed=np.int64(3), max_num_seqs=np.int64(4), kv_cache_memory_bytes=1 << 24)
+    params = SamplingParams(seed=np.int64(5), n=np.int64(2), max_tokens=np.int64(3), temperature=1.0)
+    out = llm.generate("hi", params, use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [3, 3]

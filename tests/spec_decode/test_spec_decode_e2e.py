@@ -240,9 +240,9 @@ def test_abort_mid_speculation_frees_blocks(spec_pair):
 
 def test_speculative_config_dict_form(spec_pair, greedy_reference):
     # With vLLM's keys that set nothing here at their neutral values (and the draft's length >= the target's).
-    llm = LLM(spec_pair[0], speculative_config={"model": spec_pair[1], "num_speculative_tokens": 2,
-                                                "method": "draft_model", "policy": "fixed", "quantization": None,
-                                                "revision": None, "max_model_len": 1 << 20}, **KV)
+    llm = LLM(spec_pair[0], max_model_len=128, speculative_config={
+        "model": spec_pair[1], "num_speculative_tokens": 2, "method": "draft_model", "policy": "fixed",
+        "quantization": None, "revision": None, "max_model_len": 128}, **KV)
     assert output_ids(llm.generate(make_prompts(4), GREEDY, use_tqdm=False)) == greedy_reference[:4]
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -252,6 +252,7 @@ def test_speculative_config_dict_form(spec_pair, greedy_reference):
     ({"speculative_config": {"num_speculative_tokens": 2, "bogus": 1, "model": "x"}}, "bogus"),
     ({"speculative_config": {"num_speculative_tokens": 2, "quantization": "awq"}}, "quantization"),
     ({"speculative_config": {"num_speculative_tokens": 2, "max_model_len": 16}}, "max_model_len"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "max_model_len": 1 << 20}}, "max_model_len"),
     ({"num_speculative_tokens": 2, "speculative_policy": "greedy"}, "speculative_policy"),
     ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 2.5}, "disable_by_batch_size"),

@@ -17,7 +17,7 @@ from vllm_spec.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from vllm_spec.utils import is_int, is_number
+from vllm_spec.utils import is_number
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -156,17 +156,18 @@ class EngineArgs:
                 raise ValueError("speculative_config must be a dict (JSON object).")
             given = dict(self.speculative_config)
             # vLLM's keys with nothing to set here: accepted at their neutral values, as the engine's own.
-            for name in ("quantization", "revision", "code_revision"):
+            for name in _SPEC_NONE_KEYS:
                 if given.pop(name, None) is not None:
                     raise ValueError(f"speculative_config['{name}'] must be None (not supported), got "
                                      f"{self.speculative_config[name]!r}.")
             draft_len = given.pop("max_model_len", None)
-            if draft_len is not None and not (is_int(draft_len) and draft_len >= target.max_model_len):
-                raise ValueError(f"speculative_config['max_model_len'] must be an integer >= max_model_len "
-                                 f"({target.max_model_len}): the draft proposes at every position, got {draft_len!r}.")
+            if draft_len is not None and draft_len != target.max_model_len:
+                # vLLM refuses a larger one; a smaller one (no speculation past it) is not supported here.
+                raise ValueError(f"speculative_config['max_model_len'] must equal max_model_len "
+                                 f"({target.max_model_len}), got {draft_len!r}.")
             unknown = set(given) - set(opts)
             if unknown:
-                allowed = sorted([*opts, "max_model_len", "quantization", "revision", "code_revision"])
+                allowed = sorted([*opts, "max_model_len", *_SPEC_NONE_KEYS])
                 raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; allowed: {allowed}.")
             opts.update({k: v for k, v in given.items() if v is not None})
         if opts["model"] is None and opts["method"] is None:
@@ -175,6 +176,9 @@ class EngineArgs:
             return None
         return SpeculativeConfig.create(target, **opts)
 
+
+# vLLM's speculative_config keys that can only be None here.
+_SPEC_NONE_KEYS = ("quantization", "revision", "code_revision")
 
 # vLLM's short spellings.
 _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}

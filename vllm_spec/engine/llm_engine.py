@@ -287,9 +287,9 @@ class LLMEngine:
         for seq in request.seqs:
             tok, chars = (seq.num_reported_tokens, seq.num_reported_chars) if delta else (0, 0)
             params, text = seq.sampling_params, seq.output_text
-            if params.stop and not seq.is_finished:
-                hold = params.output_text_buffer_length
-                text = text[:max(len(text) - hold, chars)] if hold else text
+            hold = params.output_text_buffer_length
+            if hold and not seq.is_finished:
+                text = text[:max(len(text) - hold, chars)]
             lps = seq.output_logprobs[tok:] if params.logprobs is not None else None
             completions.append(CompletionOutput(seq.index, text[chars:], seq.output_token_ids[tok:],
                                                 None if lps is None else seq.cumulative_logprob, lps,

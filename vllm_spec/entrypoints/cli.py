@@ -71,7 +71,8 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
                         "model, off for --model)")
     p.add_argument("--no-default-draft", action="store_true",
                    help="do not use the package's default draft model with the default model")
-    p.set_defaults(func=run_generate)
+    # Unset, --seed leaves requests unseeded (they share the engine's generator, seeded 0).
+    p.set_defaults(func=run_generate, seed=None)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -171,14 +172,19 @@ def run_generate(args: argparse.Namespace) -> int:
     from vllm_spec.entrypoints.llm import LLM
     from vllm_spec.sampling_params import SamplingParams
 
-    # Validate the sampling flags before the (slow) model load.
-    # --seed seeds each request too: with speculation, only a request's own seed makes its sampled
-    # output independent of the adaptive policy's (timing-driven) choices of k.
-    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, ignore_eos=args.ignore_eos, seed=args.seed)
+    def sampling(seed: int | None) -> SamplingParams:
+        return SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, ignore_eos=args.ignore_eos, seed=seed)
+
+    params = sampling(args.seed)   # the sampling flags checked before the (slow) model load
     kwargs, used_default = _engine_kwargs(args)
     chat = args.chat if args.chat is not None else used_default
     prompts = list(args.prompts) or [DEFAULT_PROMPT]
+    if args.seed is not None:
+        # A given --seed seeds each request too (prompt i: seed + i * n, its n samples the next n): with
+        # speculation only a request's own seed keeps its sampled output independent of the adaptive
+        # policy's timing-driven choices of k. Unseeded, requests share the engine's generator.
+        params = [sampling(args.seed + i * args.n) for i in range(len(prompts))]
 
     t0 = time.perf_counter()
     llm = LLM(**kwargs)

@@ -365,6 +365,10 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
     the request field the prompts came from, which errors about them name)."""
     if params.truncate_prompt_tokens is not None:   # left truncation, before the length checks
         prompts = [{**p, "prompt_token_ids": p["prompt_token_ids"][-params.truncate_prompt_tokens:]} for p in prompts]
+    if params.stop and state.engine.tokenizer is None:
+        # The engine's one refusal that is not about the prompt (_add_all names the prompt's field).
+        raise OpenAIServingError("stop strings need a tokenizer (the server runs with --skip-tokenizer-init): "
+                                 "use stop_token_ids.", param="stop")
     for p in prompts:
         _check_length(state, len(p["prompt_token_ids"]), params, prompt_param)
     base_id = random_id(id_prefix)
