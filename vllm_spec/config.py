@@ -114,12 +114,14 @@ class ModelConfig:
     @classmethod
     def create(cls, model: str, tokenizer: str | None, dtype: str | torch.dtype, device: str,
                max_model_len: int | None, load_format: str, seed: int | None) -> "ModelConfig":
-        for name, value in (("model", model), ("tokenizer", tokenizer)):
-            if not isinstance(value, (str, os.PathLike)) and (name == "model" or value is not None):
-                raise ValueError(f"{name} must be a path (a folder, or a .gguf file for the model), got {value!r}.")
-        if tokenizer is not None and not Path(tokenizer).exists():
-            raise ValueError(f"tokenizer {str(tokenizer)!r} not found: give a local tokenizer folder (model hubs are "
-                             "not contacted).")
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model must be a path (a model folder or a .gguf file), got {model!r}.")
+        if tokenizer is not None:
+            if not isinstance(tokenizer, (str, os.PathLike)):
+                raise ValueError(f"tokenizer must be a path (a tokenizer folder), got {tokenizer!r}.")
+            if not Path(tokenizer).exists():
+                raise ValueError(f"tokenizer {str(tokenizer)!r} not found: give a local tokenizer folder (model hubs "
+                                 "are not contacted).")
         if seed is None:
             seed = 0   # vLLM's default; its engine takes None as 0 too
         elif not (is_int(seed) and -(1 << 63) <= seed < 1 << 64):
