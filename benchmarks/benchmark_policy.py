@@ -14,9 +14,10 @@ JSON (--out) and a plot of tokens/s vs batch size (--plot), then prints the tabl
 every step the adaptive policy observed (k, step time, catch-up) to the JSON (first round).
 --repeats R measures R rounds per batch size, the policies interleaved in each, and reports
 medians: one 32-step window is noisy (the same static policy measured 3434 and 3963 tokens/s
-in two runs on the H200). Synthetic acceptance draws are keyed by request and position, so every
-policy meets the same acceptance at the same positions (runs before session 6's last commits drew
-them from the engine's generator).
+in two runs on the H200), and small batches time at least --min-seq-steps sequence-steps per run
+(runs before session 18 timed 32 steps at every batch size). Synthetic acceptance draws are keyed
+by request and position, so every policy meets the same acceptance at the same positions (runs
+before session 6's last commits drew them from the engine's generator).
 
     PYTHONPATH=. python benchmarks/benchmark_policy.py --out policy.json --plot policy.png
     PYTHONPATH=. python benchmarks/benchmark_policy.py --tiny --batch-sizes 1 4   # CPU smoke run
@@ -130,11 +131,23 @@ class Sweep:
     vocab: int
     window: int
     repeats: int = 1
+    min_seq_steps: int = 0
+
+    def window_for(self, batch: int) -> int:
+        """Timed steps at this batch size: at least `window`, and at least min_seq_steps sequence-steps
+        (a small batch's few tokens per window otherwise leave the policies' ratios to the luck of
+        the acceptance draws: one 32-step window at batch 1 holds 60-140 tokens)."""
+        return max(self.window, -(-self.min_seq_steps // batch))
+
+    def gen_len_for(self, batch: int) -> int:
+        """Tokens per request: enough that none finishes inside the window whatever it accepts."""
+        return max(self.gen_len, self.window_for(batch) * (MAX_K + 1) + 32)
 
     def measure(self, engine: LLMEngine, batch: int, extra_args: list[dict] | None = None) -> dict:
-        """The warm-up run every policy gets, then `window` timed steps with all `batch` requests running."""
+        """The warm-up run every policy gets, then the timed steps with all `batch` requests running."""
         run_decode(engine, batch, self.prompt_len, self.warmup_len, 0, extra_args, self.vocab)
-        return run_decode(engine, batch, self.prompt_len, self.gen_len, 1, extra_args, self.vocab, self.window)
+        return run_decode(engine, batch, self.prompt_len, self.gen_len_for(batch), 1, extra_args, self.vocab,
+                          self.window_for(batch))
 
 
 def plain_rows(sweep: Sweep, target: str, max_len: int, engine_kw: dict) -> list[Row]:
@@ -232,8 +245,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drafts", nargs="+", default=["68m", "1b"], choices=["68m", "1b"])
     ap.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.8])
     ap.add_argument("--prompt-len", type=positive_int, default=64)
-    ap.add_argument("--gen-len", type=positive_int, default=192, help="max tokens per request (> window * (k + 1))")
+    ap.add_argument("--gen-len", type=positive_int, default=192, help="max tokens per request (raised to window * (k + 1) + 32 where that is more)")
     ap.add_argument("--window", type=positive_int, default=32, help="timed steps, every request running throughout")
+    ap.add_argument("--min-seq-steps", type=positive_int, default=256,
+                    help="small batches time more steps: at least this many sequence-steps per timed run")
     ap.add_argument("--warmup-len", type=positive_int, default=16, help="tokens per request of each warm-up run")
     ap.add_argument("--repeats", type=positive_int, default=1,
                     help="rounds per batch size (policies interleaved); the table reports medians")
@@ -247,11 +262,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     sweep = Sweep(sorted(set(args.batch_sizes)), args.prompt_len, args.gen_len, args.warmup_len,
-                  TINY_VOCAB if args.tiny else VOCAB, args.window, args.repeats)
+                  TINY_VOCAB if args.tiny else VOCAB, args.window, args.repeats, args.min_seq_steps)
     shapes = TINY_SHAPES if args.tiny else {}
     engine_kw = TINY_ENGINE if args.tiny else {}
     tmp = Path(tempfile.mkdtemp())
-    max_len = args.prompt_len + args.gen_len + 32
+    max_len = args.prompt_len + max(map(sweep.gen_len_for, sweep.batch_sizes)) + 32
     target = write_config(tmp, "8b", max_len, sweep.vocab, shapes.get("8b"))
     rows = plain_rows(sweep, target, max_len, engine_kw)
     trace: list[TracedStep] | None = [] if args.trace else None

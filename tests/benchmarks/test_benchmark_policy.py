@@ -15,7 +15,7 @@ def test_policy_benchmark_tiny_sweep(tmp_path, monkeypatch):
 
     out = tmp_path / "policy.json"
     bench.main(["--tiny", "--batch-sizes", "1", "3", "--prompt-len", "8", "--gen-len", "32", "--warmup-len", "4",
-                "--window", "4", "--trace",
+                "--window", "4", "--min-seq-steps", "8", "--trace",
                 "--out", str(out), "--plot", str(tmp_path / "policy.png")])
     result = json.loads(out.read_text())
     rows = {(r["draft"], r["workload"], r["batch"], r["policy"]) for r in result["rows"]}
@@ -44,7 +44,8 @@ def test_repeats_interleave_the_policies_and_report_medians(tmp_path, monkeypatc
 
     out = tmp_path / "policy.json"
     bench.main(["--tiny", "--batch-sizes", "2", "--drafts", "68m", "--acceptance", "0.5", "--prompt-len", "8",
-                "--gen-len", "32", "--warmup-len", "4", "--window", "4", "--repeats", "3", "--out", str(out)])
+                "--gen-len", "32", "--warmup-len", "4", "--window", "4", "--min-seq-steps", "1", "--repeats", "3",
+                "--out", str(out)])
     result = json.loads(out.read_text())
     for policy in bench.POLICIES:
         runs = [r for r in result["rows"] if r["policy"] == policy and r["workload"] in (None, "A=0.5")]
@@ -53,3 +54,16 @@ def test_repeats_interleave_the_policies_and_report_medians(tmp_path, monkeypatc
         summary = next(s for s in result["summary"] if s["workload"] == "A=0.5")
         assert summary["tokens_per_s"][policy] == median
 
+
+
+def test_small_batches_time_more_steps(monkeypatch):
+    """A timed run holds at least min_seq_steps sequence-steps, and requests long enough that none
+    finishes inside it at the most drafts a step may accept."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import benchmark_policy as bench
+
+    sweep = bench.Sweep([1, 8, 256], prompt_len=64, gen_len=192, warmup_len=16, vocab=512, window=32,
+                        min_seq_steps=256)
+    assert [sweep.window_for(b) for b in (1, 3, 8, 256)] == [256, 86, 32, 32]
+    assert sweep.gen_len_for(1) == 256 * (bench.MAX_K + 1) + 32
+    assert sweep.gen_len_for(256) == 192
