@@ -75,6 +75,27 @@ def test_out_of_vocab_token_rejected(llm):
         llm.generate({"prompt_token_ids": [1, 2, 10_000]}, greedy(), use_tqdm=False)
 
 
+@pytest.mark.parametrize("ids, match", [([1, 2.5], r"integers, got 2\.5 \(float\) at position 1"),
+                                        (["1"], r"integers, got '1' \(str\) at position 0"),
+                                        ([[1, 2]], r"integers, got \[1, 2\] \(list\)"),
+                                        ([True, 3], r"integers, got True \(bool\)")])
+def test_token_ids_that_are_no_integers_are_named(llm, ids, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate({"prompt_token_ids": ids}, greedy(), use_tqdm=False)
+
+
+def test_numpy_and_torch_token_ids_are_accepted(llm):
+    import numpy as np
+    import torch
+
+    ids = [5, 6, 7, 8]
+    want = llm.generate({"prompt_token_ids": ids}, greedy(), use_tqdm=False)[0]
+    for form in (np.array(ids), [np.int64(t) for t in ids], torch.tensor(ids)):
+        out = llm.generate({"prompt_token_ids": form}, greedy(), use_tqdm=False)[0]
+        assert out.prompt_token_ids == ids and all(type(t) is int for t in out.prompt_token_ids)
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+
+
 def test_stop_strings_without_detokenization_rejected(llm, tiny_llama, reference):
     with pytest.raises(ValueError, match="stop strings"):
         llm.generate(PROMPT, greedy(stop=["a"], detokenize=False), use_tqdm=False)

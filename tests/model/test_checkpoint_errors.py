@@ -79,8 +79,29 @@ def test_tensor_of_the_wrong_shape_is_named(base, tmp_path, name, dim):
 @pytest.mark.parametrize("name", ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"])
 def test_missing_part_of_a_fused_weight_is_named(base, tmp_path, name):
     """q/k/v and gate/up load into one fused parameter each: one of them missing would leave garbage."""
-    with pytest.raises(ValueError, match=f"missing weights.*{name.removeprefix('model.')}"):
+    with pytest.raises(ValueError, match=rf"missing weights: \['{name}'\]"):
         LLM(str(_variant(base, tmp_path / "m", tensors=lambda w: w.pop(name))), **KW)
+
+
+def _pop_all(*names: str):
+    return lambda w: [w.pop(n) for n in names]
+
+
+@pytest.mark.parametrize("config, tensors, match", [
+    # Errors name the checkpoint's tensors, never the fused parameters they load into.
+    ({}, lambda w: w.__setitem__("model.layers.9.self_attn.q_proj.weight", torch.zeros(4, 4)),
+     r"Unexpected weight 'model\.layers\.9\.self_attn\.q_proj\.weight'"),
+    ({}, lambda w: w.__setitem__("model.layers.0.self_attn.q_proj.bias", torch.zeros(4)),
+     r"Unexpected weight 'model\.layers\.0\.self_attn\.q_proj\.bias'"),
+    ({}, _pop_all(*(f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv")),
+     r"missing weights: \['model\.layers\.1\.self_attn\.q_proj\.weight', 'model\.layers\.1\.self_attn\.k_proj"
+     r"\.weight', 'model\.layers\.1\.self_attn\.v_proj\.weight'\]"),
+    ({"attention_bias": True}, None, r"missing weights: \['model\.layers\.0\.self_attn\.q_proj\.bias'"),
+    ({}, _pop_all("model.norm.weight"), r"missing weights: \['model\.norm\.weight'\]"),
+])
+def test_load_errors_name_the_checkpoint_tensors(base, tmp_path, config, tensors, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(_variant(base, tmp_path / "m", config, tensors)), **KW)
 
 
 def test_qwen2_windows_follow_transformers_defaults():

@@ -22,6 +22,7 @@ from vllm_spec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
 from vllm_spec.tokenizer import get_tokenizer
+from vllm_spec.utils import is_int
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput
 from vllm_spec.worker.step_handle import StepHandle
 
@@ -79,12 +80,12 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             if "prompt" not in prompt:
                 raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'.")
             prompt = prompt["prompt"]
         if isinstance(prompt, list):
-            return None, list(prompt)
+            return None, _token_ids(prompt)
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
         if self.tokenizer is None:
@@ -113,7 +114,7 @@ class LLMEngine:
                 f"The prompt (length {len(ids)}) is longer than the maximum model length of {max_len} "
                 "(max_model_len). Make the prompt shorter or raise max_model_len."
             )
-        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is out of the vocabulary range [0, {vocab}).")
         params = params.clone()
@@ -335,3 +336,13 @@ class _Launched:
     handle: StepHandle
     schedule_time: float
     launch_time: float
+
+
+def _token_ids(ids: Any) -> list[int]:
+    """Prompt token ids as Python ints (numpy and torch integer arrays too); anything else is named."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    bad = next((i for i, t in enumerate(ids) if not is_int(t)), None)
+    if bad is not None:
+        raise ValueError(f"prompt_token_ids must be integers, got {ids[bad]!r} ({type(ids[bad]).__name__}) "
+                         f"at position {bad}.")
+    return [int(t) for t in ids]

@@ -34,6 +34,14 @@ _FUSED = {
 }
 
 
+def _checkpoint_names(name: str, shards: Iterable[object] | None = None) -> list[str]:
+    """The checkpoint's names of one of our parameters (a fused one's parts: those of `shards`, else all)."""
+    hf = name if name.startswith("lm_head.") else f"model.{name}"
+    parts = [hf.replace(new, old) for old, (new, shard) in _FUSED.items()
+             if new in hf and (shards is None or shard in shards)]
+    return parts or [hf]
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int, tp: GroupCoordinator, dtype: torch.dtype):
         super().__init__()
@@ -174,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if name not in params:
-                raise ValueError(f"Unexpected weight {name!r} in checkpoint for {self.config.architecture}.")
+                raise ValueError(f"Unexpected weight {ckpt_name!r} in checkpoint for {self.config.architecture}.")
             param = params[name]
             try:
                 with torch.no_grad():
@@ -186,14 +194,13 @@ class LlamaForCausalLM(nn.Module):
                 shards.setdefault(name, set()).add(shard)
         # A fused parameter loaded from some of its tensors only would keep garbage in the rest.
         for name, got in shards.items():
-            part = next(new for new, _ in _FUSED.values() if new in name)
-            for old, (new, shard_id) in _FUSED.items():
-                if new == part and shard_id not in got:
-                    raise ValueError(f"Checkpoint is missing weights: [{name.replace(new, old)!r}]")
+            absent = [n for n in _checkpoint_names(name) if n not in _checkpoint_names(name, got)]
+            if absent:
+                raise ValueError(f"Checkpoint is missing weights: {absent}")
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
         if self.config.embeddings_from_target:
             loaded |= {"embed_tokens.weight", "lm_head.weight"}
-        missing = [n for n in params if n not in loaded and not n.startswith("rope.")]
+        missing = [hf for n in params if n not in loaded and not n.startswith("rope.") for hf in _checkpoint_names(n)]
         if missing:
             raise ValueError(f"Checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
