@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from vllm_spec.model.arch_config import ArchConfig
+from vllm_spec.model.rotary import rope_type
 from vllm_spec.utils import check_int, is_int, is_number
 
 _DTYPES = {
@@ -138,15 +139,18 @@ class ModelConfig:
                 raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from e
         arch = ArchConfig.from_hf_dict(hf_cfg)
         dev = resolve_device(device)
-        limit = arch.max_position_embeddings
+        limit, bound = arch.max_position_embeddings, "max_position_embeddings"
+        if rope_type(arch.rope_scaling) == "linear":
+            # As vLLM: linear scaling stretches the positions the model was trained on (llama3's
+            # max_position_embeddings already counts its scaling).
+            limit = int(limit * arch.rope_scaling["factor"])
+            bound = f"max_position_embeddings x the linear rope_scaling factor {arch.rope_scaling['factor']}"
         if max_model_len is None:
             max_model_len = limit
         elif not (is_int(max_model_len) and 1 <= max_model_len):
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}.")
-        elif max_model_len > limit and not (arch.rope_scaling and arch.rope_scaling.get("rope_type") != "default"):
-            raise ValueError(
-                f"max_model_len ({max_model_len}) must be <= the model's max_position_embeddings ({limit})."
-            )
+        elif max_model_len > limit:
+            raise ValueError(f"max_model_len ({max_model_len}) must be <= the model's {bound} ({limit}).")
         return cls(model=model, arch=arch, source=source, path=path, tokenizer=tokenizer,
                    dtype=resolve_dtype(dtype, arch.torch_dtype, dev), device=dev,
                    max_model_len=max_model_len, load_format=load_format, seed=seed)

@@ -129,3 +129,21 @@ def test_load_format_must_match_the_checkpoint(base):
         LLM(str(base), load_format="gguf", **KW)
     llm = LLM(str(base), load_format="safetensors", **KW)
     assert len(llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2), use_tqdm=False)) == 1
+
+
+@pytest.mark.parametrize("rope, limit", [
+    (None, 512),
+    ({"rope_type": "linear", "factor": 2.0}, 1024),
+    ({"type": "linear", "factor": 4.0}, 2048),   # transformers' older key
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64}, 512),
+])
+def test_max_model_len_is_bounded_as_vllm_bounds_it(base, tmp_path, rope, limit):
+    """max_position_embeddings (512 here), times the factor of linear rope scaling (llama3's configs count
+    their scaling in max_position_embeddings already): the default, and the most that may be asked."""
+    folder = _variant(base, tmp_path / "m", {"rope_scaling": rope, "max_position_embeddings": 512})
+    assert LLM(str(folder), **KW).llm_engine.config.model.max_model_len == limit
+    LLM(str(folder), max_model_len=limit, **KW)
+    with pytest.raises(ValueError, match=rf"max_model_len \({limit + 1}\) must be <= the model's max_position_emb"
+                                         rf".* \({limit}\)"):
+        LLM(str(folder), max_model_len=limit + 1, **KW)

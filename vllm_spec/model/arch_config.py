@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_spec.model.rotary import rope_type
+
 # HF architecture name -> whether q/k/v projections carry a bias by default.
 SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "LlamaForCausalLM": False,
@@ -90,7 +92,7 @@ class ArchConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+        if rope_type(rope_scaling) == "default":
             rope_scaling = None
         return cls(
             architecture=arch,

@@ -11,11 +11,16 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    """The kind of a config's rope_scaling (transformers' newer "rope_type" key, or its older "type")."""
+    return scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+
+
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = rope_type(scaling)
     if kind == "linear":
         return inv / scaling["factor"]
     if kind == "llama3":
