@@ -106,14 +106,31 @@ def test_vllm_names_accepted_where_they_change_nothing():
     assert SamplingParams(n=3, best_of=3).n == 3
     assert SamplingParams(repetition_penalty=2.5).repetition_penalty == 2.5
     assert SamplingParams.from_optional(temperature=None, top_p=0.5, seed=None).temperature == 1.0
-    for kwargs, name in [(dict(best_of=2), "best_of"), (dict(allowed_token_ids=[1]), "allowed_token_ids"),
-                         (dict(bad_words=["x"]), "bad_words"), (dict(logit_bias={1: 2.0}), "logit_bias"),
+    for kwargs, name in [(dict(best_of=2), "best_of"), (dict(bad_words=["x"]), "bad_words"),
                          (dict(logits_processors=[print]), "logits_processors"),
                          (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
                          (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
                          (dict(repetition_penalty=float("inf")), "repetition_penalty")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
+
+
+def test_logit_bias_and_allowed_token_ids():
+    """vLLM's forms: string keys (as JSON sends them) become ints, biases are clamped to OpenAI's [-100, 100]."""
+    p = SamplingParams(logit_bias={"5": 250, 3: -1.5, 7: -1e9}, allowed_token_ids=(4, 2))
+    assert p.logit_bias == {5: 100.0, 3: -1.5, 7: -100.0} and p.allowed_token_ids == [4, 2]
+    assert p.biases_logits and p.batch_fields.biases_logits and not SamplingParams().biases_logits
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for kwargs, name in [(dict(logit_bias={"x": 1.0}), "logit_bias"), (dict(logit_bias={1: "a"}), "logit_bias"),
+                         (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias=[1]), "logit_bias"),
+                         (dict(logit_bias={1: float("nan")}), "logit_bias"), (dict(allowed_token_ids=[]), "allowed"),
+                         (dict(allowed_token_ids=[1.5]), "allowed"), (dict(allowed_token_ids=5), "allowed")]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match=r"allowed_token_ids has token ids outside the vocabulary \[0, 10\): \[10\]"):
+        SamplingParams(allowed_token_ids=[1, 10]).check_vocab(10)
+    with pytest.raises(ValueError, match=r"logit_bias has token ids outside the vocabulary \[0, 10\): \[12\]"):
+        SamplingParams(logit_bias={12: 1.0}).check_vocab(10)
 
 
 def test_seed_range_and_children():

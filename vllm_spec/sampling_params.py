@@ -21,6 +21,21 @@ def _check(ok: bool, name: str, allowed: str, value) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}.")
 
 
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    """logit_bias with int keys and biases clamped to [-100, 100] (None when empty)."""
+    if bias is None:
+        return None
+    allowed = "a dict of token id (an integer >= 0, or its string) -> bias (a number)"
+    _check(isinstance(bias, dict), "logit_bias", allowed, bias)
+    out = {}
+    for token, value in bias.items():
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        _check(is_int(token) and token >= 0 and is_number(value) and value == value, "logit_bias", allowed, bias)
+        out[int(token)] = min(100.0, max(-100.0, float(value)))
+    return out or None
+
+
 class RequestOutputKind(enum.Enum):
     """What each engine step reports for a request (vLLM's names)."""
 
@@ -63,14 +78,17 @@ class SamplingParams:
     # Free-form arguments for custom sampling code (vLLM's extra_args), passed through untouched.
     # Recognised here: "synthetic_acceptance_rate" (benchmarks only), see synthetic_acceptance_rate.
     extra_args: dict | None = None
+    # Token id -> bias added to its logit before penalties and temperature (vLLM's; OpenAI's bound:
+    # each bias clamped to [-100, 100]; string keys, as JSON sends them, are converted).
+    logit_bias: dict[int, float] | None = None
+    # Sample only among these token ids (vLLM's); None allows the whole vocabulary.
+    allowed_token_ids: list[int] | None = None
     # vLLM's names for what is not implemented here, accepted at the values that change nothing only:
     # best_of (= n), spaces_between_special_tokens (True), the rest None.
     best_of: int | None = None
     spaces_between_special_tokens: bool = True
     logits_processors: list | None = None
-    allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    logit_bias: dict | None = None
     guided_decoding: object | None = None
     # Characters of output text held back from streamed (unfinished) outputs: they could still become
     # a stop string, which is cut from the output (vLLM's name and rule; set from stop).
@@ -98,6 +116,12 @@ class SamplingParams:
             self.top_k = 0
         if is_int(self.seed):
             self.seed = int(self.seed)   # numpy's would overflow in seed + index and torch refuses them
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            _check(isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) > 0
+                   and all(is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                   "allowed_token_ids", "None or a non-empty list of non-negative integers", self.allowed_token_ids)
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
         self._verify()
         if self.is_greedy:
             # Greedy ignores the truncation knobs; normalising them lets the
@@ -149,7 +173,7 @@ class SamplingParams:
                f"None or equal to n ({self.n}): best-of-n selection is not supported", self.best_of)
         _check(self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
                "True (the only detokenization supported)", self.spaces_between_special_tokens)
-        for name in ("logits_processors", "allowed_token_ids", "bad_words", "logit_bias", "guided_decoding"):
+        for name in ("logits_processors", "bad_words", "guided_decoding"):
             _check(getattr(self, name) in (None, [], {}), name, "None (not supported)", getattr(self, name))
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
                f"one of {[k.name for k in RequestOutputKind]}", self.output_kind)
@@ -162,6 +186,18 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def biases_logits(self) -> bool:
+        """logit_bias or allowed_token_ids: the distribution (greedy's argmax too) is not the model's."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming the field whose token ids lie outside the model's vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = sorted(t for t in ids if t >= vocab_size)
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}.")
 
     @property
     def has_penalties(self) -> bool:
@@ -188,7 +224,7 @@ class SamplingParams:
         engine's copy of a request's parameters never changes)."""
         return BatchFields(self.is_greedy, 1.0 if self.is_greedy else self.temperature, self.top_k, self.top_p,
                            self.min_p, self.has_penalties, self.logprobs, self.synthetic_acceptance_rate,
-                           self.min_tokens)
+                           self.min_tokens, self.biases_logits)
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
@@ -214,3 +250,4 @@ class BatchFields(NamedTuple):
     logprobs: int | None
     synthetic_acceptance_rate: float | None
     min_tokens: int
+    biases_logits: bool

@@ -108,3 +108,19 @@ def test_logprobs_and_n(server):
     assert sorted(c.index for c in resp.choices) == [0, 1, 2]
     assert 3 * 2 <= resp.usage.completion_tokens <= 3 * 6  # min_tokens 2, max_tokens 6, three choices
     assert all(c.finish_reason in ("length", "stop") for c in resp.choices)
+
+
+def test_logit_bias_and_allowed_token_ids_match_offline(server):
+    """OpenAI's logit_bias (string keys) and vLLM's allowed_token_ids extra reach the sampler as the
+    offline API's SamplingParams do (the server speculates; the reference does not)."""
+    from vllm_spec import SamplingParams
+
+    client = server.client()
+    allowed = list(range(10, 300, 7))
+    bias = {"42": 8.0, "43": -100.0}
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                     logit_bias=bias, extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias=bias, allowed_token_ids=allowed)
+    ref = server.llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+    assert resp.choices[0].text == ref.text != server.ref_text[PROMPTS[1]]
+    assert set(ref.token_ids) <= set(allowed)

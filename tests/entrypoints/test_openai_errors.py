@@ -52,6 +52,10 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server):
         ("/v1/completions", {**good, "max_tokens": 510}, "json", "max_tokens"),
         ("/v1/completions", {**good, "prompt": [1, 2, 100000]}, "json", "prompt"),
         ("/v1/completions", {**good, "n": 1_000_000_000}, "json", "n"),   # held up the engine's thread
+        ("/v1/completions", {**good, "logit_bias": {"100000": 5}}, "json", "logit_bias"),
+        ("/v1/completions", {**good, "logit_bias": {"x": 5}}, "json", "logit_bias"),
+        ("/v1/completions", {**good, "allowed_token_ids": [1, 100000]}, "json", "allowed_token_ids"),
+        ("/v1/chat/completions", {**chat_good, "allowed_token_ids": []}, "json", "allowed_token_ids"),
         ("/v1/chat/completions", {**chat_good, "logprobs": True, "top_logprobs": 50}, "json", "top_logprobs"),
         ("/v1/chat/completions", {**chat_good, "max_completion_tokens": 0}, "json", "max_completion_tokens"),
         ("/v1/completions", {**good, "prompt": ""}, "json", "prompt"),
@@ -62,7 +66,6 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server):
         ("/v1/chat/completions", {**chat_good, "messages": [{"role": "user", "content": "x " * 600}]}, "json",
          "messages"),
         # vLLM's extras that would change the output and are not implemented: named, never ignored.
-        ("/v1/completions", {**good, "allowed_token_ids": [5]}, "json", "allowed_token_ids"),
         ("/v1/completions", {**good, "guided_json": {"type": "object"}}, "json", "guided_json"),
         ("/v1/completions", {**good, "response_format": {"type": "json_object"}}, "json", "response_format"),
         ("/v1/completions", {**good, "prompt_logprobs": 1}, "json", "prompt_logprobs"),

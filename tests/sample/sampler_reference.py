@@ -19,13 +19,18 @@ NEG_INF = float("-inf")
 def reference_logits(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
     """The logits a row samples from (greedy: takes the argmax of), computed in float64.
 
-    Order as in vLLM: repetition penalty (prompt + output tokens: positive logits divided, others
+    Order as in vLLM: allowed_token_ids (-inf elsewhere), logit_bias (added), repetition penalty
+    (prompt + output tokens: positive logits divided, others
     multiplied), frequency penalty (x count in output), presence penalty (output tokens), min_tokens
     (stop/EOS ids banned), then for random rows: temperature, top-k, top-p (on the top-k
     renormalised distribution: keep the smallest prefix reaching top_p), min-p (relative to the max).
     """
     x = [float(v) for v in logits]
     V = len(x)
+    if p.allowed_token_ids is not None:
+        x = [v if i in p.allowed_token_ids else NEG_INF for i, v in enumerate(x)]
+    for t, bias in (p.logit_bias or {}).items():
+        x[t] += bias
     if p.repetition_penalty != 1.0:
         for t in set(prompt) | set(output):
             x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty

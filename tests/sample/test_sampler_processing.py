@@ -1,4 +1,5 @@
-"""Logits processing (penalties, min_tokens, temperature, top-k/top-p/min-p) against the per-row reference."""
+"""Logits processing (logit_bias, allowed_token_ids, penalties, min_tokens, temperature, top-k/top-p/min-p)
+against the per-row reference."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ CASES = {
     "repetition": SamplingParams(temperature=0, repetition_penalty=1.8),
     "repetition_below_one": SamplingParams(repetition_penalty=0.5),
     "min_tokens": SamplingParams(min_tokens=10, stop_token_ids=[2, 7]),
+    "logit_bias": SamplingParams(temperature=0, logit_bias={4: 30.0, 9: -2.5}),
+    "allowed_token_ids": SamplingParams(temperature=0, allowed_token_ids=[1, 6, 7, 20]),
+    "allowed_and_biased": SamplingParams(temperature=0.7, top_k=3, allowed_token_ids=[1, 6, 7, 20, 30],
+                                         logit_bias={6: 5.0, 2: 50.0}, repetition_penalty=1.4),
     "all": SamplingParams(temperature=0.8, top_k=12, top_p=0.9, min_p=0.05, presence_penalty=0.3,
                           frequency_penalty=0.2, repetition_penalty=1.3),
 }

@@ -78,6 +78,26 @@ def test_greedy_equality_with_penalties_and_min_tokens(spec_pair, baseline):
     assert output_ids(llm.generate(prompts, params, use_tqdm=False)) == ref
 
 
+def test_greedy_equality_with_logit_bias_and_allowed_token_ids(spec_pair, baseline):
+    """The verifier scores drafts against the biased, masked distribution: drafts outside
+    allowed_token_ids are rejected, and a biased token wins where the target's argmax would not."""
+    allowed = list(range(0, 384, 5))
+    rows = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed),
+            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias={7: 6.0, 11: -100.0}),
+            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed,
+                           logit_bias={10: 4.0})]
+    prompts = make_prompts(6, seed=5)
+    params = [rows[i % 3] for i in range(6)]
+    ref = output_ids(baseline.generate(prompts, params, use_tqdm=False))
+    plain = output_ids(baseline.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                         use_tqdm=False))
+    assert ref != plain and all(set(ref[i]) <= set(allowed) for i in (0, 2, 3, 5))
+    assert all(11 not in ref[i] for i in (1, 4))
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, **FIXED, **KV)
+    assert output_ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+    assert metric_values(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
 def test_logprobs_match_non_speculative(spec_pair, baseline):
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
     prompts = make_prompts(4, seed=4)
@@ -103,7 +123,8 @@ def _token_histogram(llm: LLM, position: int, runs: int, params: SamplingParams,
     return torch.bincount(tokens, minlength=vocab)
 
 
-@pytest.mark.parametrize("extra", [{}, {"top_k": 20, "top_p": 0.9}])
+@pytest.mark.parametrize("extra", [{}, {"top_k": 20, "top_p": 0.9},
+                                   {"allowed_token_ids": list(range(0, 384, 3)), "logit_bias": {3: 2.0, 6: -1.0}}])
 def test_sampled_distribution_matches_non_speculative(spec_pair, baseline, random_draft, extra):
     """The 3rd generated token over 1500 unseeded runs, with and without speculation.
 

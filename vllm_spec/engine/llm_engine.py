@@ -103,6 +103,7 @@ class LLMEngine:
             # As vLLM: stop strings match text, which only detokenized tokens have.
             raise ValueError(f"stop strings ({params.stop!r}) need detokenized output: detokenize=True and an engine "
                              "with a tokenizer (not skip_tokenizer_init). Use stop_token_ids instead.")
+        params.check_vocab(self.config.model.arch.vocab_size)
         text, ids = self.tokenize_prompt(prompt)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]

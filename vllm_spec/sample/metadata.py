@@ -51,6 +51,7 @@ class SamplingMetadata:
     top_p: torch.Tensor | None             # [N]
     min_p: torch.Tensor | None             # [N]
     penalties: Penalties | None
+    logit_bias: torch.Tensor | None        # [N, V] added first: logit_bias, -inf outside allowed_token_ids
     banned_rows: torch.Tensor | None       # min_tokens: (row, token) pairs set to -inf
     banned_tokens: torch.Tensor | None
     generators: dict[int, torch.Generator]
@@ -72,7 +73,7 @@ class SamplingMetadata:
         f32 = dict(device=device, dtype=torch.float32)
         # One pass over the rows' cached fields, transposed into columns in C.
         (greedy, temperature, top_ks, top_ps, min_ps, penalized, logprobs, rates,
-         min_tokens) = tuple(zip(*(p.batch_fields for p in ps))) or ((),) * len(BatchFields._fields)
+         min_tokens, biased) = tuple(zip(*(p.batch_fields for p in ps))) or ((),) * len(BatchFields._fields)
         top_k = top_p = min_p = None
         if any(top_ks):
             top_k = to_device([k if 0 < k < vocab_size else vocab_size for k in top_ks], device)
@@ -96,6 +97,7 @@ class SamplingMetadata:
             all_greedy=all(greedy),
             top_k=top_k, top_p=top_p, min_p=min_p,
             penalties=_penalties(rows, vocab_size, device) if with_penalties else None,
+            logit_bias=_logit_bias(ps, vocab_size, device) if not for_draft and any(biased) else None,
             banned_rows=to_device(banned_r, device) if banned_r else None,
             banned_tokens=to_device(banned_t, device) if banned_t else None,
             generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None},
@@ -159,3 +161,16 @@ def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device) -
         output_counts=out_counts,
         seen=(out_counts > 0) | (prompt_counts > 0),
     )
+
+
+def _logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[N, V]: each row's logit_bias, and -inf outside its allowed_token_ids."""
+    bias = torch.zeros(len(params), vocab_size, dtype=torch.float32)
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            bias[i] = float("-inf")
+            bias[i, p.allowed_token_ids] = 0.0
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            bias[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=torch.float32))
+    return bias.to(device, non_blocking=True)

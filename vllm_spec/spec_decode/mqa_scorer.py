@@ -101,9 +101,10 @@ class MQAScorer:
 
         drafts_host = proposals.token_ids.tolist() if any(
             req.seqs[i].sampling_params.batch_fields.has_penalties for i in spec_idx) else None
-        # Plain greedy rows (no penalties, min_tokens met) verify against argmax of the raw logits: no
-        # per-position sampling metadata, no softmax over [rows, V]. (batch_fields: cached on the params.)
-        plain_greedy = all(f.greedy and not f.has_penalties and f.min_tokens <= len(s.output_token_ids)
+        # Plain greedy rows (no penalties or logit biases, min_tokens met) verify against argmax of the raw
+        # logits: no per-position sampling metadata, no softmax over [rows, V]. (batch_fields: cached.)
+        plain_greedy = all(f.greedy and not f.has_penalties and not f.biases_logits
+                           and f.min_tokens <= len(s.output_token_ids)
                            for s, f in ((req.seqs[i], req.seqs[i].sampling_params.batch_fields) for i in sampled))
         exp_rows = [] if plain_greedy else [
             row for i in sampled for row in self._position_rows(

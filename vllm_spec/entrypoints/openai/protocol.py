@@ -66,7 +66,7 @@ MAX_N = 128
 # the values that change nothing: set otherwise, they get a 400 naming them rather than an output that
 # silently ignores them. Other unknown fields are ignored, as vLLM ignores them.
 _UNSUPPORTED_EXTRAS: dict[str, Any] = {
-    "use_beam_search": False, "allowed_token_ids": None, "bad_words": None, "echo": False,
+    "use_beam_search": False, "bad_words": None, "echo": False,
     "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "logits_processors": None,
     "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
@@ -98,6 +98,7 @@ class _SamplingFields(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None   # vLLM's extra
     user: str | None = None
     response_format: dict[str, Any] | None = None
     truncate_prompt_tokens: int | None = None
@@ -118,8 +119,6 @@ class _SamplingFields(OpenAIBaseModel):
             raise OpenAIServingError("only response_format type 'text' is supported.", param="response_format")
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIServingError("best_of != n is not supported.", param="best_of")
-        if self.logit_bias:
-            raise OpenAIServingError("logit_bias is not supported.", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise OpenAIServingError("stream_options can only be set when stream is true.",
                                      param="stream_options")
@@ -147,6 +146,8 @@ class _SamplingFields(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             extra_args=self.vllm_xargs,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             # As vLLM: a response sent whole needs no per-step output (building one per request per
             # step is host time the engine spends between launches); a stream rebuilds its deltas

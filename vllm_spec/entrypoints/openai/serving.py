@@ -369,6 +369,10 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
         # The engine's one refusal that is not about the prompt (_add_all names the prompt's field).
         raise OpenAIServingError("stop strings need a tokenizer (the server runs with --skip-tokenizer-init): "
                                  "use stop_token_ids.", param="stop")
+    try:
+        params.check_vocab(state.engine.config.model.arch.vocab_size)
+    except ValueError as e:   # the message starts with the field's name
+        raise OpenAIServingError(str(e), param=str(e).split(" ", 1)[0]) from e
     for p in prompts:
         _check_length(state, len(p["prompt_token_ids"]), params, prompt_param)
     base_id = random_id(id_prefix)
