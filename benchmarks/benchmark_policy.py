@@ -173,9 +173,12 @@ def spec_rows(sweep: Sweep, target: str, draft_shape: str, draft: str, acceptanc
         for b in sweep.batch_sizes:
             # Mixed: every request brings its own rate; the engine-wide one (None) applies to nobody.
             extra_args = [{"synthetic_acceptance_rate": MIXED_RATES[i % 2]} for i in range(b)] if rate is None else None
-            # Rounds interleave the policies, so the machine's drift falls on all of them alike.
+            # Rounds interleave the policies, so the machine's drift falls on all of them alike, each
+            # round in another order, so no policy always runs right after the same other one.
+            names = list(policies)
             for rep in range(sweep.repeats):
-                for policy_name, policy in policies.items():
+                for policy_name in names[rep % len(names):] + names[:rep % len(names)]:
+                    policy = policies[policy_name]
                     if trace is not None and policy_name == "adaptive" and rep == 0:
                         traced(policy, trace, draft_shape, name, b)
                     worker.policy = policy
