@@ -13,7 +13,8 @@ from vllm_spec.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, max_model_len=256)
+    # float32: logprobs are compared with transformers' float32 at 1e-4 (CUDA's default is bfloat16).
+    return LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, max_model_len=256, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -107,13 +108,13 @@ def test_worker_keeps_one_generator_per_seeded_sequence(llm):
     a = seq_input(10**9, SamplingParams(seed=3))
     gen = worker.generator_for(a)
     assert gen is not None and gen.initial_seed() == 3
-    first = torch.empty(4).exponential_(generator=gen)
+    first = torch.empty(4, device=gen.device).exponential_(generator=gen)   # the worker's device
     assert worker.generator_for(a) is gen                          # kept, and advanced
-    assert not torch.equal(torch.empty(4).exponential_(generator=worker.generator_for(a)), first)
+    assert not torch.equal(torch.empty(4, device=gen.device).exponential_(generator=worker.generator_for(a)), first)
     assert worker.generator_for(seq_input(10**9 + 1, SamplingParams(seed=3))) is not gen
     assert worker.generator_for(seq_input(10**9 + 2, SamplingParams())) is None
     assert worker.generator_for(seq_input(10**9 + 3, SamplingParams(seed=3, temperature=0))) is None
     worker.release([10**9, 10**9 + 1])
     fresh = worker.generator_for(a)
-    assert fresh is not gen and torch.equal(torch.empty(4).exponential_(generator=fresh), first)
+    assert fresh is not gen and torch.equal(torch.empty(4, device=gen.device).exponential_(generator=fresh), first)
     worker.release([10**9])
