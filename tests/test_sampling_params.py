@@ -106,7 +106,7 @@ def test_vllm_names_accepted_where_they_change_nothing():
     assert SamplingParams(n=3, best_of=3).n == 3
     assert SamplingParams(repetition_penalty=2.5).repetition_penalty == 2.5
     assert SamplingParams.from_optional(temperature=None, top_p=0.5, seed=None).temperature == 1.0
-    for kwargs, name in [(dict(best_of=2), "best_of"), (dict(bad_words=["x"]), "bad_words"),
+    for kwargs, name in [(dict(best_of=2), "best_of"), (dict(bad_words=["x", " "]), "bad_words"),
                          (dict(logits_processors=[print]), "logits_processors"),
                          (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
                          (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
@@ -122,6 +122,7 @@ def test_logit_bias_and_allowed_token_ids():
     assert p.biases_logits and p.batch_fields.biases_logits and not SamplingParams().biases_logits
     assert SamplingParams(logit_bias={}).logit_bias is None
     for kwargs, name in [(dict(logit_bias={"x": 1.0}), "logit_bias"), (dict(logit_bias={1: "a"}), "logit_bias"),
+                         (dict(logit_bias={"\u00b2": 1.0}), "logit_bias"), (dict(logit_bias={1: True}), "logit_bias"),
                          (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias=[1]), "logit_bias"),
                          (dict(logit_bias={1: float("nan")}), "logit_bias"), (dict(allowed_token_ids=[]), "allowed"),
                          (dict(allowed_token_ids=[1.5]), "allowed"), (dict(allowed_token_ids=5), "allowed")]:
@@ -131,6 +132,30 @@ def test_logit_bias_and_allowed_token_ids():
         SamplingParams(allowed_token_ids=[1, 10]).check_vocab(10)
     with pytest.raises(ValueError, match=r"logit_bias has token ids outside the vocabulary \[0, 10\): \[12\]"):
         SamplingParams(logit_bias={12: 1.0}).check_vocab(10)
+
+
+class _WordTokenizer:
+    """Each space-separated word one token; a word with a leading space another token."""
+
+    def __init__(self):
+        self.ids: dict[str, int] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        words = text.split(" ")
+        pieces = ([" " + words[1]] + words[2:]) if text.startswith(" ") else words
+        return [self.ids.setdefault(w, len(self.ids)) for w in pieces]
+
+
+def test_bad_words_tokenized_bare_and_with_a_leading_space():
+    tok = _WordTokenizer()
+    p = SamplingParams(bad_words=["  foo bar", "baz"])
+    assert p.bad_words == ["  foo bar", "baz"] and p.batch_fields.has_bad_words
+    p.update_from_tokenizer(tok)
+    foo, bar, sfoo, baz, sbaz = (tok.ids[w] for w in ("foo", "bar", " foo", "baz", " baz"))
+    assert p.bad_words_token_ids == [[foo, bar], [sfoo, bar], [baz], [sbaz]]
+    assert SamplingParams(bad_words="x").bad_words == ["x"] and SamplingParams(bad_words=[]).bad_words is None
+    with pytest.raises(ValueError, match=r"bad_words has token ids outside the vocabulary"):
+        p.check_vocab(2)
 
 
 def test_seed_range_and_children():

@@ -29,8 +29,11 @@ def _logit_bias(bias: object) -> dict[int, float] | None:
     _check(isinstance(bias, dict), "logit_bias", allowed, bias)
     out = {}
     for token, value in bias.items():
-        if isinstance(token, str) and token.strip().isdigit():
-            token = int(token)
+        if isinstance(token, str):
+            try:
+                token = int(token)
+            except ValueError:
+                pass   # named below
         _check(is_int(token) and token >= 0 and is_number(value) and value == value, "logit_bias", allowed, bias)
         out[int(token)] = min(100.0, max(-100.0, float(value)))
     return out or None
@@ -83,18 +86,22 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Sample only among these token ids (vLLM's); None allows the whole vocabulary.
     allowed_token_ids: list[int] | None = None
+    # Words never generated (vLLM's): a word's last token is banned wherever the output so far ends
+    # with the rest of it (each word tokenized as written and with a leading space).
+    bad_words: list[str] | None = None
     # vLLM's names for what is not implemented here, accepted at the values that change nothing only:
     # best_of (= n), spaces_between_special_tokens (True), the rest None.
     best_of: int | None = None
     spaces_between_special_tokens: bool = True
     logits_processors: list | None = None
-    bad_words: list[str] | None = None
     guided_decoding: object | None = None
     # Characters of output text held back from streamed (unfinished) outputs: they could still become
     # a stop string, which is cut from the output (vLLM's name and rule; set from stop).
     output_text_buffer_length: int = field(default=0, init=False, repr=False)
     # Filled by the engine: the model's EOS ids, so min_tokens can mask them.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine: bad_words' token sequences (update_from_tokenizer).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     @classmethod
     def from_optional(cls, **kwargs) -> "SamplingParams":
@@ -116,6 +123,12 @@ class SamplingParams:
             self.top_k = 0
         if is_int(self.seed):
             self.seed = int(self.seed)   # numpy's would overflow in seed + index and torch refuses them
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        _check(self.bad_words is None or (isinstance(self.bad_words, (list, tuple))
+                                          and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+               "bad_words", "None or a list of non-blank strings", self.bad_words)
+        self.bad_words = list(self.bad_words) if self.bad_words else None
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             _check(isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) > 0
@@ -173,7 +186,7 @@ class SamplingParams:
                f"None or equal to n ({self.n}): best-of-n selection is not supported", self.best_of)
         _check(self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
                "True (the only detokenization supported)", self.spaces_between_special_tokens)
-        for name in ("logits_processors", "bad_words", "guided_decoding"):
+        for name in ("logits_processors", "guided_decoding"):
             _check(getattr(self, name) in (None, [], {}), name, "None (not supported)", getattr(self, name))
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
                f"one of {[k.name for k in RequestOutputKind]}", self.output_kind)
@@ -192,9 +205,24 @@ class SamplingParams:
         """logit_bias or allowed_token_ids: the distribution (greedy's argmax too) is not the model's."""
         return self.logit_bias is not None or self.allowed_token_ids is not None
 
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """bad_words' token sequences, as vLLM tokenizes them: each word as written (its leading
+        blanks stripped), and with a leading space where that makes another first token of as
+        many tokens (a word in the middle of text)."""
+        self.bad_words_token_ids = []
+        for word in self.bad_words or ():
+            bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not bare:
+                raise ValueError(f"bad_words: {word!r} encodes to no tokens.")
+            self.bad_words_token_ids.append(bare)
+            if spaced and len(spaced) == len(bare) and spaced[0] != bare[0]:
+                self.bad_words_token_ids.append(spaced)
+
     def check_vocab(self, vocab_size: int) -> None:
         """ValueError naming the field whose token ids lie outside the model's vocabulary."""
-        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("bad_words", [t for word in self.bad_words_token_ids for t in word])):
             bad = sorted(t for t in ids if t >= vocab_size)
             if bad:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}.")
@@ -224,7 +252,7 @@ class SamplingParams:
         engine's copy of a request's parameters never changes)."""
         return BatchFields(self.is_greedy, 1.0 if self.is_greedy else self.temperature, self.top_k, self.top_p,
                            self.min_p, self.has_penalties, self.logprobs, self.synthetic_acceptance_rate,
-                           self.min_tokens, self.biases_logits)
+                           self.min_tokens, self.biases_logits, bool(self.bad_words))
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
@@ -251,3 +279,4 @@ class BatchFields(NamedTuple):
     synthetic_acceptance_rate: float | None
     min_tokens: int
     biases_logits: bool
+    has_bad_words: bool   # bans that follow the output's tokens

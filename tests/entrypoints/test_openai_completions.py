@@ -110,7 +110,7 @@ def test_logprobs_and_n(server):
     assert all(c.finish_reason in ("length", "stop") for c in resp.choices)
 
 
-def test_logit_bias_and_allowed_token_ids_match_offline(server):
+def test_logit_bias_allowed_token_ids_and_bad_words_match_offline(server):
     """OpenAI's logit_bias (string keys) and vLLM's allowed_token_ids extra reach the sampler as the
     offline API's SamplingParams do (the server speculates; the reference does not)."""
     from vllm_spec import SamplingParams
@@ -124,3 +124,11 @@ def test_logit_bias_and_allowed_token_ids_match_offline(server):
     ref = server.llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
     assert resp.choices[0].text == ref.text != server.ref_text[PROMPTS[1]]
     assert set(ref.token_ids) <= set(allowed)
+
+    # vLLM's bad_words extra: the words cut out of the reference never come back.
+    words = [server.ref_text[PROMPTS[2]][:6]]
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"ignore_eos": True, "bad_words": words})
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, bad_words=words)
+    assert resp.choices[0].text == server.llm.generate(PROMPTS[2], params, use_tqdm=False)[0].outputs[0].text
+    assert resp.choices[0].text != server.ref_text[PROMPTS[2]]

@@ -22,7 +22,7 @@ def reference_logits(logits: torch.Tensor, p: SamplingParams, prompt: list[int],
     Order as in vLLM: allowed_token_ids (-inf elsewhere), logit_bias (added), repetition penalty
     (prompt + output tokens: positive logits divided, others
     multiplied), frequency penalty (x count in output), presence penalty (output tokens), min_tokens
-    (stop/EOS ids banned), then for random rows: temperature, top-k, top-p (on the top-k
+    (stop/EOS ids banned), bad words (a word's last token banned where the output ends with the rest), then for random rows: temperature, top-k, top-p (on the top-k
     renormalised distribution: keep the smallest prefix reaching top_p), min-p (relative to the max).
     """
     x = [float(v) for v in logits]
@@ -41,6 +41,9 @@ def reference_logits(logits: torch.Tensor, p: SamplingParams, prompt: list[int],
     if len(output) < p.min_tokens:
         for t in p.all_stop_token_ids:
             x[t] = NEG_INF
+    for word in p.bad_words_token_ids:   # banned where the output ends with the word's other tokens
+        if len(word) - 1 <= len(output) and (len(word) == 1 or output[-(len(word) - 1):] == word[:-1]):
+            x[word[-1]] = NEG_INF
     if p.temperature < 1e-5:
         return torch.tensor(x, dtype=torch.float64)
     x = [v / p.temperature for v in x]

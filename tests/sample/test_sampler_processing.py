@@ -38,11 +38,16 @@ CASES = {
     "min_tokens": SamplingParams(min_tokens=10, stop_token_ids=[2, 7]),
     "logit_bias": SamplingParams(temperature=0, logit_bias={4: 30.0, 9: -2.5}),
     "allowed_token_ids": SamplingParams(temperature=0, allowed_token_ids=[1, 6, 7, 20]),
+    "bad_words": SamplingParams(temperature=0, bad_words=["a"]),   # token ids set below
     "allowed_and_biased": SamplingParams(temperature=0.7, top_k=3, allowed_token_ids=[1, 6, 7, 20, 30],
                                          logit_bias={6: 5.0, 2: 50.0}, repetition_penalty=1.4),
     "all": SamplingParams(temperature=0.8, top_k=12, top_p=0.9, min_p=0.05, presence_penalty=0.3,
                           frequency_penalty=0.2, repetition_penalty=1.3),
 }
+
+
+# OUTPUT ends with 11, 30: [11, 30, 4] bans 4, [30, 12] bans 12, [9] bans 9 always; [7, 30, 5] bans nothing.
+CASES["bad_words"].bad_words_token_ids = [[11, 30, 4], [30, 12], [9], [7, 30, 5]]
 
 
 @pytest.mark.parametrize("name", list(CASES))

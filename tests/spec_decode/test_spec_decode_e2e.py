@@ -98,6 +98,39 @@ def test_greedy_equality_with_logit_bias_and_allowed_token_ids(spec_pair, baseli
     assert metric_values(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
+def _contains(tokens: list[int], word: list[int]) -> bool:
+    return any(tokens[i:i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bad_words_never_generated_with_or_without_speculation(spec_pair, baseline, async_scheduling):
+    """Words cut out of the reference outputs: each is banned (its last token, where the output ends with
+    the rest of it), so it never appears in the output; the verifier bans per verified position, after
+    the drafts before it, so speculation leaves the output unchanged."""
+    tok = baseline.get_tokenizer()
+    prompts = make_prompts(4, seed=9)
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = output_ids(baseline.generate(prompts, plain, use_tqdm=False))
+    words = [tok.decode(ref[0][4:6]), tok.decode(ref[1][10:11]), tok.decode(ref[2][2:5])]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=words)
+    want = output_ids(baseline.generate(prompts, params, use_tqdm=False))
+    banned = params.clone()
+    banned.update_from_tokenizer(tok)
+    assert want != ref and banned.bad_words_token_ids
+    for out in want:
+        assert not any(_contains(out, word) for word in banned.bad_words_token_ids)
+    # Without speculation, async scheduling would overlap each step with the next: a step whose bans
+    # follow the last token is read first.
+    plain_engine = LLM(spec_pair[0], async_scheduling=async_scheduling, **KV)
+    assert output_ids(plain_engine.generate(prompts, params, use_tqdm=False)) == want
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=4, async_scheduling=async_scheduling,
+              **FIXED, **KV)
+    assert output_ids(llm.generate(prompts, params, use_tqdm=False)) == want
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, bad_words=words)
+    for out in output_ids(llm.generate(prompts, sampled, use_tqdm=False)):
+        assert not any(_contains(out, word) for word in banned.bad_words_token_ids)
+
+
 def test_logprobs_match_non_speculative(spec_pair, baseline):
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
     prompts = make_prompts(4, seed=4)

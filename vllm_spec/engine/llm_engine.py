@@ -103,7 +103,9 @@ class LLMEngine:
             # As vLLM: stop strings match text, which only detokenized tokens have.
             raise ValueError(f"stop strings ({params.stop!r}) need detokenized output: detokenize=True and an engine "
                              "with a tokenizer (not skip_tokenizer_init). Use stop_token_ids instead.")
-        params.check_vocab(self.config.model.arch.vocab_size)
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(f"bad_words ({params.bad_words!r}) need a tokenizer (an engine without "
+                             "skip_tokenizer_init).")
         text, ids = self.tokenize_prompt(prompt)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]
@@ -119,6 +121,9 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is out of the vocabulary range [0, {vocab}).")
         params = params.clone()
+        if params.bad_words:
+            params.update_from_tokenizer(self.tokenizer)
+        params.check_vocab(vocab)
         params.all_stop_token_ids |= self.output_processor.eos_token_ids if not params.ignore_eos else set()
         max_tokens = max_len - len(ids) if params.max_tokens is None else params.max_tokens
         seqs = []

@@ -60,6 +60,9 @@ class SamplingMetadata:
     # one step only. Otherwise it depends on the rows' parameters and generators alone and may serve
     # again.
     follows_tokens: bool
+    # Rows with bad words: their bans follow the output's last tokens, which the next step's metadata
+    # then needs on the host (such a step is read before the next one is scheduled).
+    bad_words: bool = False
     # Benchmarks only: [N] per-row probability of accepting each draft token (extra_args
     # "synthetic_acceptance_rate"), NaN on rows without one (they keep the engine-wide rate, if any).
     synthetic_acceptance: torch.Tensor | None = None
@@ -73,7 +76,7 @@ class SamplingMetadata:
         f32 = dict(device=device, dtype=torch.float32)
         # One pass over the rows' cached fields, transposed into columns in C.
         (greedy, temperature, top_ks, top_ps, min_ps, penalized, logprobs, rates,
-         min_tokens, biased) = tuple(zip(*(p.batch_fields for p in ps))) or ((),) * len(BatchFields._fields)
+         min_tokens, biased, bad_words) = tuple(zip(*(p.batch_fields for p in ps))) or ((),) * len(BatchFields._fields)
         top_k = top_p = min_p = None
         if any(top_ks):
             top_k = to_device([k if 0 < k < vocab_size else vocab_size for k in top_ks], device)
@@ -83,13 +86,17 @@ class SamplingMetadata:
             min_p = to_device(min_ps, **f32)
         with_penalties = not for_draft and any(penalized)
         with_min_tokens = not for_draft and any(min_tokens)
+        with_bad_words = not for_draft and any(bad_words)
         banned_r, banned_t = [], []
-        if with_min_tokens:
+        if with_min_tokens or with_bad_words:
             for i, r in enumerate(rows):
+                ids = set()
                 if len(r.output_token_ids) + r.num_pending < r.params.min_tokens:
-                    ids = sorted(t for t in r.params.all_stop_token_ids if t < vocab_size)
-                    banned_r += [i] * len(ids)
-                    banned_t += ids
+                    ids |= {t for t in r.params.all_stop_token_ids if t < vocab_size}
+                if r.params.bad_words_token_ids:
+                    ids |= _bad_word_bans(r.params.bad_words_token_ids, r.output_token_ids)
+                banned_r += [i] * len(ids)
+                banned_t += sorted(ids)
         num_logprobs = [n for n in logprobs if n is not None]
         return cls(
             temperature=to_device(temperature, **f32),
@@ -103,8 +110,9 @@ class SamplingMetadata:
             generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None},
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
             # A row's output (plus pending) count only grows: once no row is short of min_tokens, none
-            # will be again.
-            follows_tokens=with_penalties or bool(banned_r),
+            # will be again. Bad words' bans follow the output's last tokens.
+            follows_tokens=with_penalties or with_bad_words or bool(banned_r),
+            bad_words=with_bad_words,
             synthetic_acceptance=(to_device([float("nan") if r is None else r for r in rates], **f32)
                                   if rates.count(None) < len(rates) else None),
         )
@@ -161,6 +169,12 @@ def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device) -
         output_counts=out_counts,
         seen=(out_counts > 0) | (prompt_counts > 0),
     )
+
+
+def _bad_word_bans(words: list[list[int]], output: list[int]) -> set[int]:
+    """The last token of each bad word whose other tokens end the output (a one-token word: always)."""
+    return {word[-1] for word in words
+            if len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1]}
 
 
 def _logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -16,6 +16,7 @@ from vllm_spec.config import EngineConfig
 from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
 from vllm_spec.sample.sampler import SamplerOutput, gather_logprobs, process_logits
+from vllm_spec.sampling_params import BatchFields
 from vllm_spec.spec_decode.policy import pads_verification
 from vllm_spec.spec_decode.proposer import Proposals, Proposer
 from vllm_spec.spec_decode.rejection_sampler import SyntheticDraws, rejection_sample
@@ -100,10 +101,10 @@ class MQAScorer:
             batch.input_ids[dst_t] = proposals.token_ids[src_row_t, src_pos_t]
 
         drafts_host = proposals.token_ids.tolist() if any(
-            req.seqs[i].sampling_params.batch_fields.has_penalties for i in spec_idx) else None
+            _follows_drafts(req.seqs[i].sampling_params.batch_fields) for i in spec_idx) else None
         # Plain greedy rows (no penalties or logit biases, min_tokens met) verify against argmax of the raw
         # logits: no per-position sampling metadata, no softmax over [rows, V]. (batch_fields: cached.)
-        plain_greedy = all(f.greedy and not f.has_penalties and not f.biases_logits
+        plain_greedy = all(f.greedy and not _follows_drafts(f) and not f.biases_logits
                            and f.min_tokens <= len(s.output_token_ids)
                            for s, f in ((req.seqs[i], req.seqs[i].sampling_params.batch_fields) for i in sampled))
         exp_rows = [] if plain_greedy else [
@@ -174,7 +175,7 @@ class MQAScorer:
         """Sampling rows for the n+1 verified positions: position j follows the first j drafts."""
         gen = self.target.generator_for(seq)
         params = seq.sampling_params
-        if drafts is not None and params.has_penalties:
+        if drafts is not None and _follows_drafts(params.batch_fields):
             return [SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids + drafts[:j], gen)
                     for j in range(n + 1)]
         return [SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, gen, num_pending=j)
@@ -197,3 +198,9 @@ class MQAScorer:
             if d is not None:
                 per_seq[grid_r[n]].append(d)
         return per_seq
+
+
+def _follows_drafts(fields: BatchFields) -> bool:
+    """A row whose distribution depends on the tokens before it (penalties, bad words): each verified
+    position's must count the drafts before it."""
+    return fields.has_penalties or fields.has_bad_words

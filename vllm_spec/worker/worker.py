@@ -129,6 +129,8 @@ class Worker:
         handle = SampledStep(seqs, seq_ids, out, copy, prompt_rows, all_logits[len(ends):], req.seqs, span)
         if sampled:
             self._last = handle
+            if md.bad_words:   # the next step's bans need this step's tokens: no overlap with it
+                handle.one_token_per_seq = False
         return handle
 
     def _sampling_metadata(self, seqs: list[SeqInput], seq_ids: list[int], sampled: list[int],

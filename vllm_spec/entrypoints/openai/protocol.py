@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 
@@ -66,7 +66,7 @@ MAX_N = 128
 # the values that change nothing: set otherwise, they get a 400 naming them rather than an output that
 # silently ignores them. Other unknown fields are ignored, as vLLM ignores them.
 _UNSUPPORTED_EXTRAS: dict[str, Any] = {
-    "use_beam_search": False, "bad_words": None, "echo": False,
+    "use_beam_search": False, "echo": False,
     "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "logits_processors": None,
     "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
@@ -97,8 +97,10 @@ class _SamplingFields(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None   # vLLM's extra
+    # Strict: JSON true, "60" or 60.0 are refused as the offline API refuses them, not converted.
+    logit_bias: dict[str, StrictInt | StrictFloat] | None = None
+    allowed_token_ids: list[StrictInt] | None = None   # vLLM's extra
+    bad_words: list[str] | None = None                 # vLLM's extra
     user: str | None = None
     response_format: dict[str, Any] | None = None
     truncate_prompt_tokens: int | None = None
@@ -148,6 +150,7 @@ class _SamplingFields(OpenAIBaseModel):
             extra_args=self.vllm_xargs,
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             # As vLLM: a response sent whole needs no per-step output (building one per request per
             # step is host time the engine spends between launches); a stream rebuilds its deltas

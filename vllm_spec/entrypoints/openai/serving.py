@@ -365,10 +365,14 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
     the request field the prompts came from, which errors about them name)."""
     if params.truncate_prompt_tokens is not None:   # left truncation, before the length checks
         prompts = [{**p, "prompt_token_ids": p["prompt_token_ids"][-params.truncate_prompt_tokens:]} for p in prompts]
-    if params.stop and state.engine.tokenizer is None:
-        # The engine's one refusal that is not about the prompt (_add_all names the prompt's field).
-        raise OpenAIServingError("stop strings need a tokenizer (the server runs with --skip-tokenizer-init): "
-                                 "use stop_token_ids.", param="stop")
+    if state.engine.tokenizer is None:
+        # The engine's refusals that are not about the prompt (_add_all names the prompt's field).
+        if params.stop:
+            raise OpenAIServingError("stop strings need a tokenizer (the server runs with --skip-tokenizer-init): "
+                                     "use stop_token_ids.", param="stop")
+        if params.bad_words:
+            raise OpenAIServingError("bad_words need a tokenizer (the server runs with --skip-tokenizer-init).",
+                                     param="bad_words")
     try:
         params.check_vocab(state.engine.config.model.arch.vocab_size)
     except ValueError as e:   # the message starts with the field's name
