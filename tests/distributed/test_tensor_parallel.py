@@ -88,6 +88,22 @@ def test_tp2_multiproc_matches_tp1(spec_pair, reference, case):
         _shutdown(llm)
 
 
+def test_tp2_logit_bias_allowed_token_ids_and_bad_words(spec_pair):
+    """The constraints travel with the requests to every rank: tp=2 with speculation equals tp=1 without."""
+    one = LLM(spec_pair[0], **OPTS)
+    plain = output_ids(one.generate(_prompts(4), GREEDY, use_tqdm=False))
+    words = [one.get_tokenizer().decode(plain[0][3:5])]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias={11: 3.0},
+                            allowed_token_ids=list(range(0, 384, 2)), bad_words=words)
+    want = output_ids(one.generate(_prompts(4), params, use_tqdm=False))
+    assert want != plain
+    llm = LLM(spec_pair[0], tensor_parallel_size=2, speculative_model=spec_pair[1], **SPEC, **OPTS)
+    try:
+        assert output_ids(llm.generate(_prompts(4), params, use_tqdm=False)) == want
+    finally:
+        _shutdown(llm)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     try:
