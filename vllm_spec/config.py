@@ -252,7 +252,9 @@ class SpeculativeConfig:
                prompt_lookup_min: int | None = None, draft_tensor_parallel_size: int | None = None,
                disable_by_batch_size: int | None = None,
                synthetic_acceptance_rate: float | None = None,
-               policy: str | None = None) -> "SpeculativeConfig":
+               policy: str | None = None, target_len_given: bool = True) -> "SpeculativeConfig":
+        """target_len_given: max_model_len was asked for (else the target's default, which a draft that
+        supports fewer positions lowers to its own, as vLLM caps the length to what both support)."""
         if model == "[ngram]" or method == "ngram":
             method = "ngram"
         elif method in (None, "draft_model"):
@@ -296,6 +298,8 @@ class SpeculativeConfig:
                 f"The draft model's vocabulary ({draft.arch.vocab_size} tokens) differs from the target's "
                 f"({target.arch.vocab_size}); speculative decoding needs the same tokenizer."
             )
+        if draft.max_model_len < target.max_model_len and not target_len_given:
+            target.max_model_len = draft.max_model_len
         if draft.max_model_len < target.max_model_len:
             raise ValueError(
                 f"The draft model supports {draft.max_model_len} positions, fewer than the target's "

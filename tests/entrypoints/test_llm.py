@@ -91,9 +91,16 @@ def test_numpy_and_torch_token_ids_are_accepted(llm):
     ids = [5, 6, 7, 8]
     want = llm.generate({"prompt_token_ids": ids}, greedy(), use_tqdm=False)[0]
     for form in (np.array(ids), [np.int64(t) for t in ids], torch.tensor(ids)):
-        out = llm.generate({"prompt_token_ids": form}, greedy(), use_tqdm=False)[0]
-        assert out.prompt_token_ids == ids and all(type(t) is int for t in out.prompt_token_ids)
-        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        for prompt in ({"prompt_token_ids": form}, form):   # in a dict, or as the prompt itself
+            out = llm.generate(prompt, greedy(), use_tqdm=False)
+            assert len(out) == 1 and out[0].prompt_token_ids == ids
+            assert all(type(t) is int for t in out[0].prompt_token_ids)
+            assert out[0].outputs[0].token_ids == want.outputs[0].token_ids
+    rows = llm.generate(np.array([ids, ids]), greedy(), use_tqdm=False)   # 2-D: a prompt per row
+    assert [o.outputs[0].token_ids for o in rows] == [want.outputs[0].token_ids] * 2
+    for bad in ({"prompt_token_ids": np.array(5)}, {"prompt_token_ids": "5 6"}, torch.tensor(5)):
+        with pytest.raises(ValueError, match="must be a"):
+            llm.generate(bad, greedy(), use_tqdm=False)
 
 
 def test_stop_strings_without_detokenization_rejected(llm, tiny_llama, reference):

@@ -136,3 +136,17 @@ def test_processing_matches_reference_random(data):
         if p.is_greedy:
             assert tokens[i].item() == ref.argmax().item()
 
+
+
+def test_logit_bias_rows_shared_by_parameters_match_per_row_reference():
+    """A verification's k+1 rows of one sequence share its parameters (built once, expanded on the device);
+    unbiased rows between them keep the raw logits."""
+    torch.manual_seed(5)
+    biased = SamplingParams(temperature=0, allowed_token_ids=[1, 6, 7, 20], logit_bias={6: 3.0})
+    other = SamplingParams(temperature=0, logit_bias={2: -50.0})
+    plain = SamplingParams(temperature=0)
+    params = [biased, biased, plain, other, biased, plain]
+    logits = torch.randn(len(params), 32) * 3
+    ours = process_logits(logits.clone(), build(params))
+    for i, p in enumerate(params):
+        assert_rows_match(ours[i], reference_logits(logits[i], p, [], []))

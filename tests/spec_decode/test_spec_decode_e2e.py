@@ -337,11 +337,16 @@ def test_draft_with_other_vocabulary_is_rejected(tmp_path, spec_pair):
         LLM(spec_pair[0], speculative_model=str(other), num_speculative_tokens=2, **FIXED, **KV)
 
 
-def test_draft_shorter_than_max_model_len_is_rejected(tmp_path, spec_pair):
+def test_draft_shorter_than_max_model_len(tmp_path, spec_pair):
     from conftest import make_tiny_model
     short = make_tiny_model(tmp_path / "short_draft", "llama", max_position_embeddings=64)
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(spec_pair[0], speculative_model=str(short), num_speculative_tokens=2, max_model_len=256, **FIXED, **KV)
+    # max_model_len not asked for: the default is what both models support (as vLLM caps it).
+    llm = LLM(spec_pair[0], speculative_model=str(short), num_speculative_tokens=2, **FIXED, **KV)
+    assert llm.llm_engine.config.model.max_model_len == 64
+    out = llm.generate({"prompt_token_ids": [5] * 60}, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and out[0].outputs[0].finish_reason == "length"
 
 def test_per_request_synthetic_acceptance_in_one_batch(spec_pair, baseline):
     """extra_args synthetic_acceptance_rate 1.0 keeps every draft, 0.0 none, side by side in one batch."""

@@ -117,6 +117,7 @@ class EngineArgs:
         self._check_fixed_choices()
         model = ModelConfig.create(self.model, self.tokenizer, self.dtype, self.device, self.max_model_len,
                                    self.load_format, self.seed)
+        speculative = self._speculative_config(model)   # first: a draft may lower the default max_model_len
         return EngineConfig(
             model=model,
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes,
@@ -124,7 +125,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(self.max_num_seqs, 2048 if self.max_num_batched_tokens is None
                                       else self.max_num_batched_tokens, model.max_model_len),
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
-            speculative=self._speculative_config(model),
+            speculative=speculative,
             enforce_eager=self.enforce_eager,
             async_scheduling=self.async_scheduling,
         )
@@ -174,7 +175,7 @@ class EngineArgs:
             if opts["num_speculative_tokens"] is not None:
                 raise ValueError("num_speculative_tokens needs speculative_model (or speculative_config).")
             return None
-        return SpeculativeConfig.create(target, **opts)
+        return SpeculativeConfig.create(target, **opts, target_len_given=self.max_model_len is not None)
 
 
 # vLLM's speculative_config keys that can only be None here.

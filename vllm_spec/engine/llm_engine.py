@@ -6,6 +6,7 @@ import gc
 import json
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -346,7 +347,10 @@ class _Launched:
 
 def _token_ids(ids: Any) -> list[int]:
     """Prompt token ids as Python ints (numpy and torch integer arrays too); anything else is named."""
-    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    ids = ids.tolist() if hasattr(ids, "tolist") else ids
+    if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Iterable):
+        raise ValueError(f"prompt_token_ids must be a list of integers, got {ids!r}.")
+    ids = list(ids)
     bad = next((i for i, t in enumerate(ids) if not is_int(t)), None)
     if bad is not None:
         raise ValueError(f"prompt_token_ids must be integers, got {ids[bad]!r} ({type(ids[bad]).__name__}) "

@@ -15,6 +15,7 @@ from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
+from vllm_spec.utils import is_int
 
 
 class LLM:
@@ -122,8 +123,11 @@ class LLM:
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
+    # numpy and torch arrays: a 1-D one is one prompt of token ids, a 2-D one a prompt per row.
+    prompts = prompts.tolist() if hasattr(prompts, "tolist") else list(prompts)
+    if not isinstance(prompts, list):
+        raise ValueError(f"prompts must be a string, a dict, token ids or a list of them, got {prompts!r}.")
+    if prompts and all(is_int(t) for t in prompts):
         return [prompts]  # a single prompt given as token ids
     return prompts
 

@@ -178,13 +178,27 @@ def _bad_word_bans(words: list[list[int]], output: list[int]) -> set[int]:
 
 
 def _logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[N, V]: each row's logit_bias, and -inf outside its allowed_token_ids."""
-    bias = torch.zeros(len(params), vocab_size, dtype=torch.float32)
-    for i, p in enumerate(params):
+    """[N, V]: each row's logit_bias, and -inf outside its allowed_token_ids. Built on the host once per
+    distinct parameters (a verification's k+1 rows of a sequence share theirs; unbiased rows share a
+    zero row) and expanded on the device."""
+    slot: dict[int, int] = {}
+    distinct: list[SamplingParams | None] = []
+    index = []
+    for p in params:
+        key = id(p) if p.biases_logits else 0
+        if key not in slot:
+            slot[key] = len(distinct)
+            distinct.append(p if p.biases_logits else None)
+        index.append(slot[key])
+    bias = torch.zeros(len(distinct), vocab_size, dtype=torch.float32)
+    for i, p in enumerate(distinct):
+        if p is None:
+            continue
         if p.allowed_token_ids is not None:
             bias[i] = float("-inf")
             bias[i, p.allowed_token_ids] = 0.0
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
             bias[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=torch.float32))
-    return bias.to(device, non_blocking=True)
+    bias = bias.to(device, non_blocking=True)
+    return bias if len(distinct) == len(params) else bias[to_device(index, device)]

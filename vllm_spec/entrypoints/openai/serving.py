@@ -14,7 +14,7 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fastapi import Request
@@ -115,6 +115,9 @@ def need_tokenizer(state: ServerState):
 
 
 # Engine requests ------------------------------------------------------------------------------------
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
 async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any]], params: SamplingParams,
                    prompt_param: str) -> tuple[list[str], list[AsyncStream]]:
     """Add one engine request per prompt; on any failure abort those already added. The engine
@@ -128,7 +131,9 @@ async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any
             ids.append(rid)
     except ValueError as e:
         state.engine.abort(ids)
-        raise OpenAIServingError(str(e), param=prompt_param) from e
+        # A sampling field the engine checks only with its tokenizer (bad_words) is named; else the prompt.
+        first = str(e).split(" ", 1)[0].rstrip(":")
+        raise OpenAIServingError(str(e), param=first if first in _SAMPLING_FIELDS else prompt_param) from e
     except EngineDeadError as e:
         state.engine.abort(ids)
         raise OpenAIServingError(str(e), 503, "ServiceUnavailableError") from e
