@@ -51,3 +51,20 @@ def test_add_special_tokens_and_unsupported_chat_echo(tiny_llama):
         chat = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}],
                                                          "echo": True})
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "echo"
+
+
+def test_sampling_fields_the_engine_refuses_are_named(tiny_llama):
+    """Refusals about a sampling field (stop strings or bad_words without a tokenizer, token ids outside
+    the vocabulary) name that field, not the prompt; the server keeps serving."""
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                        max_model_len=256, skip_tokenizer_init=True))
+    state = build_state(engine, str(tiny_llama), ["m"])
+    good = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 2}
+    with TestClient(build_app(state)) as client:
+        for extra, param in (({"stop": ["x"]}, "stop"), ({"bad_words": ["x"]}, "bad_words"),
+                             ({"logit_bias": {"100000": 1.0}}, "logit_bias"),
+                             ({"allowed_token_ids": [100000]}, "allowed_token_ids"),
+                             ({"prompt": [5, 100000]}, "prompt")):
+            r = client.post("/v1/completions", json={**good, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert client.post("/v1/completions", json=good).status_code == 200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Literal
@@ -61,6 +62,15 @@ class UsageInfo(OpenAIBaseModel):
 
 
 MAX_N = 128
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def sampling_field_of(message: str) -> str | None:
+    """The SamplingParams field a refusal's message starts with (SamplingParams' and the engine's
+    checks name the field first), or None."""
+    first = message.split(" ", 1)[0].rstrip(":")
+    return first if first in _SAMPLING_FIELDS else None
 
 # vLLM's request extras that change what is generated and that this server does not implement, with
 # the values that change nothing: set otherwise, they get a 400 naming them rather than an output that
@@ -161,11 +171,10 @@ class _SamplingFields(OpenAIBaseModel):
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
             msg = str(e)
-            first = msg.split(" ", 1)[0]
-            param = "vllm_xargs" if first.startswith("extra_args") else first if first in kwargs else None
+            param = "vllm_xargs" if msg.startswith("extra_args") else sampling_field_of(msg)
             if param in (sent_as or {}):
+                msg = sent_as[param] + msg[len(param):]
                 param = sent_as[param]
-                msg = param + msg[len(first):]
             raise OpenAIServingError(msg, param=param) from e
 
 

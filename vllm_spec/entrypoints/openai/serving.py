@@ -14,7 +14,7 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -34,6 +34,7 @@ from vllm_spec.entrypoints.openai.protocol import (
     StreamOptions,
     UsageInfo,
     random_id,
+    sampling_field_of,
 )
 from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm_spec.sampling_params import SamplingParams
@@ -115,9 +116,6 @@ def need_tokenizer(state: ServerState):
 
 
 # Engine requests ------------------------------------------------------------------------------------
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
-
-
 async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any]], params: SamplingParams,
                    prompt_param: str) -> tuple[list[str], list[AsyncStream]]:
     """Add one engine request per prompt; on any failure abort those already added. The engine
@@ -131,9 +129,9 @@ async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any
             ids.append(rid)
     except ValueError as e:
         state.engine.abort(ids)
-        # A sampling field the engine checks only with its tokenizer (bad_words) is named; else the prompt.
-        first = str(e).split(" ", 1)[0].rstrip(":")
-        raise OpenAIServingError(str(e), param=first if first in _SAMPLING_FIELDS else prompt_param) from e
+        # The engine's refusals start with the field they are about: a sampling field (stop strings or
+        # bad_words without a tokenizer, token ids outside the vocabulary) is named, else the prompt.
+        raise OpenAIServingError(str(e), param=sampling_field_of(str(e)) or prompt_param) from e
     except EngineDeadError as e:
         state.engine.abort(ids)
         raise OpenAIServingError(str(e), 503, "ServiceUnavailableError") from e
@@ -370,18 +368,6 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
     the request field the prompts came from, which errors about them name)."""
     if params.truncate_prompt_tokens is not None:   # left truncation, before the length checks
         prompts = [{**p, "prompt_token_ids": p["prompt_token_ids"][-params.truncate_prompt_tokens:]} for p in prompts]
-    if state.engine.tokenizer is None:
-        # The engine's refusals that are not about the prompt (_add_all names the prompt's field).
-        if params.stop:
-            raise OpenAIServingError("stop strings need a tokenizer (the server runs with --skip-tokenizer-init): "
-                                     "use stop_token_ids.", param="stop")
-        if params.bad_words:
-            raise OpenAIServingError("bad_words need a tokenizer (the server runs with --skip-tokenizer-init).",
-                                     param="bad_words")
-    try:
-        params.check_vocab(state.engine.config.model.arch.vocab_size)
-    except ValueError as e:   # the message starts with the field's name
-        raise OpenAIServingError(str(e), param=str(e).split(" ", 1)[0]) from e
     for p in prompts:
         _check_length(state, len(p["prompt_token_ids"]), params, prompt_param)
     base_id = random_id(id_prefix)
