@@ -23,7 +23,8 @@ from vllm_spec.config import ParallelConfig
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.executor.base import WorkerError
 
-OPTS = dict(kv_cache_memory_bytes=1 << 24, max_model_len=128)
+# On the CPU on any machine (a GPU machine may hold fewer CUDA devices than the ranks).
+OPTS = dict(kv_cache_memory_bytes=1 << 24, max_model_len=128, device="cpu")
 SPEC = dict(num_speculative_tokens=3, speculative_policy="fixed")
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True)

@@ -32,7 +32,7 @@ def test_chunk_tokens_are_the_sequences_own(seed):
     flight (Sequence.token_slice has a shortcut for tokens all in flight)."""
     rng = random.Random(seed)
     chunks = [_random_chunk(rng) for _ in range(300)]
-    engine = SimpleNamespace(_released=[], _engine_host_time=0.0)
+    engine = SimpleNamespace(_released=[], _idle_time=0.0)
     req = LLMEngine._model_request(engine, SchedulerOutput(chunks))
     assert len(req.seqs) == len(chunks)
     for item, s in zip(chunks, req.seqs):

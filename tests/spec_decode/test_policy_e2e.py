@@ -227,3 +227,30 @@ def test_verification_time_stops_where_the_host_starts_reading(spec_pair, monkey
     assert spec and plain
     assert all(charge >= slow > verify for verify, charge in spec), spec
     assert all(0.0 <= verify < slow for verify in plain), plain
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_costs_the_engines_host_work_but_not_the_callers_time(spec_pair, async_scheduling):
+    """The policy's step costs run from read to read: host work before the step (here a slow choice
+    of k) is part of what it cost; time outside the engine (its caller's, an idle server's) is not."""
+    engine = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2, speculative_policy="fixed",
+                 async_scheduling=async_scheduling, **KV).llm_engine
+    policy = engine.executor.worker.policy
+    choose, observe, charges = policy.choose, policy.observe, []
+
+    def slow_choice(shape):
+        time.sleep(0.05)
+        return choose(shape)
+
+    def record(shape, chosen, accepted, stats, charge):
+        if shape.num_other_tokens == 0 and any(chosen):
+            charges.append(charge.seconds)
+        observe(shape, chosen, accepted, stats, charge)
+
+    policy.choose, policy.observe = slow_choice, record
+    engine.add_request("0", make_prompts(1)[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        time.sleep(0.2)
+    # (With async scheduling the first speculative step's choice overlapped the prefill in flight.)
+    assert len(charges) >= 3 and all(0.05 <= c < 0.2 for c in charges[1:]), charges

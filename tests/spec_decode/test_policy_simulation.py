@@ -102,7 +102,7 @@ class SimEngine:
             if c.pipelined:   # the worker's accounting: what each step cost the timeline, read to read
                 start = now - 1e-6 if overlapped else now + c.host(B)
                 now += step + stats.catch_up_time
-                charge = charges.read(now, start, c.host(B), K > 0)
+                charge = charges.read(now, start, K > 0)
                 charge.seconds -= stats.catch_up_time
                 policy.observe(shape, chosen, accepted, stats, charge)
             else:

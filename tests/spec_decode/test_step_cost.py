@@ -68,24 +68,28 @@ def test_fit_stays_responsive_after_long_runs_at_one_x():
     assert abs(fit(256) - (1e-3 + 0.01e-3 * 256)) < 0.1 * (1e-3 + 0.01e-3 * 256)
 
 
-def test_synchronous_steps_cost_read_to_read_or_their_own_time_after_an_idle_engine():
+def test_synchronous_steps_cost_read_to_read_less_the_time_outside_the_engine():
     charges = StepCharges(async_scheduling=False)
-    # After an idle engine: from the step's start, plus the engine's host work before it.
-    assert charges.read(now=100.0, start=99.0, engine_host_time=0.5, speculative=False) == Charge(1.5)
-    assert charges.read(now=102.0, start=100.4, engine_host_time=0.5, speculative=True) == Charge(2.0)
-    assert charges.read(now=103.0, start=102.3, engine_host_time=0.2, speculative=False) == Charge(pytest.approx(0.9))
+    # The first step: from its own start.
+    assert charges.read(now=100.0, start=99.0, speculative=False) == Charge(1.0)
+    # Read to read: the host work before the step's start (scheduling, the choice) is its cost too.
+    assert charges.read(now=102.0, start=100.4, speculative=True) == Charge(2.0)
+    # The engine idled (or its caller worked) for 3 s between the steps: not this step's cost.
+    charges.add_idle(3.0)
+    assert charges.read(now=105.9, start=105.3, speculative=False) == Charge(pytest.approx(0.9))
+    # Idle time is forgotten once charged.
+    assert charges.read(now=106.9, start=106.2, speculative=False) == Charge(pytest.approx(1.0))
 
 
 def test_pipelined_plain_steps_cost_one_cycle_and_a_refill_is_marked():
     charges = StepCharges(async_scheduling=True)
-    charges.read(now=10.0, start=9.0, engine_host_time=0.0, speculative=False)
+    charges.read(now=10.0, start=9.0, speculative=False)
     # Launched at 9.5, before the step before it was read at 10: one cycle since that read.
-    assert charges.read(now=11.0, start=9.5, engine_host_time=0.3, speculative=False) == Charge(1.0)
-    assert charges.read(now=13.0, start=11.0, engine_host_time=0.3, speculative=True) == Charge(2.0)
+    assert charges.read(now=11.0, start=9.5, speculative=False) == Charge(1.0)
+    assert charges.read(now=13.0, start=11.0, speculative=True) == Charge(2.0)
     # Launched after the speculative step was read: the pipeline was refilling.
-    assert charges.read(now=14.4, start=13.2, engine_host_time=0.3, speculative=False) == Charge(
-        pytest.approx(1.4), refill=True)
-    assert charges.read(now=15.4, start=14.1, engine_host_time=0.3, speculative=False) == Charge(pytest.approx(1.0))
+    assert charges.read(now=14.4, start=13.2, speculative=False) == Charge(pytest.approx(1.4), refill=True)
+    assert charges.read(now=15.4, start=14.1, speculative=False) == Charge(pytest.approx(1.0))
 
 
 def test_linear_fit_is_the_exponentially_weighted_least_squares_line():

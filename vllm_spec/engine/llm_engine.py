@@ -51,7 +51,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._released: list[int] = []
-        self._engine_host_time = 0.0   # the last step's host seconds outside the worker
+        # Seconds outside step() with no step on the device (the caller's work, waiting for requests)
+        # since the last request to the worker: no step's cost. From when the last step() returned.
+        self._idle_time = 0.0
+        self._returned_at: float | None = None
         self.async_scheduling = config.uses_async_scheduling
         self._in_flight: _Launched | None = None   # a step launched and not read yet (async scheduling)
         self.stats = EngineStats()
@@ -182,7 +185,8 @@ class LLMEngine:
                                  params if sample else None, seq.prompt_token_ids, seq.output_token_ids,
                                  prompt_logprobs))
         released, self._released = self._released, []
-        return ExecuteModelRequest(seqs, released, sched.num_lookahead_slots, self._engine_host_time)
+        idle, self._idle_time = self._idle_time, 0.0
+        return ExecuteModelRequest(seqs, released, sched.num_lookahead_slots, idle)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the outputs of every request that advanced.
@@ -192,6 +196,14 @@ class LLMEngine:
         the host's work then overlaps the device's, and outputs arrive one call later.
         """
         t0 = time.perf_counter()
+        if self._in_flight is None and self._returned_at is not None:
+            self._idle_time += t0 - self._returned_at
+        try:
+            return self._step(t0)
+        finally:
+            self._returned_at = time.perf_counter()
+
+    def _step(self, t0: float) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self._drain(time.perf_counter() - t0)
@@ -281,7 +293,6 @@ class LLMEngine:
             if finished:
                 self.stats.on_finished(self.requests.pop(request.request_id), now)
         t4 = time.perf_counter()
-        self._engine_host_time = schedule_time + (t4 - t3)
         worker_host = launch_time + (t3 - t2) - result.device_wait_time
         self.stats.on_step(schedule_time + launch_time + (t4 - t2), schedule_time, worker_host, t4 - t3,
                            result.device_time)

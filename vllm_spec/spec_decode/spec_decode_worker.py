@@ -145,6 +145,7 @@ class SpecDecodeWorker:
     def launch(self, req: ExecuteModelRequest) -> StepHandle:
         """Queue the step. A step that speculates runs to completion here (its outputs decide what
         comes next); one that does not is the target's plain step, which may overlap the next."""
+        self._charges.add_idle(req.engine_idle_time)
         self.target.release(req.finished_seq_ids)
         self.proposer.release(req.finished_seq_ids)
         self.policy.release(req.finished_seq_ids)
@@ -174,8 +175,8 @@ class SpecDecodeWorker:
         else:
             step = self.target.launch(req, on_pass=timer.mark)
             timer.mark()
-        handle = _SpecStep(self, step, timer, _Observation(shape, [asked[i] for i in rows], start,
-                                                           req.engine_host_time, bool(spec_idx), caught_up))
+        handle = _SpecStep(self, step, timer, _Observation(shape, [asked[i] for i in rows], start, bool(spec_idx),
+                                                           caught_up))
         if handle.one_token_per_seq:
             self._unread = handle
         return handle
@@ -193,7 +194,7 @@ class SpecDecodeWorker:
         if timer.cuda:
             result.device_time = stats.draft_time + prepare_time + stats.verify_time
         by_id = {sid: len(toks) - 1 for sid, toks in zip(result.seq_ids, result.token_ids)}
-        charge = self._charges.read(time.perf_counter(), obs.start, obs.engine_host_time, obs.speculative)
+        charge = self._charges.read(time.perf_counter(), obs.start, obs.speculative)
         charge.seconds = max(charge.seconds - stats.catch_up_time, 1e-6)
         self.policy.observe(obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids], stats, charge)
         stats.policy = self.policy.estimates()
@@ -219,7 +220,6 @@ class _Observation:
     shape: StepShape
     asked: list[int]
     start: float
-    engine_host_time: float
     speculative: bool
     caught_up: bool   # the proposer fed tokens it had missed before proposing
 

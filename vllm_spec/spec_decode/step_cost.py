@@ -141,20 +141,29 @@ class Charge:
 class StepCharges:
     """What each step costs, from when the steps' outputs are read.
 
-    A step costs the time since the previous step was read (at most since it began plus the
-    engine's host work before it, should the engine have idled in between): with async
-    scheduling, a plain step launched before the previous one was read costs one pipelined
-    cycle, and a speculative step (never overlapped: the next step needs its accepted counts)
-    its whole time. A plain step that could not overlap the step before it (a speculative one)
-    waited for the host while the pipeline refilled: marked as a refill.
+    A step costs the time since the previous step was read, less the time the engine spent outside
+    step() with no step on the device (an idle engine, its caller's work): with async scheduling, a
+    plain step launched before the previous one was read costs one pipelined cycle, and a
+    speculative step (never overlapped: the next step needs its accepted counts) its whole time,
+    host work included (scheduling, the policy's choice, input preparation, output processing). A
+    plain step that could not overlap the step before it (a speculative one) waited for the host
+    while the pipeline refilled: marked as a refill.
     """
 
     def __init__(self, async_scheduling: bool):
         self.async_scheduling = async_scheduling
-        self._last_read = 0.0
+        self._last_read: float | None = None
+        self._idle = 0.0
 
-    def read(self, now: float, start: float, engine_host_time: float, speculative: bool) -> Charge:
-        cost = min(now - self._last_read, now - start + engine_host_time)
-        refilling = self.async_scheduling and not speculative and start > self._last_read
-        self._last_read = now
+    def add_idle(self, seconds: float) -> None:
+        """Time outside the engine since its last request (ExecuteModelRequest.engine_idle_time)."""
+        self._idle += seconds
+
+    def read(self, now: float, start: float, speculative: bool) -> Charge:
+        if self._last_read is None:   # the first step: from its own start
+            cost = now - start
+        else:
+            cost = max(now - self._last_read - self._idle, 0.0)
+        refilling = self.async_scheduling and not speculative and self._last_read is not None and start > self._last_read
+        self._last_read, self._idle = now, 0.0
         return Charge(cost, refilling)

@@ -43,9 +43,9 @@ class ExecuteModelRequest:
     # Sequences that ended since the last step: the worker drops their state.
     finished_seq_ids: list[int] = field(default_factory=list)
     num_lookahead_slots: int = 0
-    # Host seconds the engine spent on the previous step outside the worker (scheduling, output
-    # processing): part of what a step costs, for the speculation policy.
-    engine_host_time: float = 0.0
+    # Seconds the engine spent outside step() with no step on the device since its last request
+    # (its caller's work, waiting for requests): no step's cost, for the speculation policy.
+    engine_idle_time: float = 0.0
 
 
 @dataclass
