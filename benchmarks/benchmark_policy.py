@@ -150,6 +150,20 @@ class Sweep:
                           self.window_for(batch))
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of n items (a Williams design) in which every item follows every other item equally
+    often: n orders for even n, 2n for odd n."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(i + r) % n for i in first] for r in range(n)]
+    return orders if n % 2 == 0 else orders + [order[::-1] for order in orders]
+
+
 def plain_rows(sweep: Sweep, target: str, max_len: int, engine_kw: dict) -> list[Row]:
     engine = build(target, None, 1, max_len, max(sweep.batch_sizes), **engine_kw)
     rows = []
@@ -173,11 +187,11 @@ def spec_rows(sweep: Sweep, target: str, draft_shape: str, draft: str, acceptanc
         for b in sweep.batch_sizes:
             # Mixed: every request brings its own rate; the engine-wide one (None) applies to nobody.
             extra_args = [{"synthetic_acceptance_rate": MIXED_RATES[i % 2]} for i in range(b)] if rate is None else None
-            # Rounds interleave the policies, so the machine's drift falls on all of them alike, each
-            # round in another order, so no policy always runs right after the same other one.
-            names = list(policies)
+            # Rounds interleave the policies, so the machine's drift falls on all of them alike, in
+            # balanced orders: over a full cycle of rounds each policy runs right after each other once.
+            names, orders = list(policies), balanced_orders(len(policies))
             for rep in range(sweep.repeats):
-                for policy_name in names[rep % len(names):] + names[:rep % len(names)]:
+                for policy_name in (names[i] for i in orders[rep % len(orders)]):
                     policy = policies[policy_name]
                     if trace is not None and policy_name == "adaptive" and rep == 0:
                         traced(policy, trace, draft_shape, name, b)
@@ -254,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="small batches time more steps: at least this many sequence-steps per timed run")
     ap.add_argument("--warmup-len", type=positive_int, default=16, help="tokens per request of each warm-up run")
     ap.add_argument("--repeats", type=positive_int, default=1,
-                    help="rounds per batch size (policies interleaved); the table reports medians")
+                    help="rounds per batch size (policies interleaved, in orders that balance which policy runs "
+                         "after which over every 4 rounds); the table reports medians")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU, float32 (smoke test)")
     ap.add_argument("--trace", action="store_true", help="every step of the adaptive policy into the JSON")
     ap.add_argument("--out", default=None)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections import Counter
 from pathlib import Path
+
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -67,3 +70,17 @@ def test_small_batches_time_more_steps(monkeypatch):
     assert [sweep.window_for(b) for b in (1, 3, 8, 256)] == [256, 86, 32, 32]
     assert sweep.gen_len_for(1) == 256 * (bench.MAX_K + 1) + 32
     assert sweep.gen_len_for(256) == 192
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_balanced_orders_put_every_policy_after_every_other_equally_often(n, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import benchmark_policy as bench
+
+    orders = bench.balanced_orders(n)
+    assert len(orders) == (n if n % 2 == 0 else 2 * n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    follows = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    if n > 1:
+        assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
+        assert len(set(follows.values())) == 1
