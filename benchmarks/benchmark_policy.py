@@ -188,7 +188,8 @@ def spec_rows(sweep: Sweep, target: str, draft_shape: str, draft: str, acceptanc
             # Mixed: every request brings its own rate; the engine-wide one (None) applies to nobody.
             extra_args = [{"synthetic_acceptance_rate": MIXED_RATES[i % 2]} for i in range(b)] if rate is None else None
             # Rounds interleave the policies, so the machine's drift falls on all of them alike, in
-            # balanced orders: over a full cycle of rounds each policy runs right after each other once.
+            # balanced orders: over each cycle of rounds (as many as policies, twice that for an odd
+            # count) each policy runs right after each other equally often.
             names, orders = list(policies), balanced_orders(len(policies))
             for rep in range(sweep.repeats):
                 for policy_name in (names[i] for i in orders[rep % len(orders)]):
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup-len", type=positive_int, default=16, help="tokens per request of each warm-up run")
     ap.add_argument("--repeats", type=positive_int, default=1,
                     help="rounds per batch size (policies interleaved, in orders that balance which policy runs "
-                         "after which over every 4 rounds); the table reports medians")
+                         "after which over each cycle of 4 rounds); the table reports medians")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU, float32 (smoke test)")
     ap.add_argument("--trace", action="store_true", help="every step of the adaptive policy into the JSON")
     ap.add_argument("--out", default=None)

@@ -229,28 +229,50 @@ def test_verification_time_stops_where_the_host_starts_reading(spec_pair, monkey
     assert all(0.0 <= verify < slow for verify in plain), plain
 
 
+@pytest.mark.parametrize("speculate", [True, False])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_step_costs_the_engines_host_work_but_not_the_callers_time(spec_pair, async_scheduling):
-    """The policy's step costs run from read to read: host work before the step (here a slow choice
-    of k) is part of what it cost; time outside the engine (its caller's, an idle server's) is not."""
+def test_step_costs_count_the_host_and_the_caller_but_not_an_idle_engine(spec_pair, async_scheduling, speculate):
+    """The policy's step costs run from read to read: the host's work before a step (here a slow
+    choice of k) and the caller's between steps while requests run (a server's dispatch of outputs)
+    are what serving them cost; time with no request at all (an idle server) is no step's cost, also
+    after the last requests were aborted."""
+    plain = {} if speculate else {"speculative_disable_by_batch_size": 1}   # plain steps, overlapped if async
     engine = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2, speculative_policy="fixed",
-                 async_scheduling=async_scheduling, **KV).llm_engine
+                 async_scheduling=async_scheduling, **plain, **KV).llm_engine
     policy = engine.executor.worker.policy
     choose, observe, charges = policy.choose, policy.observe, []
 
     def slow_choice(shape):
-        time.sleep(0.05)
+        time.sleep(0.02)
         return choose(shape)
 
     def record(shape, chosen, accepted, stats, charge):
-        if shape.num_other_tokens == 0 and any(chosen):
-            charges.append(charge.seconds)
+        charges.append((shape.num_other_tokens == 0, charge.seconds))
         observe(shape, chosen, accepted, stats, charge)
 
     policy.choose, policy.observe = slow_choice, record
-    engine.add_request("0", make_prompts(1)[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-        time.sleep(0.2)
-    # (With async scheduling the first speculative step's choice overlapped the prefill in flight.)
-    assert len(charges) >= 3 and all(0.05 <= c < 0.2 for c in charges[1:]), charges
+
+    def serve(request_id: str, steps: int | None = None) -> list[tuple[bool, float]]:
+        seen = len(charges)
+        engine.add_request(request_id, make_prompts(1)[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        while engine.has_unfinished_requests() and steps != 0:
+            engine.step()
+            time.sleep(0.1)   # the caller's work
+            steps = None if steps is None else steps - 1
+        return charges[seen:]
+
+    first = serve("0")
+    time.sleep(0.6)   # idle
+    second = serve("1", steps=3)
+    engine.abort_request("1")
+    time.sleep(0.6)   # idle again
+    third = serve("2")
+    # Decoding steps after a decoding step cost at least the caller's turn and the choice before them.
+    # (With async scheduling the first one after the prefill was launched, its choice made, while the
+    # prefill was in flight: read right after it; the last one, read when no step was left to launch,
+    # had no choice after it.)
+    for run in (first, third):
+        decoding = [c for is_decoding, c in run if is_decoding][1:]
+        assert len(decoding) >= 3 and all(c >= 0.1 for c in decoding), run
+        assert all(c >= 0.12 for c in decoding[:-1]), run
+    assert all(c < 0.5 for _, c in first + second + third), (first, second, third)

@@ -51,10 +51,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._released: list[int] = []
-        # Seconds outside step() with no step on the device (the caller's work, waiting for requests)
-        # since the last request to the worker: no step's cost. From when the last step() returned.
+        # Seconds the engine held no request (waiting for some) since its last request to the worker:
+        # no step's cost. The caller's time between steps while requests run (a server's dispatch of
+        # outputs) is part of serving them. _idle_since: when the last request ended (None: some run).
         self._idle_time = 0.0
-        self._returned_at: float | None = None
+        self._idle_since: float | None = None
         self.async_scheduling = config.uses_async_scheduling
         self._in_flight: _Launched | None = None   # a step launched and not read yet (async scheduling)
         self.stats = EngineStats()
@@ -160,6 +161,8 @@ class LLMEngine:
                 self._drain(0.0)
             except Exception:
                 logger.exception("reading the step in flight failed while aborting the last requests")
+        if not self.requests and self._idle_since is None:
+            self._idle_since = time.perf_counter()
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)
@@ -196,12 +199,14 @@ class LLMEngine:
         the host's work then overlaps the device's, and outputs arrive one call later.
         """
         t0 = time.perf_counter()
-        if self._in_flight is None and self._returned_at is not None:
-            self._idle_time += t0 - self._returned_at
+        if self._idle_since is not None:
+            self._idle_time += t0 - self._idle_since
+            self._idle_since = None
         try:
             return self._step(t0)
         finally:
-            self._returned_at = time.perf_counter()
+            if not self.requests:
+                self._idle_since = time.perf_counter()
 
     def _step(self, t0: float) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -212,8 +217,9 @@ class LLMEngine:
         try:
             handle = self.executor.launch(request)
         except BaseException:
-            # The worker never saw these releases: hand them over with the next step.
+            # The worker never saw these releases (nor this idle time): hand them over with the next step.
             self._released = request.finished_seq_ids + self._released
+            self._idle_time += request.engine_idle_time
             raise
         for item in sched.scheduled:
             seq = item.seq

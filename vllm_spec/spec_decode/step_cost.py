@@ -141,13 +141,14 @@ class Charge:
 class StepCharges:
     """What each step costs, from when the steps' outputs are read.
 
-    A step costs the time since the previous step was read, less the time the engine spent outside
-    step() with no step on the device (an idle engine, its caller's work): with async scheduling, a
-    plain step launched before the previous one was read costs one pipelined cycle, and a
-    speculative step (never overlapped: the next step needs its accepted counts) its whole time,
-    host work included (scheduling, the policy's choice, input preparation, output processing). A
-    plain step that could not overlap the step before it (a speculative one) waited for the host
-    while the pipeline refilled: marked as a refill.
+    A step costs the time since the previous step was read, less the time the engine held no
+    request (an idle server): with async scheduling, a plain step launched before the previous one
+    was read costs one pipelined cycle, and a speculative step (never overlapped: the next step
+    needs its accepted counts) its whole time, with the host work since that read (output
+    processing, the caller's between steps, scheduling, input preparation; the policy's choice too,
+    unless the step followed one still in flight, which the choice then overlapped). A plain step
+    that could not overlap the step before it (a speculative one) waited for the host while the
+    pipeline refilled: marked as a refill.
     """
 
     def __init__(self, async_scheduling: bool):
@@ -156,14 +157,15 @@ class StepCharges:
         self._idle = 0.0
 
     def add_idle(self, seconds: float) -> None:
-        """Time outside the engine since its last request (ExecuteModelRequest.engine_idle_time)."""
+        """Time the engine held no request since its last request (ExecuteModelRequest.engine_idle_time)."""
         self._idle += seconds
 
     def read(self, now: float, start: float, speculative: bool) -> Charge:
+        refilling = False
         if self._last_read is None:   # the first step: from its own start
             cost = now - start
         else:
             cost = max(now - self._last_read - self._idle, 0.0)
-        refilling = self.async_scheduling and not speculative and self._last_read is not None and start > self._last_read
+            refilling = self.async_scheduling and not speculative and start > self._last_read
         self._last_read, self._idle = now, 0.0
         return Charge(cost, refilling)

@@ -43,8 +43,8 @@ class ExecuteModelRequest:
     # Sequences that ended since the last step: the worker drops their state.
     finished_seq_ids: list[int] = field(default_factory=list)
     num_lookahead_slots: int = 0
-    # Seconds the engine spent outside step() with no step on the device since its last request
-    # (its caller's work, waiting for requests): no step's cost, for the speculation policy.
+    # Seconds the engine held no request (waiting for some) since its last request to the worker:
+    # no step's cost, for the speculation policy.
     engine_idle_time: float = 0.0
 
 
