@@ -276,3 +276,29 @@ def test_step_costs_count_the_host_and_the_caller_but_not_an_idle_engine(spec_pa
         assert len(decoding) >= 3 and all(c >= 0.1 for c in decoding), run
         assert all(c >= 0.12 for c in decoding[:-1]), run
     assert all(c < 0.5 for _, c in first + second + third), (first, second, third)
+
+
+def test_a_stalled_engine_is_idle_for_the_step_costs(spec_pair, monkeypatch):
+    """Steps that run nothing (requests waiting for KV blocks) leave the engine waiting: that wait is
+    no step's cost."""
+    from vllm_spec.core.scheduler import SchedulerOutput
+
+    engine = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2, speculative_policy="fixed",
+                 **KV).llm_engine
+    policy = engine.executor.worker.policy
+    observe, charges = policy.observe, []
+    policy.observe = lambda shape, chosen, accepted, stats, charge: (charges.append(charge.seconds),
+                                                                     observe(shape, chosen, accepted, stats, charge))
+    engine.add_request("0", make_prompts(1)[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    engine.step()
+    schedule = engine.scheduler.schedule
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: SchedulerOutput())
+    for _ in range(3):
+        assert engine.step() == []
+        time.sleep(0.2)
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    seen = len(charges)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(charges) > seen and all(c < 0.3 for c in charges[seen:]), charges

@@ -51,9 +51,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._released: list[int] = []
-        # Seconds the engine held no request (waiting for some) since its last request to the worker:
-        # no step's cost. The caller's time between steps while requests run (a server's dispatch of
-        # outputs) is part of serving them. _idle_since: when the last request ended (None: some run).
+        # Seconds the engine held no request (waiting for some) or ran nothing (requests waiting for KV
+        # blocks) since its last request to the worker: no step's cost. The caller's time between steps
+        # while steps run (a server's dispatch of outputs) is part of serving them. _idle_since: when
+        # the engine last began to wait (None: steps run).
         self._idle_time = 0.0
         self._idle_since: float | None = None
         self.async_scheduling = config.uses_async_scheduling
@@ -211,7 +212,10 @@ class LLMEngine:
     def _step(self, t0: float) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return self._drain(time.perf_counter() - t0)
+            outputs = self._drain(time.perf_counter() - t0)
+            if self._idle_since is None:   # nothing runs: the engine waits (for requests, for KV blocks)
+                self._idle_since = time.perf_counter()
+            return outputs
         request = self._model_request(sched)
         t1 = time.perf_counter()
         try:
