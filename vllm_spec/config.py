@@ -6,9 +6,11 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from vllm_spec.generation_config import sampling_defaults
 from vllm_spec.model.arch_config import ArchConfig
 from vllm_spec.model.rotary import rope_type
 from vllm_spec.utils import check_int, is_int, is_number
@@ -111,10 +113,13 @@ class ModelConfig:
     max_model_len: int
     load_format: str = "auto"
     seed: int = 0
+    # Sampling fields a request leaves unset take these (the model's generation config, vLLM's "auto").
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def create(cls, model: str, tokenizer: str | None, dtype: str | torch.dtype, device: str,
-               max_model_len: int | None, load_format: str, seed: int | None) -> "ModelConfig":
+               max_model_len: int | None, load_format: str, seed: int | None, generation_config: str = "auto",
+               override_generation_config: dict | None = None) -> "ModelConfig":
         if not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model must be a path (a model folder or a .gguf file), got {model!r}.")
         if tokenizer is not None:
@@ -151,9 +156,14 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}.")
         elif max_model_len > limit:
             raise ValueError(f"max_model_len ({max_model_len}) must be <= the model's {bound} ({limit}).")
+        defaults = sampling_defaults(generation_config, override_generation_config, path if source == "hf" else None)
         return cls(model=model, arch=arch, source=source, path=path, tokenizer=tokenizer,
                    dtype=resolve_dtype(dtype, arch.torch_dtype, dev), device=dev,
-                   max_model_len=max_model_len, load_format=load_format, seed=seed)
+                   max_model_len=max_model_len, load_format=load_format, seed=seed, sampling_defaults=defaults)
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """vLLM's name: the sampling defaults from the generation config (a copy)."""
+        return dict(self.sampling_defaults)
 
 
 @dataclass
@@ -291,8 +301,9 @@ class SpeculativeConfig:
                 )
             cfg.prompt_lookup_max, cfg.prompt_lookup_min = hi, lo
             return cfg
+        # The draft's sampling defaults are never used: requests sample from the target's distribution.
         draft = ModelConfig.create(model, None, target.dtype, target.device.type, None, "auto"
-                                   if target.load_format != "dummy" else "dummy", target.seed)
+                                   if target.load_format != "dummy" else "dummy", target.seed, generation_config="vllm")
         if draft.arch.vocab_size != target.arch.vocab_size:
             raise ValueError(
                 f"The draft model's vocabulary ({draft.arch.vocab_size} tokens) differs from the target's "

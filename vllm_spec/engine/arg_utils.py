@@ -67,6 +67,12 @@ class EngineArgs:
     swap_space: float = _opt(4.0, "Accepted for vLLM compatibility: preemption recomputes, it never swaps.")
     disable_log_stats: bool = _opt(False, "Accepted for vLLM compatibility (statistics are kept in memory).")
     max_logprobs: int = _opt(20, "Most logprobs / prompt_logprobs a request may ask for: 20 (fixed).")
+    generation_config: str = _opt(
+        "auto", "auto (sampling fields a request leaves unset take the model's generation_config.json values: "
+                "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), vllm (vLLM's "
+                "own defaults) or a folder holding a generation_config.json.")
+    override_generation_config: dict | None = _opt(
+        None, "JSON object of sampling defaults over the generation config's, e.g. '{\"temperature\": 0.5}'.")
     speculative_model: str | None = _opt(None, "Draft model (folder or .gguf), or '[ngram]' for prompt lookup.")
     num_speculative_tokens: int | None = _opt(None, "Draft tokens per step, k in [1, 16].")
     speculative_config: dict | None = _opt(
@@ -116,7 +122,7 @@ class EngineArgs:
                              f"got {self.enable_prefix_caching!r}.")
         self._check_fixed_choices()
         model = ModelConfig.create(self.model, self.tokenizer, self.dtype, self.device, self.max_model_len,
-                                   self.load_format, self.seed)
+                                   self.load_format, self.seed, self.generation_config, self.override_generation_config)
         speculative = self._speculative_config(model)   # first: a draft may lower the default max_model_len
         return EngineConfig(
             model=model,

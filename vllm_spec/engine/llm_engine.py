@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import time
 from collections.abc import Iterable
@@ -18,6 +17,7 @@ from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.output_processor import OutputProcessor
 from vllm_spec.engine.stats import EngineStats
 from vllm_spec.executor import create_executor
+from vllm_spec.generation_config import read_generation_config
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
@@ -48,6 +48,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.num_lookahead_slots)
         self.output_processor = OutputProcessor(self.tokenizer, self._eos_token_ids(), config.model.max_model_len)
+        if config.model.sampling_defaults:
+            logger.info("Default sampling parameters have been overridden by the model's generation config: %s "
+                        "(generation_config='vllm' keeps vLLM's own).", config.model.sampling_defaults)
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._released: list[int] = []
@@ -74,9 +77,8 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.config.model.arch.eos_token_ids)
-        gen_cfg = self.config.model.path / "generation_config.json"
-        if self.config.model.source == "hf" and gen_cfg.is_file():
-            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        if self.config.model.source == "hf":
+            eos = read_generation_config(self.config.model.path).get("eos_token_id")
             ids.update([eos] if isinstance(eos, int) else (eos or []))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)

@@ -28,6 +28,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use without sampling_params: vLLM's defaults, with the fields the
+        model's generation config sets (generation_config="auto"; "vllm" leaves vLLM's own)."""
+        return SamplingParams(**self.llm_engine.config.model.sampling_defaults)
+
     def set_tokenizer(self, tokenizer) -> None:
         """Use this tokenizer for the requests that come next (text prompts, detokenization)."""
         engine = self.llm_engine
@@ -59,7 +64,7 @@ class LLM:
         if not prompt_list:
             raise ValueError("prompts must not be empty.")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):

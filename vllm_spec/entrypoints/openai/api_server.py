@@ -149,7 +149,7 @@ def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence
     names = [n for n in (served_model_names or []) if n] or [model]
     return ServerState(engine=engine, served_model_names=names, model_path=str(model), tokenizer=tokenizer,
                        api_key=api_key or None, max_model_len=cfg.max_model_len, chat_template=chat_template,
-                       response_role=response_role)
+                       response_role=response_role, sampling_defaults=cfg.get_diff_sampling_param())
 
 
 # Running ----------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator
 
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 
@@ -117,6 +117,11 @@ class _SamplingFields(OpenAIBaseModel):
     # vLLM's extension: free-form arguments passed to SamplingParams.extra_args.
     vllm_xargs: dict[str, str | int | float] | None = None
 
+    @field_validator("n", mode="before")
+    @classmethod
+    def _n_null_is_one(cls, value: Any) -> Any:
+        return 1 if value is None else value   # OpenAI's schema: nullable, default 1
+
     def _check_unsupported(self) -> None:
         if self.n > MAX_N:
             # A request's n sequences are built on the engine's thread: a huge n held up every other
@@ -135,22 +140,28 @@ class _SamplingFields(OpenAIBaseModel):
             raise OpenAIServingError("stream_options can only be set when stream is true.",
                                      param="stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any],
                          sent_as: dict[str, str] | None = None) -> SamplingParams:
-        """SamplingParams from the fields; a ValueError names the request's field (sent_as maps a
+        """SamplingParams from the fields, those left unset from `defaults` (the model's generation
+        config; max_tokens is the caller's); a ValueError names the request's field (sent_as maps a
         SamplingParams field to the request field it came from where the names differ)."""
+
+        def given(name: str, neutral: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, neutral) if value is None else value
+
         kwargs: dict[str, Any] = dict(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=given("temperature", 1.0),
+            top_p=given("top_p", 1.0),
+            top_k=given("top_k", 0),
+            min_p=given("min_p", 0.0),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
             frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=given("repetition_penalty", 1.0),
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -187,14 +198,19 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _echo_null_is_false(cls, value: Any) -> Any:
+        return False if value is None else value   # OpenAI's schema: nullable, default false
+
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         self._check_unsupported()
         if self.suffix:
             raise OpenAIServingError("suffix is not supported.", param="suffix")
         if self.echo and self.logprobs is not None:
             raise OpenAIServingError("echo together with logprobs (prompt logprobs) is not supported.",
                                      param="echo")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults or {})
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -253,7 +269,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         self._check_unsupported()
         if not self.messages:
             raise OpenAIServingError("messages must not be empty.", param="messages")
@@ -269,7 +285,7 @@ class ChatCompletionRequest(_SamplingFields):
         sent_as = {"logprobs": "top_logprobs"}
         if self.max_completion_tokens is not None:
             sent_as["max_tokens"] = "max_completion_tokens"
-        return self._sampling_params(max_tokens, logprobs, sent_as)
+        return self._sampling_params(max_tokens, logprobs, defaults or {}, sent_as)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -56,6 +57,8 @@ class ServerState:
     max_model_len: int = 0
     chat_template: str | None = None   # --chat-template: for requests that bring none
     response_role: str = "assistant"   # --response-role: the role of generated chat messages
+    # Sampling fields a request leaves unset take these (the model's generation config).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -370,6 +373,11 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
         prompts = [{**p, "prompt_token_ids": p["prompt_token_ids"][-params.truncate_prompt_tokens:]} for p in prompts]
     for p in prompts:
         _check_length(state, len(p["prompt_token_ids"]), params, prompt_param)
+    cap = state.sampling_defaults.get("max_tokens")
+    if cap is not None and (params.max_tokens is None or params.max_tokens > cap):
+        # As vLLM: the generation config's max_new_tokens bounds every completion (one left unbounded
+        # stops at the context's end, before that bound where the context is shorter).
+        params = dataclasses.replace(params, max_tokens=cap)
     base_id = random_id(id_prefix)
     prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
     ids, streams = await _add_all(state, base_id, prompts, params, prompt_param)

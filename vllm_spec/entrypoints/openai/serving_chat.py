@@ -57,7 +57,7 @@ def _chat_logprobs(state: serving.ServerState, token_ids: Sequence[int], entries
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
     state = serving.server_state(raw_request)
     serving.check_model(state, request.model)
-    params = request.to_sampling_params()
+    params = request.to_sampling_params(state.sampling_defaults)
     prompt = _chat_prompt(state, request)
     sub = await serving.submit(state, "chatcmpl", request.model, [prompt], params, "messages")
     k = params.logprobs

@@ -65,7 +65,7 @@ def _completion_logprobs(state: serving.ServerState, token_ids: Sequence[int], e
 async def create_completion(request: CompletionRequest, raw_request: Request):
     state = serving.server_state(raw_request)
     serving.check_model(state, request.model)
-    params = request.to_sampling_params()
+    params = request.to_sampling_params(state.sampling_defaults)
     prompts = _completion_prompts(state, request)
     sub = await serving.submit(state, "cmpl", request.model, prompts, params, "prompt")
     n, k = params.n, params.logprobs

@@ -1,0 +1,68 @@
+"""The model's generation_config.json: its end-of-sequence ids and, as vLLM's
+`generation_config="auto"`, the sampling defaults for fields a request leaves unset."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+FILE = "generation_config.json"
+# The sampling fields vLLM takes from a generation config, with transformers' GenerationConfig defaults:
+# a field at its default is not the model's choice (GenerationConfig.to_diff_dict drops it).
+_SAMPLING_FIELDS: dict[str, Any] = {"repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+                                    "min_p": None, "max_new_tokens": None}
+CHOICES = ("auto", "vllm")
+
+
+def read_generation_config(folder: Path) -> dict[str, Any]:
+    """The folder's generation_config.json ({} without one)."""
+    path = Path(folder) / FILE
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object.")
+    return config
+
+
+def sampling_defaults(generation_config: str, override: dict | None, model_folder: Path | None) -> dict[str, Any]:
+    """{SamplingParams field: value} that requests leaving the field unset take, checked.
+
+    generation_config: "auto" (the model folder's file; model_folder None: a GGUF or dummy model,
+    which has none), "vllm" (none: vLLM's own defaults) or a folder holding a generation_config.json.
+    override: fields over the file's (vLLM's override_generation_config).
+    """
+    from vllm_spec.sampling_params import SamplingParams
+
+    if not isinstance(generation_config, str):
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder with a {FILE}, "
+                         f"got {generation_config!r}.")
+    if override is not None and not isinstance(override, dict):
+        raise ValueError(f"override_generation_config must be a dict (JSON object), got {override!r}.")
+    if generation_config == "vllm":
+        config, source = {}, None
+    elif generation_config == "auto":
+        config, source = (read_generation_config(model_folder), model_folder / FILE) if model_folder else ({}, None)
+    elif (Path(generation_config) / FILE).is_file():
+        config, source = read_generation_config(Path(generation_config)), Path(generation_config) / FILE
+    else:
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder with a {FILE}, "
+                         f"got {generation_config!r} (no {FILE} there).")
+    found = {name: config[name] for name, default in _SAMPLING_FIELDS.items()
+             if config.get(name) is not None and config[name] != default}
+    unknown = sorted(set(override or {}) - set(_SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(f"override_generation_config has unknown keys {unknown}; allowed: {sorted(_SAMPLING_FIELDS)}.")
+    found.update(override or {})
+    if "max_new_tokens" in found:
+        found["max_tokens"] = found.pop("max_new_tokens")
+    try:
+        SamplingParams(**found)
+    except (TypeError, ValueError) as e:
+        where = "override_generation_config" if override else str(source)
+        raise ValueError(f"sampling defaults from {where}: {e}") from e
+    return found
