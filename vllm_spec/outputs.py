@@ -29,6 +29,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    lora_request: None = None   # vLLM's field: no LoRA here
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -56,3 +57,10 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = field(default=None)
     metrics: RequestMetrics | None = None
+    # vLLM's fields for what this engine does not do (prefix caching, LoRA, encoder-decoder models,
+    # disaggregated prefill): always their empty values.
+    num_cached_tokens: int = 0
+    lora_request: None = None
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -70,3 +71,21 @@ def test_prompt_logprobs_with_speculation_and_running_decodes(spec_pair, referen
 def test_bad_prompt_logprobs(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_delta_outputs_carry_prompt_logprobs_once(tiny_llama, reference, n):
+    """As vLLM V1: a DELTA stream's first output carries the prompt's logprobs, the later ones none."""
+    from vllm_spec.sampling_params import RequestOutputKind
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), max_num_batched_tokens=5, **KV))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2, n=n,
+                            output_kind=RequestOutputKind.DELTA)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    seen: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out.prompt_logprobs)
+    _check([SimpleNamespace(prompt_logprobs=seen[str(i)][0]) for i in range(len(PROMPTS))], reference, 2)
+    assert all(len(outs) > 1 and all(p is None for p in outs[1:]) for outs in seen.values())

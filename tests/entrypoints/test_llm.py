@@ -456,3 +456,20 @@ def test_numpy_integers_are_integers(tiny_llama):
     params = SamplingParams(seed=np.int64(5), n=np.int64(2), max_tokens=np.int64(3), temperature=1.0)
     out = llm.generate("hi", params, use_tqdm=False)[0]
     assert [len(c.token_ids) for c in out.outputs] == [3, 3]
+
+
+def test_prompt_dict_keys_as_vllm(llm, reference):
+    """vLLM's prompt keys for inputs a text-only model has no use for must be empty (an image must not
+    be dropped silently); cache_salt is accepted; unknown keys are named. vLLM's output fields for
+    what the engine does not do are there, empty."""
+    params = greedy(ignore_eos=True)
+    out = llm.generate({"prompt": PROMPT, "cache_salt": "s", "multi_modal_data": None, "mm_processor_kwargs": {}},
+                       params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference.token_ids
+    assert (out.num_cached_tokens, out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids,
+            out.kv_transfer_params, out.outputs[0].lora_request) == (0, None, None, None, None, None)
+    with pytest.raises(ValueError, match="multi_modal_data in a prompt is not supported"):
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": object()}}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"unknown prompt key 'promt'; allowed: prompt, prompt_token_ids"):
+        llm.generate({"promt": PROMPT}, params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -138,6 +138,7 @@ class Request:
     sampling_params: SamplingParams
     seqs: list[Sequence]
     arrival_time: float = field(default_factory=time.monotonic)
+    prompt_logprobs_reported: bool = False   # DELTA outputs carry them once, as vLLM's
 
     @property
     def is_finished(self) -> bool:

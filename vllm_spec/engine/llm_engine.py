@@ -87,6 +87,7 @@ class LLMEngine:
     # Requests -------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            _check_prompt_keys(prompt)
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             if "prompt" not in prompt:
@@ -329,8 +330,12 @@ class LLMEngine:
                 seq.num_reported_tokens, seq.num_reported_chars = len(seq.output_token_ids), len(text)
         first = min((s.first_token_time for s in request.seqs if s.first_token_time is not None), default=None)
         metrics = RequestMetrics(request.arrival_time, first, now, now if finished else None)
+        prompt_logprobs = request.seqs[0].prompt_logprobs
+        if delta:
+            prompt_logprobs = None if request.prompt_logprobs_reported else prompt_logprobs
+            request.prompt_logprobs_reported = True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
-                             request.seqs[0].prompt_logprobs, None, metrics)
+                             prompt_logprobs, None, metrics)
 
     # Metrics ------------------------------------------------------------------------
     def get_metrics(self) -> list[Metric]:
@@ -344,6 +349,22 @@ class LLMEngine:
 # Container objects a step allocates per sequence and frees by its end (step inputs, outputs,
 # index lists), with room to spare: a young generation this large is not collected mid-step.
 _YOUNG_OBJECTS_PER_SEQ = 20
+
+
+# vLLM's prompt-dict keys: those of inputs this engine has no use for must be empty (a text-only
+# model: an image would be silently dropped), cache_salt is harmless without prefix caching.
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+_UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "prompt_embeds", "token_type_ids")
+
+
+def _check_prompt_keys(prompt: dict) -> None:
+    for key, value in prompt.items():
+        if key in _UNSUPPORTED_PROMPT_KEYS:
+            if value is not None and not (isinstance(value, (dict, list)) and not value):
+                raise ValueError(f"{key} in a prompt is not supported: this engine serves text-only models.")
+        elif key not in _PROMPT_KEYS:
+            raise ValueError(f"unknown prompt key {key!r}; allowed: {', '.join(_PROMPT_KEYS + _UNSUPPORTED_PROMPT_KEYS)} "
+                             f"(the last {len(_UNSUPPORTED_PROMPT_KEYS)} empty).")
 
 
 def _raise_young_gc_threshold(max_num_seqs: int) -> None:
