@@ -34,7 +34,7 @@ def _text(processor: OutputProcessor, prompt: list[int], output: list[int], stre
 def test_stream_matches_window_detokenization(tokenizer, skip, seed):
     rng = random.Random(seed)
     vocab = len(tokenizer)
-    processor = OutputProcessor(tokenizer, set(), 10_000)
+    processor = OutputProcessor(tokenizer, 10_000)
     prompt = tokenizer("def wrap(text, width=70): é ü 中").input_ids[: rng.randrange(1, 12)]
     # Random ids include special tokens and byte tokens that only form characters together.
     output = [rng.randrange(vocab) for _ in range(40)]
@@ -45,10 +45,10 @@ def test_stream_matches_window_detokenization(tokenizer, skip, seed):
 
 def test_stream_is_used_for_fast_tokenizers(tokenizer):
     seq = Sequence("r", 0, [5, 6], SamplingParams(), 4)
-    OutputProcessor(tokenizer, set(), 100).start(seq)
+    OutputProcessor(tokenizer, 100).start(seq)
     assert seq.detok_stream is not None
     seq = Sequence("r", 0, [5, 6], SamplingParams(detokenize=False), 4)
-    OutputProcessor(tokenizer, set(), 100).start(seq)
+    OutputProcessor(tokenizer, 100).start(seq)
     assert seq.detok_stream is None
 
 
@@ -82,7 +82,8 @@ def test_append_quick_stop_check_matches_the_full_check(seed):
     rng = random.Random(seed)
     vocab = 12
     eos = set(rng.sample(range(vocab), rng.randrange(0, 3)))
-    processor = OutputProcessor(None, eos, max_model_len=rng.randrange(8, 40))
+    processor = OutputProcessor(None, max_model_len=rng.randrange(8, 40))
+    processor.eos_token_ids = eos
     max_tokens = rng.randrange(1, 30)
     params = SamplingParams(stop_token_ids=rng.sample(range(vocab), rng.randrange(0, 3)),
                             ignore_eos=rng.random() < 0.3, min_tokens=rng.randrange(0, max_tokens + 1),
@@ -104,6 +105,18 @@ def test_append_quick_stop_check_matches_with_stop_strings(tokenizer, seed):
     stop = text[start: start + rng.randrange(1, 4)] if rng.random() < 0.7 else "\x00never\x00"
     params = SamplingParams(stop=[stop], include_stop_str_in_output=rng.random() < 0.5,
                             min_tokens=rng.randrange(0, 5), max_tokens=30, stop_token_ids=[output[-5]])
-    processor = OutputProcessor(tokenizer, {tokenizer.eos_token_id}, 10_000)
+    processor = OutputProcessor(tokenizer, 10_000)
+    processor.eos_token_ids, processor.primary_eos_token_id = {tokenizer.eos_token_id}, tokenizer.eos_token_id
     assert _finish(processor, params, [5, 6], 30, output, quick=True) == \
         _finish(processor, params, [5, 6], 30, output, quick=False)
+
+
+def test_only_the_primary_eos_has_no_stop_reason():
+    """As vLLM: the tokenizer's EOS ends a request with stop_reason None; the model's other EOS ids (vLLM
+    adds a generation config's to stop_token_ids) are reported as the stop reason."""
+    processor = OutputProcessor(None, 100)
+    processor.eos_token_ids, processor.primary_eos_token_id = {2, 5}, 2
+    params = SamplingParams(max_tokens=10)
+    for token, reason in ((2, None), (5, 5)):
+        ids, status, stop_reason, _, _ = _finish(processor, params, [7, 8], 10, [9, token, 9], quick=True)
+        assert ids == [9, token] and status.finish_reason == "stop" and stop_reason == reason

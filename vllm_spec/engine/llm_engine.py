@@ -47,7 +47,8 @@ class LLMEngine:
         self.executor = create_executor(config)
         self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.num_lookahead_slots)
-        self.output_processor = OutputProcessor(self.tokenizer, self._eos_token_ids(), config.model.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, config.model.max_model_len)
+        self.update_eos_token_ids()
         if config.model.sampling_defaults:
             logger.info("Default sampling parameters have been overridden by the model's generation config: %s "
                         "(generation_config='vllm' keeps vLLM's own).", config.model.sampling_defaults)
@@ -75,14 +76,19 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args.create_engine_config(), skip_tokenizer_init=args.skip_tokenizer_init)
 
-    def _eos_token_ids(self) -> set[int]:
+    def update_eos_token_ids(self) -> None:
+        """The ids that end a request (the model's config, its generation config, the tokenizer's) and
+        the primary one (the tokenizer's, else the config's first): as vLLM, ending at another reports
+        it as the stop_reason (vLLM adds a generation config's other EOS ids to stop_token_ids)."""
         ids = set(self.config.model.arch.eos_token_ids)
         if self.config.model.source == "hf":
             eos = read_generation_config(self.config.model.path).get("eos_token_id")
             ids.update([eos] if isinstance(eos, int) else (eos or []))
+        primary = next(iter(self.config.model.arch.eos_token_ids), None)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
+            primary = self.tokenizer.eos_token_id
+            ids.add(primary)
+        self.output_processor.eos_token_ids, self.output_processor.primary_eos_token_id = ids, primary
 
     # Requests -------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

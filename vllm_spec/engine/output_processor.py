@@ -17,10 +17,11 @@ _CONTEXT_TOKENS = 5
 class OutputProcessor:
     """Applies one step's new tokens to a sequence and decides whether it has finished."""
 
-    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
+    def __init__(self, tokenizer, max_model_len: int):
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.eos_token_ids: set[int] = set()   # set by the engine (LLMEngine.update_eos_token_ids)
+        self.primary_eos_token_id: int | None = None
 
     def start(self, seq: Sequence) -> None:
         params = seq.sampling_params
@@ -100,7 +101,7 @@ class OutputProcessor:
                 # As vLLM: the stop token's text is not part of the output unless asked for.
                 if delta and not params.include_stop_str_in_output:
                     seq.output_text = seq.output_text[: len(seq.output_text) - len(delta)]
-                if not eos:
+                if not eos or token != self.primary_eos_token_id:
                     seq.stop_reason = token
                 return SequenceStatus.FINISHED_STOPPED
         if num_output >= seq.max_tokens or len(seq.prompt_token_ids) + num_output >= self.max_model_len:

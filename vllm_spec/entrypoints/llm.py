@@ -37,7 +37,7 @@ class LLM:
         """Use this tokenizer for the requests that come next (text prompts, detokenization)."""
         engine = self.llm_engine
         engine.tokenizer = engine.output_processor.tokenizer = tokenizer
-        engine.output_processor.eos_token_ids = engine._eos_token_ids()   # its EOS stops requests too
+        engine.update_eos_token_ids()   # its EOS stops requests too
 
     def _not_generative(self, method: str):
         raise NotImplementedError(f"LLM.{method} is not supported: this engine serves generative (decoder) "
