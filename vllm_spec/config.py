@@ -292,9 +292,9 @@ class SpeculativeConfig:
                   disable_by_batch_size=disable_by_batch_size, synthetic_acceptance_rate=synthetic_acceptance_rate,
                   policy=policy or "adaptive")
         if method == "ngram":
-            # As vLLM: one bound given sets the other (max from min, min = min(2, max)).
+            # As vLLM V1: neither bound given is 5 and 5; one given sets the other to itself.
             hi = prompt_lookup_max or prompt_lookup_min or 5
-            lo = prompt_lookup_min or min(2, hi)
+            lo = prompt_lookup_min or prompt_lookup_max or 5
             if lo > hi:
                 raise ValueError(
                     f"ngram_prompt_lookup_min ({lo}) must be <= ngram_prompt_lookup_max ({hi})."

@@ -15,7 +15,7 @@ from scipy import stats
 from conftest import FIXED, GREEDY, make_prompts, metric_values, output_ids
 from conftest import SPEC_KV as KV
 
-from vllm_spec import LLM, SamplingParams
+from vllm_spec import LLM, EngineArgs, SamplingParams
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
@@ -298,6 +298,17 @@ def test_speculative_config_dict_form(spec_pair, greedy_reference):
         "model": spec_pair[1], "num_speculative_tokens": 2, "method": "draft_model", "policy": "fixed",
         "quantization": None, "revision": None, "max_model_len": 128}, **KV)
     assert output_ids(llm.generate(make_prompts(4), GREEDY, use_tqdm=False)) == greedy_reference[:4]
+
+@pytest.mark.parametrize("lookup, bounds", [({}, (5, 5)), ({"prompt_lookup_max": 3}, (3, 3)),
+                                           ({"prompt_lookup_min": 2}, (2, 2)),
+                                           ({"prompt_lookup_min": 1, "prompt_lookup_max": 4}, (1, 4))])
+def test_ngram_lookup_bounds_default_as_vllm(spec_pair, lookup, bounds):
+    """vLLM V1: neither bound given is 5 and 5; one given sets the other to itself."""
+    args = EngineArgs(model=str(spec_pair[0]), speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                                    **lookup})
+    spec = args.create_engine_config().speculative
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == bounds
+
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),

@@ -79,8 +79,10 @@ class EngineArgs:
         None, "vLLM V1 form as JSON: {model, num_speculative_tokens, method, prompt_lookup_max, "
               "prompt_lookup_min, draft_tensor_parallel_size, disable_by_batch_size, policy, "
               "synthetic_acceptance_rate (benchmarks only)}.")
-    ngram_prompt_lookup_max: int | None = _opt(None, "Longest n-gram the [ngram] proposer matches.")
-    ngram_prompt_lookup_min: int | None = _opt(None, "Shortest n-gram the [ngram] proposer matches.")
+    ngram_prompt_lookup_max: int | None = _opt(None, "Longest n-gram the [ngram] proposer matches (as vLLM: 5, "
+                                                     "or ngram_prompt_lookup_min when only that is given).")
+    ngram_prompt_lookup_min: int | None = _opt(None, "Shortest n-gram the [ngram] proposer matches (as vLLM: 5, "
+                                                     "or ngram_prompt_lookup_max when only that is given).")
     speculative_draft_tensor_parallel_size: int | None = _opt(
         None, "Tensor-parallel size of the draft: a divisor of tensor_parallel_size (default 1); the draft runs "
               "on the first that many ranks of the target's processes.")
