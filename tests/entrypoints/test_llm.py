@@ -327,9 +327,46 @@ def test_chat_content_parts_and_continue_final_message(llm):
     assert out[0].prompt.endswith("<|im_start|>assistant\nSure,")
     with pytest.raises(ValueError, match="continue_final_message"):
         llm.chat(partial, use_tqdm=False, continue_final_message=True)
-    for reserved in ("add_generation_prompt", "tokenizer", "add_special_tokens"):
+    for reserved in ("tokenizer", "add_special_tokens"):
         with pytest.raises(ValueError, match=f"chat_template_kwargs.*{reserved}"):
             llm.chat(plain, use_tqdm=False, chat_template_kwargs={reserved: False})
+    # As vLLM: chat_template_kwargs apply over the arguments of the same names.
+    over = llm.chat(partial, greedy(max_tokens=2), use_tqdm=False,
+                    chat_template_kwargs={"add_generation_prompt": False, "continue_final_message": True})
+    assert over[0].prompt == out[0].prompt
+    assert llm.chat(plain, greedy(max_tokens=2), use_tqdm=False, chat_template="x{{ 1 }}",
+                    chat_template_kwargs={"chat_template": "y{{ 2 }}"})[0].prompt == "y2"
+
+
+def test_vllm_keywords_at_their_neutral_values(llm, tiny_llama):
+    """Scripts written for vLLM pass its keywords at their defaults: accepted; values asking for what
+    this engine does not do are refused, named."""
+    plain = [{"role": "user", "content": "hi"}]
+    neutral = dict(cpu_offload_gb=0, hf_overrides=None, hf_token=None, compilation_config=None,
+                   max_seq_len_to_capture=8192, disable_custom_all_reduce=False, allowed_local_media_path="",
+                   mm_processor_kwargs=None, task="auto", runner="auto", enable_lora=False, pipeline_parallel_size=1,
+                   data_parallel_size=1, served_model_name="m", logprobs_mode="raw_logprobs", enable_sleep_mode=False,
+                   disable_async_output_proc=False, enable_prefix_caching=None)
+    other = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, max_model_len=MAX_MODEL_LEN, **neutral)
+    want = llm.generate(PROMPT, greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    assert other.generate(PROMPT, greedy(), use_tqdm=False, lora_request=None,
+                          priority=[0])[0].outputs[0].token_ids == want
+    assert other.chat(plain, greedy(), use_tqdm=False, lora_request=None, tools=None, mm_processor_kwargs=None,
+                      chat_template_content_format="string")[0].outputs[0].token_ids == \
+        llm.chat(plain, greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    for name, value in (("enable_lora", True), ("pipeline_parallel_size", 2), ("cpu_offload_gb", 4),
+                        ("task", "embed"), ("logprobs_mode", "processed_logprobs"), ("enable_sleep_mode", True),
+                        ("hf_overrides", {"rope_theta": 1.0}), ("mm_processor_kwargs", {"x": 1})):
+        with pytest.raises(ValueError, match=name):
+            LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, **{name: value})
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        llm.generate(PROMPT, greedy(), use_tqdm=False, lora_request=object())
+    with pytest.raises(ValueError, match="priority must be None or all 0"):
+        llm.generate(PROMPT, greedy(), use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="tools is not supported"):
+        llm.chat(plain, use_tqdm=False, tools=[{"type": "function"}])
+    with pytest.raises(ValueError, match="chat_template_content_format must be 'auto' or 'string'"):
+        llm.chat(plain, use_tqdm=False, chat_template_content_format="openai")
 
 # Metrics ------------------------------------------------------------------------------------------------------
 

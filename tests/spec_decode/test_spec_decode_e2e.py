@@ -296,7 +296,8 @@ def test_speculative_config_dict_form(spec_pair, greedy_reference):
     # With vLLM's keys that set nothing here at their neutral values (and the draft's length >= the target's).
     llm = LLM(spec_pair[0], max_model_len=128, speculative_config={
         "model": spec_pair[1], "num_speculative_tokens": 2, "method": "draft_model", "policy": "fixed",
-        "quantization": None, "revision": None, "max_model_len": 128}, **KV)
+        "quantization": None, "revision": None, "max_model_len": 128, "disable_logprobs": False,
+        "speculative_token_tree": None}, **KV)
     assert output_ids(llm.generate(make_prompts(4), GREEDY, use_tqdm=False)) == greedy_reference[:4]
 
 @pytest.mark.parametrize("lookup, bounds", [({}, (5, 5)), ({"prompt_lookup_max": 3}, (3, 3)),
@@ -316,6 +317,9 @@ def test_ngram_lookup_bounds_default_as_vllm(spec_pair, lookup, bounds):
     ({"speculative_config": {"model": "x", "num_speculative_tokens": 2, "method": "medusa"}}, "method"),
     ({"speculative_config": {"num_speculative_tokens": 2, "bogus": 1, "model": "x"}}, "bogus"),
     ({"speculative_config": {"num_speculative_tokens": 2, "quantization": "awq"}}, "quantization"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "speculative_token_tree": "[(0,)]"}},
+     "speculative_token_tree"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "disable_logprobs": "yes"}}, "disable_logprobs"),
     ({"speculative_config": {"num_speculative_tokens": 2, "max_model_len": 16}}, "max_model_len"),
     ({"speculative_config": {"num_speculative_tokens": 2, "max_model_len": 1 << 20}}, "max_model_len"),
     ({"num_speculative_tokens": 2, "speculative_policy": "greedy"}, "speculative_policy"),

@@ -53,7 +53,8 @@ class EngineArgs:
               "per sequence (default: on for CUDA with tensor_parallel_size 1).")
     enable_chunked_prefill: bool = _opt(True, "Split prompts over steps to fit max_num_batched_tokens (always on, "
                                               "as in vLLM V1; False is refused).")
-    enable_prefix_caching: bool = _opt(False, "Share KV blocks of common prompt prefixes (not supported: False).")
+    enable_prefix_caching: bool | None = _opt(False, "Share KV blocks of common prompt prefixes (not supported: "
+                                                     "False, or None as vLLM's default).")
     # vLLM's names for what this engine does one way only, accepted at that way (checked in
     # create_engine_config): configurations written for vLLM run unchanged where they mean the same.
     trust_remote_code: bool = _opt(False, "Accepted for vLLM compatibility: no remote code is ever run "
@@ -67,6 +68,26 @@ class EngineArgs:
     swap_space: float = _opt(4.0, "Accepted for vLLM compatibility: preemption recomputes, it never swaps.")
     disable_log_stats: bool = _opt(False, "Accepted for vLLM compatibility (statistics are kept in memory).")
     max_logprobs: int = _opt(20, "Most logprobs / prompt_logprobs a request may ask for: 20 (fixed).")
+    logprobs_mode: str = _opt("raw_logprobs", "raw_logprobs (the only mode: log-softmax of the raw logits).")
+    cpu_offload_gb: float = _opt(0.0, "Not supported: 0.")
+    hf_overrides: dict | None = _opt(None, "Not supported: None (the model folder's config.json as it is).")
+    hf_token: str | None = _opt(None, "Accepted for vLLM compatibility: no model hub is contacted.")
+    compilation_config: dict | None = _opt(
+        None, "Accepted for vLLM compatibility: this engine's CUDA graphs and kernels are its own (enforce_eager "
+              "turns the graphs off).")
+    max_seq_len_to_capture: int = _opt(8192, "Accepted for vLLM compatibility: graphs serve every sequence length.")
+    disable_custom_all_reduce: bool = _opt(False, "Accepted for vLLM compatibility (torch.distributed collectives).")
+    disable_async_output_proc: bool = _opt(False, "Accepted for vLLM compatibility (see async_scheduling).")
+    served_model_name: str | None = _opt(None, "Accepted for vLLM compatibility (the server's own flag names its "
+                                               "models).")
+    task: str = _opt("auto", "auto or generate (the only task: text generation).")
+    runner: str = _opt("auto", "auto or generate (the only runner: text generation).")
+    enable_lora: bool = _opt(False, "Not supported: False.")
+    pipeline_parallel_size: int = _opt(1, "Not supported: 1 (tensor_parallel_size shards the model).")
+    data_parallel_size: int = _opt(1, "Not supported: 1 (one engine per process).")
+    enable_sleep_mode: bool = _opt(False, "Not supported: False.")
+    mm_processor_kwargs: dict | None = _opt(None, "Not supported: None (text-only models).")
+    allowed_local_media_path: str = _opt("", "Accepted for vLLM compatibility (text-only models).")
     generation_config: str = _opt(
         "auto", "auto (sampling fields a request leaves unset take the model's generation_config.json values: "
                 "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), vllm (vLLM's "
@@ -119,8 +140,8 @@ class EngineArgs:
         if self.enable_chunked_prefill is not True:
             raise ValueError("enable_chunked_prefill must be True (prompts are always chunked to fit "
                              f"max_num_batched_tokens), got {self.enable_chunked_prefill!r}.")
-        if self.enable_prefix_caching is not False:
-            raise ValueError(f"enable_prefix_caching must be False (prefix caching is not supported), "
+        if self.enable_prefix_caching not in (False, None):
+            raise ValueError(f"enable_prefix_caching must be False or None (prefix caching is not supported), "
                              f"got {self.enable_prefix_caching!r}.")
         self._check_fixed_choices()
         model = ModelConfig.create(self.model, self.tokenizer, self.dtype, self.device, self.max_model_len,
@@ -140,9 +161,15 @@ class EngineArgs:
 
     def _check_fixed_choices(self) -> None:
         for name, allowed in (("tokenizer_mode", ("auto",)), ("revision", (None,)), ("tokenizer_revision", (None,)),
-                              ("quantization", (None,)), ("kv_cache_dtype", ("auto",)), ("max_logprobs", (20,))):
+                              ("quantization", (None,)), ("kv_cache_dtype", ("auto",)), ("max_logprobs", (20,)),
+                              ("logprobs_mode", ("raw_logprobs",)), ("cpu_offload_gb", (0,)),
+                              ("hf_overrides", (None, {})), ("task", ("auto", "generate")),
+                              ("runner", ("auto", "generate")), ("enable_lora", (False,)),
+                              ("pipeline_parallel_size", (1,)), ("data_parallel_size", (1,)),
+                              ("enable_sleep_mode", (False,)), ("mm_processor_kwargs", (None, {}))):
             value = getattr(self, name)
-            if value not in allowed or isinstance(value, bool):
+            # (A bool equals 0 or 1: refused where the choice is not a bool.)
+            if value not in allowed or isinstance(value, bool) is not any(isinstance(a, bool) for a in allowed):
                 raise ValueError(f"{name} must be one of {list(allowed)} (the only supported choice), got {value!r}.")
         if not (is_number(self.swap_space) and self.swap_space >= 0):
             raise ValueError(f"swap_space must be a number >= 0 (GiB), got {self.swap_space!r}.")
@@ -169,6 +196,11 @@ class EngineArgs:
                 if given.pop(name, None) is not None:
                     raise ValueError(f"speculative_config['{name}'] must be None (not supported), got "
                                      f"{self.speculative_config[name]!r}.")
+            # vLLM skips the draft's logprobs by default: here they are never computed either way (a
+            # request's logprobs are the target's), so both values mean the same.
+            if given.pop("disable_logprobs", True) not in (True, False):
+                raise ValueError(f"speculative_config['disable_logprobs'] must be a bool, got "
+                                 f"{self.speculative_config['disable_logprobs']!r}.")
             draft_len = given.pop("max_model_len", None)
             if draft_len is not None and draft_len != target.max_model_len:
                 # vLLM refuses a larger one; a smaller one (no speculation past it) is not supported here.
@@ -176,7 +208,7 @@ class EngineArgs:
                                  f"({target.max_model_len}), got {draft_len!r}.")
             unknown = set(given) - set(opts)
             if unknown:
-                allowed = sorted([*opts, "max_model_len", *_SPEC_NONE_KEYS])
+                allowed = sorted([*opts, "max_model_len", "disable_logprobs", *_SPEC_NONE_KEYS])
                 raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; allowed: {allowed}.")
             opts.update({k: v for k, v in given.items() if v is not None})
         if opts["model"] is None and opts["method"] is None:
@@ -187,7 +219,7 @@ class EngineArgs:
 
 
 # vLLM's speculative_config keys that can only be None here.
-_SPEC_NONE_KEYS = ("quantization", "revision", "code_revision")
+_SPEC_NONE_KEYS = ("quantization", "revision", "code_revision", "speculative_token_tree")
 
 # vLLM's short spellings.
 _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}

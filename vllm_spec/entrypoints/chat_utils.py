@@ -24,8 +24,7 @@ def text_content(content: Any) -> str:
 
 
 # Arguments of apply_chat_template that render_chat sets itself: not template variables.
-_RESERVED = ("add_generation_prompt", "continue_final_message", "chat_template", "tokenize", "conversation",
-             "messages", "tokenizer", "add_special_tokens")
+_RESERVED = ("tokenize", "conversation", "messages", "tokenizer", "add_special_tokens")
 
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -38,6 +37,10 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
     reserved = sorted(set(template_kwargs) & set(_RESERVED))
     if reserved:
         raise ValueError(f"chat_template_kwargs cannot set {reserved}: they are arguments of their own.")
+    # As vLLM: chat_template_kwargs apply last, over the arguments of the same names.
+    add_generation_prompt = template_kwargs.pop("add_generation_prompt", add_generation_prompt)
+    continue_final_message = template_kwargs.pop("continue_final_message", continue_final_message)
+    chat_template = template_kwargs.pop("chat_template", chat_template)
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true.")
     messages = [{**m, "content": text_content(m.get("content"))} for m in messages]

@@ -58,11 +58,17 @@ class LLM:
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate completions for all prompts; outputs come back in prompt order."""
+        """Generate completions for all prompts; outputs come back in prompt order. (lora_request and
+        priority: vLLM's, accepted at their neutral values: no LoRA, first-come-first-served.)"""
         prompt_list = _as_prompt_list(prompts)
         if not prompt_list:
             raise ValueError("prompts must not be empty.")
+        _check_neutral(lora_request=lora_request)
+        if priority is not None and any(p != 0 for p in priority):
+            raise ValueError("priority must be None or all 0: requests are scheduled first come, first served.")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
         else:
@@ -110,9 +116,18 @@ class LLM:
         chat_template: str | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: None = None,
+        chat_template_content_format: str = "auto",
+        tools: list[dict[str, Any]] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list of them) and generate.
-        Message contents may be strings or OpenAI content parts (text parts only)."""
+        Message contents may be strings or OpenAI content parts (text parts only). (lora_request, tools
+        and mm_processor_kwargs: vLLM's, accepted at their neutral values.)"""
+        _check_neutral(lora_request=lora_request, tools=tools, mm_processor_kwargs=mm_processor_kwargs)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError("chat_template_content_format must be 'auto' or 'string' (text parts are joined "
+                             f"into one string), got {chat_template_content_format!r}.")
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this LLM was built with skip_tokenizer_init=True.")
@@ -135,6 +150,13 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if prompts and all(is_int(t) for t in prompts):
         return [prompts]  # a single prompt given as token ids
     return prompts
+
+
+def _check_neutral(**values: Any) -> None:
+    """vLLM's arguments for what this engine does not do: only their neutral (empty) values."""
+    for name, value in values.items():
+        if value not in (None, [], {}):
+            raise ValueError(f"{name} is not supported: it must be None, got {value!r}.")
 
 
 def _final_only(params):

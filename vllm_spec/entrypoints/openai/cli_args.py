@@ -40,7 +40,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before they "
                              "are aborted")
     engine = parser.add_argument_group("engine (EngineArgs, same names as LLM(...) keywords)")
-    EngineArgs.add_cli_args(engine, skip=("model",))
+    EngineArgs.add_cli_args(engine, skip=("model", "served_model_name"))   # the server's own flags
     return parser
 
 
