@@ -388,6 +388,9 @@ def _metrics(llm: LLM) -> dict:
 
 def test_get_metrics(tiny_llama):
     llm = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, max_model_len=MAX_MODEL_LEN)
+    # Every finish reason is there from the start, at 0 (as vLLM's labelled counter).
+    assert {r: _metrics(llm)[("vllm:request_success", r)].value for r in ("stop", "length", "abort")} == \
+        {"stop": 0, "length": 0, "abort": 0}
     for m in llm.get_metrics():
         assert isinstance(m.name, str) and m.name.startswith("vllm:")
         if isinstance(m, (Counter, Gauge)):

@@ -22,7 +22,8 @@ class EngineStats:
         self.worker_host_time = 0.0
         self.output_time = 0.0
         self.device_time = 0.0   # the steps' spans on the device's clock (0 on CPU)
-        self.finished: TallyCounter[str] = TallyCounter()
+        # Every finish reason from the start, at 0 until one is seen (as vLLM's labelled counter).
+        self.finished: TallyCounter[str] = TallyCounter({"stop": 0, "length": 0, "abort": 0})
         self.ttft = HistogramRecorder("vllm:time_to_first_token_seconds")
         self.e2e = HistogramRecorder("vllm:e2e_request_latency_seconds")
 
