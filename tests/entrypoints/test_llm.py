@@ -121,6 +121,13 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     tail = llm.generate({"prompt_token_ids": ids[-4:]}, greedy(max_tokens=6), use_tqdm=False)[0]
     assert cut.prompt_token_ids == ids[-4:]
     assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    # -1 (vLLM's convention): as many of the last tokens as leave room for max_tokens in max_model_len.
+    long_ids = [5 + i % 300 for i in range(MAX_MODEL_LEN + 7)]
+    for max_tokens, kept in ((6, MAX_MODEL_LEN - 6), (None, MAX_MODEL_LEN)):
+        whole = llm.generate({"prompt_token_ids": long_ids}, greedy(max_tokens=max_tokens, ignore_eos=True,
+                                                                     truncate_prompt_tokens=-1), use_tqdm=False)[0]
+        assert whole.prompt_token_ids == long_ids[-kept:]
+        assert len(whole.outputs[0].token_ids) == (max_tokens or 1)
 
 
 def test_request_metrics_and_unsupported_methods(llm, tiny_llama):

@@ -122,9 +122,8 @@ class LLMEngine:
             raise ValueError(f"bad_words ({params.bad_words!r}) need a tokenizer (an engine without "
                              "skip_tokenizer_init).")
         text, ids = self.tokenize_prompt(prompt)
-        if params.truncate_prompt_tokens is not None:
-            ids = ids[-params.truncate_prompt_tokens:]
         vocab, max_len = self.config.model.arch.vocab_size, self.config.model.max_model_len
+        ids = params.truncate_prompt(ids, max_len)
         if not ids:
             raise ValueError("The prompt cannot be empty (prompt_token_ids has length 0).")
         if len(ids) > max_len:

@@ -370,7 +370,8 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
     """Check each prompt's length, then add them all to the engine as one Submission (prompt_param:
     the request field the prompts came from, which errors about them name)."""
     if params.truncate_prompt_tokens is not None:   # left truncation, before the length checks
-        prompts = [{**p, "prompt_token_ids": p["prompt_token_ids"][-params.truncate_prompt_tokens:]} for p in prompts]
+        prompts = [{**p, "prompt_token_ids": params.truncate_prompt(p["prompt_token_ids"], state.max_model_len)}
+                   for p in prompts]
     for p in prompts:
         _check_length(state, len(p["prompt_token_ids"]), params, prompt_param)
     cap = state.sampling_defaults.get("max_tokens")
