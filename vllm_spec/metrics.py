@@ -39,6 +39,17 @@ class Histogram(Metric):
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+def one_two_five_buckets(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's buckets of token counts)."""
+    bounds, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(bounds)
+            bounds.append(float(m * scale))
+        scale *= 10
+
+
 class HistogramRecorder:
     """Accumulates observations into fixed buckets."""
 
@@ -48,9 +59,10 @@ class HistogramRecorder:
         self.counts = [0] * (len(bounds) + 1)
         self.total = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
+    def observe(self, value: float, count: int = 1) -> None:
+        """`count` observations of `value`."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.total += value * count
 
     def snapshot(self) -> Histogram:
         cumulative, running = {}, 0

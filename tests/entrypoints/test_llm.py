@@ -381,7 +381,9 @@ EXPECTED_METRICS = {
     "vllm:num_requests_running": Gauge, "vllm:num_requests_waiting": Gauge, "vllm:kv_cache_usage_perc": Gauge,
     "vllm:num_preemptions": Counter, "vllm:prompt_tokens": Counter, "vllm:generation_tokens": Counter,
     "vllm:request_success": Counter, "vllm:time_to_first_token_seconds": Histogram,
-    "vllm:e2e_request_latency_seconds": Histogram,
+    "vllm:e2e_request_latency_seconds": Histogram, "vllm:request_time_per_output_token_seconds": Histogram,
+    "vllm:inter_token_latency_seconds": Histogram, "vllm:request_prompt_tokens": Histogram,
+    "vllm:request_generation_tokens": Histogram,
 }
 
 

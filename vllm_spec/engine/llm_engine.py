@@ -63,7 +63,7 @@ class LLMEngine:
         self._idle_since: float | None = None
         self.async_scheduling = config.uses_async_scheduling
         self._in_flight: _Launched | None = None   # a step launched and not read yet (async scheduling)
-        self.stats = EngineStats()
+        self.stats = EngineStats(config.model.max_model_len)
         self.spec_metrics = SpecDecodeMetrics(config.speculative.num_speculative_tokens) if config.speculative else None
         # Everything built so far (models, graphs, compiled kernels) lives as long as the engine:
         # out of the collector's sight, a full collection mid-serving no longer walks it (an H200
