@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ FILE = "generation_config.json"
 # a field at its default is not the model's choice (GenerationConfig.to_diff_dict drops it).
 _SAMPLING_FIELDS: dict[str, Any] = {"repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
                                     "min_p": None, "max_new_tokens": None}
-CHOICES = ("auto", "vllm")
+logger = logging.getLogger(__name__)
 
 
 def read_generation_config(folder: Path) -> dict[str, Any]:
@@ -38,6 +40,8 @@ def sampling_defaults(generation_config: str, override: dict | None, model_folde
     """
     from vllm_spec.sampling_params import SamplingParams
 
+    if isinstance(generation_config, os.PathLike):
+        generation_config = os.fspath(generation_config)
     if not isinstance(generation_config, str):
         raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder with a {FILE}, "
                          f"got {generation_config!r}.")
@@ -54,10 +58,11 @@ def sampling_defaults(generation_config: str, override: dict | None, model_folde
                          f"got {generation_config!r} (no {FILE} there).")
     found = {name: config[name] for name, default in _SAMPLING_FIELDS.items()
              if config.get(name) is not None and config[name] != default}
-    unknown = sorted(set(override or {}) - set(_SAMPLING_FIELDS))
-    if unknown:
-        raise ValueError(f"override_generation_config has unknown keys {unknown}; allowed: {sorted(_SAMPLING_FIELDS)}.")
-    found.update(override or {})
+    ignored = sorted(set(override or {}) - set(_SAMPLING_FIELDS))
+    if ignored:   # as vLLM: a generation config's other fields set no sampling default
+        logger.warning("override_generation_config: %s set no sampling default (those that do: %s).",
+                       ignored, sorted(_SAMPLING_FIELDS))
+    found.update({k: v for k, v in (override or {}).items() if k in _SAMPLING_FIELDS})
     if "max_new_tokens" in found:
         found["max_tokens"] = found.pop("max_new_tokens")
     try:

@@ -182,7 +182,7 @@ class SamplingParams:
         _check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens)
                                                        and (self.truncate_prompt_tokens >= 1
                                                             or self.truncate_prompt_tokens == -1)),
-               "truncate_prompt_tokens", "None, -1 (to fit max_model_len) or an integer >= 1", self.truncate_prompt_tokens)
+               "truncate_prompt_tokens", "None, -1 (max_model_len) or an integer >= 1", self.truncate_prompt_tokens)
         _check(self.best_of is None or self.best_of == self.n, "best_of",
                f"None or equal to n ({self.n}): best-of-n selection is not supported", self.best_of)
         _check(self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
@@ -259,12 +259,9 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def truncate_prompt(self, token_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's last truncate_prompt_tokens ids, or all of them. -1 (vLLM's convention): as many as
-        leave room for max_tokens in max_model_len (at least one)."""
+        """The prompt's last truncate_prompt_tokens ids (-1, as vLLM: max_model_len), or all of them."""
         n = self.truncate_prompt_tokens
-        if n == -1:
-            n = max(max_model_len - (self.max_tokens or 0), 1)
-        return token_ids if n is None else token_ids[-n:]
+        return token_ids if n is None else token_ids[-(max_model_len if n == -1 else n):]
 
     def for_child(self, index: int) -> "SamplingParams":
         """Parameters for the index-th of n parallel samples (vLLM: seed + index)."""

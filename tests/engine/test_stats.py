@@ -18,8 +18,7 @@ def test_host_time_metrics_cover_every_phase(tiny_llama):
 
 
 def test_per_request_histograms(tiny_llama):
-    """vLLM's per-request histograms: prompt and generated tokens, time per output token after the
-    first, and inter-token latency (one count per interval)."""
+    """vLLM's per-request histograms: prompt and generated tokens, time per output token after the first."""
     from vllm_spec.metrics import Histogram, one_two_five_buckets
 
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
@@ -32,11 +31,11 @@ def test_per_request_histograms(tiny_llama):
     while engine.has_unfinished_requests():
         engine.step()
     h = {x.name: x for x in engine.get_metrics() if isinstance(x, Histogram)}
-    assert (h["vllm:request_prompt_tokens"].count, h["vllm:request_prompt_tokens"].sum) == (3, 16)
-    assert (h["vllm:request_generation_tokens"].count, h["vllm:request_generation_tokens"].sum) == (3, 6 + 1 + 2 * 4)
-    assert h["vllm:request_prompt_tokens"].buckets["10.0"] == 2 and h["vllm:request_prompt_tokens"].buckets["+Inf"] == 3
-    # Sequences with more than one token: a (6), both of c (4 each); intervals 5 + 3 + 3.
-    assert h["vllm:request_time_per_output_token_seconds"].count == 3
-    assert h["vllm:inter_token_latency_seconds"].count == 11
-    assert h["vllm:inter_token_latency_seconds"].sum > 0
+    # Per sequence, as vLLM's n > 1 child requests: a, b and c twice.
+    assert (h["vllm:request_prompt_tokens"].count, h["vllm:request_prompt_tokens"].sum) == (4, 3 + 11 + 2 * 2)
+    assert (h["vllm:request_generation_tokens"].count, h["vllm:request_generation_tokens"].sum) == (4, 6 + 1 + 2 * 4)
+    assert h["vllm:request_prompt_tokens"].buckets["10.0"] == 3 and h["vllm:request_prompt_tokens"].buckets["+Inf"] == 4
+    # Sequences with more than one token: a (6), both of c (4 each).
+    tpot = h["vllm:request_time_per_output_token_seconds"]
+    assert tpot.count == 3 and tpot.sum > 0
     assert one_two_five_buckets(256) == (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0)

@@ -121,13 +121,11 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     tail = llm.generate({"prompt_token_ids": ids[-4:]}, greedy(max_tokens=6), use_tqdm=False)[0]
     assert cut.prompt_token_ids == ids[-4:]
     assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
-    # -1 (vLLM's convention): as many of the last tokens as leave room for max_tokens in max_model_len.
+    # -1 (vLLM's convention): the last max_model_len tokens (which leave room for one new token).
     long_ids = [5 + i % 300 for i in range(MAX_MODEL_LEN + 7)]
-    for max_tokens, kept in ((6, MAX_MODEL_LEN - 6), (None, MAX_MODEL_LEN)):
-        whole = llm.generate({"prompt_token_ids": long_ids}, greedy(max_tokens=max_tokens, ignore_eos=True,
-                                                                     truncate_prompt_tokens=-1), use_tqdm=False)[0]
-        assert whole.prompt_token_ids == long_ids[-kept:]
-        assert len(whole.outputs[0].token_ids) == (max_tokens or 1)
+    whole = llm.generate({"prompt_token_ids": long_ids}, greedy(max_tokens=6, ignore_eos=True,
+                                                                 truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == long_ids[-MAX_MODEL_LEN:] and len(whole.outputs[0].token_ids) == 1
 
 
 def test_request_metrics_and_unsupported_methods(llm, tiny_llama):
@@ -368,8 +366,9 @@ def test_vllm_keywords_at_their_neutral_values(llm, tiny_llama):
             LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, **{name: value})
     with pytest.raises(ValueError, match="lora_request is not supported"):
         llm.generate(PROMPT, greedy(), use_tqdm=False, lora_request=object())
-    with pytest.raises(ValueError, match="priority must be None or all 0"):
-        llm.generate(PROMPT, greedy(), use_tqdm=False, priority=[1])
+    for priority in ([1], [0, 0]):
+        with pytest.raises(ValueError, match=r"priority must be None or one 0 per prompt \(1\)"):
+            llm.generate(PROMPT, greedy(), use_tqdm=False, priority=priority)
     with pytest.raises(ValueError, match="tools is not supported"):
         llm.chat(plain, use_tqdm=False, tools=[{"type": "function"}])
     with pytest.raises(ValueError, match="chat_template_content_format must be 'auto' or 'string'"):
@@ -382,7 +381,7 @@ EXPECTED_METRICS = {
     "vllm:num_preemptions": Counter, "vllm:prompt_tokens": Counter, "vllm:generation_tokens": Counter,
     "vllm:request_success": Counter, "vllm:time_to_first_token_seconds": Histogram,
     "vllm:e2e_request_latency_seconds": Histogram, "vllm:request_time_per_output_token_seconds": Histogram,
-    "vllm:inter_token_latency_seconds": Histogram, "vllm:request_prompt_tokens": Histogram,
+    "vllm:request_prompt_tokens": Histogram,
     "vllm:request_generation_tokens": Histogram,
 }
 

@@ -98,12 +98,13 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server):
     # truncate_prompt_tokens keeps the prompt's last tokens, before the length check.
     r = _post(server, "/v1/completions", {**good, "prompt": "hello " * 600, "truncate_prompt_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3, r.text
-    # -1: as many as leave room for max_tokens in the context (vLLM's convention).
+    # -1 (vLLM's convention): the last max_model_len tokens, which leave no room for 4 more: as vLLM, a 400
+    # naming max_tokens (not the prompt).
     r = _post(server, "/v1/completions", {**good, "prompt": "hello " * 600, "truncate_prompt_tokens": -1,
                                           "max_tokens": 4})
-    assert r.status_code == 200, r.text
     max_len = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]["max_model_len"]
-    assert r.json()["usage"]["prompt_tokens"] + 4 == max_len, r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert f"you requested {max_len + 4} tokens" in r.json()["error"]["message"], r.text
     # The official client maps it to BadRequestError too.
     with pytest.raises(openai.BadRequestError):
         server.client().completions.create(model=MODEL_NAME, prompt="x", temperature=-2)

@@ -67,6 +67,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    last_token_time: float | None = None   # set when it finishes
     num_preemptions: int = 0
     # Detokenized output and its incremental-decoding state: a tokenizers DecodeStream for fast
     # tokenizers, else the offsets of the window decoded around each new token.

@@ -198,7 +198,7 @@ class EngineArgs:
                                      f"{self.speculative_config[name]!r}.")
             # vLLM skips the draft's logprobs by default: here they are never computed either way (a
             # request's logprobs are the target's), so both values mean the same.
-            if given.pop("disable_logprobs", True) not in (True, False):
+            if not isinstance(given.pop("disable_logprobs", True), bool):
                 raise ValueError(f"speculative_config['disable_logprobs'] must be a bool, got "
                                  f"{self.speculative_config['disable_logprobs']!r}.")
             draft_len = given.pop("max_model_len", None)

@@ -298,6 +298,7 @@ class LLMEngine:
                 # Every token but the newest now has its K/V in the cache.
                 seq.num_computed_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids) - 1
             if status is not running and status.finished:   # the property runs Python code: asked last
+                seq.last_token_time = now
                 self._finish(seq, status)
             elif seq.sampling_params.output_kind is final_only:
                 continue

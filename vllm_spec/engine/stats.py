@@ -27,9 +27,6 @@ class EngineStats:
         self.ttft = HistogramRecorder("vllm:time_to_first_token_seconds")
         self.e2e = HistogramRecorder("vllm:e2e_request_latency_seconds")
         self.tpot = HistogramRecorder("vllm:request_time_per_output_token_seconds")
-        # Recorded per finished sequence, its mean interval counted once per interval (the sum and
-        # count are exact; the buckets see each sequence's mean, not each interval).
-        self.itl = HistogramRecorder("vllm:inter_token_latency_seconds")
         token_buckets = one_two_five_buckets(max_model_len)
         self.request_prompt_tokens = HistogramRecorder("vllm:request_prompt_tokens", token_buckets)
         self.request_generation_tokens = HistogramRecorder("vllm:request_generation_tokens", token_buckets)
@@ -44,20 +41,16 @@ class EngineStats:
         self.generation_tokens += num_tokens
 
     def on_finished(self, request: Request, now: float) -> None:
-        """A request's end: its latency, its sequences' finish reasons and token counts, and their
-        time per output token after the first (the last token came at `now`)."""
+        """A request's end: its latency and, per sequence (as vLLM's n > 1 child requests), the finish
+        reason, the prompt and generated tokens and the time per output token after the first."""
         self.e2e.observe(now - request.arrival_time)
-        self.request_prompt_tokens.observe(len(request.prompt_token_ids))
-        generated = 0
         for seq in request.seqs:
             self.finished[seq.status.finish_reason or "abort"] += 1
             n = len(seq.output_token_ids)
-            generated += n
+            self.request_prompt_tokens.observe(len(request.prompt_token_ids))
+            self.request_generation_tokens.observe(n)
             if n > 1 and seq.first_token_time is not None:
-                interval = (now - seq.first_token_time) / (n - 1)
-                self.tpot.observe(interval)
-                self.itl.observe(interval, n - 1)
-        self.request_generation_tokens.observe(generated)
+                self.tpot.observe(((seq.last_token_time or now) - seq.first_token_time) / (n - 1))
 
     def on_step(self, total: float, schedule: float, worker_host: float, output: float, device: float) -> None:
         self.num_steps += 1
@@ -83,6 +76,6 @@ class EngineStats:
             Counter("vllm:engine_device_seconds", value=self.device_time),
         ]
         metrics += [Counter("vllm:request_success", {"finished_reason": r}, v) for r, v in sorted(self.finished.items())]
-        metrics += [h.snapshot() for h in (self.ttft, self.e2e, self.tpot, self.itl, self.request_prompt_tokens,
+        metrics += [h.snapshot() for h in (self.ttft, self.e2e, self.tpot, self.request_prompt_tokens,
                                            self.request_generation_tokens)]
         return metrics

@@ -67,8 +67,9 @@ class LLM:
         if not prompt_list:
             raise ValueError("prompts must not be empty.")
         _check_neutral(lora_request=lora_request)
-        if priority is not None and any(p != 0 for p in priority):
-            raise ValueError("priority must be None or all 0: requests are scheduled first come, first served.")
+        if priority is not None and (len(priority) != len(prompt_list) or any(p != 0 for p in priority)):
+            raise ValueError(f"priority must be None or one 0 per prompt ({len(prompt_list)}): requests are "
+                             "scheduled first come, first served.")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
         else:

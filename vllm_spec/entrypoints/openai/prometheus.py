@@ -20,7 +20,6 @@ _METRIC_HELP = {
     "vllm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
     "vllm:e2e_request_latency_seconds": "Histogram of end-to-end request latency in seconds.",
     "vllm:request_time_per_output_token_seconds": "Histogram of time_per_output_token_seconds per request.",
-    "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
     "vllm:request_prompt_tokens": "Number of prefill tokens processed.",
     "vllm:request_generation_tokens": "Number of generation tokens processed.",
     "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",

@@ -378,7 +378,10 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
     if cap is not None and (params.max_tokens is None or params.max_tokens > cap):
         # As vLLM: the generation config's max_new_tokens bounds every completion (one left unbounded
         # stops at the context's end, before that bound where the context is shorter).
-        params = dataclasses.replace(params, max_tokens=cap)
+        try:
+            params = dataclasses.replace(params, max_tokens=cap)
+        except ValueError as e:   # e.g. min_tokens above the cap: the request's field is named
+            raise OpenAIServingError(str(e), param=sampling_field_of(str(e))) from e
     base_id = random_id(id_prefix)
     prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
     ids, streams = await _add_all(state, base_id, prompts, params, prompt_param)
