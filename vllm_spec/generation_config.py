@@ -48,14 +48,15 @@ def sampling_defaults(generation_config: str, override: dict | None, model_folde
     if override is not None and not isinstance(override, dict):
         raise ValueError(f"override_generation_config must be a dict (JSON object), got {override!r}.")
     if generation_config == "vllm":
-        config, source = {}, None
+        folder = None
     elif generation_config == "auto":
-        config, source = (read_generation_config(model_folder), model_folder / FILE) if model_folder else ({}, None)
+        folder = model_folder
     elif (Path(generation_config) / FILE).is_file():
-        config, source = read_generation_config(Path(generation_config)), Path(generation_config) / FILE
+        folder = Path(generation_config)
     else:
         raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder with a {FILE}, "
                          f"got {generation_config!r} (no {FILE} there).")
+    config = read_generation_config(folder) if folder is not None else {}
     found = {name: config[name] for name, default in _SAMPLING_FIELDS.items()
              if config.get(name) is not None and config[name] != default}
     ignored = sorted(set(override or {}) - set(_SAMPLING_FIELDS))
@@ -68,6 +69,6 @@ def sampling_defaults(generation_config: str, override: dict | None, model_folde
     try:
         SamplingParams(**found)
     except (TypeError, ValueError) as e:
-        where = "override_generation_config" if override else str(source)
+        where = "override_generation_config" if override else str(folder / FILE)
         raise ValueError(f"sampling defaults from {where}: {e}") from e
     return found

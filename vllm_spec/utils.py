@@ -12,6 +12,11 @@ def is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_unset(value: object) -> bool:
+    """None or an empty list or dict: the neutral value of a vLLM option this engine does not implement."""
+    return value is None or (isinstance(value, (list, dict)) and not value)
+
+
 def is_number(value: object) -> bool:
     """A real number, not a bool (checked before comparisons, so a wrong type is a ValueError too)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)

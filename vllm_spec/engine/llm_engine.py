@@ -23,7 +23,7 @@ from vllm_spec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
 from vllm_spec.tokenizer import get_tokenizer
-from vllm_spec.utils import is_int
+from vllm_spec.utils import is_int, is_unset
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput
 from vllm_spec.worker.step_handle import StepHandle
 
@@ -221,8 +221,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             outputs = self._drain(time.perf_counter() - t0)
-            if self._idle_since is None:   # nothing runs: the engine waits (for requests, for KV blocks)
-                self._idle_since = time.perf_counter()
+            self._idle_since = time.perf_counter()   # nothing runs: the engine waits (for requests, KV blocks)
             return outputs
         request = self._model_request(sched)
         t1 = time.perf_counter()
@@ -366,7 +365,7 @@ _UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "prompt_e
 def _check_prompt_keys(prompt: dict) -> None:
     for key, value in prompt.items():
         if key in _UNSUPPORTED_PROMPT_KEYS:
-            if value is not None and not (isinstance(value, (dict, list)) and not value):
+            if not is_unset(value):
                 raise ValueError(f"{key} in a prompt is not supported: this engine serves text-only models.")
         elif key not in _PROMPT_KEYS:
             raise ValueError(f"unknown prompt key {key!r}; allowed: {', '.join(_PROMPT_KEYS + _UNSUPPORTED_PROMPT_KEYS)} "

@@ -15,7 +15,7 @@ from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
-from vllm_spec.utils import is_int
+from vllm_spec.utils import is_int, is_unset
 
 
 class LLM:
@@ -156,7 +156,7 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
 def _check_neutral(**values: Any) -> None:
     """vLLM's arguments for what this engine does not do: only their neutral (empty) values."""
     for name, value in values.items():
-        if value not in (None, [], {}):
+        if not is_unset(value):
             raise ValueError(f"{name} is not supported: it must be None, got {value!r}.")
 
 

@@ -141,8 +141,8 @@ class Charge:
 class StepCharges:
     """What each step costs, from when the steps' outputs are read.
 
-    A step costs the time since the previous step was read, less the time the engine held no
-    request (an idle server): with async scheduling, a plain step launched before the previous one
+    A step costs the time since the previous step was read, less the time the engine waited (no
+    request, or none it could run): with async scheduling, a plain step launched before the previous one
     was read costs one pipelined cycle, and a speculative step (never overlapped: the next step
     needs its accepted counts) its whole time, with the host work since that read (output
     processing, the caller's between steps, scheduling, input preparation; the policy's choice too,
@@ -157,7 +157,7 @@ class StepCharges:
         self._idle = 0.0
 
     def add_idle(self, seconds: float) -> None:
-        """Time the engine held no request since its last request (ExecuteModelRequest.engine_idle_time)."""
+        """Time the engine waited since its last request (ExecuteModelRequest.engine_idle_time)."""
         self._idle += seconds
 
     def read(self, now: float, start: float, speculative: bool) -> Charge:

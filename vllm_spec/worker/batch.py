@@ -43,8 +43,8 @@ class ExecuteModelRequest:
     # Sequences that ended since the last step: the worker drops their state.
     finished_seq_ids: list[int] = field(default_factory=list)
     num_lookahead_slots: int = 0
-    # Seconds the engine held no request (waiting for some) since its last request to the worker:
-    # no step's cost, for the speculation policy.
+    # Seconds the engine waited (no request, or none it could run) since its last request to the
+    # worker: no step's cost, for the speculation policy.
     engine_idle_time: float = 0.0
 
 
