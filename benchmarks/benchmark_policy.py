@@ -84,8 +84,9 @@ class TracedStep:
     verify_ms: float
     accepted: int
     prefill_tokens: int    # other tokens in the step (prefill chunks): not an all-decoding step
-    # What the policy believed before observing this step (what it weighed when it chose): cost per
-    # k and the switch round trip; and whether it holds to speculation after this step's choice.
+    # What the policy believed as it observed this step, before learning from it (a step is learned
+    # from while the next runs, and choices are prepared a step ahead): cost per k and the switch
+    # round trip; and whether it holds to speculation after its latest choice.
     believed_ms: list[float]
     round_trip_ms: float
     speculating: bool

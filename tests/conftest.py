@@ -185,12 +185,15 @@ class ScriptedPolicy:
     def observe(self, *args) -> None:
         pass
 
+    def prepare(self, shape) -> None:
+        pass
+
     def release(self, seq_ids) -> None:
         pass
 
     def estimates(self):
         from vllm_spec.worker.batch import PolicyEstimates
-        return PolicyEstimates(0.0)
+        return PolicyEstimates()
 
 
 class BurstsPolicy(ScriptedPolicy):

@@ -328,3 +328,20 @@ class _Watched(list):
     def __iter__(self):
         self.walked = True
         return super().__iter__()
+
+
+def test_a_prepared_choice_serves_the_next_step_of_the_same_shape_once():
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=0.02)
+    shape = StepShape([1, 2], [4, 4], 0)
+    _train(policy, shape, [0.9, 0.9], target_fixed=5e-3, target_per_token=1e-6, draft_per_forward=1e-4)
+    made = []
+    choose = policy._choose
+    policy._choose = lambda s: made.append(s) or choose(s)
+    policy.prepare(shape)
+    prepared = policy.choose(StepShape([1, 2], [4, 4], 0))   # an equal shape: no second choice
+    assert made == [shape] and max(prepared) > 0
+    policy.choose(shape)   # used once: the next step chooses again
+    assert len(made) == 2
+    policy.prepare(shape)
+    other = StepShape([1, 2], [4, 1], 0)   # one sequence near its length limit: a new choice
+    assert max(policy.choose(other)[1:]) <= 1 and made[-1] == other and len(made) == 4

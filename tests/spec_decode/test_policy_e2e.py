@@ -252,21 +252,27 @@ def test_step_costs_count_the_host_and_the_caller_but_not_an_idle_engine(spec_pa
 
     policy.choose, policy.observe = slow_choice, record
 
-    def serve(request_id: str, steps: int | None = None) -> list[tuple[bool, float]]:
-        seen = len(charges)
+    def serve(request_id: str, steps: int | None = None) -> None:
         engine.add_request(request_id, make_prompts(1)[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         while engine.has_unfinished_requests() and steps != 0:
             engine.step()
             time.sleep(0.1)   # the caller's work
             steps = None if steps is None else steps - 1
-        return charges[seen:]
 
-    first = serve("0")
+    serve("0")
     time.sleep(0.6)   # idle
-    second = serve("1", steps=3)
+    serve("1", steps=3)
     engine.abort_request("1")
     time.sleep(0.6)   # idle again
-    third = serve("2")
+    serve("2")
+    serve("3", steps=1)   # the worker learns from a step while the next runs: here, from "2"'s last
+    # Each request's steps, from its prompt's step (the one step here that is not all decoding).
+    runs: list[list[tuple[bool, float]]] = []
+    for is_decoding, c in charges:
+        if not is_decoding:
+            runs.append([])
+        runs[-1].append((is_decoding, c))
+    first, second, third = runs[:3]
     # Decoding steps after a decoding step cost at least the caller's turn and the choice before them.
     # (With async scheduling the first one after the prefill was launched, its choice made, while the
     # prefill was in flight: read right after it; the last one, read when no step was left to launch,
@@ -302,3 +308,42 @@ def test_a_stalled_engine_is_idle_for_the_step_costs(spec_pair, monkeypatch):
     while engine.has_unfinished_requests():
         engine.step()
     assert len(charges) > seen and all(c < 0.3 for c in charges[seen:]), charges
+
+
+def test_the_policy_learns_from_a_step_while_the_next_runs(spec_pair):
+    """The policy's work after a step (learning from it, preparing the next choice) waits for the next
+    step to be on the device: one step late, in order, every step learned from, and a lesson about
+    sequences that finished never brings them back."""
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, async_scheduling=False, **KV)
+    policy = llm.llm_engine.executor.worker.policy
+    calls = []
+    for name in ("choose", "observe", "prepare"):
+        setattr(policy, name, lambda *args, _call=getattr(policy, name), _name=name: calls.append(_name)
+                or _call(*args))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm.generate(make_prompts(3), params, use_tqdm=False)
+    assert calls[:5] == ["choose", "prepare", "choose", "observe", "prepare"]
+    assert calls.count("observe") == calls.count("choose") - 1   # the last step's lesson waits
+    finished = set(policy._seqs)
+    assert finished   # draft = target: the policy speculated
+    calls.clear()
+    llm.generate(make_prompts(1, seed=5), params, use_tqdm=False)
+    assert calls[:3] == ["observe", "choose", "prepare"]   # the first call's last lesson, then release
+    assert not finished & set(policy._seqs)
+
+
+def test_the_chosen_k_metric_is_the_read_steps(spec_pair):
+    """vllm:spec_decode_policy_mean_k is the k chosen for the step just read, not the one the
+    adaptive policy has already prepared for the next step."""
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, async_scheduling=False, **KV)
+    engine = llm.llm_engine
+    policy = engine.executor.worker.policy
+    chosen, choose = [], policy.choose
+    policy.choose = lambda shape: chosen.append(choose(shape)) or chosen[-1]
+    engine.add_request("0", make_prompts(1)[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    seen = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        seen.append((metric_values(llm)["vllm:spec_decode_policy_mean_k"], sum(chosen[-1]) / max(len(chosen[-1]), 1)))
+    assert all(metric == step for metric, step in seen), seen
+    assert {step > 0 for _, step in seen} == {False, True}   # plain steps first (measured), then speculative

@@ -70,8 +70,12 @@ class SimEngine:
         shape = StepShape(ids, [self.max_k] * B, 0)
         tokens = elapsed = 0.0
         charges, now, previous_spec = StepCharges(c.pipelined), 1.0, True
+        lesson = None   # as the worker: a step is learned from while the next one runs
         for _ in range(steps):
             chosen = policy.choose(shape)
+            if lesson is not None:
+                policy.observe(*lesson)
+            policy.prepare(shape)
             accepted = []
             for k, a in zip(chosen, alphas):
                 n = 0
@@ -104,14 +108,16 @@ class SimEngine:
                 now += step + stats.catch_up_time
                 charge = charges.read(now, start, K > 0)
                 charge.seconds -= stats.catch_up_time
-                policy.observe(shape, chosen, accepted, stats, charge)
             else:
-                policy.observe(shape, chosen, accepted, stats, Charge(step))
+                charge = Charge(step)
+            lesson = (shape, chosen, accepted, stats, charge)
             previous_spec = K > 0
             # Scored on expected tokens (the policy learns from the sampled ones): comparisons of
             # policies over short windows are then not decided by the luck of the draws.
             tokens += B + sum((a - a ** (k + 1)) / (1 - a) for a, k in zip(alphas, chosen))
             elapsed += step + stats.catch_up_time
+        if lesson is not None:
+            policy.observe(*lesson)
         policy.release(ids)
         return tokens / elapsed
 

@@ -42,11 +42,13 @@ class MQAScorer:
             self._synthetic_keys.pop(sid, None)
 
     def score_and_verify(self, req: ExecuteModelRequest, spec_idx: list[int], proposals: Proposals,
-                         draft_md: SamplingMetadata, mark: Callable[[], None]) -> StepOutput:
+                         draft_md: SamplingMetadata, mark: Callable[[], None],
+                         while_device_runs: Callable[[], None]) -> StepOutput:
         """Score the drafts in one target pass and verify them. `mark` is called as the target pass
         starts and once the verification is queued, before the host waits for its tokens: the
         verification's device span lies between the two; the host's input preparation before it
-        and its reading of the tokens after it are host time, as around a plain step."""
+        and its reading of the tokens after it are host time, as around a plain step.
+        `while_device_runs`: host work that needs none of this step's outputs, done before the wait."""
         dev = self.device
         found = dict(zip(spec_idx, proposals.num_drafts))            # seq index -> drafts proposed
         spec_row = {i: r for r, i in enumerate(spec_idx)}             # seq index -> row in proposals
@@ -147,6 +149,7 @@ class MQAScorer:
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
         copy = HostCopy(tokens)   # the step's one device->host copy
         mark()
+        while_device_runs()
         rows, wait = copy.values(), copy.wait_time
         emitted = [row[: row.index(-1)] if row[-1] < 0 else row for row in rows]   # -1 past each row's end
 

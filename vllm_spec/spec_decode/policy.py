@@ -50,6 +50,12 @@ class SpeculationPolicy(Protocol):
         whether it was a plain step that could not overlap the speculative one before it."""
         ...
 
+    def prepare(self, shape: StepShape) -> None:
+        """Called while the device runs a step of this shape, after the last read step was observed:
+        work towards choosing for the next step (likely of the same shape) may be done now, off the
+        host's critical path."""
+        ...
+
     def release(self, seq_ids: list[int]) -> None: ...
 
     def estimates(self) -> PolicyEstimates: ...
@@ -58,33 +64,30 @@ class SpeculationPolicy(Protocol):
 class _StaticPolicy:
     """A k that depends on the step's shape alone, capped per sequence; nothing is learned."""
 
-    def __init__(self) -> None:
-        self.last_mean_k = 0.0
-
     def k_for(self, shape: StepShape) -> int:
         raise NotImplementedError
 
     def choose(self, shape: StepShape) -> list[int]:
         k = self.k_for(shape)
-        chosen = [min(k, cap) for cap in shape.caps]
-        self.last_mean_k = sum(chosen) / len(chosen) if chosen else 0.0
-        return chosen
+        return [min(k, cap) for cap in shape.caps]
 
     def observe(self, shape, chosen, accepted, stats, charge) -> None:
+        pass
+
+    def prepare(self, shape: StepShape) -> None:
         pass
 
     def release(self, seq_ids: list[int]) -> None:
         pass
 
     def estimates(self) -> PolicyEstimates:
-        return PolicyEstimates(self.last_mean_k)
+        return PolicyEstimates()
 
 
 class FixedPolicy(_StaticPolicy):
     """k = num_speculative_tokens for every decoding sequence (vLLM's behaviour)."""
 
     def __init__(self, k: int):
-        super().__init__()
         self.k = k
 
     def k_for(self, shape: StepShape) -> int:
@@ -100,7 +103,6 @@ class BatchSizeTablePolicy(_StaticPolicy):
     """
 
     def __init__(self, table: list[tuple[int, int]]):
-        super().__init__()
         bounds = [n for n, _ in table]
         if not table or len(set(bounds)) != len(bounds) or any(n < 1 or k < 0 for n, k in table):
             raise ValueError(f"table must be (max_batch >= 1, k >= 0) pairs with distinct bounds, got {table!r}.")

@@ -8,6 +8,7 @@ or not speculating this step) is the k = 0 case of the same thing.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from vllm_spec.spec_decode.mqa_scorer import MQAScorer
 from vllm_spec.spec_decode.ngram_proposer import NgramProposer
 from vllm_spec.spec_decode.policy import FixedPolicy, SpeculationPolicy, StepShape
 from vllm_spec.spec_decode.proposer import Proposer
-from vllm_spec.spec_decode.step_cost import StepCharges
+from vllm_spec.spec_decode.step_cost import Charge, StepCharges
 from vllm_spec.spec_decode.timer import StepTimer
 from vllm_spec.spec_decode.tp_proposer import TPProposer
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SpecStepStats, StepOutput
@@ -76,6 +77,9 @@ class SpecDecodeWorker:
         self._charges = StepCharges(config.uses_async_scheduling)   # what each step cost, for the policy
         self.scorer = MQAScorer(config, self.target, self.proposer)
         self._unread: _SpecStep | None = None   # a launched step that the next may overlap
+        # The last read step, for the policy to learn from while the device runs the next one (off
+        # the host's critical path, with what it may prepare for the step after).
+        self._lesson: _Lesson | None = None
         self._reused_draft_md = ReusedMetadata()
 
     # KV cache: one block manager, two caches of the same number of blocks ----------------
@@ -146,6 +150,8 @@ class SpecDecodeWorker:
         """Queue the step. A step that speculates runs to completion here (its outputs decide what
         comes next); one that does not is the target's plain step, which may overlap the next."""
         self._charges.add_idle(req.engine_idle_time)
+        if req.finished_seq_ids:   # (a lesson about them must not bring them back)
+            self._teach()
         self.target.release(req.finished_seq_ids)
         self.proposer.release(req.finished_seq_ids)
         self.policy.release(req.finished_seq_ids)
@@ -170,11 +176,18 @@ class SpecDecodeWorker:
         draft_md = self._draft_metadata([req.seqs[i] for i in spec_idx])
         proposals = self.proposer.propose(req.seqs, asked, draft_md)
         timer.mark()
+
+        def while_device_runs() -> None:
+            self._teach()
+            self.policy.prepare(shape)
+
         if spec_idx:
-            step: StepHandle = DoneStep(self.scorer.score_and_verify(req, spec_idx, proposals, draft_md, timer.mark))
+            step: StepHandle = DoneStep(self.scorer.score_and_verify(req, spec_idx, proposals, draft_md, timer.mark,
+                                                                     while_device_runs))
         else:
             step = self.target.launch(req, on_pass=timer.mark)
             timer.mark()
+            while_device_runs()
         handle = _SpecStep(self, step, timer, _Observation(shape, [asked[i] for i in rows], start, bool(spec_idx),
                                                            caught_up))
         if handle.one_token_per_seq:
@@ -196,8 +209,15 @@ class SpecDecodeWorker:
         by_id = {sid: len(toks) - 1 for sid, toks in zip(result.seq_ids, result.token_ids)}
         charge = self._charges.read(time.perf_counter(), obs.start, obs.speculative)
         charge.seconds = max(charge.seconds - stats.catch_up_time, 1e-6)
-        self.policy.observe(obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids], stats, charge)
-        stats.policy = self.policy.estimates()
+        self._lesson = _Lesson(obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids], stats, charge)
+        stats.policy = dataclasses.replace(self.policy.estimates(),
+                                           mean_k=sum(obs.asked) / len(obs.asked) if obs.asked else 0.0)
+
+    def _teach(self) -> None:
+        """The policy learns from the last step read, if it has not yet."""
+        lesson, self._lesson = self._lesson, None
+        if lesson is not None:
+            self.policy.observe(lesson.shape, lesson.chosen, lesson.accepted, lesson.stats, lesson.charge)
 
     def _draft_metadata(self, seqs: list[SeqInput]) -> SamplingMetadata | None:
         """The speculating rows' proposal metadata: for a draft it never follows tokens (no penalties,
@@ -222,6 +242,17 @@ class _Observation:
     start: float
     speculative: bool
     caught_up: bool   # the proposer fed tokens it had missed before proposing
+
+
+@dataclass
+class _Lesson:
+    """A read step's observation, for the policy to learn from while the device runs a later step."""
+
+    shape: StepShape
+    chosen: list[int]
+    accepted: list[int]
+    stats: SpecStepStats
+    charge: Charge
 
 
 class _SpecStep(StepHandle):

@@ -50,9 +50,10 @@ class ExecuteModelRequest:
 
 @dataclass
 class PolicyEstimates:
-    """What the speculation policy believes after a step (NaN where it keeps no such estimate)."""
+    """What the speculation policy believes after a step (NaN where it keeps no such estimate), and
+    the mean k it chose for the step's decoding sequences (set by the worker)."""
 
-    mean_k: float
+    mean_k: float = float("nan")
     acceptance: float = float("nan")
     draft_cost_ratio: float = float("nan")
 
