@@ -243,10 +243,12 @@ MAX_SPECULATIVE_TOKENS = 16
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding: the proposer, k, and (for a draft model) its resolved ModelConfig."""
+    """Speculative decoding: the proposer, k, and (for a draft model) its resolved ModelConfig, whose
+    max_model_len is the draft's limit: positions past it are never fed to the draft."""
 
     method: str
     num_speculative_tokens: int
+    max_model_len: int   # positions a proposal may reach (the draft's limit): a sequence drafts only up to it
     draft: ModelConfig | None = None
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 2
@@ -262,9 +264,11 @@ class SpeculativeConfig:
                prompt_lookup_min: int | None = None, draft_tensor_parallel_size: int | None = None,
                disable_by_batch_size: int | None = None,
                synthetic_acceptance_rate: float | None = None,
-               policy: str | None = None, target_len_given: bool = True) -> "SpeculativeConfig":
-        """target_len_given: max_model_len was asked for (else the target's default, which a draft that
-        supports fewer positions lowers to its own, as vLLM caps the length to what both support)."""
+               policy: str | None = None, max_model_len: int | None = None) -> "SpeculativeConfig":
+        """max_model_len: the draft's (vLLM's speculative_max_model_len), at most the target's. The
+        draft's limit is the least of it, the target's and the positions the draft supports; a
+        sequence speculates only while its drafts stay inside it (as vLLM's), so a draft of a shorter
+        context never shortens the target's."""
         if model == "[ngram]" or method == "ngram":
             method = "ngram"
         elif method in (None, "draft_model"):
@@ -279,16 +283,20 @@ class SpeculativeConfig:
             raise ValueError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}.")
         for name, value in (("speculative_disable_by_batch_size", disable_by_batch_size),
+                            ("speculative_max_model_len", max_model_len),
                             ("ngram_prompt_lookup_max", prompt_lookup_max),
                             ("ngram_prompt_lookup_min", prompt_lookup_min)):
             check_int(name, value, 1, optional=True)
         rate = synthetic_acceptance_rate
+        if max_model_len is not None and max_model_len > target.max_model_len:
+            raise ValueError(f"speculative_max_model_len (speculative_config['max_model_len']) must be <= "
+                             f"max_model_len ({target.max_model_len}), got {max_model_len}.")
         if rate is not None and not (is_number(rate) and 0 <= rate <= 1):
             raise ValueError(f"synthetic_acceptance_rate must be a number in [0, 1], got {rate!r}.")
         if policy not in (None, *SPEC_POLICIES):
             raise ValueError(f"speculative_policy must be one of {SPEC_POLICIES}, got {policy!r}.")
-        cfg = cls(method, k, draft_tensor_parallel_size=1 if draft_tensor_parallel_size is None
-                  else draft_tensor_parallel_size,
+        cfg = cls(method, k, max_model_len or target.max_model_len,
+                  draft_tensor_parallel_size=1 if draft_tensor_parallel_size is None else draft_tensor_parallel_size,
                   disable_by_batch_size=disable_by_batch_size, synthetic_acceptance_rate=synthetic_acceptance_rate,
                   policy=policy or "adaptive")
         if method == "ngram":
@@ -309,14 +317,7 @@ class SpeculativeConfig:
                 f"The draft model's vocabulary ({draft.arch.vocab_size} tokens) differs from the target's "
                 f"({target.arch.vocab_size}); speculative decoding needs the same tokenizer."
             )
-        if draft.max_model_len < target.max_model_len and not target_len_given:
-            target.max_model_len = draft.max_model_len
-        if draft.max_model_len < target.max_model_len:
-            raise ValueError(
-                f"The draft model supports {draft.max_model_len} positions, fewer than the target's "
-                f"max_model_len ({target.max_model_len}): lower max_model_len or pick another draft."
-            )
-        draft.max_model_len = target.max_model_len
+        cfg.max_model_len = draft.max_model_len = min(draft.max_model_len, cfg.max_model_len)
         cfg.draft = draft
         return cfg
 

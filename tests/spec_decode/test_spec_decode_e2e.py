@@ -6,7 +6,9 @@ default a tiny random target and a noisy copy of it as draft (partial acceptance
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -320,7 +322,6 @@ def test_ngram_lookup_bounds_default_as_vllm(spec_pair, lookup, bounds):
     ({"speculative_config": {"num_speculative_tokens": 2, "speculative_token_tree": "[(0,)]"}},
      "speculative_token_tree"),
     ({"speculative_config": {"num_speculative_tokens": 2, "disable_logprobs": "yes"}}, "disable_logprobs"),
-    ({"speculative_config": {"num_speculative_tokens": 2, "max_model_len": 16}}, "max_model_len"),
     ({"speculative_config": {"num_speculative_tokens": 2, "max_model_len": 1 << 20}}, "max_model_len"),
     ({"num_speculative_tokens": 2, "speculative_policy": "greedy"}, "speculative_policy"),
     ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 0}, "disable_by_batch_size"),
@@ -352,16 +353,60 @@ def test_draft_with_other_vocabulary_is_rejected(tmp_path, spec_pair):
         LLM(spec_pair[0], speculative_model=str(other), num_speculative_tokens=2, **FIXED, **KV)
 
 
-def test_draft_shorter_than_max_model_len(tmp_path, spec_pair):
-    from conftest import make_tiny_model
-    short = make_tiny_model(tmp_path / "short_draft", "llama", max_position_embeddings=64)
-    with pytest.raises(ValueError, match="max_model_len"):
-        LLM(spec_pair[0], speculative_model=str(short), num_speculative_tokens=2, max_model_len=256, **FIXED, **KV)
-    # max_model_len not asked for: the default is what both models support (as vLLM caps it).
-    llm = LLM(spec_pair[0], speculative_model=str(short), num_speculative_tokens=2, **FIXED, **KV)
-    assert llm.llm_engine.config.model.max_model_len == 64
-    out = llm.generate({"prompt_token_ids": [5] * 60}, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4 and out[0].outputs[0].finish_reason == "length"
+def _short_context_copy(draft: str, folder: Path, positions: int) -> str:
+    """The draft's checkpoint with a shorter context (max_position_embeddings)."""
+    import shutil
+
+    shutil.copytree(draft, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": positions}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("limit_by", ["draft_config", "speculative_max_model_len", "speculative_config"])
+def test_a_draft_of_a_shorter_context_speculates_only_inside_it(tmp_path, spec_pair, baseline, limit_by):
+    """As vLLM's: the draft's context (what it supports, or the speculative max_model_len asked for)
+    bounds where sequences speculate, never the target's max_model_len: prompts and outputs past it
+    are the target's own, the draft is never fed a position past it, and drafts stay inside it."""
+    limit = 40
+    if limit_by == "draft_config":
+        spec = dict(speculative_model=_short_context_copy(spec_pair[1], tmp_path / "short", limit))
+    elif limit_by == "speculative_max_model_len":
+        spec = dict(speculative_model=spec_pair[1], speculative_max_model_len=limit)
+    else:
+        spec = dict(speculative_config={"model": spec_pair[1], "max_model_len": limit})
+    llm = LLM(spec_pair[0], num_speculative_tokens=3, **spec, **FIXED, **KV)
+    assert llm.llm_engine.config.model.max_model_len == baseline.llm_engine.config.model.max_model_len
+    assert llm.llm_engine.config.speculative.max_model_len == limit
+    proposer = llm.llm_engine.executor.worker.draft_proposer
+    runner, fed, drafted = proposer.runner, [], []
+    prepare, propose = runner.prepare, proposer.propose
+
+    def recording_prepare(seqs, *args, **kwargs):
+        fed.extend(s.seq_len for s in seqs)
+        return prepare(seqs, *args, **kwargs)
+
+    def recording_propose(seqs, num_drafts, md):
+        drafted.extend(s.seq_len + n for s, n in zip(seqs, num_drafts) if n)
+        return propose(seqs, num_drafts, md)
+
+    runner.prepare, proposer.propose = recording_prepare, recording_propose
+    prompts = make_prompts(6) + [{"prompt_token_ids": list(range(3, 3 + n))} for n in (limit - 3, limit, 60)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    assert output_ids(llm.generate(prompts, params, use_tqdm=False)) == output_ids(
+        baseline.generate(prompts, params, use_tqdm=False))
+    assert fed and max(fed) <= limit
+    assert drafted and max(drafted) <= limit
+    assert metric_values(llm)["vllm:spec_decode_num_drafts"] > 0
+
+
+@pytest.mark.parametrize("kwargs", [{"speculative_max_model_len": 1 << 20}, {"speculative_max_model_len": 0},
+                                    {"speculative_config": {"max_model_len": 1 << 20}},
+                                    {"speculative_config": {"max_model_len": 2.5}}])
+def test_a_speculative_max_model_len_past_the_targets_is_refused(spec_pair, kwargs):
+    with pytest.raises(ValueError, match="speculative_max_model_len"):
+        LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2, **kwargs, **KV)
+
 
 def test_per_request_synthetic_acceptance_in_one_batch(spec_pair, baseline):
     """extra_args synthetic_acceptance_rate 1.0 keeps every draft, 0.0 none, side by side in one batch."""

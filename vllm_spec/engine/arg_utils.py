@@ -98,7 +98,7 @@ class EngineArgs:
     num_speculative_tokens: int | None = _opt(None, "Draft tokens per step, k in [1, 16].")
     speculative_config: dict | None = _opt(
         None, "vLLM V1 form as JSON: {model, num_speculative_tokens, method, prompt_lookup_max, "
-              "prompt_lookup_min, draft_tensor_parallel_size, disable_by_batch_size, policy, "
+              "prompt_lookup_min, draft_tensor_parallel_size, disable_by_batch_size, max_model_len, policy, "
               "synthetic_acceptance_rate (benchmarks only)}.")
     ngram_prompt_lookup_max: int | None = _opt(None, "Longest n-gram the [ngram] proposer matches (as vLLM: 5, "
                                                      "or ngram_prompt_lookup_min when only that is given).")
@@ -112,6 +112,9 @@ class EngineArgs:
               "output then also depends on whether such steps occurred).")
     speculative_policy: str | None = _opt(
         None, "adaptive (default: k per sequence and step maximising goodput) or fixed (always k).")
+    speculative_max_model_len: int | None = _opt(
+        None, "The draft's context length, at most max_model_len (default: what the draft supports, capped "
+              "at max_model_len): a sequence speculates only while its drafts stay inside it.")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
@@ -146,7 +149,7 @@ class EngineArgs:
         self._check_fixed_choices()
         model = ModelConfig.create(self.model, self.tokenizer, self.dtype, self.device, self.max_model_len,
                                    self.load_format, self.seed, self.generation_config, self.override_generation_config)
-        speculative = self._speculative_config(model)   # first: a draft may lower the default max_model_len
+        speculative = self._speculative_config(model)
         return EngineConfig(
             model=model,
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes,
@@ -186,6 +189,7 @@ class EngineArgs:
             "method": None,
             "synthetic_acceptance_rate": None,
             "policy": self.speculative_policy,
+            "max_model_len": self.speculative_max_model_len,
         }
         if self.speculative_config is not None:
             if not isinstance(self.speculative_config, dict):
@@ -201,21 +205,16 @@ class EngineArgs:
             if not isinstance(given.pop("disable_logprobs", True), bool):
                 raise ValueError(f"speculative_config['disable_logprobs'] must be a bool, got "
                                  f"{self.speculative_config['disable_logprobs']!r}.")
-            draft_len = given.pop("max_model_len", None)
-            if draft_len is not None and draft_len != target.max_model_len:
-                # vLLM refuses a larger one; a smaller one (no speculation past it) is not supported here.
-                raise ValueError(f"speculative_config['max_model_len'] must equal max_model_len "
-                                 f"({target.max_model_len}), got {draft_len!r}.")
             unknown = set(given) - set(opts)
             if unknown:
-                allowed = sorted([*opts, "max_model_len", "disable_logprobs", *_SPEC_NONE_KEYS])
+                allowed = sorted([*opts, "disable_logprobs", *_SPEC_NONE_KEYS])
                 raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; allowed: {allowed}.")
             opts.update({k: v for k, v in given.items() if v is not None})
         if opts["model"] is None and opts["method"] is None:
             if opts["num_speculative_tokens"] is not None:
                 raise ValueError("num_speculative_tokens needs speculative_model (or speculative_config).")
             return None
-        return SpeculativeConfig.create(target, **opts, target_len_given=self.max_model_len is not None)
+        return SpeculativeConfig.create(target, **opts)
 
 
 # vLLM's speculative_config keys that can only be None here.

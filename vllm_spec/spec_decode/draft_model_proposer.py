@@ -35,9 +35,11 @@ CATCH_UP_MAX_TOKENS = 4096
 class DraftModelProposer:
     """Proposes with a draft model; tracks how much of each sequence its cache holds."""
 
-    def __init__(self, runner: ModelRunner, generator: torch.Generator | None):
+    def __init__(self, runner: ModelRunner, generator: torch.Generator | None, max_positions: int):
         self.runner = runner
         self.generator = generator
+        # The draft's limit: it drafts only below it (the worker caps k), and prompts are fed up to it.
+        self.max_positions = max_positions
         self._computed: dict[int, int] = {}   # seq_id -> leading positions with valid draft K/V
         self._fed: dict[int, int] = {}        # seq_id -> draft tokens fed back in the last proposal
         self.loop = GreedyDraftLoop(runner.model, runner.max_blocks_per_seq, runner.block_size,
@@ -105,13 +107,15 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, seqs: list[SeqInput], num_drafts: list[int], md: SamplingMetadata) -> Proposals:
         spec = [i for i, n in enumerate(num_drafts) if n > 0]
-        fed = [i for i, s in enumerate(seqs) if num_drafts[i] > 0 or not s.sample or len(s.token_ids) > 1]
+        limit = self.max_positions
+        fed = [i for i, s in enumerate(seqs) if num_drafts[i] > 0 or (
+            (not s.sample or len(s.token_ids) > 1) and self._start(s) < limit)]
         k = max(num_drafts, default=0)
         if spec and md.all_greedy and fed == spec and len(spec) <= BATCH_BUCKETS[-1] and all(
                 2 <= (length := seqs[i].seq_len) and length - self._start(seqs[i]) <= 2 for i in spec):
             return self._propose_in_loop([seqs[i] for i in spec], [num_drafts[i] for i in spec], k)
-        catch_up = [SeqInput(seqs[i].seq_id, tokens_from(seqs[i], self._start(seqs[i])), self._start(seqs[i]),
-                             seqs[i].block_table, sample=False) for i in fed]
+        catch_up = [SeqInput(seqs[i].seq_id, tokens_from(seqs[i], start)[: limit - start], start, seqs[i].block_table,
+                             sample=False) for i, start in ((i, self._start(seqs[i])) for i in fed)]
         for s in catch_up:
             self._computed[s.seq_id] = s.seq_len
         if not spec:

@@ -63,8 +63,8 @@ class SpecDecodeWorker:
                     draft.restrict_output_vocab(torch.tensor(spec.draft.arch.draft_vocab, dtype=torch.long))
                 self.draft_runner = ModelRunner(draft, self.device, config.cache.block_size,
                                                 config.model.max_model_len, cuda_graphs=not config.enforce_eager)
-                proposer = self.draft_proposer = DraftModelProposer(self.draft_runner,
-                                                                    self.target.sampler.generator)
+                proposer = self.draft_proposer = DraftModelProposer(self.draft_runner, self.target.sampler.generator,
+                                                                    spec.max_model_len)
                 cost_ratio = _num_params(draft) / _num_params(self.target.runner.model)   # per-rank shards
             self.proposer = proposer
             if self.tp.world_size > 1:
@@ -106,8 +106,9 @@ class SpecDecodeWorker:
     # Steps ------------------------------------------------------------------------------
     def num_drafts(self, req: ExecuteModelRequest) -> tuple[list[int], StepShape, list[int]]:
         """k per sequence, the policy's shape and the rows of its sequences: decoding sequences
-        speculate as the policy says, never past max_model_len, and not at all while the batch
-        holds speculative_disable_by_batch_size sequences or more.
+        speculate as the policy says, never past the draft's limit (speculative max_model_len, at
+        most the target's), and not at all while the batch holds speculative_disable_by_batch_size
+        sequences or more.
 
         Otherwise seeded sampled requests draft the full k at every step that samples past their
         prompt, and never at the prompt's end: which positions are drafted (and so the draws from
@@ -116,7 +117,7 @@ class SpecDecodeWorker:
         is no decode), or a preemption (the recompute's last chunk drafts as the step it replays).
         """
         spec = self.config.speculative
-        lookahead, max_len = req.num_lookahead_slots, self.config.model.max_model_len
+        lookahead, max_len = req.num_lookahead_slots, spec.max_model_len
         if spec.disable_by_batch_size is not None and len(req.seqs) >= spec.disable_by_batch_size:
             lookahead = 0   # no drafts at all (the policy still sees the step: it keeps track of what ran)
         asked = [0] * len(req.seqs)
@@ -128,14 +129,14 @@ class SpecDecodeWorker:
             n = len(s.token_ids)
             if s.sample and s.sampling_params.seeded_sampling:
                 if s.seq_len > len(s.prompt_token_ids):
-                    asked[i] = min(lookahead, max_len - s.seq_len)
+                    asked[i] = max(min(lookahead, max_len - s.seq_len), 0)
                 other_tokens += n + asked[i]
             elif n != 1 or not s.sample:
                 other_tokens += n
             else:
                 rows.append(i)
                 seq_ids.append(s.seq_id)
-                caps.append(min(lookahead, max_len - s.seq_len))
+                caps.append(max(min(lookahead, max_len - s.seq_len), 0))
         shape = StepShape(seq_ids, caps, other_tokens)
         chosen = self.policy.choose(shape)
         for i, k in zip(rows, chosen):
