@@ -337,11 +337,31 @@ def test_a_prepared_choice_serves_the_next_step_of_the_same_shape_once():
     made = []
     choose = policy._choose
     policy._choose = lambda s: made.append(s) or choose(s)
+    state = policy._bucket_state(2)
+    visits = state.visits
     policy.prepare(shape)
+    assert state.visits == visits   # prepared, not taken: no bookkeeping yet
     prepared = policy.choose(StepShape([1, 2], [4, 4], 0))   # an equal shape: no second choice
-    assert made == [shape] and max(prepared) > 0
+    assert made == [shape] and max(prepared) > 0 and state.visits == visits + 1
     policy.choose(shape)   # used once: the next step chooses again
-    assert len(made) == 2
+    assert len(made) == 2 and state.visits == visits + 2
     policy.prepare(shape)
     other = StepShape([1, 2], [4, 1], 0)   # one sequence near its length limit: a new choice
     assert max(policy.choose(other)[1:]) <= 1 and made[-1] == other and len(made) == 4
+    assert state.visits == visits + 3   # the dropped choice left no trace
+
+
+def test_a_dropped_choice_books_no_probe():
+    """Where plain decoding pays, speculation is probed ever more rarely: a probe prepared for a step
+    that then looked different must not count as run (nor double the spacing)."""
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=0.5, explore_every=10)
+    shape = StepShape(list(range(8)), [4] * 8, 0)
+    _train(policy, shape, [0.1] * 8, target_fixed=5e-3, target_per_token=1e-6, draft_per_forward=4e-3, steps=200)
+    state = policy._bucket_state(8)
+    state.last_spec, state.probe_every = state.visits - 1000, 10   # a probe is due
+    before = (state.last_spec, state.probe_every)
+    policy.prepare(shape)
+    assert max(policy._ahead[1].drafts) > 0   # the prepared choice probes
+    # A different step chooses again: the probe is still due, and booked once.
+    assert max(policy.choose(StepShape(list(range(8)), [4] * 7 + [3], 0))) > 0
+    assert state.last_spec == state.visits and (before[1], state.probe_every) == (10, 20)

@@ -184,8 +184,11 @@ def test_a_few_outlying_steps_do_not_set_what_steps_cost(workload, costs, cost_r
     down to 0.918x (1b mixed) without it. Single cells depend on which steps the outliers hit and on
     the policy's draws: their minimum ranged 0.87-0.97x over policy seeds, with or without the bound."""
     costs = dataclasses.replace(costs, outlier_rate=0.03)
-    plain = _protocol(lambda: FixedPolicy(0), workload, costs, rounds=3)
-    adaptive = _protocol(lambda: AdaptivePolicy(4, draft_cost_ratio=cost_ratio), workload, costs, rounds=3)
+    # Eight seeds: with three, which steps the outliers hit moved a cell's mean across the bound between
+    # versions of the policy that decide alike (1b A=0.5 B128: 0.948 with three seeds after session 20's
+    # change to prepared choices; 0.973 over ten seeds, 0.979 before it).
+    plain = _protocol(lambda: FixedPolicy(0), workload, costs, seeds=8, rounds=3)
+    adaptive = _protocol(lambda: AdaptivePolicy(4, draft_cost_ratio=cost_ratio), workload, costs, seeds=8, rounds=3)
     assert np.all((adaptive / plain).mean(axis=0) >= 0.95), adaptive / plain
 
 

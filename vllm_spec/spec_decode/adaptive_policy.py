@@ -16,11 +16,13 @@ A switch between speculating and not (the draft's catch-up, the plain step
 that cannot overlap a speculative one) is charged to the choice that makes it,
 except an exploring excursion's way back (its spacing accounts for it).
 With prefill chunks in the step, k is chosen per sequence (Dinkelbach) on the
-model.
+model. Each choice is prepared while the device runs the step before (prepare);
+a step of the same shape takes it, with its bookkeeping.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable
@@ -57,6 +59,17 @@ def _bucket(n: int) -> int:
 
 
 _NO_TRIALS = (0.0, 0.0)
+
+
+@dataclass
+class _Choice:
+    """Drafts per sequence and what choosing them changes in the policy, applied when a step takes
+    them: a choice prepared for a step that then looks different leaves no trace."""
+
+    drafts: list[int]
+    speculating: bool                  # the best choice speculates (the policy holds to speculation)
+    bucket: BucketState | None = None  # all-decoding steps: their batch size's bookkeeping,
+    explored: BucketState | None = None   # and a copy as this choice's exploration leaves it
 
 
 @dataclass
@@ -106,7 +119,7 @@ class AdaptivePolicy:
     # chunks, whether it drafted.
     _speculating: bool = False
     # The choice prepared for the next step, and the shape it was made for.
-    _ahead: tuple[StepShape, list[int]] | None = None
+    _ahead: tuple[StepShape, _Choice] | None = None
 
     def __post_init__(self) -> None:
         # Until measured: a target forward costs 1 plus 1/512 per query token, a draft
@@ -138,23 +151,24 @@ class AdaptivePolicy:
     def prepare(self, shape: StepShape) -> None:
         # The choice for the next step, made while the device runs this one: the next step of an
         # unchanged batch takes it. (On the step's critical path a choice cost 45-80 us on an H200
-        # host, cold caches, about 1% of a step at batch 1-8; one step later in what it knows.) Not
-        # after a step with prefill chunks: the next rarely has the same ones.
-        self._ahead = (shape, self._choose(shape)) if shape.num_other_tokens == 0 else None
+        # host, cold caches, about 1% of a step at batch 1-8; one step later in what it knows.)
+        self._ahead = (shape, self._choose(shape))
 
     def choose(self, shape: StepShape) -> list[int]:
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == shape:
-            return ahead[1]
-        return self._choose(shape)
+        choice = ahead[1] if ahead is not None and ahead[0] == shape else self._choose(shape)
+        self._speculating = choice.speculating
+        if choice.bucket is not None:
+            choice.bucket.take_exploration(choice.explored)
+        return choice.drafts
 
-    def _choose(self, shape: StepShape) -> list[int]:
-        # Plain Python on the decoding path: the policy runs on every speculative step's critical
-        # path with its caches cold (the engine's other work evicts them), where each numpy call on
-        # these tiny arrays cost several microseconds (~150 us a choice, against ~50 us warm).
+    def _choose(self, shape: StepShape) -> _Choice:
+        # Plain Python on the decoding path: where a choice cannot be prepared ahead (the batch
+        # changed) it runs on the step's critical path with its caches cold (the engine's other work
+        # evicts them), where each numpy call on these tiny arrays cost several microseconds.
         n = len(shape.seq_ids)
         if n == 0:
-            return []
+            return _Choice([], self._speculating)
         beliefs = self._rates(shape.seq_ids)
 
         def drawn() -> list[float]:
@@ -168,20 +182,19 @@ class AdaptivePolicy:
             return [r + shift for r in beliefs]
 
         if shape.num_other_tokens == 0:
-            chosen, self._speculating = self._choose_decoding(beliefs, drawn, shape.caps)
-        else:
-            j = np.arange(1, self.max_k + 1)[None, :]
-            gains = np.clip(np.array(drawn()), 0.0, 0.999)[:, None] ** j
-            chosen = choose_ragged(gains, np.array(shape.caps), shape.num_other_tokens, self._target,
-                                   self._draft_forward(n)).tolist()
-            self._speculating = any(chosen)
-        return chosen
+            return self._choose_decoding(beliefs, drawn, shape.caps)
+        j = np.arange(1, self.max_k + 1)[None, :]
+        gains = np.clip(np.array(drawn()), 0.0, 0.999)[:, None] ** j
+        chosen = choose_ragged(gains, np.array(shape.caps), shape.num_other_tokens, self._target,
+                               self._draft_forward(n)).tolist()
+        return _Choice(chosen, any(chosen))
 
     def _expected_drafts(self, rates: list[float], caps: list[int]) -> list[float]:
         """[K] for K = 0..max_k: the accepted drafts a step of these sequences expects drafting K
         each (min(K, cap) for each; a draft token counts as the chance all before it, and it, pass)."""
         # Position by position over all sequences (one list comprehension each), not sequence by
-        # sequence: the policy runs on every step's critical path, at batch 256 too.
+        # sequence: a choice runs at every step, at batch 256 too, and on the critical path
+        # whenever the batch changed.
         capped = min(caps, default=self.max_k) < self.max_k   # a sequence near max_model_len
         if rates and not capped and rates.count(rates[0]) == len(rates):
             # One belief for all (every sequence at the global rate, as after a stretch of plain steps).
@@ -195,16 +208,16 @@ class AdaptivePolicy:
             power = [v * rate for v, rate in zip(power, clipped)]
         return list(itertools.accumulate(per_position, initial=0.0))
 
-    def _choose_decoding(self, beliefs: list[float], drawn: Callable[[], list[float]],
-                         caps: list[int]) -> tuple[list[int], bool]:
+    def _choose_decoding(self, beliefs: list[float], drawn: Callable[[], list[float]], caps: list[int]) -> _Choice:
         """Every sequence decoding: verification is padded to K+1 tokens per sequence (one CUDA
         graph; ragged verification runs eagerly, slower), so each sequence drafts min(K, cap) and
-        K is chosen on the measured costs of such steps. Returns the drafts and whether the best
-        choice speculates (the step itself may explore another)."""
+        K is chosen on the measured costs of such steps. The choice's speculating is whether the
+        best choice speculates (the step itself may explore another)."""
         n = len(caps)
         choices = range(min(self.max_k, max(caps)) + 1)
 
-        state = self._bucket_state(n)
+        bucket = self._bucket_state(n)
+        state = dataclasses.replace(bucket)   # the exploration bookkeeping, as this choice would leave it
         round_trip = self._round_trip(n)
         switch = round_trip / _SWITCH_HORIZON
         cost = {K: self._decode_step_cost(n, K) for K in choices}
@@ -261,7 +274,7 @@ class AdaptivePolicy:
                 state.probe_every = self.explore_every
         if K > 0:
             state.last_spec = state.visits
-        return [cap if cap < K else K for cap in caps], best > 0
+        return _Choice([cap if cap < K else K for cap in caps], best > 0, bucket, state)
 
     def _probe_spacing(self, n: int, k: int, plain: float, round_trip: float, tokens_per_seq: float) -> float:
         """Steps between probes of k from plain decoding that keep what they lose within the budget:

@@ -51,9 +51,9 @@ class SpeculationPolicy(Protocol):
         ...
 
     def prepare(self, shape: StepShape) -> None:
-        """Called while the device runs a step of this shape, after the last read step was observed:
-        work towards choosing for the next step (likely of the same shape) may be done now, off the
-        host's critical path."""
+        """Called while the device runs a step of this shape, after the steps read so far were
+        observed: work towards choosing for the next step (likely of the same shape) may be done
+        now, off the host's critical path; `choose` then decides what of it applies."""
         ...
 
     def release(self, seq_ids: list[int]) -> None: ...

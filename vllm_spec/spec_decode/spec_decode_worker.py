@@ -8,9 +8,9 @@ or not speculating this step) is the k = 0 case of the same thing.
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,8 @@ from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SpecStepStats,
 from vllm_spec.worker.model_runner import ModelRunner
 from vllm_spec.worker.step_handle import DoneStep, StepHandle
 from vllm_spec.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 
 class SpecDecodeWorker:
@@ -77,9 +79,10 @@ class SpecDecodeWorker:
         self._charges = StepCharges(config.uses_async_scheduling)   # what each step cost, for the policy
         self.scorer = MQAScorer(config, self.target, self.proposer)
         self._unread: _SpecStep | None = None   # a launched step that the next may overlap
-        # The last read step, for the policy to learn from while the device runs the next one (off
-        # the host's critical path, with what it may prepare for the step after).
-        self._lesson: _Lesson | None = None
+        # Steps read and sequences finished since the policy last learned: it learns from them while
+        # the device runs the next step, off the host's critical path (_policy_work).
+        self._lessons: list[_Lesson] = []
+        self._finished: list[int] = []
         self._reused_draft_md = ReusedMetadata()
 
     # KV cache: one block manager, two caches of the same number of blocks ----------------
@@ -151,13 +154,12 @@ class SpecDecodeWorker:
         """Queue the step. A step that speculates runs to completion here (its outputs decide what
         comes next); one that does not is the target's plain step, which may overlap the next."""
         self._charges.add_idle(req.engine_idle_time)
-        if req.finished_seq_ids:   # (a lesson about them must not bring them back)
-            self._teach()
         self.target.release(req.finished_seq_ids)
         self.proposer.release(req.finished_seq_ids)
-        self.policy.release(req.finished_seq_ids)
+        self._finished += req.finished_seq_ids   # the policy's, after its lessons about them
         self.scorer.release(req.finished_seq_ids)
         if not req.seqs:
+            self._policy_work(None)
             return DoneStep(StepOutput([], []))
         asked, shape, rows = self.num_drafts(req)
         if self.tp.world_size > 1:  # rank 0's policy decides (its timings differ from the other ranks')
@@ -177,18 +179,13 @@ class SpecDecodeWorker:
         draft_md = self._draft_metadata([req.seqs[i] for i in spec_idx])
         proposals = self.proposer.propose(req.seqs, asked, draft_md)
         timer.mark()
-
-        def while_device_runs() -> None:
-            self._teach()
-            self.policy.prepare(shape)
-
         if spec_idx:
             step: StepHandle = DoneStep(self.scorer.score_and_verify(req, spec_idx, proposals, draft_md, timer.mark,
-                                                                     while_device_runs))
+                                                                     lambda: self._policy_work(shape)))
         else:
             step = self.target.launch(req, on_pass=timer.mark)
             timer.mark()
-            while_device_runs()
+            self._policy_work(shape)
         handle = _SpecStep(self, step, timer, _Observation(shape, [asked[i] for i in rows], start, bool(spec_idx),
                                                            caught_up))
         if handle.one_token_per_seq:
@@ -210,15 +207,25 @@ class SpecDecodeWorker:
         by_id = {sid: len(toks) - 1 for sid, toks in zip(result.seq_ids, result.token_ids)}
         charge = self._charges.read(time.perf_counter(), obs.start, obs.speculative)
         charge.seconds = max(charge.seconds - stats.catch_up_time, 1e-6)
-        self._lesson = _Lesson(obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids], stats, charge)
-        stats.policy = dataclasses.replace(self.policy.estimates(),
-                                           mean_k=sum(obs.asked) / len(obs.asked) if obs.asked else 0.0)
+        self._lessons.append(_Lesson(obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids],
+                                     stats, charge))
+        stats.policy = replace(self.policy.estimates(), mean_k=sum(obs.asked) / len(obs.asked) if obs.asked else 0.0)
 
-    def _teach(self) -> None:
-        """The policy learns from the last step read, if it has not yet."""
-        lesson, self._lesson = self._lesson, None
-        if lesson is not None:
-            self.policy.observe(lesson.shape, lesson.chosen, lesson.accepted, lesson.stats, lesson.charge)
+    def _policy_work(self, shape: StepShape | None) -> None:
+        """While the device runs a step of this shape (None: no step): the policy learns from the
+        steps read since it last did, in order, forgets the sequences that finished (after the
+        lessons about them), and prepares its next choice. Advisory: a failure here is logged, and
+        the step already queued runs and is read as any other."""
+        lessons, self._lessons = self._lessons, []
+        finished, self._finished = self._finished, []
+        try:
+            for lesson in lessons:
+                self.policy.observe(lesson.shape, lesson.chosen, lesson.accepted, lesson.stats, lesson.charge)
+            self.policy.release(finished)
+            if shape is not None:
+                self.policy.prepare(shape)
+        except Exception:
+            logger.exception("The speculation policy failed to learn from a step; serving goes on without it.")
 
     def _draft_metadata(self, seqs: list[SeqInput]) -> SamplingMetadata | None:
         """The speculating rows' proposal metadata: for a draft it never follows tokens (no penalties,
@@ -247,7 +254,7 @@ class _Observation:
 
 @dataclass
 class _Lesson:
-    """A read step's observation, for the policy to learn from while the device runs a later step."""
+    """A read step's observation, for the policy to learn from while the device runs a later one."""
 
     shape: StepShape
     chosen: list[int]
@@ -258,7 +265,7 @@ class _Lesson:
 
 class _SpecStep(StepHandle):
     """A step of the speculative worker: the target's (or the verifier's) handle, plus the step's
-    statistics and the policy's observation when its outputs are read."""
+    statistics and the policy's lesson (learned while a later step runs) when its outputs are read."""
 
     def __init__(self, worker: SpecDecodeWorker, inner: StepHandle, timer: StepTimer, obs: _Observation):
         self.one_token_per_seq = inner.one_token_per_seq
@@ -267,7 +274,7 @@ class _SpecStep(StepHandle):
 
     def result(self) -> StepOutput:
         if self._output is None:
-            # Kept before the observation: should that raise, a second read must not observe twice.
+            # Kept before the lesson is taken: should that raise, a second read must not take it twice.
             self._output = self._inner.result()
             self._worker._observe(self._output, self._timer, self._obs)
         return self._output

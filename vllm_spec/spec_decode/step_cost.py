@@ -115,6 +115,11 @@ class BucketState:
     catch_up: float | None = None
     refill: float | None = None
 
+    def take_exploration(self, other: "BucketState") -> None:
+        """Take another state's exploration bookkeeping (a choice's, made on a copy of this one)."""
+        self.visits, self.last_spec, self.last_remeasure, self.probe_every = (
+            other.visits, other.last_spec, other.last_remeasure, other.probe_every)
+
     def observe_switch(self, catch_up: float | None = None, refill: float | None = None) -> None:
         if catch_up is not None:
             self.catch_up = _average(self.catch_up or 0.0, catch_up, first=self.catch_up is None)

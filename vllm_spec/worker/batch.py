@@ -50,8 +50,9 @@ class ExecuteModelRequest:
 
 @dataclass
 class PolicyEstimates:
-    """What the speculation policy believes after a step (NaN where it keeps no such estimate), and
-    the mean k it chose for the step's decoding sequences (set by the worker)."""
+    """What the speculation policy believed when a step was read (NaN where it keeps no such
+    estimate; it learns from a step while the next runs), and the mean k it chose for the step's
+    decoding sequences (set by the worker)."""
 
     mean_k: float = float("nan")
     acceptance: float = float("nan")
