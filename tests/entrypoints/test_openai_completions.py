@@ -110,6 +110,51 @@ def test_logprobs_and_n(server):
     assert all(c.finish_reason in ("length", "stop") for c in resp.choices)
 
 
+def _merged_logprobs(chunks) -> dict[str, list]:
+    merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for c in chunks:
+        if c.choices and c.choices[0].logprobs is not None:
+            for key in merged:
+                merged[key] += getattr(c.choices[0].logprobs, key)
+    return merged
+
+
+@pytest.mark.parametrize("max_tokens", [0, 5])
+def test_echo_with_logprobs_scores_the_prompt(server, max_tokens):
+    """As vLLM (and lm-eval-harness's loglikelihood requests): echo with logprobs returns the prompt's
+    token logprobs (the first token has none) before the completion's; with max_tokens 0, the prompt
+    alone. Streamed, the chunks add up to the same."""
+    from vllm_spec import SamplingParams
+
+    client = server.client()
+    prompt = PROMPTS[6]
+    ids = server.llm.get_tokenizer()(prompt).input_ids
+    ref = server.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                              use_tqdm=False)[0].prompt_logprobs
+    kw = dict(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=2, temperature=0,
+              extra_body={"ignore_eos": True})
+    choice = client.completions.create(**kw).choices[0]
+    lp = choice.logprobs
+    completion = server.ref_text[prompt][: len(choice.text) - len(prompt)] if max_tokens else ""
+    assert choice.text == prompt + completion and (max_tokens or choice.finish_reason == "length")
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + max_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx([ref[j][ids[j]].logprob for j in range(1, len(ids))],
+                                                          abs=1e-4)
+    assert all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and "".join(lp.tokens[len(ids):]) == completion
+    if max_tokens:
+        assert lp.text_offset[len(ids)] == len(prompt)
+
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    merged = _merged_logprobs(chunks)
+    assert merged == {key: getattr(lp, key) for key in merged}
+
+    plain = client.completions.create(**{**kw, "logprobs": None}).choices[0]
+    assert plain.text == choice.text and plain.logprobs is None
+
+
 def test_logit_bias_allowed_token_ids_and_bad_words_match_offline(server):
     """OpenAI's logit_bias (string keys) and vLLM's allowed_token_ids extra reach the sampler as the
     offline API's SamplingParams do (the server speculates; the reference does not)."""

@@ -141,7 +141,7 @@ class _SamplingFields(OpenAIBaseModel):
                                      param="stream_options")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any],
-                         sent_as: dict[str, str] | None = None) -> SamplingParams:
+                         sent_as: dict[str, str] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams from the fields, those left unset from `defaults` (the model's generation
         config; max_tokens is the caller's); a ValueError names the request's field (sent_as maps a
         SamplingParams field to the request field it came from where the names differ)."""
@@ -166,6 +166,7 @@ class _SamplingFields(OpenAIBaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             extra_args=self.vllm_xargs,
@@ -207,10 +208,16 @@ class CompletionRequest(_SamplingFields):
         self._check_unsupported()
         if self.suffix:
             raise OpenAIServingError("suffix is not supported.", param="suffix")
-        if self.echo and self.logprobs is not None:
-            raise OpenAIServingError("echo together with logprobs (prompt logprobs) is not supported.",
-                                     param="echo")
-        return self._sampling_params(self.max_tokens, self.logprobs, defaults or {})
+        # As vLLM (and OpenAI): echo with max_tokens 0 answers the prompt alone (its logprobs, the
+        # use of it: scoring a text); the engine still runs one step for it.
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, defaults or {}, {"prompt_logprobs": "logprobs"},
+                                     prompt_logprobs=self.logprobs if self.echo else None)
+
+    @property
+    def echo_only(self) -> bool:
+        """The prompt is answered without the completion (echo with max_tokens 0)."""
+        return self.echo and self.max_tokens == 0
 
 
 class CompletionLogProbs(OpenAIBaseModel):

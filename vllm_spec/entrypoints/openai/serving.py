@@ -281,8 +281,9 @@ class _SSEResponse(StreamingResponse):
                 self._on_close()  # also covers a generator that never started
 
 
-# Builds one streamed choice: (choice index, output, new text, new tokens' start and end, its state).
-MakeChoice = Callable[[int, CompletionOutput, str, int, int, ChoiceState], Any]
+# Builds one streamed choice: (choice index, its request's output, the choice's output, new text, new
+# tokens' start and end, its state).
+MakeChoice = Callable[[int, RequestOutput, CompletionOutput, str, int, int, ChoiceState], Any]
 
 
 # Submission -----------------------------------------------------------------------------------------
@@ -352,7 +353,7 @@ class Submission:
                     delta, start, end = st.advance(comp)
                     if not delta and comp.finish_reason is None and (k is None or start == end):
                         continue
-                    event = chunk(choices=[make_choice(idx, comp, delta, start, end, st)])
+                    event = chunk(choices=[make_choice(idx, out, comp, delta, start, end, st)])
                     if continuous:
                         event.usage = count_usage(self.prompt_lens, last)
                     yield _sse(event)

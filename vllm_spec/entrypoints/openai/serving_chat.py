@@ -24,7 +24,7 @@ from vllm_spec.entrypoints.openai.protocol import (
     DeltaMessage,
     OpenAIServingError,
 )
-from vllm_spec.outputs import CompletionOutput, Logprob
+from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def _chat_prompt(state: serving.ServerState, request: ChatCompletionRequest) -> dict[str, Any]:
@@ -63,7 +63,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     k = params.logprobs
 
     if request.stream:
-        def choice(idx: int, comp: CompletionOutput, delta: str, start: int, end: int,
+        def choice(idx: int, out: RequestOutput, comp: CompletionOutput, delta: str, start: int, end: int,
                    st: serving.ChoiceState) -> ChatCompletionResponseStreamChoice:
             lps = None
             if k is not None and comp.logprobs is not None:

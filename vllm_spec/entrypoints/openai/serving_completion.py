@@ -1,5 +1,6 @@
-"""POST /v1/completions: text or token-id prompts (one or a batch), optional echo, legacy logprobs
-(tokens, token_logprobs, top_logprobs, text_offset); streamed as SSE with stream=true."""
+"""POST /v1/completions: text or token-id prompts (one or a batch), optional echo (with the prompt's
+logprobs when logprobs are asked; with max_tokens 0 the prompt alone), legacy logprobs (tokens,
+token_logprobs, top_logprobs, text_offset); streamed as SSE with stream=true."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from vllm_spec.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     OpenAIServingError,
 )
-from vllm_spec.outputs import CompletionOutput, Logprob
+from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def _completion_prompts(state: serving.ServerState, request: CompletionRequest) -> list[dict[str, Any]]:
@@ -43,23 +44,39 @@ def _completion_prompts(state: serving.ServerState, request: CompletionRequest) 
     return out
 
 
-def _completion_logprobs(state: serving.ServerState, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]],
-                         k: int, offset: int) -> tuple[CompletionLogProbs, int]:
+def _completion_logprobs(state: serving.ServerState, token_ids: Sequence[int],
+                         entries: Sequence[dict[int, Logprob] | None], k: int, offset: int) -> tuple[CompletionLogProbs, int]:
+    """Legacy logprobs of these tokens, their text offsets counted from `offset`; an entry None (a
+    prompt's first token, which nothing predicts) has neither logprob nor alternatives, as vLLM's."""
     out = CompletionLogProbs()
     for tid, entry in zip(token_ids, entries):
-        lp = entry.get(tid)
+        lp = entry.get(tid) if entry is not None else None
         text = serving.token_text(state, tid, lp) if lp is not None else (state.tokenizer.decode([tid])
                                                                   if state.tokenizer else "")
         out.tokens.append(text)
         out.token_logprobs.append(serving.clamp_logprob(lp.logprob) if lp is not None else None)
-        top = {serving.token_text(state, t, v): serving.clamp_logprob(v.logprob)
-               for t, v in serving.top_entries(entry, k)}
-        if lp is not None:
-            top.setdefault(text, serving.clamp_logprob(lp.logprob))  # as vLLM: the sampled token is always listed
-        out.top_logprobs.append(top)
+        if entry is None:
+            out.top_logprobs.append(None)
+        else:
+            top = {serving.token_text(state, t, v): serving.clamp_logprob(v.logprob)
+                   for t, v in serving.top_entries(entry, k)}
+            if lp is not None:
+                top.setdefault(text, serving.clamp_logprob(lp.logprob))  # as vLLM: the sampled token is always listed
+            out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(text)
     return out, offset
+
+
+def _echoed_logprobs(state: serving.ServerState, out: RequestOutput, k: int) -> tuple[CompletionLogProbs, int]:
+    """The prompt's logprobs, for echo: offsets from the text's start."""
+    return _completion_logprobs(state, out.prompt_token_ids, out.prompt_logprobs or [], k, 0)
+
+
+def _joined(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
+    return CompletionLogProbs(text_offset=first.text_offset + second.text_offset,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              tokens=first.tokens + second.tokens, top_logprobs=first.top_logprobs + second.top_logprobs)
 
 
 async def create_completion(request: CompletionRequest, raw_request: Request):
@@ -70,16 +87,20 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
     sub = await serving.submit(state, "cmpl", request.model, prompts, params, "prompt")
     n, k = params.n, params.logprobs
     echo = [(p["prompt"] or "") if request.echo else "" for p in prompts]
+    # echo with max_tokens 0: the prompt (and its logprobs) alone, not the token generated for it.
+    shown = 0 if request.echo_only else None
 
     if request.stream:
-        def choice(idx: int, comp: CompletionOutput, delta: str, start: int, end: int,
+        def choice(idx: int, out: RequestOutput, comp: CompletionOutput, delta: str, start: int, end: int,
                    st: serving.ChoiceState) -> CompletionResponseChoice:
             lps = None
             if k is not None and comp.logprobs is not None:
                 lps, st.text_offset = _completion_logprobs(
-                    state, comp.token_ids[start:end], comp.logprobs[start:end], k, st.text_offset)
-            return CompletionResponseChoice(index=idx, text=delta, logprobs=lps, finish_reason=comp.finish_reason,
-                                            stop_reason=comp.stop_reason)
+                    state, comp.token_ids[start:end][:shown], comp.logprobs[start:end][:shown], k, st.text_offset)
+                if request.echo and start == 0:   # the choice's first tokens: the echoed prompt's logprobs first
+                    lps = _joined(_echoed_logprobs(state, out, k)[0], lps)
+            return CompletionResponseChoice(index=idx, text=delta if shown is None else "", logprobs=lps,
+                                            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
 
         # With echo, each choice first gets its prompt text as a chunk of its own.
         opening = ([CompletionResponseChoice(index=idx, text=echo[idx // n]) for idx in range(len(prompts) * n)]
@@ -94,8 +115,11 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
         for comp in out.outputs:
             lps = None
             if k is not None and comp.logprobs is not None:
-                lps, _ = _completion_logprobs(state, comp.token_ids, comp.logprobs, k, len(echo[i]))
-            choices.append(CompletionResponseChoice(index=i * n + comp.index, text=echo[i] + comp.text,
+                lps, _ = _completion_logprobs(state, comp.token_ids[:shown], comp.logprobs[:shown], k, len(echo[i]))
+                if request.echo:
+                    lps = _joined(_echoed_logprobs(state, out, k)[0], lps)
+            choices.append(CompletionResponseChoice(index=i * n + comp.index,
+                                                    text=echo[i] + (comp.text if shown is None else ""),
                                                     logprobs=lps, finish_reason=comp.finish_reason,
                                                     stop_reason=comp.stop_reason))
     return JSONResponse(CompletionResponse(id=sub.base_id, model=sub.model, choices=choices,
