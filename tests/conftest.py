@@ -3,6 +3,7 @@ and what the end-to-end speculative decoding tests share (engine settings, promp
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from pathlib import Path
@@ -22,6 +23,28 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(autouse=True)
+def _policy_failures_fail_the_test(request):
+    """The worker logs a failure of the speculation policy and serves on (its work is advisory): a
+    test fails on one all the same, unless marked policy_failures (it provokes them)."""
+    handler = _Records()
+    logger = logging.getLogger("vllm_spec.spec_decode.spec_decode_worker")
+    logger.addHandler(handler)
+    yield
+    logger.removeHandler(handler)
+    if handler.records and request.node.get_closest_marker("policy_failures") is None:
+        pytest.fail(f"the speculation policy failed: {handler.format(handler.records[0])}")
 
 
 def pytest_addoption(parser):

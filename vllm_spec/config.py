@@ -317,6 +317,9 @@ class SpeculativeConfig:
                 f"The draft model's vocabulary ({draft.arch.vocab_size} tokens) differs from the target's "
                 f"({target.arch.vocab_size}); speculative decoding needs the same tokenizer."
             )
+        if max_model_len is not None and max_model_len > draft.max_model_len:
+            raise ValueError(f"speculative_max_model_len={max_model_len} cannot be larger than the draft's "
+                             f"max_model_len={draft.max_model_len} (the positions it supports).")
         cfg.max_model_len = draft.max_model_len = min(draft.max_model_len, cfg.max_model_len)
         cfg.draft = draft
         return cfg

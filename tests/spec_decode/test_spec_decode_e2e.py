@@ -367,7 +367,8 @@ def _short_context_copy(draft: str, folder: Path, positions: int) -> str:
 def test_a_draft_of_a_shorter_context_speculates_only_inside_it(tmp_path, spec_pair, baseline, limit_by):
     """As vLLM's: the draft's context (what it supports, or the speculative max_model_len asked for)
     bounds where sequences speculate, never the target's max_model_len: prompts and outputs past it
-    are the target's own, the draft is never fed a position past it, and drafts stay inside it."""
+    are the target's own, the draft is never fed a position past it (prompts, catch-ups, draft
+    steps; seeded rows too), and drafts reach right up to it."""
     limit = 40
     if limit_by == "draft_config":
         spec = dict(speculative_model=_short_context_copy(spec_pair[1], tmp_path / "short", limit))
@@ -375,28 +376,33 @@ def test_a_draft_of_a_shorter_context_speculates_only_inside_it(tmp_path, spec_p
         spec = dict(speculative_model=spec_pair[1], speculative_max_model_len=limit)
     else:
         spec = dict(speculative_config={"model": spec_pair[1], "max_model_len": limit})
-    llm = LLM(spec_pair[0], num_speculative_tokens=3, **spec, **FIXED, **KV)
+    # Eager: every draft forward runs in Python, where its positions are recorded.
+    llm = LLM(spec_pair[0], num_speculative_tokens=3, enforce_eager=True, **spec, **FIXED, **KV)
     assert llm.llm_engine.config.model.max_model_len == baseline.llm_engine.config.model.max_model_len
     assert llm.llm_engine.config.speculative.max_model_len == limit
     proposer = llm.llm_engine.executor.worker.draft_proposer
-    runner, fed, drafted = proposer.runner, [], []
-    prepare, propose = runner.prepare, proposer.propose
+    rope, fed, drafted = proposer.runner.model.rope, [], []
+    cos_sin, propose = rope.cos_sin, proposer.propose
 
-    def recording_prepare(seqs, *args, **kwargs):
-        fed.extend(s.seq_len for s in seqs)
-        return prepare(seqs, *args, **kwargs)
+    def recording_cos_sin(positions, dtype):
+        fed.append(int(positions.max()))
+        return cos_sin(positions, dtype)
 
     def recording_propose(seqs, num_drafts, md):
         drafted.extend(s.seq_len + n for s, n in zip(seqs, num_drafts) if n)
         return propose(seqs, num_drafts, md)
 
-    runner.prepare, proposer.propose = recording_prepare, recording_propose
+    rope.cos_sin, proposer.propose = recording_cos_sin, recording_propose
     prompts = make_prompts(6) + [{"prompt_token_ids": list(range(3, 3 + n))} for n in (limit - 3, limit, 60)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     assert output_ids(llm.generate(prompts, params, use_tqdm=False)) == output_ids(
         baseline.generate(prompts, params, use_tqdm=False))
-    assert fed and max(fed) <= limit
-    assert drafted and max(drafted) <= limit
+    assert drafted and max(drafted) == limit   # a row one short of it drafts the one it has room for
+    drafted.clear()
+    seeded = [SamplingParams(temperature=0.8, seed=s, max_tokens=30, ignore_eos=True) for s in range(len(prompts))]
+    llm.generate(prompts, seeded, use_tqdm=False)
+    assert drafted and max(drafted) == limit
+    assert fed and max(fed) < limit
     assert metric_values(llm)["vllm:spec_decode_num_drafts"] > 0
 
 
@@ -406,6 +412,13 @@ def test_a_draft_of_a_shorter_context_speculates_only_inside_it(tmp_path, spec_p
 def test_a_speculative_max_model_len_past_the_targets_is_refused(spec_pair, kwargs):
     with pytest.raises(ValueError, match="speculative_max_model_len"):
         LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2, **kwargs, **KV)
+
+
+def test_a_speculative_max_model_len_past_the_drafts_context_is_refused(tmp_path, spec_pair):
+    """As vLLM: the draft's max_model_len asked for may not exceed what the draft supports."""
+    short = _short_context_copy(spec_pair[1], tmp_path / "short", 40)
+    with pytest.raises(ValueError, match="speculative_max_model_len=60 cannot be larger than the draft's"):
+        LLM(spec_pair[0], speculative_model=short, num_speculative_tokens=2, speculative_max_model_len=60, **KV)
 
 
 def test_per_request_synthetic_acceptance_in_one_batch(spec_pair, baseline):

@@ -195,7 +195,7 @@ class AdaptivePolicy:
         # Position by position over all sequences (one list comprehension each), not sequence by
         # sequence: a choice runs at every step, at batch 256 too, and on the critical path
         # whenever the batch changed.
-        capped = min(caps, default=self.max_k) < self.max_k   # a sequence near max_model_len
+        capped = min(caps, default=self.max_k) < self.max_k   # a sequence near the draft's limit
         if rates and not capped and rates.count(rates[0]) == len(rates):
             # One belief for all (every sequence at the global rate, as after a stretch of plain steps).
             rate = min(max(rates[0], 0.0), 0.999)

@@ -6,6 +6,8 @@ token the draft has not seen yet (prefill chunks, and for decoding sequences the
 feed one draft token per sequence, with positions, lengths and slots advanced
 on the device. Nothing goes back to the host in between. A greedy decoding
 batch (the steady state) runs all of it as one device program: `GreedyDraftLoop`.
+Nothing is fed at or past the draft's limit (its context, or speculative_max_model_len):
+sequences there do not speculate, and prompts are fed up to it.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class StepShape:
     """What the policy knows about the coming step."""
 
     seq_ids: list[int]        # decoding sequences that may speculate
-    caps: list[int]           # most drafts each may take (num_speculative_tokens, max_model_len)
+    caps: list[int]           # most drafts each may take (num_speculative_tokens, the draft's limit)
     num_other_tokens: int     # query tokens the policy does not choose (prefill chunks, seeded rows)
 
 

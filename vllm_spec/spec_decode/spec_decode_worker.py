@@ -113,8 +113,8 @@ class SpecDecodeWorker:
         most the target's), and not at all while the batch holds speculative_disable_by_batch_size
         sequences or more.
 
-        Otherwise seeded sampled requests draft the full k at every step that samples past their
-        prompt, and never at the prompt's end: which positions are drafted (and so the draws from
+        Otherwise seeded sampled requests draft the full k (up to the draft's limit) at every step
+        that samples past their prompt, and never at the prompt's end: which positions are drafted (and so the draws from
         their generators) then follows from their seed and tokens alone, not from the batch they
         share (which steers the policy), how their prompt was chunked (a last chunk of one token
         is no decode), or a preemption (the recompute's last chunk drafts as the step it replays).
@@ -218,14 +218,20 @@ class SpecDecodeWorker:
         the step already queued runs and is read as any other."""
         lessons, self._lessons = self._lessons, []
         finished, self._finished = self._finished, []
+        for lesson in lessons:
+            self._advisory(self.policy.observe, lesson.shape, lesson.chosen, lesson.accepted, lesson.stats,
+                           lesson.charge)
+        self._advisory(self.policy.release, finished)
+        if shape is not None:
+            self._advisory(self.policy.prepare, shape)
+
+    @staticmethod
+    def _advisory(call, *args) -> None:
+        """One piece of the policy's work: a failure is logged, and the rest goes on."""
         try:
-            for lesson in lessons:
-                self.policy.observe(lesson.shape, lesson.chosen, lesson.accepted, lesson.stats, lesson.charge)
-            self.policy.release(finished)
-            if shape is not None:
-                self.policy.prepare(shape)
+            call(*args)
         except Exception:
-            logger.exception("The speculation policy failed to learn from a step; serving goes on without it.")
+            logger.exception("The speculation policy failed in %s; serving goes on.", getattr(call, "__name__", call))
 
     def _draft_metadata(self, seqs: list[SeqInput]) -> SamplingMetadata | None:
         """The speculating rows' proposal metadata: for a draft it never follows tokens (no penalties,
