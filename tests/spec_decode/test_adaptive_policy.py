@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
@@ -114,7 +113,7 @@ def test_a_refill_teaches_the_switching_cost_not_the_plain_cost():
     shape = StepShape([1, 2], [4, 4], 0)
     _train(policy, shape, [0.8, 0.8], 0.01, 1e-5, 0.001, steps=20)
     measured = {key: (c.seconds, c.samples) for key, c in policy._measured.items()}
-    rate = policy._global_rate()
+    rate = policy._acceptance.global_rate()
     stats = SpecStepStats(2, 4, 4, [2, 2], 0.002, 0.01, num_verified_tokens=6)
     policy.observe(shape, [2, 2], [2, 2], stats, Charge(0.015))
     measured[(2, 2)] = (policy._measured[(2, 2)].seconds, policy._measured[(2, 2)].samples)
@@ -122,7 +121,7 @@ def test_a_refill_teaches_the_switching_cost_not_the_plain_cost():
     policy.observe(shape, [0, 0], [0, 0], SpecStepStats(0, 0, 0, [], 0.0, 0.5), Charge(plain + 0.004, refill=True))
     assert {key: (c.seconds, c.samples) for key, c in policy._measured.items()} == measured
     assert policy._buckets[2].refill == pytest.approx(0.004)
-    assert policy._global_rate() > rate   # two drafts accepted out of two
+    assert policy._acceptance.global_rate() > rate   # two drafts accepted out of two
 
 
 def test_a_switch_is_charged_to_the_choice_that_makes_it():
@@ -152,16 +151,16 @@ def test_a_sequence_that_stops_drafting_forgets_its_own_trials():
     stats = SpecStepStats(1, 4, 0, [0], 0.001, 0.01, num_verified_tokens=5)
     for _ in range(5):   # five rejections at the first draft
         policy.observe(shape, [4], [0], stats, Charge(0.012))
-    low = policy._rates([1])[0]
+    low = policy._acceptance.rates([1])[0]
     for _ in range(40):   # plain steps: its own counts fade, its belief returns to the global one
         policy.observe(shape, [0], [0], SpecStepStats(0, 0, 0, [], 0.0, 0.01), Charge(0.01))
-    rate = policy._rates([1])[0]
+    rate = policy._acceptance.rates([1])[0]
     assert rate > low
-    assert rate == pytest.approx(policy._global_rate(), abs=0.02)
+    assert rate == pytest.approx(policy._acceptance.global_rate(), abs=0.02)
     for _ in range(60):   # once its trials are negligible they are dropped: the global belief exactly
         policy.observe(shape, [0], [0], SpecStepStats(0, 0, 0, [], 0.0, 0.01), Charge(0.01))
-    assert 1 not in policy._seqs
-    assert policy._rates([1, 2]) == [policy._global_rate()] * 2
+    assert 1 not in policy._acceptance.seqs
+    assert policy._acceptance.rates([1, 2]) == [policy._acceptance.global_rate()] * 2
 
 
 def test_near_best_choices_are_re_measured_one_at_a_time():
@@ -289,45 +288,6 @@ def test_sequences_near_their_length_limit_draft_no_more_than_their_caps():
     chosen = policy.choose(shape)
     assert chosen == [min(c, max(chosen)) for c in shape.caps] and max(chosen) == 4
     assert policy.choose(StepShape([5, 6], [0, 0], 0)) == [0, 0]
-
-
-def test_expected_drafts_respect_caps_and_clip_rates():
-    """Position j counts the chance that drafts 1..j+1 all pass, only for sequences that may draft j+1
-    (cap > j); beliefs outside [0, 0.999] are clipped (a drawn shift can push them out)."""
-    p = AdaptivePolicy(max_k=4)
-    expected = p._expected_drafts([0.5, 0.9, 1.2, -0.1], [1, 4, 2, 4])
-    per_position = [0.5 + 0.9 + 0.999, 0.81 + 0.999 ** 2, 0.729, 0.6561]
-    assert expected == pytest.approx([0.0] + list(np.cumsum(per_position)))
-    assert p._expected_drafts([], []) == [0.0] * 5
-
-
-@pytest.mark.parametrize("rate", [0.0, 0.37, 0.999, 1.3, -0.2])
-def test_one_belief_for_all_takes_the_closed_form(rate):
-    """Every sequence at one rate (the closed form) counts as the sequence-by-sequence sum does: the
-    latter checked through a batch whose rates differ by nothing that shows (one rate 1e-15 off, or
-    another that clips to the same)."""
-    p = AdaptivePolicy(max_k=5)
-    n = 37
-    other = {0.0: -0.5, 1.3: 5.0, -0.2: -1.0}.get(rate, rate - 1e-15)
-    general = p._expected_drafts([rate] * (n - 1) + [other], [5] * n)
-    assert p._expected_drafts([rate] * n, [5] * n) == pytest.approx(general, rel=1e-12, abs=1e-12)
-    clipped = min(max(rate, 0.0), 0.999)
-    assert p._expected_drafts([rate] * n, [5] * n)[2] == pytest.approx(n * (clipped + clipped ** 2))
-    # The closed form never walks the rates sequence by sequence (the general sum does).
-    same, mixed = _Watched([rate] * n), _Watched([rate] * (n - 1) + [other])
-    p._expected_drafts(same, [5] * n)
-    p._expected_drafts(mixed, [5] * n)
-    assert not same.walked and mixed.walked
-
-
-class _Watched(list):
-    """A list that records whether it was iterated in Python (list.count reads it without that)."""
-
-    walked = False
-
-    def __iter__(self):
-        self.walked = True
-        return super().__iter__()
 
 
 def test_a_prepared_choice_serves_the_next_step_of_the_same_shape_once():

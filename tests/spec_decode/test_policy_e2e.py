@@ -352,7 +352,7 @@ def test_the_policy_learns_from_every_step_in_order(spec_pair, async_scheduling,
             assert not released & set(arg.seq_ids)
     assert len(released) == 3
     if not bursts:
-        assert not released & set(policy._seqs)
+        assert not released & set(policy._acceptance.seqs)
 
 
 def test_the_chosen_k_metric_is_the_read_steps(spec_pair):
@@ -401,4 +401,4 @@ def test_a_policy_that_fails_to_learn_does_not_fail_the_steps(spec_pair, greedy_
         finished = {sid for shape in chosen for sid in shape.seq_ids}   # the first call's sequences
         llm.generate(make_prompts(1), GREEDY, use_tqdm=False)   # its steps teach the first call's last
     assert "failed in" in caplog.text and len(lessons) >= steps >= 3
-    assert len(finished) == 16 and not finished & set(policy._seqs)   # released despite the failures
+    assert len(finished) == 16 and not finished & set(policy._acceptance.seqs)   # released despite the failures

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_spec.spec_decode.acceptance import AcceptanceBeliefs, expected_drafts
 from vllm_spec.spec_decode.policy import StepShape
 from vllm_spec.spec_decode.ragged_choice import choose_ragged
 from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge, LinearFit, StepCost
@@ -46,19 +46,12 @@ _SWITCH_HORIZON = 16
 # and both switches, against plain steps) stays within this share of the time.
 _PROBE_BUDGET = 0.01
 _MAX_PROBE_EVERY = 800
-# A sequence's own decayed trials below this are forgotten (its belief is then the global rate's to
-# within this over prior_strength: 0.025% at the default 4): steps whose sequences all hold the
-# global belief take a closed form (_expected_drafts).
-_FORGET_TRIALS = 1e-3
 
 
 @functools.cache   # asked many times per step, for a handful of batch sizes
 def _bucket(n: int) -> int:
     """Batch sizes that cost alike share measurements (the CUDA-graph buckets; exact past them)."""
     return bucket_for(n) or n
-
-
-_NO_TRIALS = (0.0, 0.0)
 
 
 @dataclass
@@ -99,11 +92,7 @@ class AdaptivePolicy:
     # that does not pay after as many (doubling each time it still does not pay).
     explore_every: int = 50
     _buckets: dict[int, BucketState] = field(default_factory=dict)
-    # Decayed counts of accepted draft tokens and of trials (a trial ends at the first rejection):
-    # over all sequences, and per sequence as (accepted, trials).
-    _global_accepted: float = 0.0
-    _global_trials: float = 0.0
-    _seqs: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _acceptance: AcceptanceBeliefs = field(init=False)
     _target: LinearFit | None = None
     _draft: LinearFit | None = None
     # Host seconds a speculative all-decoding step adds to a plain one's, by batch size (the draft's
@@ -127,26 +116,7 @@ class AdaptivePolicy:
         self._target = LinearFit(1.0, 1.0 / 512)
         self._draft = LinearFit(max(self.draft_cost_ratio, 0.01), 1.0 / 4096)
         self._spec_host = LinearFit(1.0, 1.0 / 64)
-
-    def _global_belief(self) -> tuple[float, float]:
-        """Beta(a, b) belief about the acceptance rate over all sequences."""
-        return (self._global_accepted + self.prior_acceptance * self.prior_strength,
-                self._global_trials - self._global_accepted + (1 - self.prior_acceptance) * self.prior_strength)
-
-    def _global_rate(self) -> float:
-        a, b = self._global_belief()
-        return a / (a + b)
-
-    def _rates(self, seq_ids: list[int]) -> list[float]:
-        """The sequences' per-token acceptance beliefs (Beta means): their own decayed counts shrunk
-        towards the global rate."""
-        prior, strength = self._global_rate(), self.prior_strength
-        pseudo = prior * strength
-        if not any(map(self._seqs.__contains__, seq_ids)):
-            # None has trials of its own (as after a stretch of plain steps): the same value as below.
-            return [pseudo / strength] * len(seq_ids)
-        return [(acc + pseudo) / (trials + strength)
-                for acc, trials in map(self._seqs.get, seq_ids, itertools.repeat(_NO_TRIALS))]
+        self._acceptance = AcceptanceBeliefs(self.prior_acceptance, self.prior_strength, self.decay)
 
     def prepare(self, shape: StepShape) -> None:
         # The choice for the next step, made while the device runs this one: the next step of an
@@ -169,7 +139,7 @@ class AdaptivePolicy:
         n = len(shape.seq_ids)
         if n == 0:
             return _Choice([], self._speculating)
-        beliefs = self._rates(shape.seq_ids)
+        beliefs = self._acceptance.rates(shape.seq_ids)
 
         def drawn() -> list[float]:
             # The beliefs under a draw of the global rate (Thompson sampling), which every sequence's
@@ -177,7 +147,7 @@ class AdaptivePolicy:
             # speculating is tested again as often as it is uncertain. (Per-sequence draws stay wide
             # while a sequence has few trials of its own, and kept speculating where it did not
             # pay; without draws, stopping after unlucky trials froze the estimates low.)
-            ga, gb = self._global_belief()
+            ga, gb = self._acceptance.global_belief()
             shift = float(self._rng.beta(ga, gb)) - ga / (ga + gb)
             return [r + shift for r in beliefs]
 
@@ -188,25 +158,6 @@ class AdaptivePolicy:
         chosen = choose_ragged(gains, np.array(shape.caps), shape.num_other_tokens, self._target,
                                self._draft_forward(n)).tolist()
         return _Choice(chosen, any(chosen))
-
-    def _expected_drafts(self, rates: list[float], caps: list[int]) -> list[float]:
-        """[K] for K = 0..max_k: the accepted drafts a step of these sequences expects drafting K
-        each (min(K, cap) for each; a draft token counts as the chance all before it, and it, pass)."""
-        # Position by position over all sequences (one list comprehension each), not sequence by
-        # sequence: a choice runs at every step, at batch 256 too, and on the critical path
-        # whenever the batch changed.
-        capped = min(caps, default=self.max_k) < self.max_k   # a sequence near the draft's limit
-        if rates and not capped and rates.count(rates[0]) == len(rates):
-            # One belief for all (every sequence at the global rate, as after a stretch of plain steps).
-            rate = min(max(rates[0], 0.0), 0.999)
-            return list(itertools.accumulate((len(rates) * rate ** j for j in range(1, self.max_k + 1)),
-                                             initial=0.0))
-        clipped = [rate if 0.0 <= rate <= 0.999 else (0.0 if rate < 0.0 else 0.999) for rate in rates]
-        power, per_position = clipped, []
-        for j in range(self.max_k):
-            per_position.append(sum(v for v, cap in zip(power, caps) if cap > j) if capped else sum(power))
-            power = [v * rate for v, rate in zip(power, clipped)]
-        return list(itertools.accumulate(per_position, initial=0.0))
 
     def _choose_decoding(self, beliefs: list[float], drawn: Callable[[], list[float]], caps: list[int]) -> _Choice:
         """Every sequence decoding: verification is padded to K+1 tokens per sequence (one CUDA
@@ -223,7 +174,7 @@ class AdaptivePolicy:
         cost = {K: self._decode_step_cost(n, K) for K in choices}
 
         def tokens(beliefs: list[float]) -> dict[int, float]:
-            drafts = self._expected_drafts(beliefs, caps)
+            drafts = expected_drafts(beliefs, caps, self.max_k)
             return {K: n + drafts[K] for K in choices}
 
         def goodput(tokens: dict[int, float]) -> dict[int, float]:
@@ -339,27 +290,7 @@ class AdaptivePolicy:
 
     def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
                 stats: SpecStepStats, charge: Charge) -> None:
-        decay, accepted_sum, trials_sum, drafted = self.decay, 0, 0, 0
-        for sid, k, a in zip(shape.seq_ids, chosen, accepted):
-            if k == 0 and sid in self._seqs:
-                # A sequence that stopped drafting forgets its own trials step by step, back to the
-                # global rate: an unlucky run must not stop its drafts (and their correction) for good.
-                acc, tr = self._seqs[sid]
-                if tr * decay < _FORGET_TRIALS:
-                    del self._seqs[sid]
-                else:
-                    self._seqs[sid] = (acc * decay, tr * decay)
-            elif k > 0:
-                trials = a + (a < k)
-                acc, tr = self._seqs.get(sid, _NO_TRIALS)
-                self._seqs[sid] = (acc * decay + a, tr * decay + trials)
-                accepted_sum += a
-                trials_sum += trials
-                drafted += 1
-        if drafted:   # the global counts decay per speculating sequence
-            forget = 0.995 ** drafted
-            self._global_accepted = self._global_accepted * forget + accepted_sum
-            self._global_trials = self._global_trials * forget + trials_sum
+        drafted = self._acceptance.observe(shape.seq_ids, chosen, accepted)
         draft = stats.draft_time - stats.catch_up_time
         # The fits first: the calibration below compares a step with a model in seconds (before its
         # first update the target fit holds a prior without units).
@@ -398,13 +329,12 @@ class AdaptivePolicy:
             self._measured[key] = StepCost(step_time, state.visits)
 
     def release(self, seq_ids: list[int]) -> None:
-        for sid in seq_ids:
-            self._seqs.pop(sid, None)
+        self._acceptance.release(seq_ids)
 
     def belief(self, n: int) -> DecodeBelief:
         """What a choice for all-decoding steps of n sequences would weigh now (benchmark traces)."""
         return DecodeBelief({k: self._decode_step_cost(n, k) for k in range(self.max_k + 1)},
-                            self._round_trip(n), self._global_rate(), self._speculating)
+                            self._round_trip(n), self._acceptance.global_rate(), self._speculating)
 
     def estimates(self) -> PolicyEstimates:
-        return PolicyEstimates(acceptance=self._global_rate(), draft_cost_ratio=self._draft_forward(1) / self._target(1))
+        return PolicyEstimates(acceptance=self._acceptance.global_rate(), draft_cost_ratio=self._draft_forward(1) / self._target(1))

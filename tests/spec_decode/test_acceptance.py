@@ -1,0 +1,45 @@
+"""The adaptive policy's acceptance beliefs: the drafts a step expects from per-token rates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_spec.spec_decode.acceptance import expected_drafts
+
+
+def test_expected_drafts_respect_caps_and_clip_rates():
+    """Position j counts the chance that drafts 1..j+1 all pass, only for sequences that may draft j+1
+    (cap > j); beliefs outside [0, 0.999] are clipped (a drawn shift can push them out)."""
+    expected = expected_drafts([0.5, 0.9, 1.2, -0.1], [1, 4, 2, 4], 4)
+    per_position = [0.5 + 0.9 + 0.999, 0.81 + 0.999 ** 2, 0.729, 0.6561]
+    assert expected == pytest.approx([0.0] + list(np.cumsum(per_position)))
+    assert expected_drafts([], [], 4) == [0.0] * 5
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.37, 0.999, 1.3, -0.2])
+def test_one_belief_for_all_takes_the_closed_form(rate):
+    """Every sequence at one rate (the closed form) counts as the sequence-by-sequence sum does: the
+    latter checked through a batch whose rates differ by nothing that shows (one rate 1e-15 off, or
+    another that clips to the same)."""
+    n = 37
+    other = {0.0: -0.5, 1.3: 5.0, -0.2: -1.0}.get(rate, rate - 1e-15)
+    general = expected_drafts([rate] * (n - 1) + [other], [5] * n, 5)
+    assert expected_drafts([rate] * n, [5] * n, 5) == pytest.approx(general, rel=1e-12, abs=1e-12)
+    clipped = min(max(rate, 0.0), 0.999)
+    assert expected_drafts([rate] * n, [5] * n, 5)[2] == pytest.approx(n * (clipped + clipped ** 2))
+    # The closed form never walks the rates sequence by sequence (the general sum does).
+    same, mixed = _Watched([rate] * n), _Watched([rate] * (n - 1) + [other])
+    expected_drafts(same, [5] * n, 5)
+    expected_drafts(mixed, [5] * n, 5)
+    assert not same.walked and mixed.walked
+
+
+class _Watched(list):
+    """A list that records whether it was iterated in Python (list.count reads it without that)."""
+
+    walked = False
+
+    def __iter__(self):
+        self.walked = True
+        return super().__iter__()
