@@ -119,40 +119,61 @@ def _merged_logprobs(chunks) -> dict[str, list]:
     return merged
 
 
+@pytest.mark.parametrize("prompt", [PROMPTS[6], "héllo wörld € 😀 done"])
 @pytest.mark.parametrize("max_tokens", [0, 5])
-def test_echo_with_logprobs_scores_the_prompt(server, max_tokens):
+def test_echo_with_logprobs_scores_the_prompt(server, max_tokens, prompt):
     """As vLLM (and lm-eval-harness's loglikelihood requests): echo with logprobs returns the prompt's
-    token logprobs (the first token has none) before the completion's; with max_tokens 0, the prompt
-    alone. Streamed, the chunks add up to the same."""
+    token logprobs (the first token has none) before the completion's, text offsets running on
+    across both (token texts need not add up to the prompt's: partial multi-byte characters); with
+    max_tokens 0, the prompt alone. Streamed, the chunks add up to the same, the first carrying the
+    prompt."""
     from vllm_spec import SamplingParams
 
     client = server.client()
-    prompt = PROMPTS[6]
     ids = server.llm.get_tokenizer()(prompt).input_ids
-    ref = server.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
-                              use_tqdm=False)[0].prompt_logprobs
+    offline = server.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max(max_tokens, 1), prompt_logprobs=2,
+                                                         ignore_eos=True), use_tqdm=False)[0]
+    ref = offline.prompt_logprobs
     kw = dict(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=2, temperature=0,
               extra_body={"ignore_eos": True})
     choice = client.completions.create(**kw).choices[0]
     lp = choice.logprobs
-    completion = server.ref_text[prompt][: len(choice.text) - len(prompt)] if max_tokens else ""
+    completion = offline.outputs[0].text if max_tokens else ""
     assert choice.text == prompt + completion and (max_tokens or choice.finish_reason == "length")
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + max_tokens
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
     assert lp.token_logprobs[1:len(ids)] == pytest.approx([ref[j][ids[j]].logprob for j in range(1, len(ids))],
                                                           abs=1e-4)
-    assert all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:])
-    assert lp.text_offset == sorted(lp.text_offset) and "".join(lp.tokens[len(ids):]) == completion
-    if max_tokens:
-        assert lp.text_offset[len(ids)] == len(prompt)
+    # (Alternatives decoding to one text, as partial multi-byte characters do, share a key.)
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
 
     chunks = list(client.completions.create(stream=True, **kw))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[0].choices[0].text.startswith(prompt) and chunks[0].choices[0].logprobs.tokens[:len(ids)] == \
+        lp.tokens[:len(ids)]
     merged = _merged_logprobs(chunks)
     assert merged == {key: getattr(lp, key) for key in merged}
 
     plain = client.completions.create(**{**kw, "logprobs": None}).choices[0]
     assert plain.text == choice.text and plain.logprobs is None
+
+
+def test_echo_of_a_whole_context_and_of_bad_token_ids(server):
+    """echo with max_tokens 0 asks for no completion: a prompt as long as the context is scored (the
+    length check counts 0 tokens, as vLLM's). A token id the model does not have is a 400 naming the
+    prompt with echo as without (it was decoded for the echo first: a 500)."""
+    max_len = server.llm.llm_engine.config.model.max_model_len
+    ids = [(7 * i) % 300 + 3 for i in range(max_len)]
+    resp = _post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": ids, "max_tokens": 0, "echo": True,
+                                             "logprobs": 1})
+    assert resp.status_code == 200, resp.text
+    lp = resp.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == max_len and lp["token_logprobs"][0] is None
+    assert resp.json()["choices"][0]["text"] == server.llm.get_tokenizer().decode(ids)
+    for echo in (False, True):
+        bad = _post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": [5, -1], "max_tokens": 2, "echo": echo})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words_match_offline(server):

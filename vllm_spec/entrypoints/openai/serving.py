@@ -96,19 +96,19 @@ def check_model(state: ServerState, model: str | None) -> None:
                              param="model")
 
 
-def _check_length(state: ServerState, num_prompt_tokens: int, params: SamplingParams, prompt_param: str) -> None:
+def _check_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
     max_len = state.max_model_len
     if num_prompt_tokens == 0:
         raise OpenAIServingError("The prompt cannot be empty.", param=prompt_param)
-    if num_prompt_tokens > max_len or (params.max_tokens is None and num_prompt_tokens >= max_len):
+    if num_prompt_tokens > max_len or (max_tokens is None and num_prompt_tokens >= max_len):
         raise OpenAIServingError(
             f"This model's maximum context length is {max_len} tokens. However, your prompt has "
             f"{num_prompt_tokens} tokens. Please reduce the length of the prompt.", param=prompt_param)
-    if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > max_len:
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_len:
         raise OpenAIServingError(
             f"This model's maximum context length is {max_len} tokens. However, you requested "
-            f"{num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-            f"{params.max_tokens} in the completion). Please reduce the length of the prompt or the "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} in the completion). Please reduce the length of the prompt or the "
             "completion (max_tokens).", param="max_tokens")
 
 
@@ -367,14 +367,15 @@ class Submission:
 
 
 async def submit(state: ServerState, id_prefix: str, model: str | None, prompts: list[dict[str, Any]],
-                 params: SamplingParams, prompt_param: str) -> Submission:
+                 params: SamplingParams, prompt_param: str, echo_only: bool = False) -> Submission:
     """Check each prompt's length, then add them all to the engine as one Submission (prompt_param:
-    the request field the prompts came from, which errors about them name)."""
+    the request field the prompts came from, which errors about them name; echo_only: the prompts
+    are answered alone, so a prompt as long as the context fits though a token is generated)."""
     if params.truncate_prompt_tokens is not None:   # left truncation, before the length checks
         prompts = [{**p, "prompt_token_ids": params.truncate_prompt(p["prompt_token_ids"], state.max_model_len)}
                    for p in prompts]
     for p in prompts:
-        _check_length(state, len(p["prompt_token_ids"]), params, prompt_param)
+        _check_length(state, len(p["prompt_token_ids"]), 0 if echo_only else params.max_tokens, prompt_param)
     cap = state.sampling_defaults.get("max_tokens")
     if cap is not None and (params.max_tokens is None or params.max_tokens > cap):
         # As vLLM: the generation config's max_new_tokens bounds every completion (one left unbounded

@@ -38,9 +38,8 @@ def _completion_prompts(state: serving.ServerState, request: CompletionRequest) 
             tok = serving.need_tokenizer(state)
             out.append({"prompt": item, "prompt_token_ids": tok(item, add_special_tokens=request.add_special_tokens)
                         .input_ids})
-        else:
-            text = state.tokenizer.decode(item) if (state.tokenizer is not None and request.echo) else None
-            out.append({"prompt": text, "prompt_token_ids": list(item)})
+        else:   # (its text, for echo, once the engine has accepted its ids)
+            out.append({"prompt": None, "prompt_token_ids": list(item)})
     return out
 
 
@@ -69,8 +68,11 @@ def _completion_logprobs(state: serving.ServerState, token_ids: Sequence[int],
 
 
 def _echoed_logprobs(state: serving.ServerState, out: RequestOutput, k: int) -> tuple[CompletionLogProbs, int]:
-    """The prompt's logprobs, for echo: offsets from the text's start."""
-    return _completion_logprobs(state, out.prompt_token_ids, out.prompt_logprobs or [], k, 0)
+    """The prompt's logprobs, for echo, and the text offset the completion's continue from (the
+    prompt's token texts: a BOS token's too, as vLLM's)."""
+    if out.prompt_logprobs is None:
+        raise RuntimeError("the engine returned no prompt logprobs for an echo with logprobs")
+    return _completion_logprobs(state, out.prompt_token_ids, out.prompt_logprobs, k, 0)
 
 
 def _joined(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
@@ -84,28 +86,38 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
     serving.check_model(state, request.model)
     params = request.to_sampling_params(state.sampling_defaults)
     prompts = _completion_prompts(state, request)
-    sub = await serving.submit(state, "cmpl", request.model, prompts, params, "prompt")
+    sub = await serving.submit(state, "cmpl", request.model, prompts, params, "prompt", echo_only=request.echo_only)
     n, k = params.n, params.logprobs
-    echo = [(p["prompt"] or "") if request.echo else "" for p in prompts]
+    echo = [_prompt_text(state, p) if request.echo else "" for p in prompts]
     # echo with max_tokens 0: the prompt (and its logprobs) alone, not the token generated for it.
     shown = 0 if request.echo_only else None
 
+    def choice_logprobs(out: RequestOutput, comp: CompletionOutput, start: int, end: int,
+                        offset: int) -> tuple[CompletionLogProbs, int]:
+        """Logprobs of the choice's tokens [start, end) (and, from its first, the echoed prompt's first)."""
+        echoed = None
+        if request.echo and start == 0:
+            echoed, offset = _echoed_logprobs(state, out, k)
+        lps, offset = _completion_logprobs(state, comp.token_ids[start:end][:shown], comp.logprobs[start:end][:shown],
+                                           k, offset)
+        return (lps if echoed is None else _joined(echoed, lps)), offset
+
     if request.stream:
+        opened: set[int] = set()
+
         def choice(idx: int, out: RequestOutput, comp: CompletionOutput, delta: str, start: int, end: int,
                    st: serving.ChoiceState) -> CompletionResponseChoice:
+            # As vLLM: with echo, a choice's first chunk carries the prompt (text and logprobs) before
+            # its first tokens.
+            prefix = echo[idx // n] if idx not in opened else ""
+            opened.add(idx)
             lps = None
             if k is not None and comp.logprobs is not None:
-                lps, st.text_offset = _completion_logprobs(
-                    state, comp.token_ids[start:end][:shown], comp.logprobs[start:end][:shown], k, st.text_offset)
-                if request.echo and start == 0:   # the choice's first tokens: the echoed prompt's logprobs first
-                    lps = _joined(_echoed_logprobs(state, out, k)[0], lps)
-            return CompletionResponseChoice(index=idx, text=delta if shown is None else "", logprobs=lps,
+                lps, st.text_offset = choice_logprobs(out, comp, start, end, st.text_offset)
+            return CompletionResponseChoice(index=idx, text=prefix + (delta if shown is None else ""), logprobs=lps,
                                             finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
 
-        # With echo, each choice first gets its prompt text as a chunk of its own.
-        opening = ([CompletionResponseChoice(index=idx, text=echo[idx // n]) for idx in range(len(prompts) * n)]
-                   if request.echo else [])
-        return sub.stream(CompletionStreamResponse, request.stream_options, echo, opening, choice)
+        return sub.stream(CompletionStreamResponse, request.stream_options, [""] * len(prompts), [], choice)
 
     final = await sub.collect(raw_request)
     if final is None:
@@ -115,12 +127,17 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
         for comp in out.outputs:
             lps = None
             if k is not None and comp.logprobs is not None:
-                lps, _ = _completion_logprobs(state, comp.token_ids[:shown], comp.logprobs[:shown], k, len(echo[i]))
-                if request.echo:
-                    lps = _joined(_echoed_logprobs(state, out, k)[0], lps)
+                lps, _ = choice_logprobs(out, comp, 0, len(comp.token_ids), 0)
             choices.append(CompletionResponseChoice(index=i * n + comp.index,
                                                     text=echo[i] + (comp.text if shown is None else ""),
                                                     logprobs=lps, finish_reason=comp.finish_reason,
                                                     stop_reason=comp.stop_reason))
     return JSONResponse(CompletionResponse(id=sub.base_id, model=sub.model, choices=choices,
                                            usage=serving.count_usage(sub.prompt_lens, final)).model_dump())
+
+
+def _prompt_text(state: serving.ServerState, prompt: dict[str, Any]) -> str:
+    """A prompt's text for echo: as sent, or its token ids decoded."""
+    if prompt["prompt"] is not None:
+        return prompt["prompt"]
+    return state.tokenizer.decode(prompt["prompt_token_ids"]) if state.tokenizer is not None else ""
