@@ -7,11 +7,13 @@ import os
 # Set before torch loads its OpenMP runtime; an explicit setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from vllm_spec.engine.arg_utils import EngineArgs
+from vllm_spec.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm_spec.engine.async_llm_engine import AsyncLLMEngine
 from vllm_spec.engine.llm_engine import LLMEngine
 from vllm_spec.entrypoints.llm import LLM
 from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
-from vllm_spec.sampling_params import SamplingParams
+from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "AsyncEngineArgs", "SamplingParams",
+           "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

@@ -57,7 +57,7 @@ def test_concurrent_streams_with_async_scheduling_match_the_synchronous_engine(t
                                                                      output_kind=RequestOutputKind.DELTA), "gone"):
                 n += 1
                 if n == 3:
-                    engine.abort("gone")
+                    await engine.abort("gone")
             return n
 
         try:

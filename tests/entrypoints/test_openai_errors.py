@@ -176,7 +176,7 @@ def test_async_engine_step_failure_and_abort(server):
             with pytest.raises(RequestAbortedError):
                 async for out in stream:
                     got.append(out)
-                    aeng.abort("ab")
+                    await aeng.abort("ab")
             assert got and not got[-1].finished
             for _ in range(200):
                 if aeng.num_free_blocks == engine.block_manager.num_usable_blocks:

@@ -262,3 +262,7 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
+
+
+class AsyncEngineArgs(EngineArgs):
+    """EngineArgs under vLLM's name for AsyncLLMEngine.from_engine_args (the same fields)."""

@@ -115,16 +115,27 @@ class AsyncLLMEngine:
         if self.is_stopped:
             raise EngineDeadError("the engine is shut down.") from self._dead_error
         if self.is_running:
+            loop = asyncio.get_running_loop()
+            if self._loop is not loop:
+                raise RuntimeError("AsyncLLMEngine is running on another event loop.")
             return
+        # (Again after an event loop it ran on stopped, as vLLM's: asyncio.run() per call.)
         loop = asyncio.get_running_loop()
-        if self._loop is not None and self._loop is not loop and self._task is not None:
-            raise RuntimeError("AsyncLLMEngine is bound to another event loop.")
         self._loop = loop
         self._wakeup = asyncio.Event()
         self._task = loop.create_task(self._run_loop(), name="AsyncLLMEngine.loop")
         self._task.add_done_callback(self._on_loop_done)
 
     def _on_loop_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() and not self._closing:
+            # Its event loop stopped (asyncio.run() returning cancels what is left), not the engine:
+            # the requests of that loop end, the engine drops them, and the next generate() starts
+            # the loop again on its own event loop.
+            stopped = EngineDeadError("the event loop running the engine stopped.")
+            ids = list(self._streams)
+            self._fail_all(stopped)
+            self._pending_aborts.update(ids)
+            return
         if task.cancelled():
             err: BaseException = EngineDeadError("the engine loop was cancelled.")
         elif task.exception() is not None:
@@ -176,6 +187,8 @@ class AsyncLLMEngine:
         """Runs in the engine thread: apply queued adds and aborts, then one step."""
         engine = self.engine
         result = _IterationResult()
+        if aborts:   # first: an aborted request's id may come back in this iteration's adds
+            engine.abort_request(list(aborts))
         for p in adds:
             if p.future.cancelled():
                 continue
@@ -185,8 +198,6 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(_set_exception, p.future, e)
             else:
                 loop.call_soon_threadsafe(_set_result, p.future, None)
-        if aborts:
-            engine.abort_request(list(aborts))
         if engine.has_unfinished_requests() or engine.has_step_in_flight:
             try:
                 result.outputs = engine.step()
@@ -284,29 +295,44 @@ class AsyncLLMEngine:
             raise
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort_nowait(request_id)
 
-    def abort(self, request_id: str | list[str]) -> None:
-        """Abort request(s): their streams end with RequestAbortedError; KV blocks are freed
-        before the next step. Unknown or finished ids are ignored. Safe from the event loop only."""
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort request(s), as vLLM's (awaited): see abort_nowait."""
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str | list[str]) -> None:
+        """Abort request(s): their streams end with RequestAbortedError (also one still being
+        added); KV blocks are freed before the next step. Unknown or finished ids are ignored.
+        Safe from the event loop only."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
+            error = RequestAbortedError(f"request {rid!r} was aborted.")
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                stream.finish(RequestAbortedError(f"request {rid!r} was aborted."))
-            self._abort_in_engine(rid)
+                stream.finish(error)
+            self._abort_in_engine(rid, error)
 
-    def _abort_in_engine(self, request_id: str) -> None:
-        # A queued add that has not run yet is simply dropped.
+    def _abort_in_engine(self, request_id: str, error: BaseException | None = None) -> None:
+        # A queued add that has not run yet is dropped: its caller gets `error` (none: the caller
+        # itself went away).
         for p in self._pending_adds:
             if p.request_id == request_id:
                 self._pending_adds.remove(p)
-                if not p.future.done():
-                    p.future.cancel()
+                if not p.future.done() and error is not None:
+                    p.future.set_exception(error)
                 return
         if self._wakeup is not None and (self.is_running or self._closing):
             self._pending_aborts.add(request_id)
             self._wakeup.set()
+
+    async def get_model_config(self):
+        """The target's ModelConfig (vLLM's coroutine)."""
+        return self.engine.config.model
+
+    async def get_tokenizer(self):
+        """The tokenizer (vLLM's coroutine); None with skip_tokenizer_init."""
+        return self.engine.tokenizer
 
     async def get_metrics(self) -> list[Metric]:
         """The engine's metrics as of the end of the last loop iteration."""
@@ -331,12 +357,12 @@ class AsyncLLMEngine:
             self._executor.shutdown(wait=False)
             return
         self._closing = True
-        if self._streams:
-            self.abort(list(self._streams))
         for p in self._pending_adds:
             if not p.future.done():
                 p.future.set_exception(EngineDeadError("the engine is shutting down."))
         self._pending_adds.clear()
+        if self._streams:
+            self.abort_nowait(list(self._streams))
         if self._task is not None and not self._task.done():
             self._wakeup.set()
             try:

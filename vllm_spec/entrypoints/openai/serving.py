@@ -131,15 +131,15 @@ async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any
             streams.append(await state.engine.add_request(rid, prompt, params))
             ids.append(rid)
     except ValueError as e:
-        state.engine.abort(ids)
+        state.engine.abort_nowait(ids)
         # The engine's refusals start with the field they are about: a sampling field (stop strings or
         # bad_words without a tokenizer, token ids outside the vocabulary) is named, else the prompt.
         raise OpenAIServingError(str(e), param=sampling_field_of(str(e)) or prompt_param) from e
     except EngineDeadError as e:
-        state.engine.abort(ids)
+        state.engine.abort_nowait(ids)
         raise OpenAIServingError(str(e), 503, "ServiceUnavailableError") from e
     except BaseException:
-        state.engine.abort(ids)
+        state.engine.abort_nowait(ids)
         raise
     return ids, streams
 
@@ -301,7 +301,7 @@ class Submission:
     streams: list[AsyncStream]
 
     def abort(self) -> None:
-        self.state.engine.abort(self.ids)
+        self.state.engine.abort_nowait(self.ids)
 
     async def collect(self, raw_request: Request) -> list[RequestOutput | None] | None:
         """Each prompt's final output, or None when the client went away first."""

@@ -1,0 +1,83 @@
+"""AsyncLLMEngine as vLLM users call it: the package's names, awaited abort, the config and tokenizer
+coroutines, aborts of requests still being added, ids reused after an abort, and an engine used from
+one event loop after another (asyncio.run per call)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from vllm_spec import AsyncEngineArgs, AsyncLLMEngine, RequestOutputKind, SamplingParams
+from vllm_spec.engine.async_stream import EngineDeadError, RequestAbortedError
+
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+SHORT = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_llama):
+    return AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24))
+
+
+async def _text(engine: AsyncLLMEngine, request_id: str, params: SamplingParams = SHORT) -> list[int]:
+    last = None
+    async for out in engine.generate("hello world", params, request_id):
+        last = out
+    return last.outputs[0].token_ids
+
+
+def test_config_tokenizer_and_an_awaited_abort(engine):
+    async def main():
+        try:
+            assert (await engine.get_model_config()).max_model_len == engine.config.model.max_model_len
+            assert await engine.get_tokenizer() is engine.tokenizer
+            seen = 0
+            with pytest.raises(RequestAbortedError):
+                async for _ in engine.generate("hello world", LONG, "x"):
+                    seen += 1
+                    if seen == 2:
+                        await engine.abort("x")
+            # The id is free again at once: its abort is applied before the new request is added.
+            assert len(await _text(engine, "x")) == 6
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 120.0))
+
+
+def test_aborting_or_shutting_down_while_a_request_is_added_raises_the_engines_errors(engine):
+    """A request aborted (or the engine shut down) before the engine accepted it ends with the
+    engine's documented errors, never a cancellation of a task nobody cancelled."""
+    async def main():
+        task = asyncio.ensure_future(_text(engine, "a", LONG))
+        await asyncio.sleep(0)   # generate() is waiting for the engine to accept "a"
+        await engine.abort("a")
+        with pytest.raises(RequestAbortedError):
+            await task
+        assert not task.cancelled()
+        task = asyncio.ensure_future(_text(engine, "b", LONG))
+        await asyncio.sleep(0)
+        await engine.shutdown()
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await task
+
+    asyncio.run(asyncio.wait_for(main(), 120.0))
+
+
+def test_one_engine_serves_one_event_loop_after_another(engine):
+    """As vLLM's: asyncio.run() per call; a request cut off when its loop stopped ends there, and the
+    engine drops it."""
+    async def cut_off():
+        async for _ in engine.generate("hello world", LONG, "cut"):
+            return   # leaves the request running as the loop ends
+
+    try:
+        first = asyncio.run(asyncio.wait_for(_text(engine, "1"), 120.0))
+        asyncio.run(cut_off())
+        assert not engine.errored
+        second = asyncio.run(asyncio.wait_for(_text(engine, "2"), 120.0))
+        assert first == second and len(first) == 6
+        assert engine.engine.get_num_unfinished_requests() == 0   # "cut" was dropped
+    finally:
+        asyncio.run(engine.shutdown())
