@@ -237,6 +237,7 @@ def check_tensor_parallel(arch: ArchConfig, tp: int, what: str) -> None:
 
 
 SPEC_METHODS = ("draft_model", "ngram")
+NGRAM_NAMES = ("ngram", "[ngram]")
 SPEC_POLICIES = ("adaptive", "fixed")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -269,7 +270,7 @@ class SpeculativeConfig:
         draft's limit is the least of it, the target's and the positions the draft supports; a
         sequence speculates only while its drafts stay inside it (as vLLM's), so a draft of a shorter
         context never shortens the target's."""
-        if model == "[ngram]" or method == "ngram":
+        if model in NGRAM_NAMES or method in NGRAM_NAMES:   # (vLLM's spellings)
             method = "ngram"
         elif method in (None, "draft_model"):
             method = "draft_model"

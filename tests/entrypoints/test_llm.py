@@ -143,6 +143,32 @@ def test_request_metrics_and_unsupported_methods(llm, tiny_llama):
     assert bare.generate(PROMPT, greedy(max_tokens=4), use_tqdm=False)[0].outputs[0].text
 
 
+@pytest.mark.parametrize("call, named", [
+    (lambda llm: llm.generate(None), "prompts"), (lambda llm: llm.generate(5), "prompts"),
+    (lambda llm: llm.chat("hi"), "messages"), (lambda llm: llm.chat([]), "messages"),
+    (lambda llm: llm.chat([{"content": "no role"}]), "messages"),
+    (lambda llm: llm.chat([{"role": "user", "content": "hi"}], chat_template="{% if %}"), "chat_template"),
+])
+def test_bad_prompts_and_messages_are_named(llm, reference, call, named):
+    with pytest.raises((TypeError, ValueError), match=named):
+        call(llm)
+    assert llm.generate(PROMPT, greedy(ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids == reference.token_ids
+
+
+def test_use_tqdm_may_be_the_bars_factory(llm):
+    """As vLLM's: use_tqdm=functools.partial(tqdm, ...) makes the progress bar."""
+    from tqdm import tqdm
+
+    made = []
+
+    def factory(*args, **kwargs):
+        made.append(kwargs)
+        return tqdm(*args, **{**kwargs, "disable": True})
+
+    llm.generate([PROMPT, PROMPT], greedy(4), use_tqdm=factory)
+    assert made and made[0]["total"] == 2
+
+
 def test_mismatched_params_list_rejected(llm):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([PROMPT, PROMPT], [greedy()], use_tqdm=False)

@@ -341,9 +341,34 @@ def test_ngram_lookup_bounds_default_as_vllm(spec_pair, lookup, bounds):
      "ngram_prompt_lookup_min"),
 ])
 def test_invalid_speculative_settings(spec_pair, kwargs, match):
-    kwargs.setdefault("speculative_model", spec_pair[1])
+    if not {"model", "method"} & set(kwargs.get("speculative_config", {})):
+        kwargs.setdefault("speculative_model", spec_pair[1])
     with pytest.raises(ValueError, match=match):
         LLM(spec_pair[0], **kwargs, **KV)
+
+
+@pytest.mark.parametrize("spec", [{"speculative_config": {"model": "ngram", "num_speculative_tokens": 2}},
+                                  {"speculative_config": {"method": "[ngram]", "num_speculative_tokens": 2}},
+                                  {"speculative_model": "[ngram]", "speculative_config": {"method": "ngram"},
+                                   "num_speculative_tokens": 2}])
+def test_vllms_spellings_of_ngram_lookup(spec_pair, spec):
+    llm = LLM(spec_pair[0], **spec, **KV)
+    assert llm.llm_engine.config.speculative.method == "ngram"
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"num_speculative_tokens": 3, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+     "num_speculative_tokens"),
+    ({"speculative_config": {"method": "ngram"}, "num_speculative_tokens": 2}, "speculative_model"),
+    ({"num_speculative_tokens": 2, "speculative_config": {"model": "elsewhere"}}, "speculative_model"),
+])
+def test_a_setting_given_both_ways_must_agree(spec_pair, kwargs, named):
+    """The V0 flags and the V1 dict together: a conflict is refused (one of them was dropped silently)."""
+    with pytest.raises(ValueError, match=f"conflicts with {named}"):
+        LLM(spec_pair[0], speculative_model=spec_pair[1], **kwargs, **KV)
+    agreeing = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2,
+                   speculative_config={"model": spec_pair[1], "num_speculative_tokens": 2}, **KV)
+    assert agreeing.llm_engine.config.speculative.num_speculative_tokens == 2
 
 
 def test_draft_with_other_vocabulary_is_rejected(tmp_path, spec_pair):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_spec.config import (
+    NGRAM_NAMES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -178,7 +179,8 @@ class EngineArgs:
             raise ValueError(f"swap_space must be a number >= 0 (GiB), got {self.swap_space!r}.")
 
     def _speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
-        """Merge the V0-style flags and the V1 `speculative_config` dict (the dict wins)."""
+        """Merge the V0-style flags and the V1 `speculative_config` dict (a setting given both ways must
+        agree)."""
         opts = {
             "model": self.speculative_model,
             "num_speculative_tokens": self.num_speculative_tokens,
@@ -209,13 +211,30 @@ class EngineArgs:
             if unknown:
                 allowed = sorted([*opts, "disable_logprobs", *_SPEC_NONE_KEYS])
                 raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; allowed: {allowed}.")
-            opts.update({k: v for k, v in given.items() if v is not None})
+            given = {k: v for k, v in given.items() if v is not None}
+            # The same setting given both ways must agree (one would be dropped silently).
+            for key, value in given.items():
+                if opts[key] is not None and opts[key] != value:
+                    raise ValueError(f"speculative_config['{key}'] ({value!r}) conflicts with "
+                                     f"{_SPEC_FLAGS[key]} ({opts[key]!r}): give it one way.")
+            if given.get("method") not in (None, "draft_model") and opts["model"] not in (None, *NGRAM_NAMES) \
+                    and "model" not in given:
+                raise ValueError(f"speculative_config['method'] ({given['method']!r}) conflicts with "
+                                 f"speculative_model ({opts['model']!r}): give it one way.")
+            opts.update(given)
         if opts["model"] is None and opts["method"] is None:
             if opts["num_speculative_tokens"] is not None:
                 raise ValueError("num_speculative_tokens needs speculative_model (or speculative_config).")
             return None
         return SpeculativeConfig.create(target, **opts)
 
+
+# The flags (LLM keywords) that set speculative_config's keys.
+_SPEC_FLAGS = {"model": "speculative_model", "num_speculative_tokens": "num_speculative_tokens",
+               "prompt_lookup_max": "ngram_prompt_lookup_max", "prompt_lookup_min": "ngram_prompt_lookup_min",
+               "draft_tensor_parallel_size": "speculative_draft_tensor_parallel_size",
+               "disable_by_batch_size": "speculative_disable_by_batch_size", "policy": "speculative_policy",
+               "max_model_len": "speculative_max_model_len"}
 
 # vLLM's speculative_config keys that can only be None here.
 _SPEC_NONE_KEYS = ("quantization", "revision", "code_revision", "speculative_token_tree")

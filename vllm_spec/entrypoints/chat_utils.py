@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jinja2
+
 
 def text_content(content: Any) -> str:
     """A message's content as text: a string, None (empty), or OpenAI content parts whose text parts
@@ -43,11 +45,16 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
     chat_template = template_kwargs.pop("chat_template", chat_template)
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true.")
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise ValueError(f"messages must be dicts with a string 'role' (and a 'content'), got {messages!r}.")
     messages = [{**m, "content": text_content(m.get("content"))} for m in messages]
     if continue_final_message:
         template_kwargs["continue_final_message"] = True
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         chat_template=chat_template, **template_kwargs)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template, **template_kwargs)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat_template could not be rendered: {type(e).__name__}: {e}") from e
     if not isinstance(text, str):
         raise ValueError("the chat template did not render to text.")
     # The template writes the special tokens itself: tokenized without adding them again unless asked.

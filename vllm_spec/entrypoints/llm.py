@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
@@ -57,7 +58,7 @@ class LLM:
         self,
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: None = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
@@ -91,10 +92,12 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        # As vLLM's: use_tqdm may be the progress bar's factory (e.g. functools.partial(tqdm, desc=...)).
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while len(done) < len(ids):
                 for out in self.llm_engine.step():
@@ -112,7 +115,7 @@ class LLM:
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         continue_final_message: bool = False,
@@ -132,7 +135,10 @@ class LLM:
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this LLM was built with skip_tokenizer_init=True.")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, list) or not messages:
+            raise TypeError(f"messages must be a conversation (a non-empty list of message dicts) or a list of "
+                            f"them, got {messages!r}.")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [render_chat(tokenizer, conv, add_generation_prompt, continue_final_message, chat_template, False,
                                chat_template_kwargs) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -144,6 +150,8 @@ class LLM:
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not (hasattr(prompts, "tolist") or isinstance(prompts, Iterable)):
+        raise TypeError(f"prompts must be a string, a dict, token ids or a list of them, got {prompts!r}.")
     # numpy and torch arrays: a 1-D one is one prompt of token ids, a 2-D one a prompt per row.
     prompts = prompts.tolist() if hasattr(prompts, "tolist") else list(prompts)
     if not isinstance(prompts, list):
