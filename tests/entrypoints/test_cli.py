@@ -235,3 +235,14 @@ def test_generate_seed_makes_speculative_sampling_reproducible(spec_pair, capsys
     assert sum(line.startswith("--- [") for line in runs[0]) == 4   # two prompts, two completions each
     texts = [runs[0][i + 1] for i, line in enumerate(runs[0]) if line.startswith("--- [")]
     assert len(set(texts)) == 4   # each prompt (the same one twice) and sample has a seed of its own
+
+
+@pytest.mark.parametrize("command, shown", [("generate", "(default: 128)"), ("serve", "(default: 8000)")])
+def test_help_shows_each_default_once(command, shown, capsys):
+    """Defaults follow the help text, once: none where the help states its own or there is none."""
+    with pytest.raises(SystemExit):
+        cli.make_parser().parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert shown in text
+    assert "(default: None)" not in text and "(default: )" not in text
+    assert not re.search(r"default[^()]*\) \(default:", text)

@@ -243,6 +243,16 @@ _SPEC_NONE_KEYS = ("quantization", "revision", "code_revision", "speculative_tok
 _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, unless the help already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, "", argparse.SUPPRESS, False):
+            return text
+        return super()._get_help_string(action)
+
+
 class FlexibleArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser that takes --flag_name for --flag-name, as vLLM's does, and no abbreviated
     flags (--temp would silently be --temperature, --n ambiguous among --ngram-... flags)."""

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
-from vllm_spec.engine.arg_utils import FlexibleArgumentParser
+from vllm_spec.engine.arg_utils import DefaultsHelpFormatter, FlexibleArgumentParser
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -53,20 +53,20 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
         description="Generate completions offline. Without --model the embedded default model "
                     "(SmolLM2-135M-Instruct) is used, with the chat template on and the package's "
                     "default draft model as speculative model when one is shipped.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
-    p.add_argument("prompts", nargs="*", metavar="PROMPT",
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", default=argparse.SUPPRESS,
                    help=f"prompt(s), generated as one batch (default: {DEFAULT_PROMPT!r})")
     engine = p.add_argument_group("engine (EngineArgs, same names as LLM(...) keywords)")
     EngineArgs.add_cli_args(engine)
     sampling = p.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=128, help="maximum new tokens per prompt")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     sampling.add_argument("--top-k", type=int, default=0, help="0 or -1 disables top-k")
     sampling.add_argument("--n", type=int, default=1, help="completions per prompt")
     sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS up to --max-tokens")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                    help="apply the tokenizer's chat template to each prompt (default: on for the default "
                         "model, off for --model)")
     p.add_argument("--no-default-draft", action="store_true",
@@ -83,7 +83,8 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate_parser(sub)
     from vllm_spec.entrypoints.openai.cli_args import add_serve_args, serve_main
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (vllm serve MODEL)")
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (vllm serve MODEL)",
+                           formatter_class=DefaultsHelpFormatter)
     add_serve_args(serve).set_defaults(func=serve_main)
     return parser
 
@@ -178,8 +179,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     params = sampling(args.seed)   # the sampling flags checked before the (slow) model load
     kwargs, used_default = _engine_kwargs(args)
-    chat = args.chat if args.chat is not None else used_default
-    prompts = list(args.prompts) or [DEFAULT_PROMPT]
+    chat = getattr(args, "chat", used_default)   # (defaults described in the help, not printed by argparse)
+    prompts = list(getattr(args, "prompts", [])) or [DEFAULT_PROMPT]
     if args.seed is not None:
         # A given --seed seeds each request too (prompt i: seed + i * n, its n samples the next n): with
         # speculation only a request's own seed keeps its sampled output independent of the adaptive
@@ -202,7 +203,8 @@ def run_generate(args: argparse.Namespace) -> int:
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         for comp in out.outputs:
             num_tokens += len(comp.token_ids)
-            print(f"--- [{i}] {prompt!r} ({len(comp.token_ids)} tokens, finish: {comp.finish_reason})")
+            label = f"{i}.{comp.index}" if len(out.outputs) > 1 else f"{i}"
+            print(f"--- [{label}] {prompt!r} ({len(comp.token_ids)} tokens, finish: {comp.finish_reason})")
             print(comp.text)
     print("---")
     rate = num_tokens / elapsed if elapsed > 0 else float("inf")

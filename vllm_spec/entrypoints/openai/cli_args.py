@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from vllm_spec.engine.arg_utils import FlexibleArgumentParser
+from vllm_spec.engine.arg_utils import DefaultsHelpFormatter, FlexibleArgumentParser
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -49,7 +49,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         prog="python -m vllm_spec.entrypoints.openai.api_server",
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, "
                     "/health, /metrics) over the vllm_spec engine.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     return add_serve_args(parser)
 
