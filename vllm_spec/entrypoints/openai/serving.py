@@ -232,10 +232,10 @@ def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 class ChoiceState:
     """What has been streamed of one choice: text length, token count, logprob text offset."""
 
-    def __init__(self, text_prefix: str = ""):
+    def __init__(self):
         self.sent_text = 0
         self.sent_tokens = 0
-        self.text_offset = len(text_prefix)
+        self.text_offset = 0
         self.done = False
 
     def advance(self, comp: CompletionOutput) -> tuple[str, int, int]:
@@ -320,21 +320,20 @@ class Submission:
         finally:
             self.abort()
 
-    def stream(self, chunk_type: type, options: StreamOptions | None, text_prefixes: Sequence[str],
-               opening: Sequence[Any], make_choice: MakeChoice) -> StreamingResponse:
+    def stream(self, chunk_type: type, options: StreamOptions | None, opening: Sequence[Any],
+               make_choice: MakeChoice) -> StreamingResponse:
         """The SSE response: one chunk per opening choice, then one per choice that has something
         new (text, tokens with logprobs, or its finish), then the usage chunk if asked, then [DONE].
-        chunk_type is the endpoint's stream response model; text_prefixes (one per prompt) are
-        already sent text, which logprob text offsets count from."""
-        events = self._events(chunk_type, options, text_prefixes, opening, make_choice)
+        chunk_type is the endpoint's stream response model."""
+        events = self._events(chunk_type, options, opening, make_choice)
         return _SSEResponse(events, on_close=self.abort)
 
-    async def _events(self, chunk_type: type, options: StreamOptions | None, text_prefixes: Sequence[str],
-                      opening: Sequence[Any], make_choice: MakeChoice) -> AsyncIterator[str]:
+    async def _events(self, chunk_type: type, options: StreamOptions | None, opening: Sequence[Any],
+                      make_choice: MakeChoice) -> AsyncIterator[str]:
         include_usage = bool(options and options.include_usage)
         continuous = bool(options and options.continuous_usage_stats)
         n, k = self.params.n, self.params.logprobs
-        states = [ChoiceState(text_prefixes[i // n]) for i in range(len(self.streams) * n)]
+        states = [ChoiceState() for _ in range(len(self.streams) * n)]
         last: list[RequestOutput | None] = [None] * len(self.streams)
         chunk = functools.partial(chunk_type, id=self.base_id, created=int(time.time()), model=self.model)
         try:

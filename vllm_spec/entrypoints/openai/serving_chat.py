@@ -75,7 +75,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
         # As OpenAI: each choice opens with a delta that carries only the role.
         opening = [ChatCompletionResponseStreamChoice(index=idx, delta=DeltaMessage(role=state.response_role, content=""))
                    for idx in range(params.n)]
-        return sub.stream(ChatCompletionStreamResponse, request.stream_options, [""], opening, choice)
+        return sub.stream(ChatCompletionStreamResponse, request.stream_options, opening, choice)
 
     final = await sub.collect(raw_request)
     if final is None or final[0] is None:

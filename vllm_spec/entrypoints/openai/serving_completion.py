@@ -117,7 +117,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
             return CompletionResponseChoice(index=idx, text=prefix + (delta if shown is None else ""), logprobs=lps,
                                             finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
 
-        return sub.stream(CompletionStreamResponse, request.stream_options, [""] * len(prompts), [], choice)
+        return sub.stream(CompletionStreamResponse, request.stream_options, [], choice)
 
     final = await sub.collect(raw_request)
     if final is None:
