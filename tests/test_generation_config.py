@@ -104,7 +104,8 @@ def test_server_fields_left_unset_take_the_generation_config(gen_model):
         assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["text"] == greedy.outputs[0].text
         assert completion(max_tokens=100)["usage"]["completion_tokens"] == 5   # vLLM: the config bounds all
         assert completion(max_tokens=2)["usage"]["completion_tokens"] == 2
-        for fields in ({"min_tokens": 10, "max_tokens": None}, {"min_tokens": 20, "max_tokens": 50}):   # above the bound
+        # Above the bound:
+        for fields in ({"min_tokens": 10, "max_tokens": None}, {"min_tokens": 20, "max_tokens": 50}):
             r = client.post("/v1/completions", json={"model": "m", "prompt": "hello there", **fields})
             assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
         # Explicit fields win over the defaults: temperature 0 is greedy too, n: null and echo: null mean

@@ -131,8 +131,8 @@ def test_echo_with_logprobs_scores_the_prompt(server, max_tokens, prompt):
 
     client = server.client()
     ids = server.llm.get_tokenizer()(prompt).input_ids
-    offline = server.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max(max_tokens, 1), prompt_logprobs=2,
-                                                         ignore_eos=True), use_tqdm=False)[0]
+    offline = server.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max(max_tokens, 1),
+                                                         prompt_logprobs=2, ignore_eos=True), use_tqdm=False)[0]
     ref = offline.prompt_logprobs
     kw = dict(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=2, temperature=0,
               extra_body={"ignore_eos": True})

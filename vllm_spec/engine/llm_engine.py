@@ -368,7 +368,8 @@ def _check_prompt_keys(prompt: dict) -> None:
             if not is_unset(value):
                 raise ValueError(f"{key} in a prompt is not supported: this engine serves text-only models.")
         elif key not in _PROMPT_KEYS:
-            raise ValueError(f"unknown prompt key {key!r}; allowed: {', '.join(_PROMPT_KEYS + _UNSUPPORTED_PROMPT_KEYS)} "
+            allowed = ", ".join(_PROMPT_KEYS + _UNSUPPORTED_PROMPT_KEYS)
+            raise ValueError(f"unknown prompt key {key!r}; allowed: {allowed} "
                              f"(the last {len(_UNSUPPORTED_PROMPT_KEYS)} empty).")
 
 

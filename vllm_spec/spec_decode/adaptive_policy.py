@@ -337,4 +337,5 @@ class AdaptivePolicy:
                             self._round_trip(n), self._acceptance.global_rate(), self._speculating)
 
     def estimates(self) -> PolicyEstimates:
-        return PolicyEstimates(acceptance=self._acceptance.global_rate(), draft_cost_ratio=self._draft_forward(1) / self._target(1))
+        return PolicyEstimates(acceptance=self._acceptance.global_rate(),
+                               draft_cost_ratio=self._draft_forward(1) / self._target(1))

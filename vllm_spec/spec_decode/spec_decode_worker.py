@@ -114,10 +114,11 @@ class SpecDecodeWorker:
         sequences or more.
 
         Otherwise seeded sampled requests draft the full k (up to the draft's limit) at every step
-        that samples past their prompt, and never at the prompt's end: which positions are drafted (and so the draws from
-        their generators) then follows from their seed and tokens alone, not from the batch they
-        share (which steers the policy), how their prompt was chunked (a last chunk of one token
-        is no decode), or a preemption (the recompute's last chunk drafts as the step it replays).
+        that samples past their prompt, and never at the prompt's end: which positions are drafted
+        (and so the draws from their generators) then follows from their seed and tokens alone, not
+        from the batch they share (which steers the policy), how their prompt was chunked (a last
+        chunk of one token is no decode), or a preemption (the recompute's last chunk drafts as the
+        step it replays).
         """
         spec = self.config.speculative
         lookahead, max_len = req.num_lookahead_slots, spec.max_model_len

@@ -44,7 +44,8 @@ def _completion_prompts(state: serving.ServerState, request: CompletionRequest) 
 
 
 def _completion_logprobs(state: serving.ServerState, token_ids: Sequence[int],
-                         entries: Sequence[dict[int, Logprob] | None], k: int, offset: int) -> tuple[CompletionLogProbs, int]:
+                         entries: Sequence[dict[int, Logprob] | None], k: int,
+                         offset: int) -> tuple[CompletionLogProbs, int]:
     """Legacy logprobs of these tokens, their text offsets counted from `offset`; an entry None (a
     prompt's first token, which nothing predicts) has neither logprob nor alternatives, as vLLM's."""
     out = CompletionLogProbs()
@@ -78,7 +79,8 @@ def _echoed_logprobs(state: serving.ServerState, out: RequestOutput, k: int) -> 
 def _joined(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
     return CompletionLogProbs(text_offset=first.text_offset + second.text_offset,
                               token_logprobs=first.token_logprobs + second.token_logprobs,
-                              tokens=first.tokens + second.tokens, top_logprobs=first.top_logprobs + second.top_logprobs)
+                              tokens=first.tokens + second.tokens,
+                              top_logprobs=first.top_logprobs + second.top_logprobs)
 
 
 async def create_completion(request: CompletionRequest, raw_request: Request):
