@@ -325,3 +325,35 @@ def test_a_dropped_choice_books_no_probe():
     # A different step chooses again: the probe is still due, and booked once.
     assert max(policy.choose(StepShape(list(range(8)), [4] * 7 + [3], 0))) > 0
     assert state.last_spec == state.visits and (before[1], state.probe_every) == (10, 20)
+
+
+def test_the_step_after_a_prefill_does_not_inflate_a_known_cost():
+    """The first all-decoding step after one with prefill chunks pays one-off costs whatever its k
+    (2-3 ms at batch 64 on an H200): it must not raise a measured plain cost (a plain cost inflated
+    this way held the policy to speculation that lost), yet it is what a still unmeasured or stale
+    cost learns from."""
+    policy = AdaptivePolicy(max_k=4, explore_every=50)
+    decoding, mixed = StepShape(list(range(8)), [4] * 8, 0), StepShape(list(range(8)), [4] * 8, 64)
+
+    def plain(shape: StepShape, seconds: float) -> None:
+        chosen = [0] * len(shape.seq_ids)
+        policy.choose(shape)
+        policy.observe(shape, chosen, chosen, SpecStepStats(0, 0, 0, [], 0.0, 4e-3), Charge(seconds))
+
+    plain(mixed, 20e-3)
+    plain(decoding, 9e-3)   # unmeasured: the first sample counts
+    assert policy._measurement(8, 0).seconds == pytest.approx(9e-3)
+    for _ in range(5):
+        plain(decoding, 5e-3)
+    known = policy._measurement(8, 0).seconds
+    plain(mixed, 20e-3)
+    plain(decoding, 8e-3)   # settling after the prefill: ignored
+    assert policy._measurement(8, 0).seconds == pytest.approx(known)
+    plain(decoding, 5.5e-3)   # the next one counts
+    assert policy._measurement(8, 0).seconds > known
+    # A cost not measured for explore_every visits is stale: a settling step updates it.
+    policy._measurement(8, 0).at -= 50
+    known = policy._measurement(8, 0).seconds
+    plain(mixed, 20e-3)
+    plain(decoding, 6e-3)
+    assert policy._measurement(8, 0).seconds > known

@@ -14,7 +14,8 @@ says not to speculate, a draw of the global rate (Thompson sampling) may
 still say to, and speculation is probed ever more rarely where it keeps not paying.
 A switch between speculating and not (the draft's catch-up, the plain step
 that cannot overlap a speculative one) is charged to the choice that makes it,
-except an exploring excursion's way back (its spacing accounts for it).
+except an exploring excursion's way back (its spacing accounts for it). The step right after one
+with prefill chunks teaches a step cost only where nothing better is known (it pays one-off costs).
 With prefill chunks in the step, k is chosen per sequence (Dinkelbach) on the
 model. Each choice is prepared while the device runs the step before (prepare);
 a step of the same shape takes it, with its bookkeeping.
@@ -46,6 +47,11 @@ _SWITCH_HORIZON = 16
 # and both switches, against plain steps) stays within this share of the time.
 _PROBE_BUDGET = 0.01
 _MAX_PROBE_EVERY = 800
+# An all-decoding step right after one with prefill chunks is charged one-off costs whatever its k
+# (on the H200 at batch 64-128, 2-3 ms over the next step): steps this close to one with prefill
+# chunks update a step kind's cost only while it is unmeasured, few-sampled or stale. (A plain
+# step's cost inflated by them held the policy to speculation that lost 3-5% at break-even.)
+_SETTLE_STEPS = 1
 
 
 @functools.cache   # asked many times per step, for a handful of batch sizes
@@ -109,6 +115,8 @@ class AdaptivePolicy:
     _speculating: bool = False
     # The choice prepared for the next step, and the shape it was made for.
     _ahead: tuple[StepShape, _Choice] | None = None
+    # All-decoding steps observed since the last step with prefill chunks.
+    _since_prefill: int = _SETTLE_STEPS
 
     def __post_init__(self) -> None:
         # Until measured: a target forward costs 1 plus 1/512 per query token, a draft
@@ -300,17 +308,24 @@ class AdaptivePolicy:
         forwards = max(chosen, default=0)
         if forwards > 0:
             self._draft.update(drafted, draft / forwards)
-        if shape.num_other_tokens == 0 and shape.seq_ids:
-            self._observe_decoding(shape, chosen, stats, charge, draft)
+        if shape.num_other_tokens:
+            self._since_prefill = 0
+        elif shape.seq_ids:
+            settling = self._since_prefill < _SETTLE_STEPS
+            self._since_prefill += 1
+            self._observe_decoding(shape, chosen, stats, charge, draft, settling)
 
     def _observe_decoding(self, shape: StepShape, chosen: list[int], stats: SpecStepStats, charge: Charge,
-                          draft: float) -> None:
-        """Step costs and switching costs of an all-decoding step at its batch-size bucket."""
+                          draft: float, settling: bool) -> None:
+        """Step costs and switching costs of an all-decoding step at its batch-size bucket (a settling
+        step's charge only where nothing better is known)."""
         state = self._bucket_state(len(shape.seq_ids))
         n, K = len(shape.seq_ids), max(chosen, default=0)
         key = (_bucket(n), K)
         if stats.catch_up_time > 0:
             state.observe_switch(catch_up=stats.catch_up_time)
+        if settling and (state.refill is not None if charge.refill else self._known(n, K, state)):
+            return
         if charge.refill:   # not what plain steps cost: what switching back to them cost
             plain = self._measurement(n, 0)
             if plain is not None:
@@ -327,6 +342,11 @@ class AdaptivePolicy:
             self._measured[key].update(step_time, state.visits)
         else:
             self._measured[key] = StepCost(step_time, state.visits)
+
+    def _known(self, n: int, k: int, state: BucketState) -> bool:
+        """Whether steps of n sequences drafting k were measured enough, and recently enough."""
+        cost = self._measurement(n, k)
+        return cost is not None and cost.samples >= MIN_SAMPLES and state.visits - cost.at < self.explore_every
 
     def release(self, seq_ids: list[int]) -> None:
         self._acceptance.release(seq_ids)
