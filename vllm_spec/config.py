@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,8 @@ from vllm_spec.generation_config import sampling_defaults
 from vllm_spec.model.arch_config import ArchConfig
 from vllm_spec.model.rotary import rope_type
 from vllm_spec.utils import check_int, is_int, is_number
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "half": torch.float16, "float16": torch.float16, "fp16": torch.float16,
@@ -222,18 +225,17 @@ class ParallelConfig:
             self.distributed_executor_backend = "mp"
 
 
-def check_tensor_parallel(arch: ArchConfig, tp: int, what: str) -> None:
-    """Clear errors, before any process starts, for shapes that cannot be split across tp ranks."""
+def check_tensor_parallel(arch: ArchConfig, tp: int, what: str, setting: str) -> None:
+    """Clear errors, before any process starts, for shapes that cannot be split across tp ranks
+    (`setting`: the option that asked for tp)."""
     for name, n in (("num_attention_heads", arch.num_attention_heads),
                     ("intermediate_size", arch.intermediate_size)):
         if n % tp:
-            raise ValueError(f"The {what}'s {name} ({n}) must be divisible by its tensor-parallel size ({tp}).")
+            raise ValueError(f"The {what}'s {name} ({n}) must be divisible by {setting} ({tp}).")
     kv = arch.num_key_value_heads
     if (kv % tp) if kv >= tp else (tp % kv):
-        raise ValueError(
-            f"The {what}'s num_key_value_heads ({kv}) must be divisible by its tensor-parallel size ({tp}), "
-            f"or divide it."
-        )
+        raise ValueError(f"The {what}'s num_key_value_heads ({kv}) must be divisible by {setting} ({tp}), "
+                         "or divide it.")
 
 
 SPEC_METHODS = ("draft_model", "ngram")
@@ -283,17 +285,27 @@ class SpeculativeConfig:
         if not (is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}.")
-        for name, value in (("speculative_disable_by_batch_size", disable_by_batch_size),
-                            ("speculative_max_model_len", max_model_len),
+        # (vLLM's bound: a threshold of 1 would never speculate.)
+        check_int("speculative_disable_by_batch_size", disable_by_batch_size, 2, optional=True)
+        for name, value in (("speculative_max_model_len", max_model_len),
                             ("ngram_prompt_lookup_max", prompt_lookup_max),
                             ("ngram_prompt_lookup_min", prompt_lookup_min)):
             check_int(name, value, 1, optional=True)
+        if method == "draft_model":
+            for name, value in (("ngram_prompt_lookup_max", prompt_lookup_max),
+                                ("ngram_prompt_lookup_min", prompt_lookup_min)):
+                if value is not None:
+                    raise ValueError(f"{name} ({value!r}) applies to n-gram speculation (speculative_model="
+                                     f"'[ngram]'), not to a draft model ({model!r}).")
         rate = synthetic_acceptance_rate
         if max_model_len is not None and max_model_len > target.max_model_len:
             raise ValueError(f"speculative_max_model_len (speculative_config['max_model_len']) must be <= "
                              f"max_model_len ({target.max_model_len}), got {max_model_len}.")
         if rate is not None and not (is_number(rate) and 0 <= rate <= 1):
             raise ValueError(f"synthetic_acceptance_rate must be a number in [0, 1], got {rate!r}.")
+        if rate is not None:
+            logger.warning("speculative_config['synthetic_acceptance_rate'] = %s (benchmarks only): draft tokens "
+                           "are accepted at random, whatever the models say; outputs are NOT the target's.", rate)
         if policy not in (None, *SPEC_POLICIES):
             raise ValueError(f"speculative_policy must be one of {SPEC_POLICIES}, got {policy!r}.")
         cfg = cls(method, k, max_model_len or target.max_model_len,
@@ -347,7 +359,7 @@ class EngineConfig:
         if self.async_scheduling and tp > 1:
             raise ValueError(f"async_scheduling=True needs tensor_parallel_size=1 (got {tp}): the ranks' processes "
                              "answer a step only once it has run. Leave async_scheduling unset or False.")
-        check_tensor_parallel(self.model.arch, tp, "target model")
+        check_tensor_parallel(self.model.arch, tp, "target model", "tensor_parallel_size")
         if self.speculative is not None:
             draft_tp = self.speculative.draft_tensor_parallel_size
             allowed = [d for d in range(1, tp + 1) if tp % d == 0]
@@ -358,7 +370,8 @@ class EngineConfig:
                     "on a sub-group of the target's ranks."
                 )
             if self.speculative.draft is not None:
-                check_tensor_parallel(self.speculative.draft.arch, draft_tp, "draft model")
+                check_tensor_parallel(self.speculative.draft.arch, draft_tp, "draft model",
+                                      "speculative_draft_tensor_parallel_size")
                 if self.speculative.draft.arch.embeddings_from_target and draft_tp != tp:
                     raise ValueError(
                         f"This draft borrows the target's embeddings, so speculative_draft_tensor_parallel_size "

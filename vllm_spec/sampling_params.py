@@ -258,6 +258,16 @@ class SamplingParams:
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
 
+    def checked_copy(self) -> "SamplingParams":
+        """A copy normalised and checked again: as vLLM users do, a caller may have changed fields
+        after construction (params.n = 0 would otherwise make a request that never finishes)."""
+        params = copy.copy(self)
+        for cached in ("seeded_sampling", "batch_fields"):
+            params.__dict__.pop(cached, None)
+        params = copy.deepcopy(params)
+        params.__post_init__()
+        return params
+
     def truncate_prompt(self, token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's last truncate_prompt_tokens ids (-1, as vLLM: max_model_len), or all of them."""
         n = self.truncate_prompt_tokens

@@ -81,3 +81,31 @@ def test_one_engine_serves_one_event_loop_after_another(engine):
         assert engine.engine.get_num_unfinished_requests() == 0   # "cut" was dropped
     finally:
         asyncio.run(engine.shutdown())
+
+
+def test_vllms_request_options_and_ids(engine):
+    """generate/add_request take vLLM's lora_request, trace_headers and priority at their neutral values
+    (others name the option), an arrival time, and string request ids only (TypeError, as vLLM's)."""
+    async def main():
+        try:
+            out = None
+            async for out in engine.generate("hello world", SHORT, "a", lora_request=None, trace_headers=None,
+                                             priority=0):
+                pass
+            assert len(out.outputs[0].token_ids) == 6
+            for kwargs, field in ((dict(priority=2), "priority"), (dict(lora_request="x"), "lora_request")):
+                with pytest.raises(ValueError, match=field):
+                    async for _ in engine.generate("hello world", SHORT, "b", **kwargs):
+                        pass
+            with pytest.raises(TypeError, match="request_id must be a string"):
+                await engine.add_request(7, "hello world", SHORT)
+            with pytest.raises(ValueError, match="arrival_time"):
+                await engine.add_request("c", "hello world", SHORT, arrival_time="soon")
+            stream = await engine.add_request("d", "hello world", SHORT, arrival_time=0.0)
+            async for out in stream:
+                pass
+            assert out.finished and engine.engine.get_num_unfinished_requests() == 0
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 120.0))

@@ -166,7 +166,7 @@ def test_aborting_the_last_request_leaves_no_step_in_flight(tiny_llama):
     assert engine.step() == []
 
 
-@pytest.mark.parametrize("spec", [dict(speculative_disable_by_batch_size=1), dict()],
+@pytest.mark.parametrize("spec", [dict(speculative_disable_by_batch_size=2), dict()],
                          ids=["never-speculating", "adaptive"])
 def test_speculative_engine_overlaps_its_steps_without_drafts(spec_pair, spec):
     target, draft = spec_pair

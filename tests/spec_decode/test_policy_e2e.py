@@ -236,9 +236,10 @@ def test_step_costs_count_the_host_and_the_caller_but_not_an_idle_engine(spec_pa
     choice of k) and the caller's between steps while requests run (a server's dispatch of outputs)
     are what serving them cost; time with no request at all (an idle server) is no step's cost, also
     after the last requests were aborted."""
-    plain = {} if speculate else {"speculative_disable_by_batch_size": 1}   # plain steps, overlapped if async
     engine = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2, speculative_policy="fixed",
-                 async_scheduling=async_scheduling, **plain, **KV).llm_engine
+                 async_scheduling=async_scheduling, **KV).llm_engine
+    if not speculate:   # plain steps, overlapped if async (a threshold of 1: below what users may set)
+        engine.config.speculative.disable_by_batch_size = 1
     policy = engine.executor.worker.policy
     choose, observe, charges = policy.choose, policy.observe, []
 

@@ -326,6 +326,10 @@ def test_ngram_lookup_bounds_default_as_vllm(spec_pair, lookup, bounds):
     ({"num_speculative_tokens": 2, "speculative_policy": "greedy"}, "speculative_policy"),
     ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 2.5}, "disable_by_batch_size"),
+    ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 1}, r"disable_by_batch_size .*>= 2"),
+    ({"num_speculative_tokens": 2, "ngram_prompt_lookup_max": 3}, r"ngram_prompt_lookup_max \(3\) applies to n-gram"),
+    ({"speculative_config": {"model": "x", "num_speculative_tokens": 2, "prompt_lookup_min": 2}},
+     "ngram_prompt_lookup_min"),
     ({"num_speculative_tokens": 2, "speculative_draft_tensor_parallel_size": 1.0}, "draft_tensor_parallel_size"),
     ({"speculative_model": "[ngram]", "num_speculative_tokens": 2, "ngram_prompt_lookup_max": 3.5},
      "ngram_prompt_lookup_max"),
@@ -345,6 +349,30 @@ def test_invalid_speculative_settings(spec_pair, kwargs, match):
         kwargs.setdefault("speculative_model", spec_pair[1])
     with pytest.raises(ValueError, match=match):
         LLM(spec_pair[0], **kwargs, **KV)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"num_speculative_tokens": 2}, "num_speculative_tokens"),
+    ({"speculative_policy": "fixed"}, "speculative_policy"),
+    ({"speculative_disable_by_batch_size": 4, "ngram_prompt_lookup_max": 3},
+     "ngram_prompt_lookup_max, speculative_disable_by_batch_size"),
+    ({"speculative_max_model_len": 64}, "speculative_max_model_len"),
+    ({"speculative_draft_tensor_parallel_size": 1}, "speculative_draft_tensor_parallel_size"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "synthetic_acceptance_rate": 0.5}},
+     r"num_speculative_tokens, speculative_config\['synthetic_acceptance_rate'\]"),
+])
+def test_speculation_settings_without_a_speculative_model_are_refused(spec_pair, kwargs, named):
+    """As num_speculative_tokens alone always was: a setting that would be silently dropped is named."""
+    with pytest.raises(ValueError, match=f"{named} given without speculative_model"):
+        LLM(spec_pair[0], **kwargs, **KV)
+
+
+def test_synthetic_acceptance_warns_that_outputs_are_not_the_targets(spec_pair, caplog):
+    args = EngineArgs(model=str(spec_pair[0]), speculative_config={
+        "model": str(spec_pair[1]), "num_speculative_tokens": 2, "synthetic_acceptance_rate": 0.5})
+    with caplog.at_level("WARNING", logger="vllm_spec.config"):
+        args.create_engine_config()
+    assert "NOT the target's" in caplog.text
 
 
 @pytest.mark.parametrize("spec", [{"speculative_config": {"model": "ngram", "num_speculative_tokens": 2}},

@@ -223,8 +223,11 @@ class EngineArgs:
                                  f"speculative_model ({opts['model']!r}): give it one way.")
             opts.update(given)
         if opts["model"] is None and opts["method"] is None:
-            if opts["num_speculative_tokens"] is not None:
-                raise ValueError("num_speculative_tokens needs speculative_model (or speculative_config).")
+            given = [_SPEC_FLAGS.get(key, f"speculative_config['{key}']") for key, value in opts.items()
+                     if value is not None]
+            if given:   # (settings of a speculation that is not asked for would be silently dropped)
+                raise ValueError(f"{', '.join(given)} given without speculative_model (or speculative_config's "
+                                 "model or method): no speculation is configured.")
             return None
         return SpeculativeConfig.create(target, **opts)
 

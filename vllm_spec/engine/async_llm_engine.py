@@ -22,13 +22,15 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.async_stream import AsyncStream, EngineDeadError, EngineStepError, RequestAbortedError
-from vllm_spec.engine.llm_engine import LLMEngine, PromptType
+from vllm_spec.engine.llm_engine import LLMEngine
+from vllm_spec.engine.request_input import PromptType, check_neutral, check_priority, check_request_id
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
@@ -42,6 +44,7 @@ class _PendingAdd:
     prompt: PromptType
     params: SamplingParams
     future: asyncio.Future
+    arrival_time: float
 
 
 @dataclass
@@ -73,8 +76,9 @@ class AsyncLLMEngine:
         self.num_step_errors = 0
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_engine_args(args))
+    def from_engine_args(cls, args: EngineArgs, usage_context: object = None,
+                         stat_loggers: dict | None = None) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_engine_args(args, usage_context, stat_loggers))
 
     # Properties -------------------------------------------------------------------------------
     @property
@@ -193,7 +197,7 @@ class AsyncLLMEngine:
             if p.future.cancelled():
                 continue
             try:
-                engine.add_request(p.request_id, p.prompt, p.params)
+                engine.add_request(p.request_id, p.prompt, p.params, arrival_time=p.arrival_time)
             except BaseException as e:  # noqa: BLE001 - handed to that caller only
                 loop.call_soon_threadsafe(_set_exception, p.future, e)
             else:
@@ -244,16 +248,19 @@ class AsyncLLMEngine:
                     stream.finish(exc)
 
     # Public API -------------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: PromptType,
-                          params: SamplingParams | None = None) -> AsyncStream:
-        """Queue a request; returns its stream once the engine has accepted it.
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                          arrival_time: float | None = None, lora_request: None = None,
+                          trace_headers: dict | None = None, priority: int = 0) -> AsyncStream:
+        """Queue a request; returns its stream once the engine has accepted it (the options as
+        LLMEngine.add_request's).
 
-        Raises ValueError (a bad request), EngineDeadError (shut down)."""
+        Raises ValueError (a bad request; TypeError: a request_id not a string), EngineDeadError (shut down)."""
         if self.is_stopped:
             raise EngineDeadError("the engine is shut down; no new requests.") from self._dead_error
         self.start()
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id must be a non-empty string.")
+        check_request_id(request_id)
+        check_neutral(lora_request=lora_request, trace_headers=trace_headers)
+        check_priority(priority)
         if request_id in self._streams or any(p.request_id == request_id for p in self._pending_adds):
             raise ValueError(f"request_id {request_id!r} is already in use.")
         params = params if params is not None else SamplingParams()
@@ -262,7 +269,8 @@ class AsyncLLMEngine:
         stream = AsyncStream(request_id, coalesce=params.output_kind is not RequestOutputKind.DELTA)
         self._streams[request_id] = stream
         fut = self._loop.create_future()
-        self._pending_adds.append(_PendingAdd(request_id, prompt, params, fut))
+        self._pending_adds.append(_PendingAdd(request_id, prompt, params, fut,
+                                              time.time() if arrival_time is None else arrival_time))
         self._wakeup.set()
         try:
             await fut
@@ -276,13 +284,15 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str,
+                       lora_request: None = None, trace_headers: dict | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream the RequestOutputs of one request (by default each carries the full output so far).
 
         Leaving the loop early (break, cancellation, client disconnect) aborts the request
         and frees its KV blocks before the next engine step."""
-        stream = await self.add_request(request_id, prompt, sampling_params)
+        stream = await self.add_request(request_id, prompt, sampling_params, lora_request=lora_request,
+                                        trace_headers=trace_headers, priority=priority)
         finished = False
         try:
             async for out in stream:
@@ -328,11 +338,11 @@ class AsyncLLMEngine:
 
     async def get_model_config(self):
         """The target's ModelConfig (vLLM's coroutine)."""
-        return self.engine.config.model
+        return self.engine.get_model_config()
 
     async def get_tokenizer(self):
         """The tokenizer (vLLM's coroutine); None with skip_tokenizer_init."""
-        return self.engine.tokenizer
+        return self.engine.get_tokenizer()
 
     async def get_metrics(self) -> list[Metric]:
         """The engine's metrics as of the end of the last loop iteration."""

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from vllm_spec.config import EngineConfig
 from vllm_spec.core.block_manager import BlockManager
 from vllm_spec.core.scheduler import Scheduler, SchedulerOutput
 from vllm_spec.core.sequence import Request, Sequence, SequenceStatus
 from vllm_spec.engine.arg_utils import EngineArgs
+from vllm_spec.engine.gc_tuning import tune_gc_for_serving
 from vllm_spec.engine.output_processor import OutputProcessor
+from vllm_spec.engine.request_input import (PromptType, as_token_ids, check_neutral, check_priority,
+                                             check_prompt_keys, check_request_id)
 from vllm_spec.engine.stats import EngineStats
 from vllm_spec.executor import create_executor
 from vllm_spec.generation_config import read_generation_config
@@ -23,14 +23,11 @@ from vllm_spec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
 from vllm_spec.tokenizer import get_tokenizer
-from vllm_spec.utils import is_int, is_unset
+from vllm_spec.utils import is_number
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput
 from vllm_spec.worker.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
-
-# A prompt: text, {"prompt": text} / {"prompt_token_ids": ids}, or a list of token ids.
-PromptType = str | dict[str, Any] | list[int]
 
 
 class LLMEngine:
@@ -65,16 +62,23 @@ class LLMEngine:
         self._in_flight: _Launched | None = None   # a step launched and not read yet (async scheduling)
         self.stats = EngineStats(config.model.max_model_len)
         self.spec_metrics = SpecDecodeMetrics(config.speculative.num_speculative_tokens) if config.speculative else None
-        # Everything built so far (models, graphs, compiled kernels) lives as long as the engine:
-        # out of the collector's sight, a full collection mid-serving no longer walks it (an H200
-        # trace showed a 60 ms pause in a 9 ms decode step at batch 128).
-        gc.collect()
-        gc.freeze()
-        _raise_young_gc_threshold(config.scheduler.max_num_seqs)
+        tune_gc_for_serving(config.scheduler.max_num_seqs)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs, usage_context: object = None,
+                         stat_loggers: dict | None = None) -> "LLMEngine":
+        """As vLLM's (usage_context is only a usage-statistics label; custom stat loggers are not
+        supported: get_metrics() gives the metrics)."""
+        check_neutral(stat_loggers=stat_loggers)
         return cls(args.create_engine_config(), skip_tokenizer_init=args.skip_tokenizer_init)
+
+    def get_tokenizer(self):
+        """The tokenizer; None with skip_tokenizer_init."""
+        return self.tokenizer
+
+    def get_model_config(self):
+        """The target's ModelConfig."""
+        return self.config.model
 
     def update_eos_token_ids(self) -> None:
         """The ids that end a request (the model's config, its generation config, the tokenizer's) and
@@ -93,25 +97,39 @@ class LLMEngine:
     # Requests -------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            _check_prompt_keys(prompt)
+            check_prompt_keys(prompt)
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), as_token_ids(prompt["prompt_token_ids"])
             if "prompt" not in prompt:
                 raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'.")
             prompt = prompt["prompt"]
         if isinstance(prompt, list):
-            return None, _token_ids(prompt)
+            return None, as_token_ids(prompt)
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer; this engine was built with skip_tokenizer_init=True.")
         return prompt, self.tokenizer(prompt).input_ids
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
-        """Validate and queue a request; a bad request raises ValueError and changes nothing."""
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, lora_request: None = None,
+                    tokenization_kwargs: dict | None = None, trace_headers: dict | None = None,
+                    priority: int = 0) -> None:
+        """Validate and queue a request; a bad request raises ValueError (TypeError: a request_id that is
+        not a string) and changes nothing. arrival_time: when it arrived (time.time(), as vLLM's; now by
+        default); lora_request, tokenization_kwargs, trace_headers and priority: vLLM's, accepted at
+        their neutral values (no LoRA, no tracing, first come first served)."""
+        check_request_id(request_id)
+        check_neutral(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                      trace_headers=trace_headers)
+        check_priority(priority)
+        if arrival_time is not None and not is_number(arrival_time):
+            raise ValueError(f"arrival_time must be a time.time() timestamp, got {arrival_time!r}.")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        # Checked again on the engine's own copy: a caller may have changed fields since construction.
+        params = params.checked_copy()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         if params.stop and (self.tokenizer is None or not params.detokenize):
@@ -134,20 +152,23 @@ class LLMEngine:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is out of the vocabulary range [0, {vocab}).")
-        params = params.clone()
         if params.bad_words:
             params.update_from_tokenizer(self.tokenizer)
         params.check_vocab(vocab)
         params.all_stop_token_ids |= self.output_processor.eos_token_ids if not params.ignore_eos else set()
         max_tokens = max_len - len(ids) if params.max_tokens is None else params.max_tokens
+        # The engine's clock is monotonic; a given arrival_time is on the wall clock.
+        now = time.monotonic()
+        arrived = now if arrival_time is None else now - max(time.time() - arrival_time, 0.0)
         seqs = []
         for i in range(params.n):
             seq = Sequence(request_id, i, ids, params.for_child(i) if params.n > 1 else params, max(1, max_tokens))
+            seq.arrival_time = arrived
             self.output_processor.start(seq)
             seqs.append(seq)
         if params.prompt_logprobs is not None:   # scored once, by the first sequence's prefill
             seqs[0].prompt_logprobs = [None] * len(ids)
-        request = Request(request_id, text, ids, params, seqs)
+        request = Request(request_id, text, ids, params, seqs, arrival_time=arrived)
         self.requests[request_id] = request
         for seq in seqs:
             self._seqs[seq.seq_id] = seq
@@ -351,38 +372,6 @@ class LLMEngine:
         return metrics + (self.spec_metrics.snapshot() if self.spec_metrics else [])
 
 
-# Container objects a step allocates per sequence and frees by its end (step inputs, outputs,
-# index lists), with room to spare: a young generation this large is not collected mid-step.
-_YOUNG_OBJECTS_PER_SEQ = 20
-
-
-# vLLM's prompt-dict keys: those of inputs this engine has no use for must be empty (a text-only
-# model: an image would be silently dropped), cache_salt is harmless without prefix caching.
-_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
-_UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "prompt_embeds", "token_type_ids")
-
-
-def _check_prompt_keys(prompt: dict) -> None:
-    for key, value in prompt.items():
-        if key in _UNSUPPORTED_PROMPT_KEYS:
-            if not is_unset(value):
-                raise ValueError(f"{key} in a prompt is not supported: this engine serves text-only models.")
-        elif key not in _PROMPT_KEYS:
-            allowed = ", ".join(_PROMPT_KEYS + _UNSUPPORTED_PROMPT_KEYS)
-            raise ValueError(f"unknown prompt key {key!r}; allowed: {allowed} "
-                             f"(the last {len(_UNSUPPORTED_PROMPT_KEYS)} empty).")
-
-
-def _raise_young_gc_threshold(max_num_seqs: int) -> None:
-    """Python collects its young generation every 700 net container allocations, which a batch of
-    256 passes within every step (~one collection per step, 35-60 us, and more with drafts), though
-    nearly all of those objects die at the step's end anyway. Raised (never lowered) to what a full
-    batch's step allocates; cycles are still collected, a few steps later."""
-    gen0, gen1, gen2 = gc.get_threshold()
-    if gen0:   # 0: automatic collection turned off by the application, left so
-        gc.set_threshold(max(gen0, _YOUNG_OBJECTS_PER_SEQ * max_num_seqs), gen1, gen2)
-
-
 _DELTA = RequestOutputKind.DELTA   # a module name: reading a member off its class runs Python code (3.11)
 
 
@@ -393,16 +382,3 @@ class _Launched:
     handle: StepHandle
     schedule_time: float
     launch_time: float
-
-
-def _token_ids(ids: Any) -> list[int]:
-    """Prompt token ids as Python ints (numpy and torch integer arrays too); anything else is named."""
-    ids = ids.tolist() if hasattr(ids, "tolist") else ids
-    if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Iterable):
-        raise ValueError(f"prompt_token_ids must be a list of integers, got {ids!r}.")
-    ids = list(ids)
-    bad = next((i for i, t in enumerate(ids) if not is_int(t)), None)
-    if bad is not None:
-        raise ValueError(f"prompt_token_ids must be integers, got {ids[bad]!r} ({type(ids[bad]).__name__}) "
-                         f"at position {bad}.")
-    return [int(t) for t in ids]

@@ -11,12 +11,13 @@ from typing import Any
 from tqdm import tqdm
 
 from vllm_spec.engine.arg_utils import EngineArgs
-from vllm_spec.engine.llm_engine import LLMEngine, PromptType
+from vllm_spec.engine.llm_engine import LLMEngine
+from vllm_spec.engine.request_input import PromptType, check_neutral
 from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
-from vllm_spec.utils import is_int, is_unset
+from vllm_spec.utils import is_int
 
 
 class LLM:
@@ -67,7 +68,7 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         if not prompt_list:
             raise ValueError("prompts must not be empty.")
-        _check_neutral(lora_request=lora_request)
+        check_neutral(lora_request=lora_request)
         if priority is not None and (len(priority) != len(prompt_list) or any(p != 0 for p in priority)):
             raise ValueError(f"priority must be None or one 0 per prompt ({len(prompt_list)}): requests are "
                              "scheduled first come, first served.")
@@ -128,7 +129,7 @@ class LLM:
         """Apply the tokenizer's chat template to one conversation (or a list of them) and generate.
         Message contents may be strings or OpenAI content parts (text parts only). (lora_request, tools
         and mm_processor_kwargs: vLLM's, accepted at their neutral values.)"""
-        _check_neutral(lora_request=lora_request, tools=tools, mm_processor_kwargs=mm_processor_kwargs)
+        check_neutral(lora_request=lora_request, tools=tools, mm_processor_kwargs=mm_processor_kwargs)
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError("chat_template_content_format must be 'auto' or 'string' (text parts are joined "
                              f"into one string), got {chat_template_content_format!r}.")
@@ -159,13 +160,6 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if prompts and all(is_int(t) for t in prompts):
         return [prompts]  # a single prompt given as token ids
     return prompts
-
-
-def _check_neutral(**values: Any) -> None:
-    """vLLM's arguments for what this engine does not do: only their neutral (empty) values."""
-    for name, value in values.items():
-        if not is_unset(value):
-            raise ValueError(f"{name} is not supported: it must be None, got {value!r}.")
 
 
 def _final_only(params):

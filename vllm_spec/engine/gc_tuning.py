@@ -1,0 +1,25 @@
+"""Python's garbage collector tuned for serving, once an engine is built (as vLLM does)."""
+
+from __future__ import annotations
+
+import gc
+
+# Container objects a step allocates per sequence and frees by its end (step inputs, outputs,
+# index lists), with room to spare: a young generation this large is not collected mid-step.
+_YOUNG_OBJECTS_PER_SEQ = 20
+
+
+def tune_gc_for_serving(max_num_seqs: int) -> None:
+    """Everything built so far (models, graphs, compiled kernels) lives as long as the engine: frozen
+    out of the collector's sight, a full collection mid-serving no longer walks it (an H200 trace
+    showed a 60 ms pause in a 9 ms decode step at batch 128).
+
+    Python collects its young generation every 700 net container allocations, which a batch of 256
+    passes within every step (~one collection per step, 35-60 us, and more with drafts), though nearly
+    all of those objects die at the step's end anyway: the threshold is raised (never lowered) to what
+    a full batch's step allocates; cycles are still collected, a few steps later."""
+    gc.collect()
+    gc.freeze()
+    gen0, gen1, gen2 = gc.get_threshold()
+    if gen0:   # 0: automatic collection turned off by the application, left so
+        gc.set_threshold(max(gen0, _YOUNG_OBJECTS_PER_SEQ * max_num_seqs), gen1, gen2)
