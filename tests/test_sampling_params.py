@@ -105,10 +105,11 @@ def test_for_child_offsets_seed_and_keeps_original():
 def test_vllm_names_accepted_where_they_change_nothing():
     assert SamplingParams(n=3, best_of=3).n == 3
     assert SamplingParams(repetition_penalty=2.5).repetition_penalty == 2.5
+    assert SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens is False
     assert SamplingParams.from_optional(temperature=None, top_p=0.5, seed=None).temperature == 1.0
     for kwargs, name in [(dict(best_of=2), "best_of"), (dict(bad_words=["x", " "]), "bad_words"),
                          (dict(logits_processors=[print]), "logits_processors"),
-                         (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
+                         (dict(spaces_between_special_tokens="no"), "spaces_between_special_tokens"),
                          (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
                          (dict(repetition_penalty=float("inf")), "repetition_penalty")]:
         with pytest.raises(ValueError, match=name):

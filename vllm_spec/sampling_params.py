@@ -89,10 +89,11 @@ class SamplingParams:
     # Words never generated (vLLM's): a word's last token is banned wherever the output so far ends
     # with the rest of it (each word tokenized as written and with a leading space).
     bad_words: list[str] | None = None
-    # vLLM's names for what is not implemented here, accepted at the values that change nothing only:
-    # best_of (= n), spaces_between_special_tokens (True), the rest None.
-    best_of: int | None = None
+    # vLLM's: decoded text has spaces between special tokens (slow tokenizers only; see _verify).
     spaces_between_special_tokens: bool = True
+    # vLLM's names for what is not implemented here, accepted at the values that change nothing only:
+    # best_of (= n), the rest None.
+    best_of: int | None = None
     logits_processors: list | None = None
     guided_decoding: object | None = None
     # Characters of output text held back from streamed (unfinished) outputs: they could still become
@@ -185,8 +186,10 @@ class SamplingParams:
                "truncate_prompt_tokens", "None, -1 (max_model_len) or an integer >= 1", self.truncate_prompt_tokens)
         _check(self.best_of is None or self.best_of == self.n, "best_of",
                f"None or equal to n ({self.n}): best-of-n selection is not supported", self.best_of)
-        _check(self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
-               "True (the only detokenization supported)", self.spaces_between_special_tokens)
+        # (Only slow tokenizers put spaces between special tokens: fast ones, the only kind here,
+        # decode alike either way, as in vLLM.)
+        _check(isinstance(self.spaces_between_special_tokens, bool), "spaces_between_special_tokens",
+               "True or False", self.spaces_between_special_tokens)
         for name in ("logits_processors", "guided_decoding"):
             _check(getattr(self, name) in (None, [], {}), name, "None (not supported)", getattr(self, name))
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",

@@ -93,7 +93,7 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server):
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1, (body, ok.text)
     # Extras at values that change nothing, and unknown fields, are accepted.
     for extra in ({"use_beam_search": False}, {"response_format": {"type": "text"}}, {"length_penalty": 1.0},
-                  {"some_future_field": 1}):
+                  {"spaces_between_special_tokens": False}, {"some_future_field": 1}):
         assert _post(server, "/v1/completions", {**good, **extra}).status_code == 200, extra
     # truncate_prompt_tokens keeps the prompt's last tokens, before the length check.
     r = _post(server, "/v1/completions", {**good, "prompt": "hello " * 600, "truncate_prompt_tokens": 3})

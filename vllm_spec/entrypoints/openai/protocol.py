@@ -79,7 +79,7 @@ _UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "use_beam_search": False, "echo": False,
     "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "logits_processors": None,
-    "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
+    "return_tokens_as_token_ids": False,
 }
 
 
@@ -104,6 +104,7 @@ class _SamplingFields(OpenAIBaseModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     best_of: int | None = None
@@ -169,6 +170,7 @@ class _SamplingFields(OpenAIBaseModel):
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             extra_args=self.vllm_xargs,
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
@@ -351,38 +353,6 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
-
-
-# /tokenize, /detokenize (vLLM's) -------------------------------------------------------------------
-class TokenizeRequest(OpenAIBaseModel):
-    """A text prompt, or a conversation rendered by the chat template (then special tokens are the
-    template's: add_special_tokens defaults to false, as vLLM)."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
-
-
-class TokenizeResponse(OpenAIBaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
-    tokens: list[int]
-
-
-class DetokenizeResponse(OpenAIBaseModel):
-    prompt: str
 
 
 # /v1/models -----------------------------------------------------------------------------------------

@@ -2,18 +2,45 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.entrypoints.openai import serving
-from vllm_spec.entrypoints.openai.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    OpenAIServingError,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from vllm_spec.entrypoints.openai.protocol import ChatMessage, OpenAIBaseModel, OpenAIServingError
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """A text prompt, or a conversation rendered by the chat template (then special tokens are the
+    template's: add_special_tokens defaults to false, as vLLM)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
 
 
 async def tokenize(request: TokenizeRequest, raw_request: Request):
