@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from vllm_spec.utils import is_int, is_number
+from vllm_spec.utils import check_text, is_int, is_number
 
 # Temperatures below this are treated as greedy, as in vLLM.
 SAMPLING_EPS = 1e-5
@@ -130,6 +130,8 @@ class SamplingParams:
                                           and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
                "bad_words", "None or a list of non-blank strings", self.bad_words)
         self.bad_words = list(self.bad_words) if self.bad_words else None
+        check_text("bad_words", self.bad_words)
+        check_text("stop", self.stop)
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             _check(isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) > 0

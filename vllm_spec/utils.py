@@ -30,6 +30,24 @@ def check_int(name: str, value: object, minimum: int, optional: bool = False) ->
         raise ValueError(f"{name} must be {allowed}, got {value!r}.")
 
 
+def check_text(name: str, value: object) -> None:
+    """ValueError naming the field where text (in value, or in the lists and dicts it holds) has a
+    lone surrogate: valid JSON ("\\ud800") and a Python str, but no Unicode text that tokenizers take."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{name} is not valid Unicode text: a lone surrogate ({value[e.start]!r}) at "
+                             f"position {e.start}.") from None
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            check_text(name, item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(name, key)
+            check_text(name, item)
+
+
 def concat_slice(first: list[int], second: list[int], start: int, stop: int) -> list[int]:
     """(first + second)[start:stop] without building the concatenation."""
     n = len(first)

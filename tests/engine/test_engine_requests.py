@@ -82,3 +82,14 @@ def test_engine_accessors_and_custom_stat_loggers(engine, tiny_llama):
     assert engine.get_model_config().max_model_len == engine.config.model.max_model_len
     with pytest.raises(ValueError, match="stat_loggers"):
         LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama)), stat_loggers={"x": object()})
+
+
+def test_text_with_a_lone_surrogate_is_refused_naming_the_field(engine):
+    """Valid in a Python str (and in JSON), but no Unicode text: tokenizers fail on it with a TypeError."""
+    for prompt in ("\ud800 hi", {"prompt": "x\udfff"}):
+        with pytest.raises(ValueError, match="prompt is not valid Unicode text"):
+            engine.add_request("s", prompt, _params())
+    for field in ("stop", "bad_words"):
+        with pytest.raises(ValueError, match=f"{field} is not valid Unicode text"):
+            SamplingParams(**{field: ["ok", "\ud800"]})
+    assert not engine.has_unfinished_requests()

@@ -38,4 +38,9 @@ def test_per_request_histograms(tiny_llama):
     # Sequences with more than one token: a (6), both of c (4 each).
     tpot = h["vllm:request_time_per_output_token_seconds"]
     assert tpot.count == 3 and tpot.sum > 0
+    # Latency, time to first token and finished requests in the same unit; prompt tokens as prefilled.
+    assert h["vllm:e2e_request_latency_seconds"].count == h["vllm:time_to_first_token_seconds"].count == 4
+    m = {x.name: x for x in engine.get_metrics() if not isinstance(x, Histogram)}
+    assert sum(x.value for x in engine.get_metrics() if x.name == "vllm:request_success") == 4
+    assert m["vllm:prompt_tokens"].value == 3 + 11 + 2 * 2
     assert one_two_five_buckets(256) == (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0)

@@ -184,6 +184,12 @@ def test_vllm_serve_spellings_parse():
     assert (ns.model, ns.tensor_parallel_size, ns.max_model_len, ns.max_num_seqs) == ("M", 2, 100, 8)
     assert (ns.chat_template, ns.response_role, ns.trust_remote_code) == ("{{ messages }}", "bot", True)
     assert parser.parse_args(["serve", "--model", "M2"]).model_flag == "M2"
+    web = parser.parse_args(["serve", "M", "--root-path", "/api", "--allowed-origins", '["https://ui.example"]',
+                             "--allow-credentials"])
+    assert (web.root_path, web.allowed_origins, web.allowed_methods, web.allow_credentials) == (
+        "/api", ["https://ui.example"], ["*"], True)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "M", "--allowed-origins", "https://ui.example"])   # not a JSON list
     # Values are left alone: only flag names lose their underscores.
     gen = parser.parse_args(["generate", "--max_tokens", "5", "hello_world", "--seed=3"])
     assert (gen.max_tokens, gen.prompts, gen.seed) == (5, ["hello_world"], 3)

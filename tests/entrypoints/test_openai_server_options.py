@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("fastapi")
@@ -68,3 +70,55 @@ def test_sampling_fields_the_engine_refuses_are_named(tiny_llama):
             r = client.post("/v1/completions", json={**good, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert client.post("/v1/completions", json=good).status_code == 200
+
+
+def _server_app(tiny_llama, **options):
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                        max_model_len=256))
+    return build_app(build_state(engine, str(tiny_llama), ["m"], api_key="k"), **options)
+
+
+def test_text_that_is_no_unicode_is_a_400_naming_the_field(tiny_llama):
+    """A lone surrogate is valid JSON ("\\ud800") but no text a tokenizer takes: a 400 naming the
+    field (it was a 500 with a plain-text body), in every body that carries text."""
+    auth = {"Authorization": "Bearer k"}
+    with TestClient(_server_app(tiny_llama)) as client:
+        for path, body, param in (
+                ("/v1/completions", {"model": "m", "prompt": "\ud800 hi"}, "prompt"),
+                ("/v1/completions", {"model": "m", "prompt": ["ok", "\udfff"], "stream": True}, "prompt"),
+                ("/v1/completions", {"model": "m", "prompt": "hi", "bad_words": ["\ud800x"]}, "bad_words"),
+                ("/v1/completions", {"model": "m", "prompt": "hi", "stop": ["\ud800"]}, "stop"),
+                ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "\ud800"}]},
+                 "messages"),
+                ("/tokenize", {"prompt": "\ud800"}, "prompt")):
+            # (Escaped as JSON sends it: the raw character cannot even be encoded as UTF-8.)
+            r = client.post(path, content=json.dumps(body), headers={**auth, "Content-Type": "application/json"})
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["param"] == param and "lone surrogate" in r.json()["error"]["message"], r.text
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2, "priority": 3},
+                        headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+        assert client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2},
+                           headers=auth).status_code == 200
+
+
+def test_cors_and_internal_errors_as_json(tiny_llama):
+    from vllm_spec.entrypoints.openai import api_server
+
+    cors = api_server.CorsOptions(allowed_origins=["https://ui.example"])
+    with TestClient(_server_app(tiny_llama, cors=cors), raise_server_exceptions=False) as client:
+        # A browser's preflight is answered before the API key is asked for.
+        pre = client.options("/v1/chat/completions", headers={
+            "Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://ui.example"
+        r = client.get("/v1/models", headers={"Origin": "https://ui.example"})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://ui.example"
+        assert "access-control-allow-origin" not in client.get("/health", headers={"Origin": "https://x.example"}).headers
+        # An unexpected failure is still an OpenAI-style JSON error.
+        def boom():
+            raise RuntimeError("boom")
+
+        client.app.add_api_route("/boom", boom)
+        r = client.get("/boom")
+        assert r.status_code == 500 and r.json()["error"]["message"] == "Internal server error: RuntimeError: boom"

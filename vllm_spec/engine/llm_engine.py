@@ -23,7 +23,7 @@ from vllm_spec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
 from vllm_spec.tokenizer import get_tokenizer
-from vllm_spec.utils import is_number
+from vllm_spec.utils import check_text, is_number
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput
 from vllm_spec.worker.step_handle import StepHandle
 
@@ -109,6 +109,7 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer; this engine was built with skip_tokenizer_init=True.")
+        check_text("prompt", prompt)
         return prompt, self.tokenizer(prompt).input_ids
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
@@ -173,7 +174,7 @@ class LLMEngine:
         for seq in seqs:
             self._seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
-        self.stats.on_new_request(len(ids))
+        self.stats.on_new_request(len(ids), params.n)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:

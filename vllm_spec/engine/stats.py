@@ -31,8 +31,9 @@ class EngineStats:
         self.request_prompt_tokens = HistogramRecorder("vllm:request_prompt_tokens", token_buckets)
         self.request_generation_tokens = HistogramRecorder("vllm:request_generation_tokens", token_buckets)
 
-    def on_new_request(self, num_prompt_tokens: int) -> None:
-        self.prompt_tokens += num_prompt_tokens
+    def on_new_request(self, num_prompt_tokens: int, n: int) -> None:
+        # Each of n parallel samples prefills the prompt (as vLLM's n > 1 child requests count it).
+        self.prompt_tokens += num_prompt_tokens * n
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -41,10 +42,10 @@ class EngineStats:
         self.generation_tokens += num_tokens
 
     def on_finished(self, request: Request, now: float) -> None:
-        """A request's end: its latency and, per sequence (as vLLM's n > 1 child requests), the finish
+        """A request's end: per sequence (as vLLM's n > 1 child requests), its latency, the finish
         reason, the prompt and generated tokens and the time per output token after the first."""
-        self.e2e.observe(now - request.arrival_time)
         for seq in request.seqs:
+            self.e2e.observe((seq.last_token_time or now) - request.arrival_time)
             self.finished[seq.status.finish_reason or "abort"] += 1
             n = len(seq.output_token_ids)
             self.request_prompt_tokens.observe(len(request.prompt_token_ids))

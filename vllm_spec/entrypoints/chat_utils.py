@@ -6,6 +6,8 @@ from typing import Any
 
 import jinja2
 
+from vllm_spec.utils import check_text
+
 
 def text_content(content: Any) -> str:
     """A message's content as text: a string, None (empty), or OpenAI content parts whose text parts
@@ -18,9 +20,11 @@ def text_content(content: Any) -> str:
         raise ValueError(f"message content must be a string or a list of content parts, got {type(content).__name__}.")
     parts = []
     for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+        if not (isinstance(part, dict) and part.get("type") == "text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"only text content parts are supported, got type {kind!r}.")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"a text content part needs a string 'text', got {part!r}.")
         parts.append(part["text"])
     return "\n".join(parts)
 
@@ -48,6 +52,7 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise ValueError(f"messages must be dicts with a string 'role' (and a 'content'), got {messages!r}.")
     messages = [{**m, "content": text_content(m.get("content"))} for m in messages]
+    check_text("messages", messages)
     if continue_final_message:
         template_kwargs["continue_final_message"] = True
     try:

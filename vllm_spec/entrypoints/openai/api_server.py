@@ -20,9 +20,11 @@ import secrets
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -56,8 +58,19 @@ class APIKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
+@dataclass
+class CorsOptions:
+    """Cross-origin requests (browser clients), as vLLM's --allowed-origins / --allowed-methods /
+    --allowed-headers / --allow-credentials: every origin, method and header by default."""
+
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
 # App ------------------------------------------------------------------------------------------------------
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, cors: CorsOptions | None = None) -> FastAPI:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
     registry = CollectorRegistry()
@@ -95,6 +108,11 @@ def build_app(state: ServerState) -> FastAPI:
                 where = ".".join(loc) or "body"
                 parts.append(f"{where}: {err.get('msg')}")
         return error_response(400, "; ".join(parts) or "Invalid request.", param=param)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception):
+        # Still an OpenAI-style body for clients (the traceback goes to the log).
+        return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}", "InternalServerError")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):
@@ -134,6 +152,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     if state.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
+    cors = cors or CorsOptions()
+    # Added last, so outermost: preflight requests are answered before auth, and errors carry its headers.
+    app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
+                       allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     return app
 
 
@@ -190,9 +212,10 @@ def run_server(args: argparse.Namespace) -> int:
                 engine.num_usable_blocks, engine.config.model.max_model_len)
     state = build_state(engine, args.model, args.served_model_name, args.api_key, args.chat_template,
                         args.response_role)
-    app = build_app(state)
+    app = build_app(state, CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                                       args.allow_credentials))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on",
+                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on", root_path=args.root_path,
                             access_log=not args.disable_log_requests)
     server = _make_uvicorn_server(config)
     server.run()

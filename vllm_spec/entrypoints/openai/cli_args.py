@@ -7,6 +7,7 @@ Server flags (--host, --port, --api-key, --served-model-name, ...) plus every En
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -28,7 +29,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer <key>' on /v1 routes (default: $VLLM_API_KEY)")
     server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="model name(s) clients use in the 'model' field (default: MODEL as given); "
-                             "the first one is reported in responses")
+                             "the first one is reported where a request names none")
     server.add_argument("--chat-template", default=None,
                         help="chat template (a file or the template itself) for chat requests that bring "
                              "none, in place of the tokenizer's")
@@ -39,9 +40,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before they "
                              "are aborted")
+    server.add_argument("--root-path", default="", help="path prefix when served behind a proxy that routes it")
+    for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        server.add_argument(f"--allowed-{name}", type=_json_list, default=["*"], metavar="JSON",
+                            help=f"cross-origin requests: allowed {what}, a JSON list (default: [\"*\"], any)")
+    server.add_argument("--allow-credentials", action="store_true", help="cross-origin requests: allow credentials")
     engine = parser.add_argument_group("engine (EngineArgs, same names as LLM(...) keywords)")
     EngineArgs.add_cli_args(engine, skip=("model", "served_model_name"))   # the server's own flags
     return parser
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise argparse.ArgumentTypeError(f"a JSON list of strings is needed, got {text!r}")
+    return value
 
 
 def make_arg_parser() -> argparse.ArgumentParser:

@@ -7,9 +7,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator
 
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
+from vllm_spec.utils import check_text
 
 
 def random_id(prefix: str) -> str:
@@ -19,6 +20,12 @@ def random_id(prefix: str) -> str:
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are ignored (as vLLM does), so newer clients keep working.
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _unicode_text(cls, value: Any, info: ValidationInfo) -> Any:
+        check_text(info.field_name or "body", value)   # (a lone surrogate: a 400 naming the field)
+        return value
 
 
 # Errors --------------------------------------------------------------------------------------------
@@ -79,7 +86,7 @@ _UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "use_beam_search": False, "echo": False,
     "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "logits_processors": None,
-    "return_tokens_as_token_ids": False,
+    "return_tokens_as_token_ids": False, "priority": 0,
 }
 
 
