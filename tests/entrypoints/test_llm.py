@@ -395,10 +395,23 @@ def test_vllm_keywords_at_their_neutral_values(llm, tiny_llama):
     for priority in ([1], [0, 0]):
         with pytest.raises(ValueError, match=r"priority must be None or one 0 per prompt \(1\)"):
             llm.generate(PROMPT, greedy(), use_tqdm=False, priority=priority)
-    with pytest.raises(ValueError, match="tools is not supported"):
-        llm.chat(plain, use_tqdm=False, tools=[{"type": "function"}])
+    with pytest.raises(ValueError, match="tools must be a list of tool definitions"):
+        llm.chat(plain, use_tqdm=False, tools={"type": "function"})
     with pytest.raises(ValueError, match="chat_template_content_format must be 'auto' or 'string'"):
         llm.chat(plain, use_tqdm=False, chat_template_content_format="openai")
+
+
+
+def test_chat_tools_are_the_templates_to_show(llm):
+    """As vLLM's offline chat: tools go to the chat template (the model answers in text)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    template = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{{ messages[-1]['content'] }}"
+    out = llm.chat([{"role": "user", "content": "hi"}], greedy(), use_tqdm=False, chat_template=template,
+                   tools=tools)[0]
+    assert out.prompt == "[get_weather]hi"
+    assert llm.chat([{"role": "user", "content": "hi"}], greedy(), use_tqdm=False,
+                    chat_template=template)[0].prompt == "hi"
+
 
 # Metrics ------------------------------------------------------------------------------------------------------
 

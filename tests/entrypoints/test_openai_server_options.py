@@ -122,3 +122,25 @@ def test_cors_and_internal_errors_as_json(tiny_llama):
         client.app.add_api_route("/boom", boom)
         r = client.get("/boom")
         assert r.status_code == 500 and r.json()["error"]["message"] == "Internal server error: RuntimeError: boom"
+
+
+def test_tools_with_tool_choice_none_are_rendered_by_the_template(tiny_llama):
+    """As vLLM's server without auto tool choice: tools with tool_choice "none" reach the chat template;
+    tools without it (vLLM's default "auto"), "required", a named tool, or tool_choice without tools: 400."""
+    template = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{{ messages[-1]['content'] }}"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    auth = {"Authorization": "Bearer k"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template": template}
+    with TestClient(_server_app(tiny_llama)) as client:
+        tok = client.app.state.server.tokenizer
+        r = client.post("/v1/chat/completions", json={**chat, "tools": tools, "tool_choice": "none"}, headers=auth)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(tok("[f]hi", add_special_tokens=False).input_ids)
+        shown = client.post("/tokenize", json={"messages": chat["messages"], "tools": tools,
+                                               "chat_template": template}).json()["tokens"]
+        assert shown == tok("[f]hi", add_special_tokens=False).input_ids
+        for extra in ({"tools": tools}, {"tools": tools, "tool_choice": "required"},
+                      {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+                      {"tool_choice": "auto"}):
+            r = client.post("/v1/chat/completions", json={**chat, **extra}, headers=auth)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", (extra, r.text)

@@ -35,11 +35,16 @@ _RESERVED = ("tokenize", "conversation", "messages", "tokenizer", "add_special_t
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: str | None = None,
-                add_special_tokens: bool = False, template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+                add_special_tokens: bool = False, template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """{"prompt", "prompt_token_ids"} of a conversation under the tokenizer's chat template (or the
-    given one); add_special_tokens adds the tokenizer's own (BOS...) to the template's. ValueError for
-    contents it cannot render."""
+    given one); add_special_tokens adds the tokenizer's own (BOS...) to the template's; tools (OpenAI
+    function definitions) are the template's to show the model. ValueError for contents it cannot render."""
     template_kwargs = dict(template_kwargs or {})
+    if tools is not None:
+        if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"tools must be a list of tool definitions (dicts), got {tools!r}.")
+        template_kwargs["tools"] = tools
     reserved = sorted(set(template_kwargs) & set(_RESERVED))
     if reserved:
         raise ValueError(f"chat_template_kwargs cannot set {reserved}: they are arguments of their own.")

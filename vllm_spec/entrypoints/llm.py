@@ -127,9 +127,10 @@ class LLM:
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list of them) and generate.
-        Message contents may be strings or OpenAI content parts (text parts only). (lora_request, tools
-        and mm_processor_kwargs: vLLM's, accepted at their neutral values.)"""
-        check_neutral(lora_request=lora_request, tools=tools, mm_processor_kwargs=mm_processor_kwargs)
+        Message contents may be strings or OpenAI content parts (text parts only); tools are rendered by
+        the chat template (the model's tool calls come back as its text, as vLLM's offline chat).
+        (lora_request and mm_processor_kwargs: vLLM's, accepted at their neutral values.)"""
+        check_neutral(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError("chat_template_content_format must be 'auto' or 'string' (text parts are joined "
                              f"into one string), got {chat_template_content_format!r}.")
@@ -141,7 +142,7 @@ class LLM:
                             f"them, got {messages!r}.")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [render_chat(tokenizer, conv, add_generation_prompt, continue_final_message, chat_template, False,
-                               chat_template_kwargs) for conv in conversations]
+                               chat_template_kwargs, tools) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_metrics(self) -> list[Metric]:

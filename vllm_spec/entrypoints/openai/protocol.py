@@ -284,13 +284,19 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         self._check_unsupported()
         if not self.messages:
             raise OpenAIServingError("messages must not be empty.", param="messages")
-        if self.tools:
-            raise OpenAIServingError("tools are not supported.", param="tools")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise OpenAIServingError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+        if self.tools and (self.tool_choice or "auto") != "none":
+            # As vLLM's server without --enable-auto-tool-choice: tools given default to "auto".
+            raise OpenAIServingError(f"tool_choice {self.tool_choice or 'auto'!r} needs tool-call parsing, which this "
+                                     "server does not do: use tool_choice \"none\" (the chat template still shows "
+                                     "the tools to the model).", param="tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIServingError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         if self.add_generation_prompt and self.continue_final_message:

@@ -33,7 +33,7 @@ def _chat_prompt(state: serving.ServerState, request: ChatCompletionRequest) -> 
     try:
         return render_chat(tok, messages, request.add_generation_prompt, request.continue_final_message,
                            request.chat_template or state.chat_template, request.add_special_tokens,
-                           request.chat_template_kwargs)
+                           request.chat_template_kwargs, request.tools)
     except Exception as e:
         raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
 

@@ -24,6 +24,7 @@ class TokenizeRequest(OpenAIBaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 
@@ -54,7 +55,7 @@ async def tokenize(request: TokenizeRequest, raw_request: Request):
             ids = render_chat(tok, [m.model_dump(exclude_none=True) for m in request.messages],
                               request.add_generation_prompt, request.continue_final_message,
                               request.chat_template or state.chat_template, bool(request.add_special_tokens),
-                              request.chat_template_kwargs)["prompt_token_ids"]
+                              request.chat_template_kwargs, request.tools)["prompt_token_ids"]
         except Exception as e:
             raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
     else:
