@@ -144,8 +144,8 @@ class SamplingParams:
             # sampler skip work for mixed batches.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self.all_stop_token_ids = set(self.stop_token_ids)
-        if self.stop and not self.include_stop_str_in_output:
-            self.output_text_buffer_length = max(map(len, self.stop)) - 1
+        self.output_text_buffer_length = (max(map(len, self.stop)) - 1
+                                          if self.stop and not self.include_stop_str_in_output else 0)
 
     def _verify(self) -> None:
         _check(is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
@@ -267,8 +267,9 @@ class SamplingParams:
         """A copy normalised and checked again: as vLLM users do, a caller may have changed fields
         after construction (params.n = 0 would otherwise make a request that never finishes)."""
         params = copy.copy(self)
-        for cached in ("seeded_sampling", "batch_fields"):
-            params.__dict__.pop(cached, None)
+        for name, attr in vars(type(self)).items():
+            if isinstance(attr, cached_property):
+                params.__dict__.pop(name, None)
         params = copy.deepcopy(params)
         params.__post_init__()
         return params

@@ -40,6 +40,8 @@ def check_text(name: str, value: object) -> None:
             raise ValueError(f"{name} is not valid Unicode text: a lone surrogate ({value[e.start]!r}) at "
                              f"position {e.start}.") from None
     elif isinstance(value, (list, tuple)):
+        if value and isinstance(value[0], numbers.Number):
+            return   # token ids (lists are of one kind): no text, and possibly 100k of them
         for item in value:
             check_text(name, item)
     elif isinstance(value, dict):

@@ -17,7 +17,9 @@ SHORT = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture
 def engine(tiny_llama):
-    return AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24))
+    # (vLLM's signature: start_engine_loop second; the loop starts with the first request either way.)
+    return AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24),
+                                           False, usage_context="ENGINE_CONTEXT")
 
 
 async def _text(engine: AsyncLLMEngine, request_id: str, params: SamplingParams = SHORT) -> list[int]:
@@ -93,12 +95,15 @@ def test_vllms_request_options_and_ids(engine):
                                              priority=0):
                 pass
             assert len(out.outputs[0].token_ids) == 6
-            for kwargs, field in ((dict(priority=2), "priority"), (dict(lora_request="x"), "lora_request")):
+            for kwargs, field in ((dict(priority=2), "priority"), (dict(lora_request="x"), "lora_request"),
+                                  (dict(trace_headers={"a": "b"}), "trace_headers")):
                 with pytest.raises(ValueError, match=field):
                     async for _ in engine.generate("hello world", SHORT, "b", **kwargs):
                         pass
             with pytest.raises(TypeError, match="request_id must be a string"):
                 await engine.add_request(7, "hello world", SHORT)
+            with pytest.raises(ValueError, match="tokenization_kwargs"):
+                await engine.add_request("t", "hello world", SHORT, tokenization_kwargs={"truncation": True})
             with pytest.raises(ValueError, match="arrival_time"):
                 await engine.add_request("c", "hello world", SHORT, arrival_time="soon")
             stream = await engine.add_request("d", "hello world", SHORT, arrival_time=0.0)

@@ -166,19 +166,23 @@ def test_aborting_the_last_request_leaves_no_step_in_flight(tiny_llama):
     assert engine.step() == []
 
 
-@pytest.mark.parametrize("spec", [dict(speculative_disable_by_batch_size=2), dict()],
-                         ids=["never-speculating", "adaptive"])
-def test_speculative_engine_overlaps_its_steps_without_drafts(spec_pair, spec):
+@pytest.mark.parametrize("speculating", [False, True], ids=["never-speculating", "adaptive"])
+def test_speculative_engine_overlaps_its_steps_without_drafts(spec_pair, speculating):
     target, draft = spec_pair
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref = _outputs(LLM(model=target, kv_cache_memory_bytes=1 << 24), PROMPTS, params)
-    llm = LLM(model=target, speculative_model=draft, num_speculative_tokens=3, kv_cache_memory_bytes=1 << 24,
-              async_scheduling=True, **spec)
+
+    def engine(async_scheduling: bool) -> LLM:
+        llm = LLM(model=target, speculative_model=draft, num_speculative_tokens=3, kv_cache_memory_bytes=1 << 24,
+                  async_scheduling=async_scheduling)
+        if not speculating:   # (a threshold of 1, below what users may set: no step speculates)
+            llm.llm_engine.config.speculative.disable_by_batch_size = 1
+        return llm
+
+    llm = engine(True)
     assert _outputs(llm, PROMPTS, params) == ref
     seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=16)
-    sync = LLM(model=target, speculative_model=draft, num_speculative_tokens=3, kv_cache_memory_bytes=1 << 24,
-               async_scheduling=False, **spec)
-    assert _outputs(llm, PROMPTS, seeded) == _outputs(sync, PROMPTS, seeded)
+    assert _outputs(llm, PROMPTS, seeded) == _outputs(engine(False), PROMPTS, seeded)
 
 
 def test_ngram_steps_that_find_no_drafts_are_costed(spec_pair):

@@ -71,7 +71,8 @@ def test_vllm_request_options_at_their_neutral_values(engine):
     assert out.metrics.first_token_time - out.metrics.arrival_time >= 2.0
     for kwargs, field in ((dict(priority=1), "priority"), (dict(lora_request="adapter"), "lora_request"),
                           (dict(tokenization_kwargs={"truncation": True}), "tokenization_kwargs"),
-                          (dict(trace_headers={"a": "b"}), "trace_headers"), (dict(arrival_time="now"), "arrival_time")):
+                          (dict(trace_headers={"a": "b"}), "trace_headers"), (dict(arrival_time="now"), "arrival_time"),
+                          (dict(arrival_time=float("nan")), "arrival_time")):
         with pytest.raises(ValueError, match=field):
             engine.add_request("x", "hello", _params(), **kwargs)
     assert not engine.has_unfinished_requests()
@@ -93,3 +94,14 @@ def test_text_with_a_lone_surrogate_is_refused_naming_the_field(engine):
         with pytest.raises(ValueError, match=f"{field} is not valid Unicode text"):
             SamplingParams(**{field: ["ok", "\ud800"]})
     assert not engine.has_unfinished_requests()
+
+
+def test_a_checked_copy_forgets_what_changed_fields_no_longer_imply():
+    params = SamplingParams(stop=["abcdef"], temperature=0)
+    assert params.output_text_buffer_length == 5 and params.batch_fields.greedy
+    params.stop, params.temperature = None, 0.7
+    copy = params.checked_copy()
+    # No stop string to hold text back for, and no stale cached view of the old temperature.
+    assert copy.output_text_buffer_length == 0 and not copy.batch_fields.greedy
+    params.stop, params.include_stop_str_in_output = ["abcdef"], True
+    assert params.checked_copy().output_text_buffer_length == 0

@@ -392,8 +392,8 @@ def test_vllm_keywords_at_their_neutral_values(llm, tiny_llama):
             LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, **{name: value})
     with pytest.raises(ValueError, match="lora_request is not supported"):
         llm.generate(PROMPT, greedy(), use_tqdm=False, lora_request=object())
-    for priority in ([1], [0, 0]):
-        with pytest.raises(ValueError, match=r"priority must be None or one 0 per prompt \(1\)"):
+    for priority, message in (([1], "priority must be 0, got 1"), ([0, 0], r"one per prompt \(1\), got 2")):
+        with pytest.raises(ValueError, match=message):
             llm.generate(PROMPT, greedy(), use_tqdm=False, priority=priority)
     with pytest.raises(ValueError, match="tools must be a list of tool definitions"):
         llm.chat(plain, use_tqdm=False, tools={"type": "function"})

@@ -114,7 +114,8 @@ def test_cors_and_internal_errors_as_json(tiny_llama):
         assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://ui.example"
         r = client.get("/v1/models", headers={"Origin": "https://ui.example"})
         assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://ui.example"
-        assert "access-control-allow-origin" not in client.get("/health", headers={"Origin": "https://x.example"}).headers
+        other = client.get("/health", headers={"Origin": "https://x.example"})
+        assert "access-control-allow-origin" not in other.headers
         # An unexpected failure is still an OpenAI-style JSON error.
         def boom():
             raise RuntimeError("boom")
@@ -144,3 +145,30 @@ def test_tools_with_tool_choice_none_are_rendered_by_the_template(tiny_llama):
                       {"tool_choice": "auto"}):
             r = client.post("/v1/chat/completions", json={**chat, **extra}, headers=auth)
             assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", (extra, r.text)
+
+
+def test_the_api_key_is_asked_for_under_a_root_path():
+    """uvicorn's --root-path prefixes every request's path: /api/v1/models is the /v1 route, and needs the key."""
+    import asyncio
+
+    from vllm_spec.entrypoints.openai.api_server import APIKeyMiddleware
+
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request"}
+
+    middleware = APIKeyMiddleware(app, api_key="k")
+    for path, root in (("/api/v1/models", "/api"), ("/v1/models", "")):
+        scope = {"type": "http", "method": "GET", "path": path, "root_path": root, "headers": []}
+        asyncio.run(middleware(scope, receive, send))
+    assert reached == [] and [m["status"] for m in sent if m["type"] == "http.response.start"] == [401, 401]
+    asyncio.run(middleware({"type": "http", "method": "GET", "path": "/api/health", "root_path": "/api",
+                            "headers": []}, receive, send))
+    assert reached == ["/api/health"]

@@ -351,6 +351,13 @@ def test_the_step_after_a_prefill_does_not_inflate_a_known_cost():
     assert policy._measurement(8, 0).seconds == pytest.approx(known)
     plain(decoding, 5.5e-3)   # the next one counts
     assert policy._measurement(8, 0).seconds > known
+    # A refill right after a prefill step teaches the switching cost only while none is known.
+    policy._buckets[8].refill = 1e-3
+    plain(mixed, 20e-3)
+    policy.choose(decoding)
+    policy.observe(decoding, [0] * 8, [0] * 8, SpecStepStats(0, 0, 0, [], 0.0, 4e-3),
+                   Charge(policy._measurement(8, 0).seconds + 9e-3, refill=True))
+    assert policy._buckets[8].refill == pytest.approx(1e-3)
     # A cost not measured for explore_every visits is stale: a settling step updates it.
     policy._measurement(8, 0).at -= 50
     known = policy._measurement(8, 0).seconds

@@ -1,9 +1,8 @@
 """AsyncLLMEngine: an asyncio front for LLMEngine with per-request output streams.
 
-One background task owns the engine. The engine's work (add/abort, step) is blocking
-CPU/GPU code, so each loop iteration runs in a single dedicated worker thread; the
-engine is never touched from any other thread. Callers only enqueue additions and
-aborts; the loop applies them between steps.
+One background task owns the engine. The engine's work (add/abort, step) is blocking CPU/GPU code,
+so each loop iteration runs in a single dedicated worker thread; the engine is never touched from
+any other thread. Callers only enqueue additions and aborts; the loop applies them between steps.
 
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=...))
     async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-0"):
@@ -25,12 +24,11 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.async_stream import AsyncStream, EngineDeadError, EngineStepError, RequestAbortedError
 from vllm_spec.engine.llm_engine import LLMEngine
-from vllm_spec.engine.request_input import PromptType, check_neutral, check_priority, check_request_id
+from vllm_spec.engine.request_input import PromptType, check_request_id, check_request_options
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
@@ -76,8 +74,9 @@ class AsyncLLMEngine:
         self.num_step_errors = 0
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, usage_context: object = None,
+    def from_engine_args(cls, args: EngineArgs, start_engine_loop: bool = True, usage_context: object = None,
                          stat_loggers: dict | None = None) -> AsyncLLMEngine:
+        """As vLLM's (the loop starts with the first request, in the caller's event loop, either way)."""
         return cls(LLMEngine.from_engine_args(args, usage_context, stat_loggers))
 
     # Properties -------------------------------------------------------------------------------
@@ -199,9 +198,9 @@ class AsyncLLMEngine:
             try:
                 engine.add_request(p.request_id, p.prompt, p.params, arrival_time=p.arrival_time)
             except BaseException as e:  # noqa: BLE001 - handed to that caller only
-                loop.call_soon_threadsafe(_set_exception, p.future, e)
+                loop.call_soon_threadsafe(_settle, p.future, e)
             else:
-                loop.call_soon_threadsafe(_set_result, p.future, None)
+                loop.call_soon_threadsafe(_settle, p.future, None)
         if engine.has_unfinished_requests() or engine.has_step_in_flight:
             try:
                 result.outputs = engine.step()
@@ -250,7 +249,8 @@ class AsyncLLMEngine:
     # Public API -------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                           arrival_time: float | None = None, lora_request: None = None,
-                          trace_headers: dict | None = None, priority: int = 0) -> AsyncStream:
+                          tokenization_kwargs: dict | None = None, trace_headers: dict | None = None,
+                          priority: int = 0) -> AsyncStream:
         """Queue a request; returns its stream once the engine has accepted it (the options as
         LLMEngine.add_request's).
 
@@ -259,8 +259,7 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is shut down; no new requests.") from self._dead_error
         self.start()
         check_request_id(request_id)
-        check_neutral(lora_request=lora_request, trace_headers=trace_headers)
-        check_priority(priority)
+        check_request_options(lora_request, tokenization_kwargs, trace_headers, priority)
         if request_id in self._streams or any(p.request_id == request_id for p in self._pending_adds):
             raise ValueError(f"request_id {request_id!r} is already in use.")
         params = params if params is not None else SamplingParams()
@@ -329,8 +328,8 @@ class AsyncLLMEngine:
         for p in self._pending_adds:
             if p.request_id == request_id:
                 self._pending_adds.remove(p)
-                if not p.future.done() and error is not None:
-                    p.future.set_exception(error)
+                if error is not None:
+                    _settle(p.future, error)
                 return
         if self._wakeup is not None and (self.is_running or self._closing):
             self._pending_aborts.add(request_id)
@@ -368,8 +367,7 @@ class AsyncLLMEngine:
             return
         self._closing = True
         for p in self._pending_adds:
-            if not p.future.done():
-                p.future.set_exception(EngineDeadError("the engine is shutting down."))
+            _settle(p.future, EngineDeadError("the engine is shutting down."))
         self._pending_adds.clear()
         if self._streams:
             self.abort_nowait(list(self._streams))
@@ -392,11 +390,11 @@ class AsyncLLMEngine:
         self._executor.shutdown(wait=True)
 
 
-def _set_result(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
+def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
+    """An addition's outcome for its caller (unless it stopped waiting)."""
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

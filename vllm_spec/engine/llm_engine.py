@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -13,8 +14,8 @@ from vllm_spec.core.sequence import Request, Sequence, SequenceStatus
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.gc_tuning import tune_gc_for_serving
 from vllm_spec.engine.output_processor import OutputProcessor
-from vllm_spec.engine.request_input import (PromptType, as_token_ids, check_neutral, check_priority,
-                                             check_prompt_keys, check_request_id)
+from vllm_spec.engine.request_input import (PromptType, as_token_ids, check_neutral, check_prompt_keys,
+                                             check_request_id, check_request_options)
 from vllm_spec.engine.stats import EngineStats
 from vllm_spec.executor import create_executor
 from vllm_spec.generation_config import read_generation_config
@@ -118,13 +119,12 @@ class LLMEngine:
                     priority: int = 0) -> None:
         """Validate and queue a request; a bad request raises ValueError (TypeError: a request_id that is
         not a string) and changes nothing. arrival_time: when it arrived (time.time(), as vLLM's; now by
-        default); lora_request, tokenization_kwargs, trace_headers and priority: vLLM's, accepted at
-        their neutral values (no LoRA, no tracing, first come first served)."""
+        default; RequestOutput.metrics are on the monotonic clock); lora_request, tokenization_kwargs,
+        trace_headers and priority: vLLM's, accepted at their neutral values (no LoRA, no tracing, first
+        come first served)."""
         check_request_id(request_id)
-        check_neutral(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
-                      trace_headers=trace_headers)
-        check_priority(priority)
-        if arrival_time is not None and not is_number(arrival_time):
+        check_request_options(lora_request, tokenization_kwargs, trace_headers, priority)
+        if arrival_time is not None and not (is_number(arrival_time) and math.isfinite(arrival_time)):
             raise ValueError(f"arrival_time must be a time.time() timestamp, got {arrival_time!r}.")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):

@@ -56,6 +56,14 @@ def check_neutral(**values: Any) -> None:
             raise ValueError(f"{name} is not supported: it must be None, got {value!r}.")
 
 
+def check_request_options(lora_request: object = None, tokenization_kwargs: object = None,
+                          trace_headers: object = None, priority: object = 0) -> None:
+    """vLLM's add_request options, served at their neutral values only (no LoRA, no tracing, first come
+    first served)."""
+    check_neutral(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs, trace_headers=trace_headers)
+    check_priority(priority)
+
+
 def check_priority(priority: object) -> None:
     if priority != 0:
         raise ValueError(f"priority must be 0, got {priority!r}: requests are scheduled first come, first served "

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.llm_engine import LLMEngine
-from vllm_spec.engine.request_input import PromptType, check_neutral
+from vllm_spec.engine.request_input import PromptType, check_neutral, check_priority
 from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
@@ -69,9 +69,11 @@ class LLM:
         if not prompt_list:
             raise ValueError("prompts must not be empty.")
         check_neutral(lora_request=lora_request)
-        if priority is not None and (len(priority) != len(prompt_list) or any(p != 0 for p in priority)):
-            raise ValueError(f"priority must be None or one 0 per prompt ({len(prompt_list)}): requests are "
-                             "scheduled first come, first served.")
+        if priority is not None:
+            if len(priority) != len(prompt_list):
+                raise ValueError(f"priority must be None or one per prompt ({len(prompt_list)}), got {len(priority)}.")
+            for p in priority:
+                check_priority(p)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
         else:

@@ -48,7 +48,10 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not scope["path"].startswith("/v1"):
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):   # (uvicorn's --root-path prefixes every request's path)
+            path = path[len(root):]
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not path.startswith("/v1"):
             return await self.app(scope, receive, send)
         auth = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
         if not secrets.compare_digest(auth, self.expected):
@@ -153,7 +156,8 @@ def build_app(state: ServerState, cors: CorsOptions | None = None) -> FastAPI:
     if state.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
     cors = cors or CorsOptions()
-    # Added last, so outermost: preflight requests are answered before auth, and errors carry its headers.
+    # Added last, so outermost: preflight requests are answered before auth, and 4xx errors carry its
+    # headers (an unexpected 500 is answered by Starlette's outermost error middleware, without them).
     app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
                        allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     return app

@@ -21,10 +21,14 @@ class OpenAIBaseModel(BaseModel):
     # Unknown fields are ignored (as vLLM does), so newer clients keep working.
     model_config = ConfigDict(extra="ignore")
 
+
+class OpenAIRequestModel(OpenAIBaseModel):
+    """A request body: its text must be Unicode (a lone surrogate is valid JSON that tokenizers refuse)."""
+
     @field_validator("*", mode="after")
     @classmethod
     def _unicode_text(cls, value: Any, info: ValidationInfo) -> Any:
-        check_text(info.field_name or "body", value)   # (a lone surrogate: a 400 naming the field)
+        check_text(info.field_name or "body", value)   # (a 400 naming the field)
         return value
 
 
@@ -90,7 +94,7 @@ _UNSUPPORTED_EXTRAS: dict[str, Any] = {
 }
 
 
-class _SamplingFields(OpenAIBaseModel):
+class _SamplingFields(OpenAIRequestModel):
     """Sampling fields common to completions and chat (OpenAI's plus vLLM's extras)."""
 
     model_config = ConfigDict(extra="allow")   # kept, to be checked against _UNSUPPORTED_EXTRAS
@@ -263,7 +267,7 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 
 # /v1/chat/completions -----------------------------------------------------------------------------
-class ChatMessage(OpenAIBaseModel):
+class ChatMessage(OpenAIRequestModel):
     model_config = ConfigDict(extra="allow")  # keep tool/name fields for templates that use them
 
     role: str

@@ -9,10 +9,11 @@ from fastapi.responses import JSONResponse
 
 from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.entrypoints.openai import serving
-from vllm_spec.entrypoints.openai.protocol import ChatMessage, OpenAIBaseModel, OpenAIServingError
+from vllm_spec.entrypoints.openai.protocol import (ChatMessage, OpenAIBaseModel, OpenAIRequestModel,
+                                                   OpenAIServingError)
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(OpenAIRequestModel):
     """A text prompt, or a conversation rendered by the chat template (then special tokens are the
     template's: add_special_tokens defaults to false, as vLLM)."""
 
