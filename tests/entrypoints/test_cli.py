@@ -203,6 +203,24 @@ def test_serve_model_given_twice_is_a_clear_error(capsys):
     assert "MODEL given twice" in capsys.readouterr().err
 
 
+def test_serve_on_a_port_in_use_fails_before_loading_the_model(capsys, monkeypatch):
+    """As vLLM's server: the address is taken first, so a port in use is an error at once."""
+    import socket
+
+    from vllm_spec.entrypoints.openai import api_server
+    from vllm_spec.entrypoints.openai.cli_args import serve_main
+
+    monkeypatch.setattr(api_server.AsyncLLMEngine, "from_engine_args",
+                        lambda *a, **k: pytest.fail("the engine loaded before the port was checked"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ns = cli.make_parser().parse_args(["serve", "/no/such/model", "--port", str(port)])
+        assert serve_main(ns) == 2
+    assert f"cannot listen on 127.0.0.1:{port} (--host/--port)" in capsys.readouterr().err
+
+
 def test_flag_spelling_stops_at_double_dash():
     ns = cli.make_parser().parse_args(["generate", "--max_tokens", "3", "--", "--snake_case prompt"])
     assert ns.max_tokens == 3 and ns.prompts == ["--snake_case prompt"]

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import logging
 import secrets
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -198,6 +199,20 @@ def _make_uvicorn_server(config):
     return _Server(config)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening address, taken before the engine loads (as vLLM's server): a port in use is a
+    clear error at once, not after minutes of loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} (--host/--port): {e.strerror or e}.") from None
+    return sock
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Load the engine from the parsed serve flags and serve until SIGINT/SIGTERM. Returns 0."""
     import uvicorn
@@ -206,9 +221,13 @@ def run_server(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, str(args.uvicorn_log_level).upper(), logging.INFO),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    engine_args = EngineArgs.from_cli_args(args)
+    sock = bind_socket(args.host, args.port)
     t0 = time.perf_counter()
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    try:
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    except BaseException:
+        sock.close()
+        raise
     spec = engine.config.speculative
     logger.info("loaded %s in %.1f s (%s); KV blocks: %d; max_model_len %d", args.model,
                 time.perf_counter() - t0,
@@ -222,12 +241,10 @@ def run_server(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on", root_path=args.root_path,
                             access_log=not args.disable_log_requests)
     server = _make_uvicorn_server(config)
-    server.run()
+    server.run(sockets=[sock])
     if engine.is_running:  # lifespan shutdown did not run (e.g. forced exit)
         engine.shutdown_background_loop()
-    if not server.started:
-        return 1  # e.g. the port was taken
-    return 0
+    return 0 if server.started else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
