@@ -74,6 +74,27 @@ def test_model_variants_in_graphs_match_torch_backend(tmp_path, arch, options):
     assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
 
 
+@pytest.mark.parametrize("head_dim, heads", [(24, 4), (80, 2), (8, 8)])
+def test_head_sizes_that_are_no_power_of_two_run_in_graphs(tmp_path, head_dim, heads):
+    """Head sizes like 80 or 96 (or a tiny 8): the Triton kernels pad them; graphs and speculation
+    give the torch reference's tokens."""
+    from vllm_spec.attention import torch_backend
+
+    shape = dict(hidden_size=head_dim * heads, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                 head_dim=head_dim)
+    path = str(make_tiny_model(tmp_path / "t", "llama", seed=3, **shape))
+    draft = str(make_tiny_model(tmp_path / "d", "llama", seed=4, **shape))
+    reference = LLM(path, enforce_eager=True, **KV)
+    for layer in reference.llm_engine.executor.worker.runner.model.attention_layers():
+        layer.backend = torch_backend
+    expected = _ids(reference.generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm = LLM(path, **KV)
+    assert llm.llm_engine.executor.worker.runner.cuda_graphs
+    assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    spec = LLM(path, speculative_model=draft, num_speculative_tokens=3, speculative_policy="fixed", **KV)
+    assert _ids(spec.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+
+
 def test_bf16_default_runs(spec_pair):
     llm = LLM(spec_pair[0], kv_cache_memory_bytes=1 << 26, speculative_model=spec_pair[1],
               num_speculative_tokens=3)

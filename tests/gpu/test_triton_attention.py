@@ -100,6 +100,10 @@ DECODE = [  # (batch, heads, kv heads, head_dim, block_size, dtype)
     (7, 32, 4, 128, 16, torch.float32),
     (64, 28, 4, 128, 16, torch.bfloat16),    # GQA 7:1 (padded group)
     (7, 12, 2, 64, 16, torch.bfloat16),      # GQA 6:1
+    (7, 16, 4, 80, 16, torch.bfloat16),      # head sizes padded to a power of two
+    (64, 8, 2, 96, 32, torch.float16),
+    (5, 4, 2, 24, 16, torch.float32),
+    (3, 8, 8, 8, 16, torch.bfloat16),
 ]
 
 
@@ -115,7 +119,8 @@ def test_decode(B, H, KVH, D, bs, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 4, 8])
 @pytest.mark.parametrize("H,KVH,D,bs,dtype", [(32, 8, 128, 16, torch.bfloat16), (8, 8, 64, 32, torch.bfloat16),
-                                              (32, 4, 64, 16, torch.float32), (16, 2, 128, 32, torch.float16)])
+                                              (32, 4, 64, 16, torch.float32), (16, 2, 128, 32, torch.float16),
+                                              (16, 4, 80, 16, torch.bfloat16)])
 def test_verification_mixed(k, H, KVH, D, bs, dtype):
     """k+1 query tokens for speculating rows, 1 for rows with no draft, plus padded rows."""
     rng = random.Random(k * 7919 + H * 31 + D)
@@ -129,7 +134,7 @@ def test_verification_mixed(k, H, KVH, D, bs, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,KVH,D,bs,dtype", [(32, 8, 128, 16, torch.bfloat16), (8, 8, 128, 32, torch.bfloat16),
                                               (32, 4, 64, 16, torch.float16), (16, 2, 64, 32, torch.float32),
-                                              (32, 32, 64, 16, torch.bfloat16)])
+                                              (32, 32, 64, 16, torch.bfloat16), (8, 2, 96, 16, torch.bfloat16)])
 def test_prefill_chunks(H, KVH, D, bs, dtype):
     """Prefill chunks (some from position 0, some continuing a prior context) mixed with decode rows."""
     rng = random.Random(H * 131 + KVH * 17 + D + bs)
@@ -179,7 +184,8 @@ def test_padding_rows_and_int32_tables():
 @pytest.mark.gpu
 @pytest.mark.parametrize("KVH,D,bs,src_dtype,cache_dtype", [
     (8, 128, 16, torch.bfloat16, torch.bfloat16), (2, 64, 32, torch.float32, torch.float32),
-    (3, 64, 16, torch.float32, torch.bfloat16), (1, 128, 32, torch.float16, torch.float16)])
+    (3, 64, 16, torch.float32, torch.bfloat16), (1, 128, 32, torch.float16, torch.float16),
+    (2, 80, 16, torch.bfloat16, torch.bfloat16), (4, 24, 16, torch.float32, torch.float32)])
 def test_write_kv_cache(KVH, D, bs, src_dtype, cache_dtype):
     torch.manual_seed(KVH * D + bs)
     num_blocks, T = 50, 123

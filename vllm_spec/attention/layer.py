@@ -23,9 +23,9 @@ def triton_backend_or_none():
     return _triton_backend or None
 
 
-def select_backend(device: torch.device, head_dim: int):
-    """Triton kernels for CUDA tensors when triton imports (power-of-two head_dim); the torch reference else."""
-    if device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0:
+def select_backend(device: torch.device):
+    """Triton kernels for CUDA tensors when triton imports; the torch reference else."""
+    if device.type == "cuda":
         return triton_backend_or_none() or torch_backend
     return torch_backend
 
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         self.backend = None
 
     def backend_for(self, q: torch.Tensor):
-        return self.backend if self.backend is not None else select_backend(q.device, self.head_dim)
+        return self.backend if self.backend is not None else select_backend(q.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""

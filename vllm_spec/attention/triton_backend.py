@@ -11,6 +11,8 @@
   of each program are split across several programs, each writing an unnormalised partial result
   that a small combine kernel merges (flash-decoding).
 
+Any head size: the kernels' tiles use the next power of two (at least 16) and mask the rest.
+
 CUDA-graph safe: the grid and every specialisation come from host ints only (num_seqs, max_query_len,
 max_seq_len, shapes); lengths, starts and block tables are read inside the kernels. A sequence with
 q_len 0 writes nothing; one with no keys (seq_len 0) writes zeros, never NaN.
@@ -38,15 +40,19 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcb, stride_kcs, stride_kch,
                      stride_vcb, stride_vcs, stride_vch,
-                     KVH: tl.constexpr, KVH_P: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                     KVH: tl.constexpr, KVH_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # negative slots (if a caller ever uses them for padding) are skipped
         blk = slot // BLOCK_SIZE
         off = slot % BLOCK_SIZE
         h = tl.arange(0, KVH_P)
-        d = tl.arange(0, D)
-        mask = (h < KVH)[:, None]
+        d = tl.arange(0, D_P)
+        if D_P != D:
+            mask = (h < KVH)[:, None] & (d < D)[None, :]
+        else:
+            mask = (h < KVH)[:, None]
         k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
         tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :],
@@ -55,15 +61,17 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                  v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_head_dim(d: int) -> None:
-    assert d >= 16 and d & (d - 1) == 0, f"triton backend needs a power-of-two head_dim >= 16, got {d}"
+def _padded_head_dim(d: int) -> int:
+    """The head size the kernels' tiles use: a power of two, at least 16 (tl.dot's least K); the
+    columns past d are masked (head sizes like 80 or 96, or a tiny model's 8)."""
+    assert d >= 1, f"head_dim must be positive, got {d}"
+    return max(16, triton.next_power_of_2(d))
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V ([T, KVH, D]) at their slots of the [blocks, block_size, KVH, D] caches."""
     T, kvh, d = k.shape
-    _check_head_dim(d)
     assert k_cache.shape[2:] == (kvh, d) and v_cache.shape == k_cache.shape
     if T == 0:
         return
@@ -77,7 +85,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        KVH=kvh, KVH_P=triton.next_power_of_2(kvh), D=d, BLOCK_SIZE=k_cache.shape[1],
+        KVH=kvh, KVH_P=triton.next_power_of_2(kvh), D=d, D_P=_padded_head_dim(d), BLOCK_SIZE=k_cache.shape[1],
         num_warps=4 if kvh * d >= 1024 else 2,
     )
 
@@ -97,7 +105,7 @@ def _paged_attn_kernel(
     stride_bt,
     qk_scale, window, num_splits,
     KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    D: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
@@ -121,9 +129,15 @@ def _paged_attn_kernel(
         qpos = ctx + tok
         head = kvh * GROUP + g
         tok_glob = (q_start + tok).to(tl.int64)
-        d = tl.arange(0, D)
+        d = tl.arange(0, D_P)
+        # Rows (query token, head) and, for a padded head size only, columns: a mask that varies
+        # along d would keep the loads of a power-of-two head from being vectorised.
+        if D_P != D:
+            row_mask = row_valid[:, None] & (d < D)[None, :]
+        else:
+            row_mask = row_valid[:, None]
         q = tl.load(q_ptr + tok_glob[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=row_valid[:, None], other=0.0)
+                    mask=row_mask, other=0.0)
 
         # keys this tile can see: [lo, hi)
         hi = ctx + tl.minimum(tok0 + BLOCK_Q, q_len)
@@ -138,7 +152,7 @@ def _paged_attn_kernel(
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_P], tl.float32)
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         k_head = k_ptr + kvh.to(tl.int64) * stride_kh
         v_head = v_ptr + kvh.to(tl.int64) * stride_vh
@@ -148,7 +162,13 @@ def _paged_attn_kernel(
             blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
             in_blk = (kpos % BLOCK_SIZE).to(tl.int64)
             k_off = blk * stride_kb + in_blk * stride_ks
-            k = tl.load(k_head + k_off[None, :] + d[:, None], mask=kmask[None, :], other=0.0)  # [D, BLOCK_N]
+            if D_P != D:
+                k_mask = kmask[None, :] & (d < D)[:, None]
+                v_mask = kmask[:, None] & (d < D)[None, :]
+            else:
+                k_mask = kmask[None, :]
+                v_mask = kmask[:, None]
+            k = tl.load(k_head + k_off[None, :] + d[:, None], mask=k_mask, other=0.0)  # [D_P, BLOCK_N]
             s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
             valid = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
             if USE_WINDOW:
@@ -160,24 +180,24 @@ def _paged_attn_kernel(
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             v_off = blk * stride_vb + in_blk * stride_vs
-            v = tl.load(v_head + v_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)  # [BLOCK_N, D]
+            v = tl.load(v_head + v_off[:, None] + d[None, :], mask=v_mask, other=0.0)  # [BLOCK_N, D_P]
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
             m_i = m_new
 
         if SPLIT:
             idx = (tok_glob * H + head) * num_splits + split
-            tl.store(part_acc_ptr + idx[:, None] * D + d[None, :], acc, mask=row_valid[:, None])
+            tl.store(part_acc_ptr + idx[:, None] * D + d[None, :], acc, mask=row_mask)
             tl.store(part_ml_ptr + idx * 2, m_i, mask=row_valid)
             tl.store(part_ml_ptr + idx * 2 + 1, l_i, mask=row_valid)
         else:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + tok_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+                     out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_splits,
-                    H: tl.constexpr, D: tl.constexpr, SPLITS_P: tl.constexpr):
+                    H: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, SPLITS_P: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_P)
@@ -188,12 +208,20 @@ def _combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, nu
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_max)
-    d = tl.arange(0, D)
-    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+    d = tl.arange(0, D_P)
+    acc_ptrs = part_acc_ptr + (base + sp)[:, None] * D + d[None, :]
+    out_ptrs = out_ptr + t * stride_ot + h * stride_oh + d
+    if D_P != D:   # (a padded head size only: see the attention kernel)
+        acc = tl.load(acc_ptrs, mask=smask[:, None] & (d < D)[None, :], other=0.0)
+    else:
+        acc = tl.load(acc_ptrs, mask=smask[:, None], other=0.0)
     num = tl.sum(acc * w[:, None], 0)
     den = tl.sum(l * w, 0)
-    out = num / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    out = (num / tl.where(den > 0, den, 1.0)).to(out_ptr.dtype.element_ty)
+    if D_P != D:
+        tl.store(out_ptrs, out, mask=d < D)
+    else:
+        tl.store(out_ptrs, out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,7 +272,6 @@ def paged_attention_out(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         num_splits: int | None = None) -> torch.Tensor:
     """`paged_attention` into a caller-given out [T, H, D] (rows of real tokens only are written)."""
     T, H, D = q.shape
-    _check_head_dim(D)
     kvh = k_cache.shape[2]
     assert H % kvh == 0, f"{H} query heads over {kvh} kv heads"
     assert k_cache.shape[3] == D and v_cache.shape == k_cache.shape and out.shape == q.shape
@@ -276,14 +303,15 @@ def paged_attention_out(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         bt.stride(0),
         scale * _LOG2E, int(sliding_window) if use_window else 0, splits,
-        KVH=kvh, GROUP=group, GROUP_P=gp, BLOCK_Q=block_q, D=D, BLOCK_N=block_n,
+        KVH=kvh, GROUP=group, GROUP_P=gp, BLOCK_Q=block_q, D=D, D_P=_padded_head_dim(D), BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], USE_WINDOW=use_window, SPLIT=splits > 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         _combine_kernel[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits,
-                                H=H, D=D, SPLITS_P=triton.next_power_of_2(splits), num_warps=2)
+                                H=H, D=D, D_P=_padded_head_dim(D), SPLITS_P=triton.next_power_of_2(splits),
+                                num_warps=2)
     return out
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_spec.attention import torch_backend
+from vllm_spec.attention.layer import select_backend
 from vllm_spec.attention.metadata import AttentionMetadata, compute_slot_mapping
 from vllm_spec.config import MAX_SPECULATIVE_TOKENS
 from vllm_spec.model.llama import LlamaForCausalLM
@@ -50,7 +52,8 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.num_blocks = 0
-        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        # (The torch attention, where triton does not import, reads lengths on the host: eager only.)
+        self.cuda_graphs = cuda_graphs and device.type == "cuda" and select_backend(device) is not torch_backend
         if device.type == "cpu":
             model.pack_for_cpu()
         self._graphs: dict[int, GraphedForward] = {}
