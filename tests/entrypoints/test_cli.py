@@ -95,6 +95,26 @@ def test_default_model_fetch_failure_is_a_clear_error(monkeypatch, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("extra, draft", [([], True), (["--no-default-draft"], False),
+                                          (["--speculative-model", "[ngram]", "--num-speculative-tokens", "2"], False)])
+def test_serve_without_a_model_serves_the_default_pair(monkeypatch, tmp_path, extra, draft):
+    """As `vllm-spec generate`: the default model with the package's default draft (unless speculation is
+    configured otherwise or --no-default-draft), reported under the default model's name."""
+    import vllm_spec.model.default_model as dm
+    from vllm_spec.entrypoints.openai import api_server
+    from vllm_spec.entrypoints.openai.cli_args import serve_main
+
+    monkeypatch.setattr(dm, "default_model_path", lambda: tmp_path / "default.gguf")
+    seen = []
+    monkeypatch.setattr(api_server, "run_server", lambda ns: seen.append(ns) or 0)
+    assert serve_main(cli.make_parser().parse_args(["serve", *extra])) == 0
+    ns = seen[0]
+    assert ns.model == str(tmp_path / "default.gguf") and ns.served_model_name == [dm.DEFAULT_MODEL_NAME]
+    assert (ns.speculative_model == str(cli.default_draft_path())) == draft
+    if draft:
+        assert ns.num_speculative_tokens == cli.DEFAULT_NUM_SPECULATIVE_TOKENS
+
+
 def _kwargs(argv: list[str]):
     args = cli.make_parser().parse_args(["generate", *argv])
     return cli._engine_kwargs(args)

