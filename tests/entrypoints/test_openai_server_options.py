@@ -37,6 +37,10 @@ def test_chat_template_and_response_role(tiny_llama):
         stream = client.post("/v1/chat/completions",
                              json={"model": "m", "messages": messages, "max_tokens": 2, "stream": True})
         assert '"role":"bot"' in stream.text.replace(" ", "")
+        # Later deltas carry only what they set (no "role": null), as OpenAI's stream.
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in stream.text.splitlines()
+                  if line.startswith("data: {")]
+        assert deltas[0] == {"role": "bot", "content": ""} and all("role" not in d for d in deltas[1:]), deltas
 
 
 

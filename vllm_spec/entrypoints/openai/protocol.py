@@ -7,7 +7,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator,
+                      model_serializer)
 
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 from vllm_spec.utils import check_text
@@ -351,8 +352,15 @@ class ChatCompletionResponse(OpenAIBaseModel):
 
 
 class DeltaMessage(OpenAIBaseModel):
+    """A streamed chunk's change: only what it sets (the first carries the role; the last may be {}),
+    as OpenAI's and vLLM's streams."""
+
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler):
+        return {name: value for name, value in handler(self).items() if value is not None}
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
