@@ -99,6 +99,10 @@ def test_text_that_is_no_unicode_is_a_400_naming_the_field(tiny_llama):
             r = client.post(path, content=json.dumps(body), headers={**auth, "Content-Type": "application/json"})
             assert r.status_code == 400, (body, r.text)
             assert r.json()["error"]["param"] == param and "lone surrogate" in r.json()["error"]["message"], r.text
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):   # curl -d's form encoding: a 415
+            r = client.post(path, content='{"model": "m", "prompt": "hi"}', headers={
+                **auth, "Content-Type": "application/x-www-form-urlencoded"})
+            assert r.status_code == 415 and r.json()["error"]["type"] == "UnsupportedMediaTypeError", r.text
         r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2, "priority": 3},
                         headers=auth)
         assert r.status_code == 400 and r.json()["error"]["param"] == "priority"

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -60,6 +60,13 @@ class APIKeyMiddleware:
                                       "AuthenticationError")
             return await response(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+async def _json_body(request: Request) -> None:
+    """As vLLM's server: a body that is not declared JSON (curl -d's form encoding) is a 415."""
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+        raise OpenAIServingError("Unsupported Media Type: only 'application/json' is allowed.", status_code=415,
+                                 err_type=ERROR_TYPES[415])
 
 
 @dataclass
@@ -149,10 +156,11 @@ def build_app(state: ServerState, cors: CorsOptions | None = None) -> FastAPI:
     async def ping():   # vLLM's (SageMaker's) liveness probe: /health's answer
         return await health()
 
-    app.post("/v1/completions")(create_completion)
-    app.post("/v1/chat/completions")(create_chat_completion)
-    app.post("/tokenize")(tokenize)
-    app.post("/detokenize")(detokenize)
+    json_only = [Depends(_json_body)]
+    app.post("/v1/completions", dependencies=json_only)(create_completion)
+    app.post("/v1/chat/completions", dependencies=json_only)(create_chat_completion)
+    app.post("/tokenize", dependencies=json_only)(tokenize)
+    app.post("/detokenize", dependencies=json_only)(detokenize)
 
     if state.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
