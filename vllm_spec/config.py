@@ -153,6 +153,9 @@ class ModelConfig:
             # max_position_embeddings already counts its scaling).
             limit = int(limit * arch.rope_scaling["factor"])
             bound = f"max_position_embeddings x the linear rope_scaling factor {arch.rope_scaling['factor']}"
+        elif rope_type(arch.rope_scaling) == "yarn":   # as vLLM: the original context, stretched by the factor
+            limit = int(arch.rope_scaling["original_max_position_embeddings"] * arch.rope_scaling["factor"])
+            bound = f"original_max_position_embeddings x the yarn rope_scaling factor {arch.rope_scaling['factor']}"
         if max_model_len is None:
             max_model_len = limit
         elif not (is_int(max_model_len) and 1 <= max_model_len):

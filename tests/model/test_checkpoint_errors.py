@@ -137,13 +137,15 @@ def test_load_format_must_match_the_checkpoint(base):
     ({"type": "linear", "factor": 4.0}, 2048),   # transformers' older key
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
       "original_max_position_embeddings": 64}, 512),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}, 1024),   # original x factor
 ])
 def test_max_model_len_is_bounded_as_vllm_bounds_it(base, tmp_path, rope, limit):
     """max_position_embeddings (512 here), times the factor of linear rope scaling (llama3's configs count
-    their scaling in max_position_embeddings already): the default, and the most that may be asked."""
+    their scaling in max_position_embeddings already; yarn stretches its original context): the default, and
+    the most that may be asked."""
     folder = _variant(base, tmp_path / "m", {"rope_scaling": rope, "max_position_embeddings": 512})
     assert LLM(str(folder), **KW).llm_engine.config.model.max_model_len == limit
     LLM(str(folder), max_model_len=limit, **KW)
-    with pytest.raises(ValueError, match=rf"max_model_len \({limit + 1}\) must be <= the model's max_position_emb"
-                                         rf".* \({limit}\)"):
+    with pytest.raises(ValueError, match=rf"max_model_len \({limit + 1}\) must be <= the model's "
+                                         rf"(original_)?max_position_emb.* \({limit}\)"):
         LLM(str(folder), max_model_len=limit + 1, **KW)

@@ -31,7 +31,7 @@ PROMPTS = [
     "Reformat the single paragraph in 'text' so it fits in lines of no more than 'width' columns.",
     "x = 1",
 ]
-ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwen2_window"]
+ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwen2_window", "qwen2_yarn"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -65,9 +65,17 @@ def tiny_qwen2_window(tmp_path_factory) -> Path:
                            sliding_window=8, max_window_layers=1)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2_yarn(tmp_path_factory) -> Path:
+    # YaRN (Qwen2.5's long-context setting): frequencies ramped between original and interpolated over
+    # the head's dimensions, and cos/sin scaled by the attention factor (1 + 0.1 ln 4).
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_yarn"), "qwen2", seed=7, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})
+
+
 _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mistral",
              "llama3_tied": "tiny_llama3_tied", "gqa": "tiny_gqa", "llama_biases": "tiny_llama_biases",
-             "qwen2_window": "tiny_qwen2_window"}
+             "qwen2_window": "tiny_qwen2_window", "qwen2_yarn": "tiny_qwen2_yarn"}
 
 
 class Case:

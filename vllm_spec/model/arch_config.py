@@ -94,6 +94,10 @@ class ArchConfig:
                 rope_scaling = rope_params
         if rope_type(rope_scaling) == "default":
             rope_scaling = None
+        elif rope_type(rope_scaling) == "yarn":   # (transformers' defaults, from the model's context length)
+            rope_scaling = {"original_max_position_embeddings": cfg.get("max_position_embeddings"), **rope_scaling}
+            if rope_scaling.get("factor") is None:
+                rope_scaling["factor"] = cfg["max_position_embeddings"] / rope_scaling["original_max_position_embeddings"]
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],

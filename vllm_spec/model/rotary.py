@@ -1,4 +1,4 @@
-"""Rotary position embeddings (rotate-half layout) with Llama-3 and linear scaling."""
+"""Rotary position embeddings (rotate-half layout) with Llama-3, linear and YaRN scaling."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
@@ -16,13 +16,44 @@ def rope_type(scaling: dict[str, Any] | None) -> str:
     return scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
 
 
-def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+
+def _yarn(pos_freqs: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071), as transformers computes it: frequencies between the original and the
+    interpolated ones along a ramp over the dimensions, and an attention factor on cos/sin."""
+    factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else _yarn_mscale(factor))
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+    return inv, float(attention)
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies, and the factor cos/sin are scaled by (YaRN's attention factor, else 1)."""
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv = 1.0 / pos_freqs
     if not scaling:
-        return inv
+        return inv, 1.0
     kind = rope_type(scaling)
+    if kind == "yarn":
+        return _yarn(pos_freqs, head_dim, theta, scaling)
     if kind == "linear":
-        return inv / scaling["factor"]
+        return inv / scaling["factor"], 1.0
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -33,9 +64,9 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled)
+        return torch.where(medium, smoothed, scaled), 1.0
     if kind == "default":
-        return inv
+        return inv, 1.0
     raise ValueError(f"Unsupported rope_scaling type {kind!r}; supported: {SUPPORTED_ROPE_TYPES}.")
 
 
@@ -44,12 +75,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
         super().__init__()
-        inv = _inv_freq(head_dim, theta, scaling)
+        inv, attention = _inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * attention, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, D] tables for a batch's positions, looked up once per forward and shared by all layers."""
