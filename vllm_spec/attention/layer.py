@@ -23,9 +23,13 @@ def triton_backend_or_none():
     return _triton_backend or None
 
 
-def select_backend(device: torch.device):
+# float32 tiles of heads wider than this (padded to 256) need more shared memory than an H100/H200 has.
+_MAX_FP32_TRITON_HEAD = 128
+
+
+def select_backend(device: torch.device, head_dim: int, dtype: torch.dtype):
     """Triton kernels for CUDA tensors when triton imports; the torch reference else."""
-    if device.type == "cuda":
+    if device.type == "cuda" and not (dtype == torch.float32 and head_dim > _MAX_FP32_TRITON_HEAD):
         return triton_backend_or_none() or torch_backend
     return torch_backend
 
@@ -48,7 +52,7 @@ class Attention(nn.Module):
         self.backend = None
 
     def backend_for(self, q: torch.Tensor):
-        return self.backend if self.backend is not None else select_backend(q.device)
+        return self.backend if self.backend is not None else select_backend(q.device, self.head_dim, q.dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""

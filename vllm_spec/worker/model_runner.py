@@ -52,8 +52,10 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.num_blocks = 0
-        # (The torch attention, where triton does not import, reads lengths on the host: eager only.)
-        self.cuda_graphs = cuda_graphs and device.type == "cuda" and select_backend(device) is not torch_backend
+        # (The torch attention, where the Triton kernels are not used, reads lengths on the host: eager only.)
+        dtype = model.embed_tokens.weight.dtype
+        self.cuda_graphs = (cuda_graphs and device.type == "cuda"
+                            and select_backend(device, model.config.head_dim, dtype) is not torch_backend)
         if device.type == "cpu":
             model.pack_for_cpu()
         self._graphs: dict[int, GraphedForward] = {}

@@ -208,34 +208,43 @@ def _make_uvicorn_server(config):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening address, taken before the engine loads (as vLLM's server): a port in use is a
-    clear error at once, not after minutes of loading."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    """The listening socket, taken before the engine loads (as vLLM's server): a port in use is a clear
+    error at once, not after minutes of loading; clients connecting meanwhile wait in its queue."""
     try:
-        sock.bind((host, port))
+        family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port} (--host/--port): {e.strerror or e}.") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen()
     except OSError as e:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port} (--host/--port): {e.strerror or e}.") from None
     return sock
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Load the engine from the parsed serve flags and serve until SIGINT/SIGTERM. Returns 0."""
+def run_server(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
+    """Load the engine from the parsed serve flags and serve on `sock` (bound here when None) until
+    SIGINT/SIGTERM. Returns 0, or 1 when the server did not start."""
+    sock = sock or bind_socket(args.host, args.port)
+    try:
+        return _serve(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
     from vllm_spec.engine.arg_utils import EngineArgs
 
     logging.basicConfig(level=getattr(logging, str(args.uvicorn_log_level).upper(), logging.INFO),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    sock = bind_socket(args.host, args.port)
     t0 = time.perf_counter()
-    try:
-        engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
-    except BaseException:
-        sock.close()
-        raise
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     spec = engine.config.speculative
     logger.info("loaded %s in %.1f s (%s); KV blocks: %d; max_model_len %d", args.model,
                 time.perf_counter() - t0,
@@ -249,6 +258,9 @@ def run_server(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on", root_path=args.root_path,
                             access_log=not args.disable_log_requests)
     server = _make_uvicorn_server(config)
+    host, port = sock.getsockname()[:2]
+    # (uvicorn says where it listens only for sockets it binds itself; --port 0 picks one.)
+    logger.info("serving on http://%s:%d", f"[{host}]" if sock.family == socket.AF_INET6 else host, port)
     server.run(sockets=[sock])
     if engine.is_running:  # lifespan shutdown did not run (e.g. forced exit)
         engine.shutdown_background_loop()

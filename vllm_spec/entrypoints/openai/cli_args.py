@@ -62,10 +62,6 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
-# What the default pair sets (EngineArgs flags of the same names).
-_DEFAULT_PAIR_FIELDS = ("model", "dtype", "device", "speculative_model", "speculative_config", "num_speculative_tokens")
-
-
 def make_arg_parser() -> argparse.ArgumentParser:
     parser = FlexibleArgumentParser(
         prog="python -m vllm_spec.entrypoints.openai.api_server",
@@ -91,26 +87,26 @@ def serve_main(ns: argparse.Namespace) -> int:
             print(f"error: --chat-template: {ns.chat_template!r} is neither a file nor a Jinja template.",
                   file=sys.stderr)
             return 2
-    if not ns.model:   # the default pair, as `vllm-spec generate` uses it
-        from vllm_spec.entrypoints.cli import CLIError, fill_default_model
-        from vllm_spec.model.default_model import DEFAULT_MODEL_NAME
-
-        given = {name: getattr(ns, name) for name in _DEFAULT_PAIR_FIELDS}
-        try:
-            fill_default_model(given, ns.no_default_draft)
-        except CLIError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        vars(ns).update(given)
-        if not ns.served_model_name:
-            ns.served_model_name = [DEFAULT_MODEL_NAME]
     if ns.port is not None and not 0 <= ns.port <= 65535:
         print(f"error: --port must be in [0, 65535], got {ns.port}.", file=sys.stderr)
         return 2
-    from vllm_spec.entrypoints.openai.api_server import run_server
+    from vllm_spec.entrypoints.cli import CLIError, fill_default_model
+    from vllm_spec.entrypoints.openai.api_server import bind_socket, run_server
 
     try:
-        return run_server(ns)
-    except (ValueError, FileNotFoundError) as e:
+        sock = bind_socket(ns.host, ns.port)   # first: a port in use fails before any download or load
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        if not ns.model:   # the default pair, as `vllm-spec generate` uses it
+            from vllm_spec.model.default_model import DEFAULT_MODEL_NAME
+
+            fill_default_model(vars(ns), ns.no_default_draft)
+            ns.served_model_name = ns.served_model_name or [DEFAULT_MODEL_NAME]
+        return run_server(ns, sock)
+    except (CLIError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        sock.close()
