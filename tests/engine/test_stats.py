@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from vllm_spec import EngineArgs, LLMEngine, SamplingParams
 
 
@@ -43,4 +45,9 @@ def test_per_request_histograms(tiny_llama):
     m = {x.name: x for x in engine.get_metrics() if not isinstance(x, Histogram)}
     assert sum(x.value for x in engine.get_metrics() if x.name == "vllm:request_success") == 4
     assert m["vllm:prompt_tokens"].value == 3 + 11 + 2 * 2
+    # vLLM's phases, per sequence: waiting + running (prefill + decode) make up the latency.
+    phase = {p: h[f"vllm:request_{p}_time_seconds"] for p in ("queue", "prefill", "decode", "inference")}
+    assert all(x.count == 4 for x in phase.values())
+    assert phase["inference"].sum == pytest.approx(phase["prefill"].sum + phase["decode"].sum)
+    assert h["vllm:e2e_request_latency_seconds"].sum == pytest.approx(phase["queue"].sum + phase["inference"].sum)
     assert one_two_five_buckets(256) == (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0)

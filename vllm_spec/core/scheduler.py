@@ -13,6 +13,8 @@ its length limit is not scheduled again.
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -138,6 +140,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             bm.allocate(seq, n, slots)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, n == seq.num_uncomputed_tokens))

@@ -66,6 +66,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None   # when it first left the waiting queue (preemptions aside)
     first_token_time: float | None = None
     last_token_time: float | None = None   # set when it finishes
     num_preemptions: int = 0

@@ -27,6 +27,9 @@ class EngineStats:
         self.ttft = HistogramRecorder("vllm:time_to_first_token_seconds")
         self.e2e = HistogramRecorder("vllm:e2e_request_latency_seconds")
         self.tpot = HistogramRecorder("vllm:request_time_per_output_token_seconds")
+        # vLLM's phases of a request: waiting, then prefill (to its first token), then decode.
+        self.phases = {name: HistogramRecorder(f"vllm:request_{name}_time_seconds")
+                       for name in ("queue", "prefill", "decode", "inference")}
         token_buckets = one_two_five_buckets(max_model_len)
         self.request_prompt_tokens = HistogramRecorder("vllm:request_prompt_tokens", token_buckets)
         self.request_generation_tokens = HistogramRecorder("vllm:request_generation_tokens", token_buckets)
@@ -45,7 +48,14 @@ class EngineStats:
         """A request's end: per sequence (as vLLM's n > 1 child requests), its latency, the finish
         reason, the prompt and generated tokens and the time per output token after the first."""
         for seq in request.seqs:
-            self.e2e.observe((seq.last_token_time or now) - request.arrival_time)
+            end = seq.last_token_time or now
+            self.e2e.observe(end - request.arrival_time)
+            if seq.first_scheduled_time is not None:
+                self.phases["queue"].observe(seq.first_scheduled_time - request.arrival_time)
+                self.phases["inference"].observe(end - seq.first_scheduled_time)
+                if seq.first_token_time is not None:
+                    self.phases["prefill"].observe(seq.first_token_time - seq.first_scheduled_time)
+                    self.phases["decode"].observe(end - seq.first_token_time)
             self.finished[seq.status.finish_reason or "abort"] += 1
             n = len(seq.output_token_ids)
             self.request_prompt_tokens.observe(len(request.prompt_token_ids))
@@ -78,5 +88,5 @@ class EngineStats:
         ]
         metrics += [Counter("vllm:request_success", {"finished_reason": r}, v) for r, v in sorted(self.finished.items())]
         metrics += [h.snapshot() for h in (self.ttft, self.e2e, self.tpot, self.request_prompt_tokens,
-                                           self.request_generation_tokens)]
+                                           self.request_generation_tokens, *self.phases.values())]
         return metrics
