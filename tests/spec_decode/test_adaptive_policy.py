@@ -329,7 +329,7 @@ def test_a_dropped_choice_books_no_probe():
 
 def test_the_step_after_a_prefill_does_not_inflate_a_known_cost():
     """The first all-decoding step after one with prefill chunks pays one-off costs whatever its k
-    (2-3 ms at batch 64 on an H200): it must not raise a measured plain cost (a plain cost inflated
+    (about 3 ms at batch 64-128 on an H200): it must not raise a measured plain cost (a plain cost inflated
     this way held the policy to speculation that lost), yet it is what a still unmeasured or stale
     cost learns from."""
     policy = AdaptivePolicy(max_k=4, explore_every=50)

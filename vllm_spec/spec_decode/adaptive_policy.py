@@ -48,9 +48,9 @@ _SWITCH_HORIZON = 16
 _PROBE_BUDGET = 0.01
 _MAX_PROBE_EVERY = 800
 # An all-decoding step right after one with prefill chunks is charged one-off costs whatever its k
-# (on the H200 at batch 64-128, 2-3 ms over the next step): steps this close to one with prefill
+# (on the H200 at batch 64-128, about 3 ms over the steps around it): steps this close to one with prefill
 # chunks update a step kind's cost only while it is unmeasured, few-sampled or stale. (A plain
-# step's cost inflated by them held the policy to speculation that lost 3-5% at break-even.)
+# step's cost inflated by them held the policy to speculation that lost 2.5-3% at break-even.)
 _SETTLE_STEPS = 1
 
 
