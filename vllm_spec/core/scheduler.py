@@ -14,7 +14,6 @@ its length limit is not scheduled again.
 from __future__ import annotations
 
 import time
-
 from collections import deque
 from dataclasses import dataclass, field
 

@@ -92,12 +92,14 @@ class ArchConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
-        if rope_type(rope_scaling) == "default":
+        kind = rope_type(rope_scaling)
+        if kind == "default":
             rope_scaling = None
-        elif rope_type(rope_scaling) == "yarn":   # (transformers' defaults, from the model's context length)
+        elif kind == "yarn":   # (transformers' defaults, from the model's context length)
             rope_scaling = {"original_max_position_embeddings": cfg.get("max_position_embeddings"), **rope_scaling}
             if rope_scaling.get("factor") is None:
-                rope_scaling["factor"] = cfg["max_position_embeddings"] / rope_scaling["original_max_position_embeddings"]
+                original = rope_scaling["original_max_position_embeddings"]
+                rope_scaling["factor"] = cfg["max_position_embeddings"] / original
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],

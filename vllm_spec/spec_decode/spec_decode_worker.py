@@ -131,16 +131,17 @@ class SpecDecodeWorker:
         other_tokens = 0
         for i, s in enumerate(req.seqs):
             n = len(s.token_ids)
+            room = max(min(lookahead, max_len - s.seq_len), 0)   # drafts that stay inside the draft's limit
             if s.sample and s.sampling_params.seeded_sampling:
                 if s.seq_len > len(s.prompt_token_ids):
-                    asked[i] = max(min(lookahead, max_len - s.seq_len), 0)
+                    asked[i] = room
                 other_tokens += n + asked[i]
             elif n != 1 or not s.sample:
                 other_tokens += n
             else:
                 rows.append(i)
                 seq_ids.append(s.seq_id)
-                caps.append(max(min(lookahead, max_len - s.seq_len), 0))
+                caps.append(room)
         shape = StepShape(seq_ids, caps, other_tokens)
         chosen = self.policy.choose(shape)
         for i, k in zip(rows, chosen):

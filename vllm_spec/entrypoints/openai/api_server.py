@@ -123,7 +123,7 @@ def build_app(state: ServerState, cors: CorsOptions | None = None) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception):
         # Still an OpenAI-style body for clients (the traceback goes to the log).
-        return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}", "InternalServerError")
+        return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}", ERROR_TYPES[500])
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):
@@ -210,18 +210,17 @@ def _make_uvicorn_server(config):
 def bind_socket(host: str, port: int) -> socket.socket:
     """The listening socket, taken before the engine loads (as vLLM's server): a port in use is a clear
     error at once, not after minutes of loading; clients connecting meanwhile wait in its queue."""
+    sock = None
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, kind, proto)
-    except OSError as e:
-        raise ValueError(f"cannot listen on {host}:{port} (--host/--port): {e.strerror or e}.") from None
-    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen()
     except OSError as e:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise ValueError(f"cannot listen on {host}:{port} (--host/--port): {e.strerror or e}.") from None
     return sock
 

@@ -79,8 +79,7 @@ def error_response(status: int, message: str, err_type: str = "BadRequestError",
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
-               500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 def _engine_error_status(exc: BaseException) -> int:
