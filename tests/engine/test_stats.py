@@ -51,3 +51,46 @@ def test_per_request_histograms(tiny_llama):
     assert phase["inference"].sum == pytest.approx(phase["prefill"].sum + phase["decode"].sum)
     assert h["vllm:e2e_request_latency_seconds"].sum == pytest.approx(phase["queue"].sum + phase["inference"].sum)
     assert one_two_five_buckets(256) == (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0)
+    # vLLM's request parameter and per-request maximum histograms.
+    assert (h["vllm:request_params_n"].count, h["vllm:request_params_n"].sum) == (3, 1 + 1 + 2)
+    assert (h["vllm:request_params_max_tokens"].count, h["vllm:request_params_max_tokens"].sum) == (3, 6 + 1 + 4)
+    assert h["vllm:request_max_num_generation_tokens"].sum == 6 + 1 + 4
+
+
+def test_iteration_tokens_and_inter_token_latency(tiny_llama):
+    """vLLM's per-step token histogram counts each step's prefill and emitted tokens; inter-token
+    latency has one observation per sequence per step after its first token."""
+    from vllm_spec.metrics import Histogram
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                   max_num_batched_tokens=16, async_scheduling=False))
+    engine.add_request("a", {"prompt_token_ids": [5] * 20}, SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.add_request("b", {"prompt_token_ids": [6] * 3}, SamplingParams(max_tokens=3, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    h = {x.name: x for x in engine.get_metrics() if isinstance(x, Histogram)}
+    it = h["vllm:iteration_tokens_total"]
+    assert it.count == steps
+    # Every prompt token is computed once (in chunks of at most 16) and every output token emitted once.
+    assert it.sum == 20 + 3 + 5 + 3
+    assert set(it.buckets) == {"1.0", "2.0", "5.0", "10.0", "+Inf"}
+    itl = h["vllm:inter_token_latency_seconds"]
+    assert itl.count == (5 - 1) + (3 - 1) and itl.sum > 0
+    assert itl.sum <= h["vllm:e2e_request_latency_seconds"].sum
+
+
+def test_an_aborted_request_ends_when_it_is_aborted(tiny_llama):
+    import time
+
+    from vllm_spec.metrics import Histogram
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24))
+    engine.add_request("a", "hello", SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    time.sleep(0.2)
+    engine.abort_request("a")
+    h = {x.name: x for x in engine.get_metrics() if isinstance(x, Histogram)}
+    assert h["vllm:e2e_request_latency_seconds"].sum >= 0.2

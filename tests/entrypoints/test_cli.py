@@ -178,19 +178,19 @@ def test_readme_test_command_is_what_ci_runs():
     (True, ["--dtype", "float32"], "float32"),
 ])
 def test_default_main_job_uses_bf16_on_capable_cpus(monkeypatch, native_bf16, argv, expected):
-    import vllm_spec.config as config
+    import vllm_spec.platform as platform
     import vllm_spec.model.default_model as dm
 
     monkeypatch.setattr(dm, "default_model_path", lambda: Path("/models/default.gguf"))
-    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: native_bf16)
     kw, _ = _kwargs(["--device", "cpu", *argv])
     assert kw["dtype"] == expected
 
 
 def test_explicit_model_keeps_auto_dtype(monkeypatch, tiny_llama):
-    import vllm_spec.config as config
+    import vllm_spec.platform as platform
 
-    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: True)
     kw, _ = _kwargs(["--model", str(tiny_llama), "--device", "cpu"])
     assert kw["dtype"] == "auto"
 

@@ -485,8 +485,8 @@ def test_vllm_flags_with_their_supported_values(tiny_llama):
               quantization=None, revision=None, tokenizer_revision=None, download_dir=None, disable_log_stats=True,
               max_logprobs=20, kv_cache_dtype="auto")
     assert len(llm.generate("hi", greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
-    with pytest.raises(ValueError, match="enable_prefix_caching must be False"):
-        LLM(str(tiny_llama), enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True, False or None"):
+        LLM(str(tiny_llama), enable_prefix_caching="yes")
     with pytest.raises(ValueError, match="enable_chunked_prefill must be True"):
         LLM(str(tiny_llama), enable_chunked_prefill=False)
     for name, value in [("quantization", "awq"), ("tokenizer_mode", "slow"), ("revision", "main"),

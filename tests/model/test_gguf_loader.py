@@ -199,7 +199,7 @@ def test_corrupt_or_ambiguous_gguf_is_a_clear_error(tmp_path):
     twice.mkdir()
     for name in ("a.gguf", "b.gguf"):
         (twice / name).write_bytes(good.read_bytes())
-    from vllm_spec.config import find_model_source
+    from vllm_spec.model.model_source import find_model_source
 
     with pytest.raises(ValueError, match="2 .gguf files.*a.gguf, b.gguf"):
         find_model_source(str(twice), "auto")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_spec.config import find_model_source
+from vllm_spec.model.model_source import find_model_source
 from vllm_spec.model import default_model
 from vllm_spec.model import offline_models as om
 

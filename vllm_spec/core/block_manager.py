@@ -4,11 +4,21 @@ Slots are reserved ahead of the tokens that fill them ("lookahead" slots for
 draft tokens): a sequence's table always covers num_computed_tokens + the
 tokens scheduled this step + the lookahead. Rejected draft positions simply
 stay inside the table and are overwritten by the next step.
+
+With prefix caching (vLLM's enable_prefix_caching) a full block of prompt tokens is
+registered under a hash of its tokens and of every token before it once the step
+computing it is launched (a later step, which is all that can read it, runs after it on
+the device). A new sequence starts from the longest run of registered blocks matching
+its prompt: it shares them (ref counts) and computes only the rest. A freed block keeps
+its contents and registration until the free list hands it out again (least recently
+freed first; a sequence's tail blocks before its head).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
 
 from vllm_spec.attention.metadata import NULL_BLOCK
 from vllm_spec.core.sequence import Sequence
@@ -17,13 +27,21 @@ from vllm_spec.core.sequence import Sequence
 class BlockManager:
     """Owns physical block ids 1..num_blocks-1 (block 0 is the shared null block)."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {num_blocks}.")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(b for b in range(num_blocks) if b != NULL_BLOCK)
+        # In the order they are handed out: an ordered set, as a cached block leaves it from anywhere.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(b for b in range(num_blocks)
+                                                                        if b != NULL_BLOCK)
         self.ref_counts = [0] * num_blocks
+        self.enable_caching = enable_caching
+        self.cached: dict[bytes, int] = {}   # prefix hash -> the block holding that prefix's last block
+        self.block_hash: dict[int, bytes] = {}
+        # Prompt tokens looked up and found (vLLM's prefix_cache_queries / _hits counters).
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -41,16 +59,82 @@ class BlockManager:
         slots = seq.num_computed_tokens + num_new_tokens + num_lookahead
         return max(0, -(-slots // self.block_size) - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:
+    def can_append_slots(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:
         return self.blocks_needed(seq, num_new_tokens, num_lookahead) <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> None:
-        """Give a sequence without blocks enough of them for its first scheduled chunk."""
+    # Admission ------------------------------------------------------------------------
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The registered blocks holding the longest prefix of a waiting sequence's prompt ([]
+        without caching). At least its last prompt token is left to compute (its logits give the
+        first token); prompt logprobs need every prompt position computed, and a preempted
+        sequence recomputes its own (a draft model's cache is rebuilt with it)."""
+        if not self.enable_caching or seq.prompt_logprobs is not None or seq.num_preemptions:
+            return []
+        hits = []
+        for key in self._prefix_hashes(seq, (seq.num_prompt_tokens - 1) // self.block_size):
+            block = self.cached.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0,
+                     cached: list[int] = ()) -> bool:
+        """Whether a waiting sequence starting from `cached` blocks gets slots for its first chunk
+        (cached blocks nobody holds come off the free list too)."""
+        slots = len(cached) * self.block_size + num_new_tokens + num_lookahead
+        reused = sum(1 for b in cached if self.ref_counts[b] == 0)
+        return -(-slots // self.block_size) - len(cached) + reused <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0, cached: list[int] = ()) -> None:
+        """Give a sequence without blocks its cached prefix (its tokens count as computed) and
+        enough blocks for its first scheduled chunk."""
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
+        if self.enable_caching and not seq.num_preemptions:
+            self.num_queried_tokens += seq.num_prompt_tokens
+            self.num_hit_tokens += len(cached) * self.block_size
+        for block in cached:
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+        seq.block_table = list(cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
         self.append_slots(seq, num_new_tokens, num_lookahead)
 
-    can_append_slots = can_allocate
+    def register_computed(self, seq: Sequence) -> None:
+        """Register the sequence's full prompt blocks computed by the steps launched so far."""
+        if not self.enable_caching:
+            return
+        num_full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.block_size
+        if num_full <= seq.num_registered_blocks:
+            return
+        for i, key in enumerate(self._prefix_hashes(seq, num_full)):
+            block = seq.block_table[i]
+            if i >= seq.num_registered_blocks and block not in self.block_hash and key not in self.cached:
+                self.cached[key] = block
+                self.block_hash[block] = key
+        seq.num_registered_blocks = num_full
+
+    def _prefix_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Hashes of the prompt's first num_blocks blocks, each over its tokens and every one
+        before (a strong hash: a collision would hand out another prompt's K/V)."""
+        hashes = seq.prompt_block_hashes
+        size, prompt = self.block_size, seq.prompt_token_ids
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            h = hashlib.sha256(hashes[-1] if hashes else b"")
+            h.update(array("q", prompt[i * size: (i + 1) * size]).tobytes())
+            hashes.append(h.digest())
+        return hashes[:num_blocks]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every registration (blocks in use keep their contents; new prompts start cold)."""
+        self.cached.clear()
+        self.block_hash.clear()
+
+    # Growth and release ------------------------------------------------------------------
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1, num_lookahead: int = 0) -> None:
         """Grow the table to cover the scheduled tokens plus `num_lookahead` draft slots."""
@@ -68,7 +152,11 @@ class BlockManager:
             return False
         # Tables only ever grow by append here (worker/block_table.py keeps arrays on that).
         for _ in range(need):
-            block = self.free_blocks.popleft()
+            block = self.free_blocks.popitem(last=False)[0]
+            if self.block_hash:   # a registered block handed out for new contents leaves the cache
+                key = self.block_hash.pop(block, None)
+                if key is not None and self.cached.get(key) == block:
+                    del self.cached[key]
             self.ref_counts[block] = 1
             seq.block_table.append(block)
         return True
@@ -80,5 +168,6 @@ class BlockManager:
                 raise RuntimeError(f"double free of block {block} by sequence {seq.seq_id}")
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                self.free_blocks[block] = None
         seq.block_table = []   # a new list, never the old one cleared (worker/block_table.py)
+        seq.num_registered_blocks = 0

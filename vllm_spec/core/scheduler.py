@@ -133,16 +133,18 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_in_flight:   # preempted while a step sampled for it: recompute once it is known
                 break
-            n = min(seq.num_uncomputed_tokens, budget)
-            slots = lookahead if n == seq.num_uncomputed_tokens else 0
-            if not bm.can_allocate(seq, n, slots):
+            cached = bm.cached_prefix(seq)
+            uncomputed = seq.num_uncomputed_tokens - len(cached) * block_size
+            n = min(uncomputed, budget)
+            slots = lookahead if n == uncomputed else 0
+            if not bm.can_allocate(seq, n, slots, cached):
                 break
             self.waiting.popleft()
-            bm.allocate(seq, n, slots)
+            bm.allocate(seq, n, slots, cached)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, n == seq.num_uncomputed_tokens))
+            out.scheduled.append(ScheduledSeq(seq, n, n == uncomputed))
             budget -= n
         return out

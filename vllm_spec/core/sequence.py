@@ -68,8 +68,13 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None   # when it first left the waiting queue (preemptions aside)
     first_token_time: float | None = None
-    last_token_time: float | None = None   # set when it finishes
+    last_token_time: float | None = None   # when its newest tokens arrived
     num_preemptions: int = 0
+    # Prefix caching: prompt tokens found cached at admission, full prompt blocks registered so
+    # far, and the hashes of the prompt's blocks computed so far (see BlockManager).
+    num_cached_tokens: int = 0
+    num_registered_blocks: int = 0
+    prompt_block_hashes: list[bytes] = field(default_factory=list, repr=False)
     # Detokenized output and its incremental-decoding state: a tokenizers DecodeStream for fast
     # tokenizers, else the offsets of the window decoded around each new token.
     output_text: str = ""

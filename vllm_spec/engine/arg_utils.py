@@ -54,8 +54,8 @@ class EngineArgs:
               "per sequence (default: on for CUDA with tensor_parallel_size 1).")
     enable_chunked_prefill: bool = _opt(True, "Split prompts over steps to fit max_num_batched_tokens (always on, "
                                               "as in vLLM V1; False is refused).")
-    enable_prefix_caching: bool | None = _opt(False, "Share KV blocks of common prompt prefixes (not supported: "
-                                                     "False, or None as vLLM's default).")
+    enable_prefix_caching: bool | None = _opt(False, "Share the KV blocks of prompt prefixes computed before: a "
+                                                     "prompt starting with them computes only the rest (None: off).")
     # vLLM's names for what this engine does one way only, accepted at that way (checked in
     # create_engine_config): configurations written for vLLM run unchanged where they mean the same.
     trust_remote_code: bool = _opt(False, "Accepted for vLLM compatibility: no remote code is ever run "
@@ -144,9 +144,8 @@ class EngineArgs:
         if self.enable_chunked_prefill is not True:
             raise ValueError("enable_chunked_prefill must be True (prompts are always chunked to fit "
                              f"max_num_batched_tokens), got {self.enable_chunked_prefill!r}.")
-        if self.enable_prefix_caching not in (False, None):
-            raise ValueError(f"enable_prefix_caching must be False or None (prefix caching is not supported), "
-                             f"got {self.enable_prefix_caching!r}.")
+        if not isinstance(self.enable_prefix_caching, (bool, type(None))):
+            raise ValueError(f"enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}.")
         self._check_fixed_choices()
         model = ModelConfig.create(self.model, self.tokenizer, self.dtype, self.device, self.max_model_len,
                                    self.load_format, self.seed, self.generation_config, self.override_generation_config)
@@ -154,7 +153,7 @@ class EngineArgs:
         return EngineConfig(
             model=model,
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes,
-                              self.num_gpu_blocks_override),
+                              self.num_gpu_blocks_override, bool(self.enable_prefix_caching)),
             scheduler=SchedulerConfig(self.max_num_seqs, 2048 if self.max_num_batched_tokens is None
                                       else self.max_num_batched_tokens, model.max_model_len),
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),

@@ -43,7 +43,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = None if skip_tokenizer_init else get_tokenizer(config.model)
         self.executor = create_executor(config)
-        self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size)
+        self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.num_lookahead_slots)
         self.output_processor = OutputProcessor(self.tokenizer, config.model.max_model_len)
         self.update_eos_token_ids()
@@ -61,7 +62,7 @@ class LLMEngine:
         self._idle_since: float | None = None
         self.async_scheduling = config.uses_async_scheduling
         self._in_flight: _Launched | None = None   # a step launched and not read yet (async scheduling)
-        self.stats = EngineStats(config.model.max_model_len)
+        self.stats = EngineStats(config.model.max_model_len, config.scheduler.max_num_batched_tokens)
         self.spec_metrics = SpecDecodeMetrics(config.speculative.num_speculative_tokens) if config.speculative else None
         tune_gc_for_serving(config.scheduler.max_num_seqs)
 
@@ -174,7 +175,7 @@ class LLMEngine:
         for seq in seqs:
             self._seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
-        self.stats.on_new_request(len(ids), params.n)
+        self.stats.on_new_request(len(ids), params.n, max_tokens)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -235,6 +236,10 @@ class LLMEngine:
             self._idle_since = None
         try:
             return self._step(t0)
+        except BaseException:
+            # A failed step may have left registered blocks without their K/V.
+            self.block_manager.reset_prefix_cache()
+            raise
         finally:
             if not self.requests:
                 self._idle_since = time.perf_counter()
@@ -254,12 +259,21 @@ class LLMEngine:
             self._released = request.finished_seq_ids + self._released
             self._idle_time += request.engine_idle_time
             raise
+        num_prompt_tokens = 0   # prefill tokens (prompts, chunks, recomputation after preemption)
+        caching = self.block_manager.enable_caching
         for item in sched.scheduled:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
+            seq, n = item.seq, item.num_new_tokens
+            if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+                num_prompt_tokens += n
+                seq.num_computed_tokens += n
+                if caching:   # launched: any step that can read these blocks runs after this one
+                    self.block_manager.register_computed(seq)
+            else:
+                seq.num_computed_tokens += n
             if item.samples:
                 seq.num_in_flight += 1
-        launched = _Launched(handle, schedule_time=t1 - t0, launch_time=time.perf_counter() - t1)
+        launched = _Launched(handle, schedule_time=t1 - t0, launch_time=time.perf_counter() - t1,
+                             num_prompt_tokens=num_prompt_tokens)
         # The new step is in flight before the previous one is read (kept, should that read raise).
         previous, self._in_flight = self._in_flight, launched
         outputs = []
@@ -303,6 +317,7 @@ class LLMEngine:
         # Bound once: this loop runs per sequence per step (and enum members read off their class
         # run Python code in 3.11).
         seqs, requests, append = self._seqs, self.requests, self.output_processor.append
+        itl = self.stats.inter_token_latency.observe
         running, final_only = SequenceStatus.RUNNING, RequestOutputKind.FINAL_ONLY
         logprobs = result.logprobs or [None] * len(result.seq_ids)
         for seq_id, token_ids, lps in zip(result.seq_ids, result.token_ids, logprobs, strict=True):
@@ -312,6 +327,9 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self.stats.on_first_token(now - seq.arrival_time)
+            else:
+                itl(now - seq.last_token_time)
+            seq.last_token_time = now
             generated += append(seq, token_ids, lps)
             seq.num_in_flight -= 1
             status = seq.status
@@ -319,12 +337,11 @@ class LLMEngine:
                 # Every token but the newest now has its K/V in the cache.
                 seq.num_computed_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids) - 1
             if status is not running and status.finished:   # the property runs Python code: asked last
-                seq.last_token_time = now
                 self._finish(seq, status)
             elif seq.sampling_params.output_kind is final_only:
                 continue
             touched[seq.request_id] = requests[seq.request_id]
-        self.stats.on_generated(generated)
+        self.stats.on_generated(generated, launched.num_prompt_tokens)
         outputs = []
         for request in touched.values():
             finished = request.is_finished
@@ -362,13 +379,21 @@ class LLMEngine:
             prompt_logprobs = None if request.prompt_logprobs_reported else prompt_logprobs
             request.prompt_logprobs_reported = True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
-                             prompt_logprobs, None, metrics)
+                             prompt_logprobs, None, metrics, request.seqs[0].num_cached_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's registrations: later prompts compute every token again (blocks
+        in use keep their contents). True, as vLLM's when it succeeds."""
+        self.block_manager.reset_prefix_cache()
+        return True
 
     # Metrics ------------------------------------------------------------------------
     def get_metrics(self) -> list[Metric]:
+        bm = self.block_manager
         metrics = self.stats.snapshot(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            kv_usage=self.block_manager.usage, num_preemptions=self.scheduler.num_preemptions,
+            kv_usage=bm.usage, num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=bm.num_queried_tokens, prefix_cache_hits=bm.num_hit_tokens,
         )
         return metrics + (self.spec_metrics.snapshot() if self.spec_metrics else [])
 
@@ -383,3 +408,4 @@ class _Launched:
     handle: StepHandle
     schedule_time: float
     launch_time: float
+    num_prompt_tokens: int

@@ -100,7 +100,7 @@ def fill_default_model(kwargs: dict, no_default_draft: bool) -> None:
         kwargs["model"] = str(default_model_path())
     except RuntimeError as e:
         raise CLIError(f"could not get the default model: {e}") from e
-    from vllm_spec.config import cpu_has_native_bf16, resolve_device
+    from vllm_spec.platform import cpu_has_native_bf16, resolve_device
 
     if kwargs.get("dtype", "auto") == "auto" and resolve_device(kwargs.get("device", "auto")).type == "cpu" \
             and cpu_has_native_bf16():

@@ -150,6 +150,10 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's registrations (vLLM's; True when done)."""
+        return self.llm_engine.reset_prefix_cache()
+
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):

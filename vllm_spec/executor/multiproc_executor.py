@@ -59,8 +59,8 @@ class MultiprocExecutor(RankExecutor):
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(payload)
-            except (OSError, BrokenPipeError) as e:
-                raise self._fail(f"tensor-parallel worker rank {rank} is gone ({e}).") from None
+            except OSError:   # its end of the pipe closed: the rank died (the same report as in _collect)
+                raise self._fail(self._death_message(rank, method)) from None
 
     def _call_all(self, method: str, args: tuple, timeout: float | None) -> list:
         """Every rank runs method(*args); their results, by rank."""
@@ -113,7 +113,8 @@ class MultiprocExecutor(RankExecutor):
         proc = self.procs[rank]
         proc.join(timeout=1.0)
         code = proc.exitcode
-        how = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
+        how = ("still running, its pipe closed" if code is None
+               else f"exit code {code}" if code >= 0 else f"killed by signal {-code}")
         hint = (" Ranks are spawned: a script that builds the engine must guard its top level with "
                 "`if __name__ == '__main__':`." if method == "init_worker" else "")
         return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) died during {method} ({how}); "
