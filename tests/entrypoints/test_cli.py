@@ -205,6 +205,9 @@ def test_vllm_serve_spellings_parse():
     assert (ns.model, ns.tensor_parallel_size, ns.max_model_len, ns.max_num_seqs) == ("M", 2, 100, 8)
     assert (ns.chat_template, ns.response_role, ns.trust_remote_code) == ("{{ messages }}", "bot", True)
     assert parser.parse_args(["serve", "--model", "M2"]).model_flag == "M2"
+    cached = parser.parse_args(["serve", "M", "--enable-prefix-caching", "--enable-prompt-tokens-details"])
+    assert (cached.enable_prefix_caching, cached.enable_prompt_tokens_details) == (True, True)
+    assert parser.parse_args(["serve", "M", "--no-enable-prefix-caching"]).enable_prefix_caching is False
     web = parser.parse_args(["serve", "M", "--root-path", "/api", "--allowed-origins", '["https://ui.example"]',
                              "--allow-credentials"])
     assert (web.root_path, web.allowed_origins, web.allowed_methods, web.allow_credentials) == (

@@ -19,7 +19,8 @@ TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor 
 def test_chat_template_and_response_role(tiny_llama):
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
                                                         max_model_len=256))
-    state = build_state(engine, str(tiny_llama), ["m"], chat_template=TEMPLATE, response_role="bot")
+    state = build_state(engine, str(tiny_llama), ["m"], chat_template=TEMPLATE, response_role="bot",
+                        trust_request_chat_template=True)
     tok = state.tokenizer
     messages = [{"role": "user", "content": "hello"}]
     with TestClient(build_app(state)) as client:
@@ -76,10 +77,11 @@ def test_sampling_fields_the_engine_refuses_are_named(tiny_llama):
         assert client.post("/v1/completions", json=good).status_code == 200
 
 
-def _server_app(tiny_llama, **options):
+def _server_app(tiny_llama, trust_request_chat_template: bool = False, **options):
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
                                                         max_model_len=256))
-    return build_app(build_state(engine, str(tiny_llama), ["m"], api_key="k"), **options)
+    return build_app(build_state(engine, str(tiny_llama), ["m"], api_key="k",
+                                 trust_request_chat_template=trust_request_chat_template), **options)
 
 
 def test_text_that_is_no_unicode_is_a_400_naming_the_field(tiny_llama):
@@ -140,7 +142,7 @@ def test_tools_with_tool_choice_none_are_rendered_by_the_template(tiny_llama):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     auth = {"Authorization": "Bearer k"}
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template": template}
-    with TestClient(_server_app(tiny_llama)) as client:
+    with TestClient(_server_app(tiny_llama, trust_request_chat_template=True)) as client:
         tok = client.app.state.server.tokenizer
         r = client.post("/v1/chat/completions", json={**chat, "tools": tools, "tool_choice": "none"}, headers=auth)
         assert r.status_code == 200, r.text
@@ -180,3 +182,95 @@ def test_the_api_key_is_asked_for_under_a_root_path():
     asyncio.run(middleware({"type": "http", "method": "GET", "path": "/api/health", "root_path": "/api",
                             "headers": []}, receive, send))
     assert reached == ["/api/health"]
+
+
+def test_prompt_tokens_details_report_prefix_cache_hits(tiny_llama):
+    """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens, streamed usage too;
+    without it the field is null, as vLLM's."""
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                        max_model_len=256, enable_prefix_caching=True))
+    prompt = list(range(5, 45))   # 40 tokens: 2 full blocks of 16 before the last token
+    body = {"model": "m", "prompt": prompt, "max_tokens": 2}
+    with TestClient(build_app(build_state(engine, str(tiny_llama), ["m"], enable_prompt_tokens_details=True))) as client:
+        first = client.post("/v1/completions", json=body).json()
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        again = client.post("/v1/completions", json=body).json()
+        assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+        stream = client.post("/v1/completions", json={**body, "stream": True,
+                                                      "stream_options": {"include_usage": True}})
+        events = [json.loads(line[6:]) for line in stream.text.splitlines()
+                  if line.startswith("data: {")]
+        assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                        max_model_len=256))
+    with TestClient(build_app(build_state(engine, str(tiny_llama), ["m"]))) as client:
+        assert client.post("/v1/completions", json=body).json()["usage"]["prompt_tokens_details"] is None
+
+
+def test_request_chat_templates_need_the_servers_trust(tiny_llama):
+    """As vLLM: a request's own chat template (code the server would run) is refused unless the server
+    runs with --trust-request-chat-template; the server's template still serves such requests."""
+    auth = {"Authorization": "Bearer k"}
+    messages = [{"role": "user", "content": "hi"}]
+    with TestClient(_server_app(tiny_llama)) as client:
+        for path, extra in (("/v1/chat/completions", {"chat_template": "{{ 1 }}"}),
+                            ("/v1/chat/completions", {"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}),
+                            ("/tokenize", {"chat_template": "{{ 1 }}"})):
+            r = client.post(path, json={"model": "m", "messages": messages, "max_tokens": 1, **extra}, headers=auth)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", (path, r.text)
+            assert "--trust-request-chat-template" in r.json()["error"]["message"]
+        ok = client.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 1},
+                         headers=auth)
+        assert ok.status_code == 200, ok.text
+
+
+def test_tokenizing_runs_off_the_event_loop(tiny_llama, monkeypatch):
+    """Prompts are tokenized (and chat templates rendered) in the server's tokenizer thread: a slow one
+    leaves /health (and every stream) served meanwhile."""
+    import threading
+    import time
+
+    from vllm_spec.entrypoints.openai import serving_completion
+
+    slow_started, threads = threading.Event(), []
+    real = serving_completion._completion_prompts
+
+    def slow(state, request):
+        threads.append(threading.current_thread().name)
+        slow_started.set()
+        time.sleep(1.5)
+        return real(state, request)
+
+    monkeypatch.setattr(serving_completion, "_completion_prompts", slow)
+    auth = {"Authorization": "Bearer k"}
+    with TestClient(_server_app(tiny_llama)) as client:
+        done = {}
+        worker = threading.Thread(target=lambda: done.update(r=client.post(
+            "/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 1}, headers=auth)))
+        worker.start()
+        assert slow_started.wait(10)
+        t = time.perf_counter()
+        assert client.get("/health").status_code == 200
+        assert time.perf_counter() - t < 1.0
+        worker.join(20)
+        assert done["r"].status_code == 200
+    assert threads == ["tokenizer_0"]
+
+
+def test_length_errors_name_the_field_sent_and_usage_streams_only_when_asked(tiny_llama):
+    auth = {"Authorization": "Bearer k"}
+    messages = [{"role": "user", "content": "hi"}]
+    with TestClient(_server_app(tiny_llama)) as client:
+        for field in ("max_tokens", "max_completion_tokens"):
+            r = client.post("/v1/chat/completions", json={"model": "m", "messages": messages, field: 10_000},
+                            headers=auth)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            assert f"({field})" in r.json()["error"]["message"]
+        # As vLLM: continuous usage statistics only with include_usage on.
+        for include, expected in ((False, 0), (True, None)):
+            r = client.post("/v1/completions", headers=auth, json={
+                "model": "m", "prompt": "hello", "max_tokens": 3, "stream": True,
+                "stream_options": {"include_usage": include, "continuous_usage_stats": True}})
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            with_usage = sum(1 for c in chunks if c.get("usage"))
+            assert with_usage == (len(chunks) if expected is None else expected), chunks

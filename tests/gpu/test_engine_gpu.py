@@ -47,6 +47,19 @@ def test_speculation_on_gpu_matches_plain(spec_pair, eager_reference, k, tables,
     assert m["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_prefix_caching_in_graphs_matches_eager(spec_pair, k):
+    """Prompts sharing a 40-token prefix, served after the first one: the Triton prefill over cached
+    blocks, graphs and (k > 0) speculation give the eager outputs computed without the cache."""
+    prompts = [{"prompt_token_ids": list(range(3, 43)) + list(range(50 + i, 53 + 2 * i))} for i in range(6)]
+    reference = _ids(LLM(spec_pair[0], enforce_eager=True, **KV).generate(prompts, GREEDY, use_tqdm=False))
+    spec = dict(speculative_model=spec_pair[1], num_speculative_tokens=k, speculative_policy="fixed") if k else {}
+    llm = LLM(spec_pair[0], enable_prefix_caching=True, **spec, **KV)
+    outs = llm.generate(prompts[:1], GREEDY, use_tqdm=False) + llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert _ids(outs) == reference
+    assert [o.num_cached_tokens for o in outs] == [0] + [32] * 5
+
+
 def test_torch_backend_matches_triton_on_gpu(spec_pair, eager_reference):
     from vllm_spec.attention import torch_backend
 

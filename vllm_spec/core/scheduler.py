@@ -34,6 +34,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_lookahead_slots: int = 0
+    # The scheduled sequences computing prompt tokens (or recomputing after preemption), and how many.
+    prefilling: list[Sequence] = field(default_factory=list)
+    num_prefill_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -126,6 +129,8 @@ class Scheduler:
             slots = lookahead if n == uncomputed else 0
             if bm.try_append_slots(seq, n, slots) or self._preempt_for(seq, n, slots, out):
                 out.scheduled.append(ScheduledSeq(seq, n, n == uncomputed))
+                out.prefilling.append(seq)
+                out.num_prefill_tokens += n
                 budget -= n
         if out.preempted:
             return out
@@ -146,5 +151,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, n == uncomputed))
+            out.prefilling.append(seq)
+            out.num_prefill_tokens += n
             budget -= n
         return out

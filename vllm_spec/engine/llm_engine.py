@@ -62,6 +62,7 @@ class LLMEngine:
         self._idle_since: float | None = None
         self.async_scheduling = config.uses_async_scheduling
         self._in_flight: _Launched | None = None   # a step launched and not read yet (async scheduling)
+        self._last_read: float | None = None   # when the last step's outputs were applied (sequences' token times)
         self.stats = EngineStats(config.model.max_model_len, config.scheduler.max_num_batched_tokens)
         self.spec_metrics = SpecDecodeMetrics(config.speculative.num_speculative_tokens) if config.speculative else None
         tune_gc_for_serving(config.scheduler.max_num_seqs)
@@ -259,21 +260,16 @@ class LLMEngine:
             self._released = request.finished_seq_ids + self._released
             self._idle_time += request.engine_idle_time
             raise
-        num_prompt_tokens = 0   # prefill tokens (prompts, chunks, recomputation after preemption)
-        caching = self.block_manager.enable_caching
         for item in sched.scheduled:
-            seq, n = item.seq, item.num_new_tokens
-            if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
-                num_prompt_tokens += n
-                seq.num_computed_tokens += n
-                if caching:   # launched: any step that can read these blocks runs after this one
-                    self.block_manager.register_computed(seq)
-            else:
-                seq.num_computed_tokens += n
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
             if item.samples:
                 seq.num_in_flight += 1
+        if self.block_manager.enable_caching:
+            for seq in sched.prefilling:   # launched: any step that can read these blocks runs after this one
+                self.block_manager.register_computed(seq)
         launched = _Launched(handle, schedule_time=t1 - t0, launch_time=time.perf_counter() - t1,
-                             num_prompt_tokens=num_prompt_tokens)
+                             num_prompt_tokens=sched.num_prefill_tokens)
         # The new step is in flight before the previous one is read (kept, should that read raise).
         previous, self._in_flight = self._in_flight, launched
         outputs = []
@@ -318,17 +314,22 @@ class LLMEngine:
         # run Python code in 3.11).
         seqs, requests, append = self._seqs, self.requests, self.output_processor.append
         itl = self.stats.inter_token_latency.observe
+        last_read, self._last_read = self._last_read, now
+        num_since_last_read = 0
         running, final_only = SequenceStatus.RUNNING, RequestOutputKind.FINAL_ONLY
         logprobs = result.logprobs or [None] * len(result.seq_ids)
         for seq_id, token_ids, lps in zip(result.seq_ids, result.token_ids, logprobs, strict=True):
             seq = seqs.get(seq_id)
             if seq is None:   # finished or aborted while this step was in flight: its token is void
                 continue
-            if seq.first_token_time is None:
+            last = seq.last_token_time
+            if last is None:
                 seq.first_token_time = now
                 self.stats.on_first_token(now - seq.arrival_time)
+            elif last is last_read:   # most sequences: tokens at the last read too (counted at once below)
+                num_since_last_read += 1
             else:
-                itl(now - seq.last_token_time)
+                itl(now - last)
             seq.last_token_time = now
             generated += append(seq, token_ids, lps)
             seq.num_in_flight -= 1
@@ -341,6 +342,8 @@ class LLMEngine:
             elif seq.sampling_params.output_kind is final_only:
                 continue
             touched[seq.request_id] = requests[seq.request_id]
+        if num_since_last_read:
+            itl(now - last_read, num_since_last_read)
         self.stats.on_generated(generated, launched.num_prompt_tokens)
         outputs = []
         for request in touched.values():

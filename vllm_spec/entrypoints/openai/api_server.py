@@ -14,6 +14,7 @@ with --api-key every /v1 route needs `Authorization: Bearer <key>` (401 otherwis
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -96,6 +97,7 @@ def build_app(state: ServerState, cors: CorsOptions | None = None) -> FastAPI:
         finally:
             logger.info("shutting down the engine loop")
             await state.engine.shutdown()
+            state.tokenizer_thread.shutdown(wait=False)
 
     app = FastAPI(title="vllm_spec OpenAI-compatible server", version=VERSION, lifespan=lifespan)
     app.state.server = state
@@ -174,7 +176,8 @@ def build_app(state: ServerState, cors: CorsOptions | None = None) -> FastAPI:
 
 def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence[str] | None = None,
                 api_key: str | None = None, chat_template: str | None = None,
-                response_role: str = "assistant") -> ServerState:
+                response_role: str = "assistant", enable_prompt_tokens_details: bool = False,
+                trust_request_chat_template: bool = False) -> ServerState:
     """Server state around a built engine; loads the server's own tokenizer copy (the engine's is
     used by the engine thread only)."""
     from vllm_spec.tokenizer import get_tokenizer
@@ -184,16 +187,33 @@ def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence
     names = [n for n in (served_model_names or []) if n] or [model]
     return ServerState(engine=engine, served_model_names=names, model_path=str(model), tokenizer=tokenizer,
                        api_key=api_key or None, max_model_len=cfg.max_model_len, chat_template=chat_template,
-                       response_role=response_role, sampling_defaults=cfg.get_diff_sampling_param())
+                       response_role=response_role, sampling_defaults=cfg.get_diff_sampling_param(),
+                       enable_prompt_tokens_details=enable_prompt_tokens_details,
+                       trust_request_chat_template=trust_request_chat_template)
 
 
 # Running ----------------------------------------------------------------------------------------------------
-def _make_uvicorn_server(config):
+def _make_uvicorn_server(config, engine: AsyncLLMEngine):
     import uvicorn
 
     class _Server(uvicorn.Server):
         """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown (so the process dies by the
         signal); we shut down cleanly and exit 0 instead."""
+
+        async def shutdown(self, sockets=None):
+            # uvicorn cancels the requests still running at its graceful-shutdown deadline: they would
+            # end as bare 500s and cut streams. Shortly before it, the engine aborts them, so each
+            # handler answers as for any aborted request (a JSON 503, or an SSE error event + [DONE]).
+            timeout = self.config.timeout_graceful_shutdown
+            aborting, shutdowns = None, []   # (the task referenced until it is done)
+            if timeout is not None:
+                aborting = asyncio.get_running_loop().call_later(
+                    max(timeout - 1.0, 0.8 * timeout), lambda: shutdowns.append(asyncio.ensure_future(engine.shutdown())))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if aborting is not None:
+                    aborting.cancel()
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -250,13 +270,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                 f"speculative: {spec.method}, k={spec.num_speculative_tokens}" if spec else "no speculation",
                 engine.num_usable_blocks, engine.config.model.max_model_len)
     state = build_state(engine, args.model, args.served_model_name, args.api_key, args.chat_template,
-                        args.response_role)
+                        args.response_role, args.enable_prompt_tokens_details, args.trust_request_chat_template)
     app = build_app(state, CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                        args.allow_credentials))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on", root_path=args.root_path,
                             access_log=not args.disable_log_requests)
-    server = _make_uvicorn_server(config)
+    server = _make_uvicorn_server(config, engine)
     host, port = sock.getsockname()[:2]
     # (uvicorn says where it listens only for sockets it binds itself; --port 0 picks one.)
     logger.info("serving on http://%s:%d", f"[{host}]" if sock.family == socket.AF_INET6 else host, port)

@@ -33,7 +33,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--chat-template", default=None,
                         help="chat template (a file or the template itself) for chat requests that bring "
                              "none, in place of the tokenizer's")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let requests bring their own chat template (a template is code run by the server)")
     server.add_argument("--response-role", default="assistant", help="role of the generated chat messages")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="usage reports prompt_tokens_details.cached_tokens (the prefix cache's hits)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     server.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")

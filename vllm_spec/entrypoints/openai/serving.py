@@ -8,6 +8,7 @@ outputs into their own response models.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -32,6 +33,7 @@ from vllm_spec.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
     OpenAIServingError,
+    PromptTokenUsageInfo,
     StreamOptions,
     UsageInfo,
     random_id,
@@ -57,6 +59,12 @@ class ServerState:
     max_model_len: int = 0
     chat_template: str | None = None   # --chat-template: for requests that bring none
     response_role: str = "assistant"   # --response-role: the role of generated chat messages
+    enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens
+    trust_request_chat_template: bool = False   # else a request's own chat template is refused (as vLLM)
+    # Tokenizing and chat templates run here, one at a time, never on the event loop: a long prompt
+    # or a slow template must not stall every other client's stream.
+    tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
     # Sampling fields a request leaves unset take these (the model's generation config).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -68,6 +76,11 @@ class ServerState:
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.server
+
+
+async def in_tokenizer_thread(state: ServerState, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) in the server's tokenizer thread."""
+    return await asyncio.get_running_loop().run_in_executor(state.tokenizer_thread, functools.partial(fn, *args))
 
 
 # Errors ---------------------------------------------------------------------------------------------
@@ -96,7 +109,8 @@ def check_model(state: ServerState, model: str | None) -> None:
                              param="model")
 
 
-def _check_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
+def _check_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
+                  max_tokens_param: str) -> None:
     max_len = state.max_model_len
     if num_prompt_tokens == 0:
         raise OpenAIServingError("The prompt cannot be empty.", param=prompt_param)
@@ -109,7 +123,16 @@ def _check_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | 
             f"This model's maximum context length is {max_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
             f"{max_tokens} in the completion). Please reduce the length of the prompt or the "
-            "completion (max_tokens).", param="max_tokens")
+            f"completion ({max_tokens_param}).", param=max_tokens_param)
+
+
+def request_chat_template(state: ServerState, template: str | None, kwargs: dict[str, Any] | None) -> str | None:
+    """The chat template to render with: the request's own where the server trusts requests' templates
+    (a template is code: a slow one holds the tokenizer thread), else the server's."""
+    if (template is not None or "chat_template" in (kwargs or {})) and not state.trust_request_chat_template:
+        raise OpenAIServingError("this server does not take chat templates from requests (start it with "
+                                 "--trust-request-chat-template to allow them).", param="chat_template")
+    return template or state.chat_template
 
 
 def need_tokenizer(state: ServerState):
@@ -202,12 +225,6 @@ async def _run_unless_disconnected(request: Request, coro) -> Any:
             work.cancel()
 
 
-def count_usage(prompt_lens: Sequence[int], outputs: Sequence[RequestOutput | None]) -> UsageInfo:
-    prompt = sum(prompt_lens)
-    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
 # Logprob values (both wire formats) -----------------------------------------------------------------
 def clamp_logprob(value: float) -> float:
     # JSON has no -inf/NaN; OpenAI clients expect a large negative number instead.
@@ -298,6 +315,16 @@ class Submission:
     params: SamplingParams
     prompt_lens: list[int]
     ids: list[str]
+
+    def usage(self, outputs: Sequence[RequestOutput | None]) -> UsageInfo:
+        """Token counts over the latest output of each prompt (None: none yet)."""
+        prompt = sum(self.prompt_lens)
+        completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+        details = None
+        if self.state.enable_prompt_tokens_details:
+            details = PromptTokenUsageInfo(cached_tokens=sum(o.num_cached_tokens for o in outputs if o is not None))
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=details)
     streams: list[AsyncStream]
 
     def abort(self) -> None:
@@ -331,7 +358,7 @@ class Submission:
     async def _events(self, chunk_type: type, options: StreamOptions | None, opening: Sequence[Any],
                       make_choice: MakeChoice) -> AsyncIterator[str]:
         include_usage = bool(options and options.include_usage)
-        continuous = bool(options and options.continuous_usage_stats)
+        continuous = include_usage and bool(options.continuous_usage_stats)   # as vLLM: only with usage on
         n, k = self.params.n, self.params.logprobs
         states = [ChoiceState() for _ in range(len(self.streams) * n)]
         last: list[RequestOutput | None] = [None] * len(self.streams)
@@ -340,7 +367,7 @@ class Submission:
             for choice in opening:
                 event = chunk(choices=[choice])
                 if continuous:   # as vLLM: every chunk carries usage, the opening ones too
-                    event.usage = count_usage(self.prompt_lens, last)
+                    event.usage = self.usage(last)
                 yield _sse(event)
             async for i, out in _merge(self.streams):
                 last[i] = out
@@ -354,10 +381,10 @@ class Submission:
                         continue
                     event = chunk(choices=[make_choice(idx, out, comp, delta, start, end, st)])
                     if continuous:
-                        event.usage = count_usage(self.prompt_lens, last)
+                        event.usage = self.usage(last)
                     yield _sse(event)
             if include_usage:
-                yield _sse(chunk(choices=[], usage=count_usage(self.prompt_lens, last)))
+                yield _sse(chunk(choices=[], usage=self.usage(last)))
         except _ENGINE_ERRORS as e:
             yield _stream_error(e)
         finally:
@@ -366,7 +393,8 @@ class Submission:
 
 
 async def submit(state: ServerState, id_prefix: str, model: str | None, prompts: list[dict[str, Any]],
-                 params: SamplingParams, prompt_param: str, echo_only: bool = False) -> Submission:
+                 params: SamplingParams, prompt_param: str, echo_only: bool = False,
+                 max_tokens_param: str = "max_tokens") -> Submission:
     """Check each prompt's length, then add them all to the engine as one Submission (prompt_param:
     the request field the prompts came from, which errors about them name; echo_only: the prompts
     are answered alone, so a prompt as long as the context fits though a token is generated)."""
@@ -374,7 +402,8 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
         prompts = [{**p, "prompt_token_ids": params.truncate_prompt(p["prompt_token_ids"], state.max_model_len)}
                    for p in prompts]
     for p in prompts:
-        _check_length(state, len(p["prompt_token_ids"]), 0 if echo_only else params.max_tokens, prompt_param)
+        _check_length(state, len(p["prompt_token_ids"]), 0 if echo_only else params.max_tokens, prompt_param,
+                      max_tokens_param)
     cap = state.sampling_defaults.get("max_tokens")
     if cap is not None and (params.max_tokens is None or params.max_tokens > cap):
         # As vLLM: the generation config's max_new_tokens bounds every completion (one left unbounded

@@ -30,10 +30,10 @@ from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
 def _chat_prompt(state: serving.ServerState, request: ChatCompletionRequest) -> dict[str, Any]:
     tok = serving.need_tokenizer(state)
     messages = [m.model_dump(exclude_none=True) for m in request.messages]
+    template = serving.request_chat_template(state, request.chat_template, request.chat_template_kwargs)
     try:
         return render_chat(tok, messages, request.add_generation_prompt, request.continue_final_message,
-                           request.chat_template or state.chat_template, request.add_special_tokens,
-                           request.chat_template_kwargs, request.tools)
+                           template, request.add_special_tokens, request.chat_template_kwargs, request.tools)
     except Exception as e:
         raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
 
@@ -58,8 +58,10 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     state = serving.server_state(raw_request)
     serving.check_model(state, request.model)
     params = request.to_sampling_params(state.sampling_defaults)
-    prompt = _chat_prompt(state, request)
-    sub = await serving.submit(state, "chatcmpl", request.model, [prompt], params, "messages")
+    prompt = await serving.in_tokenizer_thread(state, _chat_prompt, state, request)
+    sub = await serving.submit(state, "chatcmpl", request.model, [prompt], params, "messages",
+                               max_tokens_param="max_completion_tokens" if request.max_completion_tokens is not None
+                               else "max_tokens")
     k = params.logprobs
 
     if request.stream:
@@ -89,4 +91,4 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
         for comp in final[0].outputs
     ]
     return JSONResponse(ChatCompletionResponse(id=sub.base_id, model=sub.model, choices=choices,
-                                               usage=serving.count_usage(sub.prompt_lens, final)).model_dump())
+                                               usage=sub.usage(final)).model_dump())

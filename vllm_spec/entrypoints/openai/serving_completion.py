@@ -87,7 +87,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
     state = serving.server_state(raw_request)
     serving.check_model(state, request.model)
     params = request.to_sampling_params(state.sampling_defaults)
-    prompts = _completion_prompts(state, request)
+    prompts = await serving.in_tokenizer_thread(state, _completion_prompts, state, request)
     sub = await serving.submit(state, "cmpl", request.model, prompts, params, "prompt", echo_only=request.echo_only)
     n, k = params.n, params.logprobs
     echo = [_prompt_text(state, p) if request.echo else "" for p in prompts]
@@ -135,7 +135,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
                                                     logprobs=lps, finish_reason=comp.finish_reason,
                                                     stop_reason=comp.stop_reason))
     return JSONResponse(CompletionResponse(id=sub.base_id, model=sub.model, choices=choices,
-                                           usage=serving.count_usage(sub.prompt_lens, final)).model_dump())
+                                           usage=sub.usage(final)).model_dump())
 
 
 def _prompt_text(state: serving.ServerState, prompt: dict[str, Any]) -> str:

@@ -45,23 +45,28 @@ class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
 
 
+def _token_ids(state: serving.ServerState, request: TokenizeRequest) -> list[int]:
+    tok = serving.need_tokenizer(state)
+    if request.messages is not None:
+        template = serving.request_chat_template(state, request.chat_template, request.chat_template_kwargs)
+        try:
+            return render_chat(tok, [m.model_dump(exclude_none=True) for m in request.messages],
+                               request.add_generation_prompt, request.continue_final_message, template,
+                               bool(request.add_special_tokens), request.chat_template_kwargs,
+                               request.tools)["prompt_token_ids"]
+        except Exception as e:
+            raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
+    add = True if request.add_special_tokens is None else request.add_special_tokens
+    return tok(request.prompt, add_special_tokens=add).input_ids
+
+
 async def tokenize(request: TokenizeRequest, raw_request: Request):
     state = serving.server_state(raw_request)
     serving.check_model(state, request.model)
     tok = serving.need_tokenizer(state)
     if (request.prompt is None) == (request.messages is None):
         raise OpenAIServingError("give exactly one of prompt and messages.", param="prompt")
-    if request.messages is not None:
-        try:
-            ids = render_chat(tok, [m.model_dump(exclude_none=True) for m in request.messages],
-                              request.add_generation_prompt, request.continue_final_message,
-                              request.chat_template or state.chat_template, bool(request.add_special_tokens),
-                              request.chat_template_kwargs, request.tools)["prompt_token_ids"]
-        except Exception as e:
-            raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
-    else:
-        add = True if request.add_special_tokens is None else request.add_special_tokens
-        ids = tok(request.prompt, add_special_tokens=add).input_ids
+    ids = await serving.in_tokenizer_thread(state, _token_ids, state, request)
     strs = tok.convert_ids_to_tokens(ids) if request.return_token_strs else None
     return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
                                          token_strs=strs).model_dump())
