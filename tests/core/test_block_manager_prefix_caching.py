@@ -54,7 +54,7 @@ def test_the_last_prompt_token_is_always_computed():
     bm = BlockManager(32, BS, enable_caching=True)
     _admit(bm, _seq(list(range(8))))                  # exactly 2 blocks
     same = _seq(list(range(8)))
-    assert _admit(bm, same) == [bm.cached[k] for k in same.prompt_block_hashes[:1]]
+    assert _admit(bm, same) == [bm.cached[k] for k in same.block_hashes[:1]]
     assert same.num_cached_tokens == 4                # not 8: its last token's logits give its first token
 
 
@@ -71,7 +71,7 @@ def test_freed_blocks_stay_cached_until_handed_out_again():
     # A different prompt takes every block: the registered ones leave the cache as they are reused.
     c = _seq([50 + i for i in range(19)])
     assert _admit(bm, c) == []
-    assert len(c.block_table) == 5 and bm.cached.keys() <= set(c.prompt_block_hashes)
+    assert len(c.block_table) == 5 and bm.cached.keys() <= set(c.block_hashes)
     assert bm.cached_prefix(_seq(list(range(12)) + [97])) == []
     _check_free_list(bm)
 

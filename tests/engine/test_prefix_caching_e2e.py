@@ -111,3 +111,22 @@ def test_off_by_default(spec_pair, prompts):
     outs = _in_two_rounds(llm, prompts[:2])
     assert [o.num_cached_tokens for o in outs] == [0, 0]
     assert metric_values(llm)["vllm:prefix_cache_queries"] == 0
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_a_conversations_next_turn_reads_the_last_answer_from_the_cache(spec_pair, spec):
+    """Output blocks are registered too: a prompt that repeats an earlier prompt and its answer (the next
+    turn of a chat) finds both cached, and its output is the one computed without the cache."""
+    first = _prompts(1, 20, seed=5)[0]["prompt_token_ids"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    extra = dict(speculative_model=spec_pair[0], num_speculative_tokens=3, **FIXED) if spec else {}
+    llm = LLM(spec_pair[0], enable_prefix_caching=True, **extra, **SPEC_KV)
+    answer = llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)[0].outputs[0].token_ids
+    turn = {"prompt_token_ids": first + list(answer) + [7, 8, 9]}
+    out = llm.generate([turn], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == (len(first) + len(answer) + 3 - 1) // 16 * 16 > len(first)
+    assert out.outputs[0].token_ids == LLM(spec_pair[0], **SPEC_KV).generate([turn], params, use_tqdm=False)[0] \
+        .outputs[0].token_ids
+    if spec:   # the draft's cache is right too (draft = target accepts every draft token)
+        m = metric_values(llm)
+        assert m["vllm:spec_decode_num_accepted_tokens"] == m["vllm:spec_decode_num_draft_tokens"] > 0

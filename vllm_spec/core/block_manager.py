@@ -5,10 +5,10 @@ draft tokens): a sequence's table always covers num_computed_tokens + the
 tokens scheduled this step + the lookahead. Rejected draft positions simply
 stay inside the table and are overwritten by the next step.
 
-With prefix caching (vLLM's enable_prefix_caching) a full block of prompt tokens is
-registered under a hash of its tokens and of every token before it once the step
-computing it is launched (a later step, which is all that can read it, runs after it on
-the device). A new sequence starts from the longest run of registered blocks matching
+With prefix caching (vLLM's enable_prefix_caching) a full block of tokens (prompt or
+output) is registered under a hash of its tokens and of every token before it once the
+step computing it is launched (a later step, which is all that can read it, runs after it
+on the device). A new sequence starts from the longest run of registered blocks matching
 its prompt: it shares them (ref counts) and computes only the rest. A freed block keeps
 its contents and registration until the free list hands it out again (least recently
 freed first; a sequence's tail blocks before its head).
@@ -22,6 +22,7 @@ from collections import OrderedDict
 
 from vllm_spec.attention.metadata import NULL_BLOCK
 from vllm_spec.core.sequence import Sequence
+from vllm_spec.utils import concat_slice
 
 
 class BlockManager:
@@ -71,7 +72,8 @@ class BlockManager:
         if not self.enable_caching or seq.prompt_logprobs is not None or seq.num_preemptions:
             return []
         hits = []
-        for key in self._prefix_hashes(seq, (seq.num_prompt_tokens - 1) // self.block_size):
+        num_blocks = (seq.num_prompt_tokens - 1) // self.block_size
+        for key in self._prefix_hashes(seq, num_blocks)[:num_blocks]:
             block = self.cached.get(key)
             if block is None:
                 break
@@ -104,30 +106,32 @@ class BlockManager:
         self.append_slots(seq, num_new_tokens, num_lookahead)
 
     def register_computed(self, seq: Sequence) -> None:
-        """Register the sequence's full prompt blocks computed by the steps launched so far."""
+        """Register the sequence's full blocks (prompt and output tokens) whose K/V the steps
+        launched so far write: a later prompt that repeats them (a conversation's next turn) reads them."""
         if not self.enable_caching:
             return
-        num_full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.block_size
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if num_full <= seq.num_registered_blocks:
             return
-        for i, key in enumerate(self._prefix_hashes(seq, num_full)):
-            block = seq.block_table[i]
-            if i >= seq.num_registered_blocks and block not in self.block_hash and key not in self.cached:
+        hashes = self._prefix_hashes(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            block, key = seq.block_table[i], hashes[i]
+            if block not in self.block_hash and key not in self.cached:
                 self.cached[key] = block
                 self.block_hash[block] = key
         seq.num_registered_blocks = num_full
 
     def _prefix_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """Hashes of the prompt's first num_blocks blocks, each over its tokens and every one
-        before (a strong hash: a collision would hand out another prompt's K/V)."""
-        hashes = seq.prompt_block_hashes
-        size, prompt = self.block_size, seq.prompt_token_ids
+        """Hashes of (at least) the sequence's first num_blocks blocks, each over its tokens and every
+        one before (a strong hash: a collision would hand out another prompt's K/V)."""
+        hashes = seq.block_hashes
+        size, prompt, output = self.block_size, seq.prompt_token_ids, seq.output_token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
             h = hashlib.sha256(hashes[-1] if hashes else b"")
-            h.update(array("q", prompt[i * size: (i + 1) * size]).tobytes())
+            h.update(array("q", concat_slice(prompt, output, i * size, (i + 1) * size)).tobytes())
             hashes.append(h.digest())
-        return hashes[:num_blocks]
+        return hashes
 
     def reset_prefix_cache(self) -> None:
         """Forget every registration (blocks in use keep their contents; new prompts start cold)."""

@@ -72,11 +72,11 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None   # when its newest tokens arrived
     num_preemptions: int = 0
-    # Prefix caching: prompt tokens found cached at admission, full prompt blocks registered so
-    # far, and the hashes of the prompt's blocks computed so far (see BlockManager).
+    # Prefix caching: prompt tokens found cached at admission, full blocks registered so far, and
+    # the hashes of its blocks computed so far (see BlockManager).
     num_cached_tokens: int = 0
     num_registered_blocks: int = 0
-    prompt_block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
     # Detokenized output and its incremental-decoding state: a tokenizers DecodeStream for fast
     # tokenizers, else the offsets of the window decoded around each new token.
     output_text: str = ""

@@ -314,6 +314,7 @@ class LLMEngine:
         # run Python code in 3.11).
         seqs, requests, append = self._seqs, self.requests, self.output_processor.append
         itl = self.stats.inter_token_latency.observe
+        caching, register = self.block_manager.enable_caching, self.block_manager.register_computed
         last_read, self._last_read = self._last_read, now
         num_since_last_read = 0
         running, final_only = SequenceStatus.RUNNING, RequestOutputKind.FINAL_ONLY
@@ -334,9 +335,12 @@ class LLMEngine:
             generated += append(seq, token_ids, lps)
             seq.num_in_flight -= 1
             status = seq.status
-            if not seq.num_in_flight and status is running:
-                # Every token but the newest now has its K/V in the cache.
+            if not seq.num_in_flight and (status is running or caching and status.finished):
+                # Every token but the newest now has its K/V in the cache (a finished sequence's last
+                # blocks are registered for the prefix cache with it).
                 seq.num_computed_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids) - 1
+            if caching:
+                register(seq)
             if status is not running and status.finished:   # the property runs Python code: asked last
                 self._finish(seq, status)
             elif seq.sampling_params.output_kind is final_only:
