@@ -130,3 +130,15 @@ def test_a_conversations_next_turn_reads_the_last_answer_from_the_cache(spec_pai
     if spec:   # the draft's cache is right too (draft = target accepts every draft token)
         m = metric_values(llm)
         assert m["vllm:spec_decode_num_accepted_tokens"] == m["vllm:spec_decode_num_draft_tokens"] > 0
+
+
+def test_a_sequence_preempted_with_its_last_token_in_flight(spec_pair):
+    """Async scheduling: a sequence preempted while the step sampling its last token is in flight finishes,
+    holding no blocks, when that step is read; nothing is registered for it (it raised IndexError)."""
+    prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 290 for j in range(9)]} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    settings = dict(async_scheduling=True, block_size=4, max_model_len=32, num_gpu_blocks_override=12, max_num_seqs=8)
+    ref = output_ids(LLM(spec_pair[0], **settings).generate(prompts, params, use_tqdm=False))
+    llm = LLM(spec_pair[0], enable_prefix_caching=True, **settings)
+    assert output_ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+    assert metric_values(llm)["vllm:num_preemptions"] > 0

@@ -110,7 +110,9 @@ class BlockManager:
         launched so far write: a later prompt that repeats them (a conversation's next turn) reads them."""
         if not self.enable_caching:
             return
-        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        # (A sequence preempted while its last token was in flight finishes holding no blocks.)
+        num_full = min(seq.num_computed_tokens // self.block_size, seq.num_tokens // self.block_size,
+                       len(seq.block_table))
         if num_full <= seq.num_registered_blocks:
             return
         hashes = self._prefix_hashes(seq, num_full)
