@@ -204,3 +204,18 @@ def test_per_row_synthetic_acceptance_overrides_the_engine_rate():
     assert out.num_accepted.tolist() == [3, 0, 3, 3]   # the engine-wide rate fills in for them
     assert rejection_sample(target, drafts, None, num_drafts, _md([SamplingParams(temperature=0)] * 4),
                             synthetic_acceptance_rate=0.0).num_accepted.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("draft_probs", [True, False])
+def test_a_zero_uniform_draw_never_accepts_a_token_the_target_rules_out(monkeypatch, draft_probs):
+    """torch.rand can return exactly 0: the test u * q < p is strict, so a draft token with p = 0 (masked by
+    allowed_token_ids, min_tokens, bad_words, top-k ...) is rejected even then, with and without q."""
+    import vllm_spec.spec_decode.rejection_sampler as rs
+
+    monkeypatch.setattr(rs, "_uniform", lambda shape, *args: torch.zeros(shape))
+    target = torch.tensor([[[0.0, 0.5, 0.5, 0.0, 0.0]] * 2])       # [B=1, k+1=2, V]: token 0 ruled out
+    q = torch.tensor([[[1.0, 0.0, 0.0, 0.0, 0.0]]]) if draft_probs else None
+    out = rejection_sample(target, torch.tensor([[0]]), q, torch.tensor([1]), _md([SamplingParams(temperature=1)]),
+                           generator=torch.Generator().manual_seed(0))
+    assert out.num_accepted.tolist() == [0]
+    assert out.tokens[0, 0].item() in (1, 2)

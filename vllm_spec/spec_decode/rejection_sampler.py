@@ -135,7 +135,8 @@ def rejection_sample(
         q = (draft_probs.gather(-1, safe_drafts.unsqueeze(-1)).squeeze(-1) if draft_probs is not None
              else torch.ones_like(p))
         u = _uniform((B, k), md, device, generator, row_drafts)
-        accept_random = u * q <= p
+        # Strict: u == 0 (torch.rand can return it) must not accept a token the target gives p = 0.
+        accept_random = u * q < p
         accept = torch.where(md.greedy.unsqueeze(1), accept, accept_random)
     if rates is not None:
         synthetic = synthetic_u < rates.unsqueeze(1)
