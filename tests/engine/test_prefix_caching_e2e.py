@@ -142,3 +142,16 @@ def test_a_sequence_preempted_with_its_last_token_in_flight(spec_pair):
     llm = LLM(spec_pair[0], enable_prefix_caching=True, **settings)
     assert output_ids(llm.generate(prompts, params, use_tqdm=False)) == ref
     assert metric_values(llm)["vllm:num_preemptions"] > 0
+
+
+def test_cached_tokens_are_what_the_first_scheduling_found(spec_pair):
+    """num_cached_tokens reports the hits of a request's first admission, also after a preemption (whose
+    recomputation finds none)."""
+    prompts = _prompts(9, 40, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(spec_pair[0], enable_prefix_caching=True, num_gpu_blocks_override=14, max_num_seqs=8, max_model_len=128)
+    outs = _in_two_rounds(llm, prompts, params)
+    engine = llm.llm_engine
+    assert metric_values(llm)["vllm:num_preemptions"] > 0
+    assert [o.num_cached_tokens for o in outs] == [0] + [32] * 8
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks

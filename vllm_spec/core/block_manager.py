@@ -8,7 +8,8 @@ stay inside the table and are overwritten by the next step.
 With prefix caching (vLLM's enable_prefix_caching) a full block of tokens (prompt or
 output) is registered under a hash of its tokens and of every token before it once the
 step computing it is launched (a later step, which is all that can read it, runs after it
-on the device). A new sequence starts from the longest run of registered blocks matching
+on the device): prompt blocks when their step is launched, output blocks when a step is
+read, up to num_computed_tokens (which already counts the steps launched since). A new sequence starts from the longest run of registered blocks matching
 its prompt: it shares them (ref counts) and computes only the rest. A freed block keeps
 its contents and registration until the free list hands it out again (least recently
 freed first; a sequence's tail blocks before its head).
@@ -72,8 +73,7 @@ class BlockManager:
         if not self.enable_caching or seq.prompt_logprobs is not None or seq.num_preemptions:
             return []
         hits = []
-        num_blocks = (seq.num_prompt_tokens - 1) // self.block_size
-        for key in self._prefix_hashes(seq, num_blocks)[:num_blocks]:
+        for key in self._prefix_hashes(seq, (seq.num_prompt_tokens - 1) // self.block_size):
             block = self.cached.get(key)
             if block is None:
                 break
@@ -102,7 +102,8 @@ class BlockManager:
             self.ref_counts[block] += 1
         seq.block_table = list(cached)
         seq.num_computed_tokens = len(cached) * self.block_size
-        seq.num_cached_tokens = seq.num_computed_tokens
+        if not seq.num_preemptions:   # as vLLM: what its first scheduling found (a recomputation finds none)
+            seq.num_cached_tokens = seq.num_computed_tokens
         self.append_slots(seq, num_new_tokens, num_lookahead)
 
     def register_computed(self, seq: Sequence) -> None:
@@ -124,8 +125,8 @@ class BlockManager:
         seq.num_registered_blocks = num_full
 
     def _prefix_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """Hashes of (at least) the sequence's first num_blocks blocks, each over its tokens and every
-        one before (a strong hash: a collision would hand out another prompt's K/V)."""
+        """Hashes of the sequence's first num_blocks blocks, each over its tokens and every one before
+        (a strong hash: a collision would hand out another prompt's K/V)."""
         hashes = seq.block_hashes
         size, prompt, output = self.block_size, seq.prompt_token_ids, seq.output_token_ids
         while len(hashes) < num_blocks:
@@ -133,7 +134,7 @@ class BlockManager:
             h = hashlib.sha256(hashes[-1] if hashes else b"")
             h.update(array("q", concat_slice(prompt, output, i * size, (i + 1) * size)).tobytes())
             hashes.append(h.digest())
-        return hashes
+        return hashes[:num_blocks]
 
     def reset_prefix_cache(self) -> None:
         """Forget every registration (blocks in use keep their contents; new prompts start cold)."""

@@ -193,6 +193,7 @@ class LLMEngine:
             try:
                 self._drain(0.0)
             except Exception:
+                self.block_manager.reset_prefix_cache()   # as in step(): that step's blocks may lack their K/V
                 logger.exception("reading the step in flight failed while aborting the last requests")
         if not self.requests and self._idle_since is None:
             self._idle_since = time.perf_counter()
@@ -339,8 +340,8 @@ class LLMEngine:
                 # Every token but the newest now has its K/V in the cache (a finished sequence's last
                 # blocks are registered for the prefix cache with it).
                 seq.num_computed_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids) - 1
-            if caching:
-                register(seq)
+            if caching:   # its full blocks below num_computed_tokens (launched steps included: any reader runs
+                register(seq)   # after them on the device; a sequence preempted meanwhile holds none)
             if status is not running and status.finished:   # the property runs Python code: asked last
                 self._finish(seq, status)
             elif seq.sampling_params.output_kind is final_only:

@@ -315,6 +315,7 @@ class Submission:
     params: SamplingParams
     prompt_lens: list[int]
     ids: list[str]
+    streams: list[AsyncStream]
 
     def usage(self, outputs: Sequence[RequestOutput | None]) -> UsageInfo:
         """Token counts over the latest output of each prompt (None: none yet)."""
@@ -325,7 +326,6 @@ class Submission:
             details = PromptTokenUsageInfo(cached_tokens=sum(o.num_cached_tokens for o in outputs if o is not None))
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                          prompt_tokens_details=details)
-    streams: list[AsyncStream]
 
     def abort(self) -> None:
         self.state.engine.abort_nowait(self.ids)

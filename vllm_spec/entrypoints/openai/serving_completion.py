@@ -90,7 +90,8 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
     prompts = await serving.in_tokenizer_thread(state, _completion_prompts, state, request)
     sub = await serving.submit(state, "cmpl", request.model, prompts, params, "prompt", echo_only=request.echo_only)
     n, k = params.n, params.logprobs
-    echo = [_prompt_text(state, p) if request.echo else "" for p in prompts]
+    echo = ([await serving.in_tokenizer_thread(state, _prompt_text, state, p) for p in prompts] if request.echo
+            else [""] * len(prompts))
     # echo with max_tokens 0: the prompt (and its logprobs) alone, not the token generated for it.
     shown = 0 if request.echo_only else None
 
