@@ -89,6 +89,21 @@ def test_tp2_multiproc_matches_tp1(spec_pair, reference, case):
         _shutdown(llm)
 
 
+def test_tp2_prefix_caching_with_a_draft_on_one_rank(spec_pair):
+    """The prefix cache is the driver's; every rank reads its K/V through the block tables (the draft on
+    rank 0 starts from the cached prefix too): outputs as without the cache."""
+    prompts = [{"prompt_token_ids": list(range(3, 40)) + p["prompt_token_ids"]} for p in _prompts()]
+    ref = output_ids(LLM(spec_pair[0], **OPTS).generate(prompts, GREEDY, use_tqdm=False))
+    llm = LLM(spec_pair[0], tensor_parallel_size=2, speculative_model=spec_pair[1], enable_prefix_caching=True,
+              speculative_draft_tensor_parallel_size=1, **SPEC, **OPTS)
+    try:
+        outs = llm.generate(prompts[:1], GREEDY, use_tqdm=False) + llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+        assert output_ids(outs) == ref
+        assert [o.num_cached_tokens for o in outs] == [0] + [32] * 5
+    finally:
+        _shutdown(llm)
+
+
 def test_tp2_logit_bias_allowed_token_ids_and_bad_words(spec_pair):
     """The constraints travel with the requests to every rank: tp=2 with speculation equals tp=1 without."""
     one = LLM(spec_pair[0], **OPTS)

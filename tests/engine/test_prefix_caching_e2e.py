@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from conftest import FIXED, SPEC_KV, metric_values, output_ids
+from conftest import FIXED, SPEC_KV, ScriptedPolicy, metric_values, output_ids
 from vllm_spec import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -18,6 +18,15 @@ def _prompts(n: int, prefix_len: int, seed: int) -> list[dict]:
     prefix = [rng.randrange(3, 300) for _ in range(prefix_len)]
     return [{"prompt_token_ids": prefix + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 12))]}
             for _ in range(n)]
+
+
+class Scripted(ScriptedPolicy):
+    """Every decoding sequence drafts k (set by the test between rounds)."""
+
+    k = 0
+
+    def choose(self, shape) -> list[int]:
+        return [min(cap, self.k) for cap in shape.caps]
 
 
 def _in_two_rounds(llm: LLM, prompts: list[dict], params: SamplingParams = GREEDY):
@@ -119,10 +128,14 @@ def test_a_conversations_next_turn_reads_the_last_answer_from_the_cache(spec_pai
     turn of a chat) finds both cached, and its output is the one computed without the cache."""
     first = _prompts(1, 20, seed=5)[0]["prompt_token_ids"]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    extra = dict(speculative_model=spec_pair[0], num_speculative_tokens=3, **FIXED) if spec else {}
+    extra = dict(speculative_model=spec_pair[0], num_speculative_tokens=3) if spec else {}
     llm = LLM(spec_pair[0], enable_prefix_caching=True, **extra, **SPEC_KV)
+    if spec:   # no drafts while answering: the answer's blocks hold no draft K/V, and the next turn sees that
+        policy = llm.llm_engine.executor.worker.policy = Scripted()
     answer = llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)[0].outputs[0].token_ids
     turn = {"prompt_token_ids": first + list(answer) + [7, 8, 9]}
+    if spec:
+        policy.k = 3
     out = llm.generate([turn], params, use_tqdm=False)[0]
     assert out.num_cached_tokens == (len(first) + len(answer) + 3 - 1) // 16 * 16 > len(first)
     assert out.outputs[0].token_ids == LLM(spec_pair[0], **SPEC_KV).generate([turn], params, use_tqdm=False)[0] \
@@ -155,3 +168,38 @@ def test_cached_tokens_are_what_the_first_scheduling_found(spec_pair):
     assert metric_values(llm)["vllm:num_preemptions"] > 0
     assert [o.num_cached_tokens for o in outs] == [0] + [32] * 8
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+@pytest.mark.parametrize("budget", [31, 64])
+def test_the_draft_starts_where_its_cached_kv_ends(spec_pair, budget):
+    """A sequence that finds prompt blocks cached finds the draft's K/V there too: the draft is fed from the
+    end of the cached prefix, not from 0 (a prompt's 1-token last chunk included: budget 31 splits a 32-token
+    prompt so), and with draft = target every draft is still accepted."""
+    target = spec_pair[0]
+    llm = LLM(target, speculative_model=target, num_speculative_tokens=3, enable_prefix_caching=True,
+              max_num_batched_tokens=budget, **SPEC_KV)
+    # The first request never speculates: its draft sees only what prompt chunks feed it.
+    policy = llm.llm_engine.executor.worker.policy = Scripted()
+    starts: dict[int, int] = {}
+    runner = llm.llm_engine.executor.worker.proposer.runner
+    prepare = runner.prepare
+
+    def recording(seqs, *args, **kwargs):
+        for s in seqs:
+            starts[s.seq_id] = min(starts.get(s.seq_id, s.start_pos), s.start_pos)
+        return prepare(seqs, *args, **kwargs)
+
+    runner.prepare = recording
+    shared = list(range(40, 72))   # 32 tokens: two full blocks
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": shared}], params, use_tqdm=False)
+    later = [{"prompt_token_ids": shared + [5 + i, 9]} for i in range(3)]
+    seen = set(starts)
+    policy.k = 3
+    outs = llm.generate(later, params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [32] * 3
+    assert sorted(v for sid, v in starts.items() if sid not in seen) == [32] * 3
+    m = metric_values(llm)
+    assert m["vllm:spec_decode_num_accepted_tokens"] == m["vllm:spec_decode_num_draft_tokens"] > 0
+    ref = LLM(target, **SPEC_KV).generate([{"prompt_token_ids": shared}] + later, params, use_tqdm=False)
+    assert output_ids(first + outs) == output_ids(ref)

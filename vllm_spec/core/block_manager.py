@@ -13,6 +13,11 @@ read, up to num_computed_tokens (which already counts the steps launched since).
 its prompt: it shares them (ref counts) and computes only the rest. A freed block keeps
 its contents and registration until the free list hands it out again (least recently
 freed first; a sequence's tail blocks before its head).
+
+A draft model's K/V shares the blocks: the draft is fed every prompt chunk in the step that
+computes it, so a registered prompt block holds the draft's K/V as well; an output block may
+not (the draft skips steps that do not speculate), and a sequence starting from one
+recomputes the draft's K/V from the first such block on.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class BlockManager:
         self.enable_caching = enable_caching
         self.cached: dict[bytes, int] = {}   # prefix hash -> the block holding that prefix's last block
         self.block_hash: dict[int, bytes] = {}
+        self.draft_valid: set[int] = set()   # registered blocks that hold a draft model's K/V too
         # Prompt tokens looked up and found (vLLM's prefix_cache_queries / _hits counters).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -104,6 +110,8 @@ class BlockManager:
         seq.num_computed_tokens = len(cached) * self.block_size
         if not seq.num_preemptions:   # as vLLM: what its first scheduling found (a recomputation finds none)
             seq.num_cached_tokens = seq.num_computed_tokens
+        num_draft = next((i for i, b in enumerate(cached) if b not in self.draft_valid), len(cached))
+        seq.num_draft_cached_tokens = num_draft * self.block_size
         self.append_slots(seq, num_new_tokens, num_lookahead)
 
     def register_computed(self, seq: Sequence) -> None:
@@ -117,11 +125,14 @@ class BlockManager:
         if num_full <= seq.num_registered_blocks:
             return
         hashes = self._prefix_hashes(seq, num_full)
+        num_prompt_blocks = seq.num_prompt_tokens // self.block_size
         for i in range(seq.num_registered_blocks, num_full):
             block, key = seq.block_table[i], hashes[i]
             if block not in self.block_hash and key not in self.cached:
                 self.cached[key] = block
                 self.block_hash[block] = key
+                if i < num_prompt_blocks:
+                    self.draft_valid.add(block)
         seq.num_registered_blocks = num_full
 
     def _prefix_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -140,6 +151,7 @@ class BlockManager:
         """Forget every registration (blocks in use keep their contents; new prompts start cold)."""
         self.cached.clear()
         self.block_hash.clear()
+        self.draft_valid.clear()
 
     # Growth and release ------------------------------------------------------------------
 
@@ -164,6 +176,7 @@ class BlockManager:
                 key = self.block_hash.pop(block, None)
                 if key is not None and self.cached.get(key) == block:
                     del self.cached[key]
+                self.draft_valid.discard(block)
             self.ref_counts[block] = 1
             seq.block_table.append(block)
         return True

@@ -72,9 +72,11 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None   # when its newest tokens arrived
     num_preemptions: int = 0
-    # Prefix caching: prompt tokens found cached at admission, full blocks registered so far, and
-    # the hashes of its blocks computed so far (see BlockManager).
+    # Prefix caching: prompt tokens found cached at admission (and of them, the leading ones whose
+    # draft-model K/V is cached too), full blocks registered so far, and the hashes of its blocks
+    # computed so far (see BlockManager).
     num_cached_tokens: int = 0
+    num_draft_cached_tokens: int = 0
     num_registered_blocks: int = 0
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     # Detokenized output and its incremental-decoding state: a tokenizers DecodeStream for fast

@@ -220,7 +220,7 @@ class LLMEngine:
             # Positional: keyword arguments cost twice as much, and this runs per sequence per step.
             seqs.append(SeqInput(seq.seq_id, seq.token_slice(start, start + n), start, seq.block_table, sample,
                                  params if sample else None, seq.prompt_token_ids, seq.output_token_ids,
-                                 prompt_logprobs))
+                                 prompt_logprobs, seq.num_draft_cached_tokens))
         released, self._released = self._released, []
         idle, self._idle_time = self._idle_time, 0.0
         return ExecuteModelRequest(seqs, released, sched.num_lookahead_slots, idle)

@@ -63,8 +63,9 @@ class DraftModelProposer:
             self._fed.pop(sid, None)
 
     def _start(self, seq: SeqInput) -> int:
-        # After preemption the target restarts from 0 on new blocks: so must the draft.
-        return min(self._computed.get(seq.seq_id, 0), seq.start_pos)
+        # After preemption the target restarts from 0 on new blocks: so must the draft. A new sequence
+        # starts where the prefix cache's blocks stop holding the draft's K/V.
+        return min(self._computed.get(seq.seq_id, seq.draft_cached), seq.start_pos)
 
     @torch.inference_mode()
     def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> bool:
@@ -110,8 +111,11 @@ class DraftModelProposer:
     def propose(self, seqs: list[SeqInput], num_drafts: list[int], md: SamplingMetadata) -> Proposals:
         spec = [i for i, n in enumerate(num_drafts) if n > 0]
         limit = self.max_positions
+        # Every prompt chunk is fed (the prefix cache counts on a prompt block holding the draft's K/V
+        # once the step computing it ran), and whatever the draft lags by with it.
         fed = [i for i, s in enumerate(seqs) if num_drafts[i] > 0 or (
-            (not s.sample or len(s.token_ids) > 1) and self._start(s) < limit)]
+            (not s.sample or len(s.token_ids) > 1 or s.start_pos < len(s.prompt_token_ids))
+            and self._start(s) < limit)]
         k = max(num_drafts, default=0)
         if spec and md.all_greedy and fed == spec and len(spec) <= BATCH_BUCKETS[-1] and all(
                 2 <= (length := seqs[i].seq_len) and length - self._start(seqs[i]) <= 2 for i in spec):

@@ -31,6 +31,9 @@ class SeqInput:
     output_token_ids: list[int] = field(default_factory=list)
     # A prefill chunk of a request that asked for prompt logprobs: how many top entries.
     prompt_logprobs: int | None = None
+    # Leading positions whose draft-model K/V the prefix cache's shared blocks hold (a new sequence
+    # that found its prompt's start cached): the draft starts there, not at 0.
+    draft_cached: int = 0
 
     @property
     def seq_len(self) -> int:
