@@ -16,11 +16,12 @@ from vllm_spec.engine.gc_tuning import tune_gc_for_serving
 from vllm_spec.engine.output_processor import OutputProcessor
 from vllm_spec.engine.request_input import (PromptType, as_token_ids, check_neutral, check_prompt_keys,
                                              check_request_id, check_request_options)
+from vllm_spec.engine.request_output import make_request_output
 from vllm_spec.engine.stats import EngineStats
 from vllm_spec.executor import create_executor
 from vllm_spec.generation_config import read_generation_config
 from vllm_spec.metrics import Metric
-from vllm_spec.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vllm_spec.outputs import RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
 from vllm_spec.tokenizer import get_tokenizer
@@ -354,7 +355,7 @@ class LLMEngine:
         for request in touched.values():
             finished = request.is_finished
             if finished or request.sampling_params.output_kind is not final_only:
-                outputs.append(self._request_output(request, finished, now))
+                outputs.append(make_request_output(request, finished, now))
             if finished:
                 self.stats.on_finished(self.requests.pop(request.request_id), now)
         t4 = time.perf_counter()
@@ -362,32 +363,6 @@ class LLMEngine:
         self.stats.on_step(schedule_time + launch_time + (t4 - t2), schedule_time, worker_host, t4 - t3,
                            result.device_time)
         return outputs
-
-    @staticmethod
-    def _request_output(request: Request, finished: bool, now: float) -> RequestOutput:
-        # Built per streamed request per step: positional arguments (keywords cost twice as much).
-        delta = request.sampling_params.output_kind is _DELTA
-        completions = []
-        for seq in request.seqs:
-            tok, chars = (seq.num_reported_tokens, seq.num_reported_chars) if delta else (0, 0)
-            params, text = seq.sampling_params, seq.output_text
-            hold = params.output_text_buffer_length
-            if hold and not seq.is_finished:
-                text = text[:max(len(text) - hold, chars)]
-            lps = seq.output_logprobs[tok:] if params.logprobs is not None else None
-            completions.append(CompletionOutput(seq.index, text[chars:], seq.output_token_ids[tok:],
-                                                None if lps is None else seq.cumulative_logprob, lps,
-                                                seq.status.finish_reason, seq.stop_reason))
-            if delta:
-                seq.num_reported_tokens, seq.num_reported_chars = len(seq.output_token_ids), len(text)
-        first = min((s.first_token_time for s in request.seqs if s.first_token_time is not None), default=None)
-        metrics = RequestMetrics(request.arrival_time, first, now, now if finished else None)
-        prompt_logprobs = request.seqs[0].prompt_logprobs
-        if delta:
-            prompt_logprobs = None if request.prompt_logprobs_reported else prompt_logprobs
-            request.prompt_logprobs_reported = True
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
-                             prompt_logprobs, None, metrics, request.seqs[0].num_cached_tokens)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's registrations: later prompts compute every token again (blocks
@@ -405,8 +380,6 @@ class LLMEngine:
         )
         return metrics + (self.spec_metrics.snapshot() if self.spec_metrics else [])
 
-
-_DELTA = RequestOutputKind.DELTA   # a module name: reading a member off its class runs Python code (3.11)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from vllm_spec.entrypoints.chat_utils import render_chat
-from vllm_spec.entrypoints.openai import serving
+from vllm_spec.entrypoints.openai import serving, submission
 from vllm_spec.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -59,14 +59,14 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     serving.check_model(state, request.model)
     params = request.to_sampling_params(state.sampling_defaults)
     prompt = await serving.in_tokenizer_thread(state, _chat_prompt, state, request)
-    sub = await serving.submit(state, "chatcmpl", request.model, [prompt], params, "messages",
+    sub = await submission.submit(state, "chatcmpl", request.model, [prompt], params, "messages",
                                max_tokens_param="max_completion_tokens" if request.max_completion_tokens is not None
                                else "max_tokens")
     k = params.logprobs
 
     if request.stream:
         def choice(idx: int, out: RequestOutput, comp: CompletionOutput, delta: str, start: int, end: int,
-                   st: serving.ChoiceState) -> ChatCompletionResponseStreamChoice:
+                   st: submission.ChoiceState) -> ChatCompletionResponseStreamChoice:
             lps = None
             if k is not None and comp.logprobs is not None:
                 lps = _chat_logprobs(state, comp.token_ids[start:end], comp.logprobs[start:end], k)

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from vllm_spec.entrypoints.openai import serving
+from vllm_spec.entrypoints.openai import serving, submission
 from vllm_spec.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -88,7 +88,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
     serving.check_model(state, request.model)
     params = request.to_sampling_params(state.sampling_defaults)
     prompts = await serving.in_tokenizer_thread(state, _completion_prompts, state, request)
-    sub = await serving.submit(state, "cmpl", request.model, prompts, params, "prompt", echo_only=request.echo_only)
+    sub = await submission.submit(state, "cmpl", request.model, prompts, params, "prompt", echo_only=request.echo_only)
     n, k = params.n, params.logprobs
     echo = ([await serving.in_tokenizer_thread(state, _prompt_text, state, p) for p in prompts] if request.echo
             else [""] * len(prompts))
@@ -109,7 +109,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
         opened: set[int] = set()
 
         def choice(idx: int, out: RequestOutput, comp: CompletionOutput, delta: str, start: int, end: int,
-                   st: serving.ChoiceState) -> CompletionResponseChoice:
+                   st: submission.ChoiceState) -> CompletionResponseChoice:
             # As vLLM: with echo, a choice's first chunk carries the prompt (text and logprobs) before
             # its first tokens.
             prefix = echo[idx // n] if idx not in opened else ""

@@ -1,0 +1,316 @@
+"""Submitting a request's prompts to the engine (`submit`) and delivering the outputs either as one
+final result (`Submission.collect`) or as an SSE stream (`Submission.stream`), with usage. The
+endpoint modules only turn requests into prompts and outputs into their own response models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from vllm_spec.engine.async_llm_engine import AsyncStream, EngineDeadError, EngineStepError, RequestAbortedError
+from vllm_spec.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    OpenAIServingError,
+    PromptTokenUsageInfo,
+    StreamOptions,
+    UsageInfo,
+    random_id,
+    sampling_field_of,
+)
+from vllm_spec.entrypoints.openai.serving import ERROR_TYPES, ServerState
+from vllm_spec.outputs import CompletionOutput, RequestOutput
+from vllm_spec.sampling_params import SamplingParams
+
+# Engine failures that end a request early; the other exceptions are the server's own bugs.
+_ENGINE_ERRORS = (EngineStepError, EngineDeadError, RequestAbortedError)
+
+
+def _engine_error_status(exc: BaseException) -> int:
+    # A failed step is the server's fault (500); a dead engine or an abort means "try again" (503).
+    return 500 if isinstance(exc, EngineStepError) else 503
+
+
+def _check_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
+                  max_tokens_param: str) -> None:
+    max_len = state.max_model_len
+    if num_prompt_tokens == 0:
+        raise OpenAIServingError("The prompt cannot be empty.", param=prompt_param)
+    if num_prompt_tokens > max_len or (max_tokens is None and num_prompt_tokens >= max_len):
+        raise OpenAIServingError(
+            f"This model's maximum context length is {max_len} tokens. However, your prompt has "
+            f"{num_prompt_tokens} tokens. Please reduce the length of the prompt.", param=prompt_param)
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_len:
+        raise OpenAIServingError(
+            f"This model's maximum context length is {max_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} in the completion). Please reduce the length of the prompt or the "
+            f"completion ({max_tokens_param}).", param=max_tokens_param)
+
+
+# Engine requests ------------------------------------------------------------------------------------
+async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any]], params: SamplingParams,
+                   prompt_param: str) -> tuple[list[str], list[AsyncStream]]:
+    """Add one engine request per prompt; on any failure abort those already added. The engine
+    refuses what is wrong with a prompt (its token ids): prompt_param names the request's field."""
+    ids: list[str] = []
+    streams: list[AsyncStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = f"{base_id}-{i}"
+            streams.append(await state.engine.add_request(rid, prompt, params))
+            ids.append(rid)
+    except ValueError as e:
+        state.engine.abort_nowait(ids)
+        # The engine's refusals start with the field they are about: a sampling field (stop strings or
+        # bad_words without a tokenizer, token ids outside the vocabulary) is named, else the prompt.
+        raise OpenAIServingError(str(e), param=sampling_field_of(str(e)) or prompt_param) from e
+    except EngineDeadError as e:
+        state.engine.abort_nowait(ids)
+        raise OpenAIServingError(str(e), 503, "ServiceUnavailableError") from e
+    except BaseException:
+        state.engine.abort_nowait(ids)
+        raise
+    return ids, streams
+
+
+async def _merge(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (prompt index, output)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, done))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _listen_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _run_unless_disconnected(request: Request, coro) -> Any:
+    """Await coro; if the client goes away first, cancel it (the caller's finally aborts)."""
+    work = asyncio.ensure_future(coro)
+    listener = asyncio.ensure_future(_listen_for_disconnect(request))
+    try:
+        await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        work.cancel()
+        with contextlib.suppress(BaseException):
+            await work
+        return None
+    finally:
+        listener.cancel()
+        if not work.done():
+            work.cancel()
+
+
+# Streaming ------------------------------------------------------------------------------------------
+class ChoiceState:
+    """What has been streamed of one choice: text length, token count, logprob text offset."""
+
+    def __init__(self):
+        self.sent_text = 0
+        self.sent_tokens = 0
+        self.text_offset = 0
+        self.done = False
+
+    def advance(self, comp: CompletionOutput) -> tuple[str, int, int]:
+        """(new text, first new token index, end token index) to send now."""
+        # The engine's text of an unfinished output holds back what could still become a stop string.
+        delta = comp.text[self.sent_text:]
+        self.sent_text += len(delta)
+        start, end = self.sent_tokens, len(comp.token_ids)
+        self.sent_tokens = end
+        self.done = comp.finish_reason is not None
+        return delta, start, end
+
+
+def _sse(payload: Any) -> str:
+    if hasattr(payload, "model_dump_json"):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _stream_error(exc: BaseException) -> str:
+    status = _engine_error_status(exc)
+    body = ErrorResponse(error=ErrorInfo(message=str(exc), type=ERROR_TYPES[status], code=status))
+    return _sse(body)
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its generator, so its cleanup (the abort) runs as
+    soon as the client is gone rather than whenever the generator is garbage-collected."""
+
+    def __init__(self, content: AsyncIterator[str], on_close=None, **kwargs):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kwargs)
+        self._gen = content
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self._gen.aclose()
+            if self._on_close is not None:
+                self._on_close()  # also covers a generator that never started
+
+
+# Builds one streamed choice: (choice index, its request's output, the choice's output, new text, new
+# tokens' start and end, its state).
+MakeChoice = Callable[[int, RequestOutput, CompletionOutput, str, int, int, ChoiceState], Any]
+
+
+# Submission -----------------------------------------------------------------------------------------
+@dataclass
+class Submission:
+    """One API request's engine requests (one per prompt, each with params.n choices). collect()
+    and stream() abort them all when they end, so a failure or a gone client frees the KV cache."""
+
+    state: ServerState
+    base_id: str
+    model: str
+    params: SamplingParams
+    prompt_lens: list[int]
+    ids: list[str]
+    streams: list[AsyncStream]
+
+    def usage(self, outputs: Sequence[RequestOutput | None]) -> UsageInfo:
+        """Token counts over the latest output of each prompt (None: none yet)."""
+        prompt = sum(self.prompt_lens)
+        completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+        details = None
+        if self.state.enable_prompt_tokens_details:
+            details = PromptTokenUsageInfo(cached_tokens=sum(o.num_cached_tokens for o in outputs if o is not None))
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=details)
+
+    def abort(self) -> None:
+        self.state.engine.abort_nowait(self.ids)
+
+    async def collect(self, raw_request: Request) -> list[RequestOutput | None] | None:
+        """Each prompt's final output, or None when the client went away first."""
+
+        async def gather() -> list[RequestOutput | None]:
+            final: list[RequestOutput | None] = [None] * len(self.streams)
+            async for i, out in _merge(self.streams):
+                final[i] = out
+            return final
+
+        try:
+            return await _run_unless_disconnected(raw_request, gather())
+        except _ENGINE_ERRORS as e:
+            status = _engine_error_status(e)
+            raise OpenAIServingError(str(e), status, ERROR_TYPES[status]) from e
+        finally:
+            self.abort()
+
+    def stream(self, chunk_type: type, options: StreamOptions | None, opening: Sequence[Any],
+               make_choice: MakeChoice) -> StreamingResponse:
+        """The SSE response: one chunk per opening choice, then one per choice that has something
+        new (text, tokens with logprobs, or its finish), then the usage chunk if asked, then [DONE].
+        chunk_type is the endpoint's stream response model."""
+        events = self._events(chunk_type, options, opening, make_choice)
+        return _SSEResponse(events, on_close=self.abort)
+
+    async def _events(self, chunk_type: type, options: StreamOptions | None, opening: Sequence[Any],
+                      make_choice: MakeChoice) -> AsyncIterator[str]:
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and bool(options.continuous_usage_stats)   # as vLLM: only with usage on
+        n, k = self.params.n, self.params.logprobs
+        states = [ChoiceState() for _ in range(len(self.streams) * n)]
+        last: list[RequestOutput | None] = [None] * len(self.streams)
+        chunk = functools.partial(chunk_type, id=self.base_id, created=int(time.time()), model=self.model)
+        try:
+            for choice in opening:
+                event = chunk(choices=[choice])
+                if continuous:   # as vLLM: every chunk carries usage, the opening ones too
+                    event.usage = self.usage(last)
+                yield _sse(event)
+            async for i, out in _merge(self.streams):
+                last[i] = out
+                for comp in out.outputs:
+                    idx = i * n + comp.index
+                    st = states[idx]
+                    if st.done:
+                        continue
+                    delta, start, end = st.advance(comp)
+                    if not delta and comp.finish_reason is None and (k is None or start == end):
+                        continue
+                    event = chunk(choices=[make_choice(idx, out, comp, delta, start, end, st)])
+                    if continuous:
+                        event.usage = self.usage(last)
+                    yield _sse(event)
+            if include_usage:
+                yield _sse(chunk(choices=[], usage=self.usage(last)))
+        except _ENGINE_ERRORS as e:
+            yield _stream_error(e)
+        finally:
+            self.abort()
+        yield "data: [DONE]\n\n"
+
+
+async def submit(state: ServerState, id_prefix: str, model: str | None, prompts: list[dict[str, Any]],
+                 params: SamplingParams, prompt_param: str, echo_only: bool = False,
+                 max_tokens_param: str = "max_tokens") -> Submission:
+    """Check each prompt's length, then add them all to the engine as one Submission (prompt_param:
+    the request field the prompts came from, which errors about them name; echo_only: the prompts
+    are answered alone, so a prompt as long as the context fits though a token is generated)."""
+    if params.truncate_prompt_tokens is not None:   # left truncation, before the length checks
+        prompts = [{**p, "prompt_token_ids": params.truncate_prompt(p["prompt_token_ids"], state.max_model_len)}
+                   for p in prompts]
+    for p in prompts:
+        _check_length(state, len(p["prompt_token_ids"]), 0 if echo_only else params.max_tokens, prompt_param,
+                      max_tokens_param)
+    cap = state.sampling_defaults.get("max_tokens")
+    if cap is not None and (params.max_tokens is None or params.max_tokens > cap):
+        # As vLLM: the generation config's max_new_tokens bounds every completion (one left unbounded
+        # stops at the context's end, before that bound where the context is shorter).
+        try:
+            params = dataclasses.replace(params, max_tokens=cap)
+        except ValueError as e:   # e.g. min_tokens above the cap: the request's field is named
+            raise OpenAIServingError(str(e), param=sampling_field_of(str(e))) from e
+    base_id = random_id(id_prefix)
+    prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
+    ids, streams = await _add_all(state, base_id, prompts, params, prompt_param)
+    return Submission(state, base_id, model or state.model_name, params, prompt_lens, ids, streams)
