@@ -12,6 +12,7 @@ import os
 import sys
 
 from vllm_spec.engine.arg_utils import DefaultsHelpFormatter, FlexibleArgumentParser
+from vllm_spec.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -35,6 +36,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "none, in place of the tokenizer's")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests bring their own chat template (a template is code run by the server)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="tool_choice \"auto\" (the default with tools): tool calls parsed out of the output "
+                             "with --tool-call-parser")
+    server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="the format of the model's tool calls (hermes: <tool_call>{json}</tool_call>)")
     server.add_argument("--response-role", default="assistant", help="role of the generated chat messages")
     server.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="usage reports prompt_tokens_details.cached_tokens (the prefix cache's hits)")
@@ -91,6 +97,10 @@ def serve_main(ns: argparse.Namespace) -> int:
             print(f"error: --chat-template: {ns.chat_template!r} is neither a file nor a Jinja template.",
                   file=sys.stderr)
             return 2
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:   # as vLLM
+        print(f"error: --enable-auto-tool-choice needs --tool-call-parser (one of {list(TOOL_CALL_PARSERS)}).",
+              file=sys.stderr)
+        return 2
     if ns.port is not None and not 0 <= ns.port <= 65535:
         print(f"error: --port must be in [0, 65535], got {ns.port}.", file=sys.stderr)
         return 2

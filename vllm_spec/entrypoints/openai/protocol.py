@@ -7,8 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator,
-                      model_serializer)
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator
 
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 from vllm_spec.utils import check_text
@@ -100,7 +99,7 @@ _UNSUPPORTED_EXTRAS: dict[str, Any] = {
 }
 
 
-class _SamplingFields(OpenAIRequestModel):
+class SamplingFields(OpenAIRequestModel):
     """Sampling fields common to completions and chat (OpenAI's plus vLLM's extras)."""
 
     model_config = ConfigDict(extra="allow")   # kept, to be checked against _UNSUPPORTED_EXTRAS
@@ -210,7 +209,7 @@ class _SamplingFields(OpenAIRequestModel):
 
 
 # /v1/completions ----------------------------------------------------------------------------------
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -269,119 +268,6 @@ class CompletionStreamResponse(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionResponseChoice]
-    usage: UsageInfo | None = None
-
-
-# /v1/chat/completions -----------------------------------------------------------------------------
-class ChatMessage(OpenAIRequestModel):
-    model_config = ConfigDict(extra="allow")  # keep tool/name fields for templates that use them
-
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    add_special_tokens: bool = False   # the template writes them; True adds the tokenizer's too
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-
-    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
-        self._check_unsupported()
-        if not self.messages:
-            raise OpenAIServingError("messages must not be empty.", param="messages")
-        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
-            raise OpenAIServingError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
-        if self.tools and (self.tool_choice or "auto") != "none":
-            # As vLLM's server without --enable-auto-tool-choice: tools given default to "auto".
-            raise OpenAIServingError(f"tool_choice {self.tool_choice or 'auto'!r} needs tool-call parsing, which this "
-                                     "server does not do: use tool_choice \"none\" (the chat template still shows "
-                                     "the tools to the model).", param="tool_choice")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise OpenAIServingError("top_logprobs needs logprobs set to true.", param="top_logprobs")
-        if self.add_generation_prompt and self.continue_final_message:
-            raise OpenAIServingError("add_generation_prompt and continue_final_message cannot both be true.",
-                                     param="continue_final_message")
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        sent_as = {"logprobs": "top_logprobs"}
-        if self.max_completion_tokens is not None:
-            sent_as["max_tokens"] = "max_completion_tokens"
-        return self._sampling_params(max_tokens, logprobs, defaults or {}, sent_as)
-
-
-class ChatCompletionLogProb(OpenAIBaseModel):
-    token: str
-    logprob: float = -9999.0
-    bytes: list[int] | None = None
-
-
-class ChatCompletionLogProbsContent(ChatCompletionLogProb):
-    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
-
-
-class ChatCompletionLogProbs(OpenAIBaseModel):
-    content: list[ChatCompletionLogProbsContent] | None = None
-
-
-class ChatResponseMessage(OpenAIBaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatCompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(OpenAIBaseModel):
-    """A streamed chunk's change: only what it sets (the first carries the role; the last may be {}),
-    as OpenAI's and vLLM's streams."""
-
-    role: str | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _set_fields_only(self, handler):
-        return {name: value for name, value in handler(self).items() if value is not None}
-
-
-class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionStreamResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
 
 

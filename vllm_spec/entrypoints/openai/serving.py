@@ -37,6 +37,7 @@ class ServerState:
     response_role: str = "assistant"   # --response-role: the role of generated chat messages
     enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens
     trust_request_chat_template: bool = False   # else a request's own chat template is refused (as vLLM)
+    tool_call_parser: str | None = None   # --enable-auto-tool-choice --tool-call-parser NAME
     # Tokenizing and chat templates run here, one at a time, never on the event loop: a long prompt
     # or a slow template must not stall every other client's stream.
     tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(

@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, Response
 
 from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.entrypoints.openai import serving, submission
-from vllm_spec.entrypoints.openai.protocol import (
+from vllm_spec.entrypoints.openai.protocol import OpenAIServingError
+from vllm_spec.entrypoints.openai.protocol_chat import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
@@ -22,8 +23,11 @@ from vllm_spec.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatResponseMessage,
     DeltaMessage,
-    OpenAIServingError,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
 )
+from vllm_spec.entrypoints.openai.tool_calls import ToolCallStream, extract_tool_calls
 from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -57,7 +61,8 @@ def _chat_logprobs(state: serving.ServerState, token_ids: Sequence[int], entries
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
     state = serving.server_state(raw_request)
     serving.check_model(state, request.model)
-    params = request.to_sampling_params(state.sampling_defaults)
+    params = request.to_sampling_params(state.sampling_defaults, state.tool_call_parser is not None)
+    tools = request.parses_tool_calls
     prompt = await serving.in_tokenizer_thread(state, _chat_prompt, state, request)
     sub = await submission.submit(state, "chatcmpl", request.model, [prompt], params, "messages",
                                max_tokens_param="max_completion_tokens" if request.max_completion_tokens is not None
@@ -65,14 +70,27 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     k = params.logprobs
 
     if request.stream:
+        parsers = [ToolCallStream() for _ in range(params.n)] if tools else None
+
         def choice(idx: int, out: RequestOutput, comp: CompletionOutput, delta: str, start: int, end: int,
                    st: submission.ChoiceState) -> ChatCompletionResponseStreamChoice:
             lps = None
             if k is not None and comp.logprobs is not None:
                 lps = _chat_logprobs(state, comp.token_ids[start:end], comp.logprobs[start:end], k)
+            calls, finish = None, comp.finish_reason
+            if parsers is not None:
+                parser = parsers[idx]
+                first = parser.num_calls
+                delta, found = parser.feed(delta)
+                if finish is not None:
+                    rest, last = parser.finish()
+                    delta, found = delta + rest, found + last
+                    finish = _finish_reason(finish, parser.num_calls > 0)
+                calls = [DeltaToolCall(index=first + i, function=FunctionCall(name=c.name, arguments=c.arguments))
+                         for i, c in enumerate(found)]
             return ChatCompletionResponseStreamChoice(
-                index=idx, delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
-                logprobs=lps, finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
+                index=idx, delta=DeltaMessage(content=delta or None, tool_calls=calls or None),
+                logprobs=lps, finish_reason=finish, stop_reason=comp.stop_reason)
 
         # As OpenAI: each choice opens with a delta that carries only the role.
         opening = [ChatCompletionResponseStreamChoice(index=idx, delta=DeltaMessage(role=state.response_role, content=""))
@@ -82,13 +100,19 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     final = await sub.collect(raw_request)
     if final is None or final[0] is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    choices = [
-        ChatCompletionResponseChoice(
-            index=comp.index, message=ChatResponseMessage(role=state.response_role, content=comp.text),
+    choices = []
+    for comp in final[0].outputs:
+        content, found = extract_tool_calls(comp.text) if tools else (comp.text, [])
+        calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in found]
+        choices.append(ChatCompletionResponseChoice(
+            index=comp.index, message=ChatResponseMessage(role=state.response_role, content=content, tool_calls=calls),
             logprobs=(_chat_logprobs(state, comp.token_ids, comp.logprobs, k)
                       if k is not None and comp.logprobs is not None else None),
-            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
-        for comp in final[0].outputs
-    ]
+            finish_reason=_finish_reason(comp.finish_reason, bool(calls)), stop_reason=comp.stop_reason))
     return JSONResponse(ChatCompletionResponse(id=sub.base_id, model=sub.model, choices=choices,
                                                usage=sub.usage(final)).model_dump())
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    # As vLLM: a choice that ends (not cut by its length) after calling tools reports "tool_calls".
+    return "tool_calls" if called and reason == "stop" else reason

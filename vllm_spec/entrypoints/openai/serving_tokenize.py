@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse
 
 from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.entrypoints.openai import serving
-from vllm_spec.entrypoints.openai.protocol import (ChatMessage, OpenAIBaseModel, OpenAIRequestModel,
-                                                   OpenAIServingError)
+from vllm_spec.entrypoints.openai.protocol import OpenAIBaseModel, OpenAIRequestModel, OpenAIServingError
+from vllm_spec.entrypoints.openai.protocol_chat import ChatMessage
 
 
 class TokenizeRequest(OpenAIRequestModel):

@@ -1,0 +1,106 @@
+"""Tool calls parsed out of a chat completion's generated text (vLLM's `--enable-auto-tool-choice
+--tool-call-parser hermes`); their wire models are in protocol_chat.py.
+
+The hermes format (Hermes, Qwen2.5 and others' chat templates) wraps each call in tags:
+`<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>`. Text before the
+first tag is the message's content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+TOOL_CALL_PARSERS = ("hermes",)
+_START, _END = "<tool_call>", "</tool_call>"
+_CALLS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """A tool call found in the output: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+def _parse_call(body: str) -> ParsedCall | None:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    return ParsedCall(call["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def extract_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
+    """(content, tool calls) of a whole generated text; a call that does not parse leaves the text as
+    content, as vLLM's parser."""
+    if _START not in text:
+        return text, []
+    calls = []
+    for match in _CALLS.finditer(text):
+        call = _parse_call((match.group(1) if match.group(1) is not None else match.group(2)).strip())
+        if call is None:
+            return text, []
+        calls.append(call)
+    content = text[:text.index(_START)]
+    return content or None, calls
+
+
+@dataclass
+class ToolCallStream:
+    """One streamed choice's text, split into content deltas and whole tool calls as they close."""
+
+    buffer: str = ""
+    in_call: bool = False
+    num_calls: int = 0
+
+    def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
+        """The content to send now and the calls completed by this delta."""
+        self.buffer += delta
+        content, calls = [], []
+        while True:
+            if not self.in_call:
+                start = self.buffer.find(_START)
+                if start < 0:
+                    keep = _partial_tag_length(self.buffer)   # a tag may be arriving: hold its start back
+                    content.append(self.buffer[:len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    break
+                content.append(self.buffer[:start])
+                self.buffer, self.in_call = self.buffer[start + len(_START):], True
+            else:
+                end = self.buffer.find(_END)
+                if end < 0:
+                    break
+                body, self.buffer, self.in_call = self.buffer[:end], self.buffer[end + len(_END):], False
+                call = _parse_call(body.strip())
+                if call is None:   # not a call after all: its text is content
+                    content.append(_START + body + _END)
+                    continue
+                calls.append(call)
+                self.num_calls += 1
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        """What is left when the choice ends: an unclosed last call that parses is a call (as in
+        extract_tool_calls), anything else content."""
+        rest, in_call = self.buffer, self.in_call
+        self.buffer, self.in_call = "", False
+        call = _parse_call(rest.strip()) if in_call else None
+        if call is not None:
+            self.num_calls += 1
+            return "", [call]
+        return (_START if in_call else "") + rest, []
+
+
+def _partial_tag_length(text: str) -> int:
+    """The longest end of text that begins the start tag."""
+    for n in range(min(len(_START) - 1, len(text)), 0, -1):
+        if _START.startswith(text[-n:]):
+            return n
+    return 0
