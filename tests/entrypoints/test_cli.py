@@ -35,7 +35,17 @@ def test_generate_prints_completion_and_throughput(tiny_llama, tmp_path):
     m = re.search(r"generated 16 tokens for 2 prompt\(s\) in [\d.]+ s: ([\d.]+) tokens/s", out)
     assert m and float(m.group(1)) > 0, out
     assert "speculative decoding" not in out  # no draft configured
+    assert "prefix cache" not in out   # off by default
     assert "Traceback" not in proc.stderr
+
+
+def test_generate_reports_prefix_cache_hits(tiny_llama, tmp_path):
+    text = "hello world, " * 12   # well past one block of 16 tokens
+    proc = run_cli("generate", "--model", str(tiny_llama), *SMALL, "--max-tokens", "2", "--enable-prefix-caching",
+                   "--max-num-seqs", "1", text, text, tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(r"prefix cache: (\d+) of (\d+) prompt tokens found cached", proc.stdout)
+    assert m and int(m.group(1)) >= 16 and int(m.group(2)) > int(m.group(1)), proc.stdout
 
 
 def test_generate_with_draft_reports_acceptance(tiny_llama, tmp_path):

@@ -220,6 +220,10 @@ def run_generate(args: argparse.Namespace) -> int:
         line = spec_summary(llm.get_metrics())
         head = f"[{spec.method}, k={spec.num_speculative_tokens}] "
         print(head + (line or "speculative decoding: no metrics reported"))
+    if llm.llm_engine.config.cache.enable_prefix_caching:
+        m = {x.name: x.value for x in llm.get_metrics() if x.name.startswith("vllm:prefix_cache_")}
+        print(f"prefix cache: {m['vllm:prefix_cache_hits']} of {m['vllm:prefix_cache_queries']} prompt tokens "
+              "found cached")
     return 0
 
 
