@@ -112,6 +112,9 @@ class CacheConfig:
         check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 2, optional=True)
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
     """Continuous batching limits; prompts longer than the token budget are prefilled in chunks."""
@@ -119,10 +122,15 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    # vLLM's scheduling_policy: "fcfs" (arrival order), or "priority" (a request's priority, lower
+    # first, then arrival; preemption takes the last in that order).
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}.")
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")

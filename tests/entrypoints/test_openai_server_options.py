@@ -274,3 +274,15 @@ def test_length_errors_name_the_field_sent_and_usage_streams_only_when_asked(tin
             chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
             with_usage = sum(1 for c in chunks if c.get("usage"))
             assert with_usage == (len(chunks) if expected is None else expected), chunks
+
+
+def test_request_priority_with_the_priority_policy(tiny_llama):
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                        max_model_len=256, scheduling_policy="priority"))
+    with TestClient(build_app(build_state(engine, str(tiny_llama), ["m"]))) as client:
+        for path, body in (("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            r = client.post(path, json={"model": "m", "max_tokens": 2, "priority": -3, **body})
+            assert r.status_code == 200, r.text
+            r = client.post(path, json={"model": "m", "max_tokens": 2, "priority": 1.5, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text

@@ -5,6 +5,8 @@ Sequences in decode go first (one token, plus lookahead slots for drafts), so a
 long prompt never stalls them; prompts then take what is left of the token
 budget, in chunks. When blocks run out the newest running sequence is
 preempted: its blocks are freed and it is recomputed later from its tokens.
+With the "priority" policy the waiting queue is kept in (priority, arrival)
+order and preemption takes the running sequence last in that order.
 With async scheduling a decoding sequence may have a token in flight (sampled by
 a step whose outputs are not read yet): it counts as uncomputed, the next step
 feeds it from the device, and a sequence whose tokens in flight already reach
@@ -13,6 +15,7 @@ its length limit is not scheduled again.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -55,7 +58,19 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Queue a new sequence (at the back) or a preempted one (at the front): first come, first
+        served; by priority, in (priority, arrival) order (ties keep the same rule)."""
+        if self.config.policy == "priority":
+            key = _priority_key(seq)
+            find = bisect.bisect_left if front else bisect.bisect_right
+            self.waiting.insert(find(self.waiting, key, key=_priority_key), seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -76,15 +91,19 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         out.preempted.append(seq)
 
     def _preempt_for(self, seq: Sequence, num_new_tokens: int, num_lookahead: int, out: SchedulerOutput) -> bool:
-        """Preempt until seq's slots fit: newest first, never one already scheduled this step, as a
-        last resort seq itself. True when seq got its slots, False when it was preempted."""
+        """Preempt until seq's slots fit: newest first (by priority: the last in priority order), never
+        one already scheduled this step, as a last resort seq itself. True when seq got its slots, False
+        when it was preempted."""
         scheduled = {id(s.seq) for s in out.scheduled}
         while True:
-            victim = next((s for s in reversed(self.running) if id(s) not in scheduled and s is not seq), seq)
+            if self.config.policy == "priority":   # the last in priority order, seq itself included
+                victim = max((s for s in self.running if id(s) not in scheduled), key=_priority_key)
+            else:
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled and s is not seq), seq)
             self._preempt(victim, out)
             if victim is seq:
                 return False
@@ -155,3 +174,7 @@ class Scheduler:
             out.num_prefill_tokens += n
             budget -= n
         return out
+
+
+def _priority_key(seq: Sequence) -> tuple[int, float]:
+    return seq.priority, seq.arrival_time

@@ -68,6 +68,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0   # with scheduling_policy "priority": lower runs first
     first_scheduled_time: float | None = None   # when it first left the waiting queue (preemptions aside)
     first_token_time: float | None = None
     last_token_time: float | None = None   # when its newest tokens arrived

@@ -47,6 +47,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = _opt(None, "KV cache size in bytes (overrides gpu_memory_utilization).")
     num_gpu_blocks_override: int | None = _opt(None, "Exact number of KV-cache blocks (testing).")
     max_num_seqs: int = _opt(256, "Maximum number of sequences per step.")
+    scheduling_policy: str = _opt("fcfs", "fcfs (arrival order) or priority (requests' priority, lower first, then "
+                                          "arrival; preemption takes the last in that order).")
     max_num_batched_tokens: int | None = _opt(None, "Token budget per step (default 2048; prompts are chunked).")
     enforce_eager: bool = _opt(False, "Disable CUDA graphs.")
     async_scheduling: bool | None = _opt(
@@ -155,7 +157,7 @@ class EngineArgs:
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes,
                               self.num_gpu_blocks_override, bool(self.enable_prefix_caching)),
             scheduler=SchedulerConfig(self.max_num_seqs, 2048 if self.max_num_batched_tokens is None
-                                      else self.max_num_batched_tokens, model.max_model_len),
+                                      else self.max_num_batched_tokens, model.max_model_len, self.scheduling_policy),
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             speculative=speculative,
             enforce_eager=self.enforce_eager,

@@ -43,6 +43,7 @@ class _PendingAdd:
     params: SamplingParams
     future: asyncio.Future
     arrival_time: float
+    priority: int
 
 
 @dataclass
@@ -196,7 +197,7 @@ class AsyncLLMEngine:
             if p.future.cancelled():
                 continue
             try:
-                engine.add_request(p.request_id, p.prompt, p.params, arrival_time=p.arrival_time)
+                engine.add_request(p.request_id, p.prompt, p.params, arrival_time=p.arrival_time, priority=p.priority)
             except BaseException as e:  # noqa: BLE001 - handed to that caller only
                 loop.call_soon_threadsafe(_settle, p.future, e)
             else:
@@ -259,7 +260,8 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is shut down; no new requests.") from self._dead_error
         self.start()
         check_request_id(request_id)
-        check_request_options(lora_request, tokenization_kwargs, trace_headers, priority)
+        check_request_options(self.engine.config.scheduler.policy, lora_request, tokenization_kwargs, trace_headers,
+                              priority)
         if request_id in self._streams or any(p.request_id == request_id for p in self._pending_adds):
             raise ValueError(f"request_id {request_id!r} is already in use.")
         params = params if params is not None else SamplingParams()
@@ -269,7 +271,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         fut = self._loop.create_future()
         self._pending_adds.append(_PendingAdd(request_id, prompt, params, fut,
-                                              time.time() if arrival_time is None else arrival_time))
+                                              time.time() if arrival_time is None else arrival_time, priority))
         self._wakeup.set()
         try:
             await fut

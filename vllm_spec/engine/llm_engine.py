@@ -122,11 +122,12 @@ class LLMEngine:
                     priority: int = 0) -> None:
         """Validate and queue a request; a bad request raises ValueError (TypeError: a request_id that is
         not a string) and changes nothing. arrival_time: when it arrived (time.time(), as vLLM's; now by
-        default; RequestOutput.metrics are on the monotonic clock); lora_request, tokenization_kwargs,
-        trace_headers and priority: vLLM's, accepted at their neutral values (no LoRA, no tracing, first
-        come first served)."""
+        default; RequestOutput.metrics are on the monotonic clock); priority: lower runs first, with
+        scheduling_policy="priority" (0 otherwise); lora_request, tokenization_kwargs and trace_headers:
+        vLLM's, accepted at their neutral values (no LoRA, no tracing)."""
         check_request_id(request_id)
-        check_request_options(lora_request, tokenization_kwargs, trace_headers, priority)
+        check_request_options(self.config.scheduler.policy, lora_request, tokenization_kwargs, trace_headers,
+                              priority)
         if arrival_time is not None and not (is_number(arrival_time) and math.isfinite(arrival_time)):
             raise ValueError(f"arrival_time must be a time.time() timestamp, got {arrival_time!r}.")
         params = params or SamplingParams()
@@ -168,6 +169,7 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(request_id, i, ids, params.for_child(i) if params.n > 1 else params, max(1, max_tokens))
             seq.arrival_time = arrived
+            seq.priority = int(priority)
             self.output_processor.start(seq)
             seqs.append(seq)
         if params.prompt_logprobs is not None:   # scored once, by the first sequence's prefill

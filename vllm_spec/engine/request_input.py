@@ -56,15 +56,18 @@ def check_neutral(**values: Any) -> None:
             raise ValueError(f"{name} is not supported: it must be None, got {value!r}.")
 
 
-def check_request_options(lora_request: object = None, tokenization_kwargs: object = None,
+def check_request_options(policy: str, lora_request: object = None, tokenization_kwargs: object = None,
                           trace_headers: object = None, priority: object = 0) -> None:
-    """vLLM's add_request options, served at their neutral values only (no LoRA, no tracing, first come
-    first served)."""
+    """vLLM's add_request options: LoRA and tracing at their neutral values only; priority under the
+    engine's scheduling policy."""
     check_neutral(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs, trace_headers=trace_headers)
-    check_priority(priority)
+    check_priority(priority, policy)
 
 
-def check_priority(priority: object) -> None:
-    if priority != 0:
+def check_priority(priority: object, policy: str) -> None:
+    """An integer (lower runs first) with scheduling_policy="priority"; 0 otherwise, as vLLM."""
+    if not is_int(priority):
+        raise ValueError(f"priority must be an integer, got {priority!r}.")
+    if priority != 0 and policy != "priority":
         raise ValueError(f"priority must be 0, got {priority!r}: requests are scheduled first come, first served "
-                         "(priority scheduling is not supported).")
+                         "(start the engine with scheduling_policy='priority' to use priorities).")

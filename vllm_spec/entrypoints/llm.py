@@ -63,8 +63,8 @@ class LLM:
         lora_request: None = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate completions for all prompts; outputs come back in prompt order. (lora_request and
-        priority: vLLM's, accepted at their neutral values: no LoRA, first-come-first-served.)"""
+        """Generate completions for all prompts; outputs come back in prompt order. priority: one per
+        prompt, lower first (with scheduling_policy="priority"); lora_request: vLLM's, None only."""
         prompt_list = _as_prompt_list(prompts)
         if not prompt_list:
             raise ValueError("prompts must not be empty.")
@@ -72,8 +72,9 @@ class LLM:
         if priority is not None:
             if len(priority) != len(prompt_list):
                 raise ValueError(f"priority must be None or one per prompt ({len(prompt_list)}), got {len(priority)}.")
+            policy = self.llm_engine.config.scheduler.policy
             for p in priority:
-                check_priority(p)
+                check_priority(p, policy)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
         else:
@@ -85,10 +86,10 @@ class LLM:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
                 rid = str(next(self._ids))
                 # generate() returns finished requests only: no per-step outputs to build.
-                engine.add_request(rid, prompt, _final_only(params))
+                engine.add_request(rid, prompt, _final_only(params), priority=0 if priority is None else priority[i])
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)

@@ -95,7 +95,7 @@ _UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "use_beam_search": False, "echo": False,
     "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "logits_processors": None,
-    "return_tokens_as_token_ids": False, "priority": 0,
+    "return_tokens_as_token_ids": False,
 }
 
 
@@ -133,6 +133,7 @@ class SamplingFields(OpenAIRequestModel):
     truncate_prompt_tokens: int | None = None
     # vLLM's extension: free-form arguments passed to SamplingParams.extra_args.
     vllm_xargs: dict[str, str | int | float] | None = None
+    priority: StrictInt = 0   # vLLM's: lower runs first, with --scheduling-policy priority
 
     @field_validator("n", mode="before")
     @classmethod

@@ -66,7 +66,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     prompt = await serving.in_tokenizer_thread(state, _chat_prompt, state, request)
     sub = await submission.submit(state, "chatcmpl", request.model, [prompt], params, "messages",
                                max_tokens_param="max_completion_tokens" if request.max_completion_tokens is not None
-                               else "max_tokens")
+                               else "max_tokens", priority=request.priority)
     k = params.logprobs
 
     if request.stream:

@@ -88,7 +88,8 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
     serving.check_model(state, request.model)
     params = request.to_sampling_params(state.sampling_defaults)
     prompts = await serving.in_tokenizer_thread(state, _completion_prompts, state, request)
-    sub = await submission.submit(state, "cmpl", request.model, prompts, params, "prompt", echo_only=request.echo_only)
+    sub = await submission.submit(state, "cmpl", request.model, prompts, params, "prompt", echo_only=request.echo_only,
+                                  priority=request.priority)
     n, k = params.n, params.logprobs
     echo = ([await serving.in_tokenizer_thread(state, _prompt_text, state, p) for p in prompts] if request.echo
             else [""] * len(prompts))

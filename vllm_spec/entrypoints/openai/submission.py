@@ -61,7 +61,7 @@ def _check_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | 
 
 # Engine requests ------------------------------------------------------------------------------------
 async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any]], params: SamplingParams,
-                   prompt_param: str) -> tuple[list[str], list[AsyncStream]]:
+                   prompt_param: str, priority: int) -> tuple[list[str], list[AsyncStream]]:
     """Add one engine request per prompt; on any failure abort those already added. The engine
     refuses what is wrong with a prompt (its token ids): prompt_param names the request's field."""
     ids: list[str] = []
@@ -69,13 +69,15 @@ async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any
     try:
         for i, prompt in enumerate(prompts):
             rid = f"{base_id}-{i}"
-            streams.append(await state.engine.add_request(rid, prompt, params))
+            streams.append(await state.engine.add_request(rid, prompt, params, priority=priority))
             ids.append(rid)
     except ValueError as e:
         state.engine.abort_nowait(ids)
         # The engine's refusals start with the field they are about: a sampling field (stop strings or
-        # bad_words without a tokenizer, token ids outside the vocabulary) is named, else the prompt.
-        raise OpenAIServingError(str(e), param=sampling_field_of(str(e)) or prompt_param) from e
+        # bad_words without a tokenizer, token ids outside the vocabulary) or priority is named, else the prompt.
+        message = str(e)
+        param = "priority" if message.startswith("priority") else sampling_field_of(message) or prompt_param
+        raise OpenAIServingError(message, param=param) from e
     except EngineDeadError as e:
         state.engine.abort_nowait(ids)
         raise OpenAIServingError(str(e), 503, "ServiceUnavailableError") from e
@@ -292,7 +294,7 @@ class Submission:
 
 async def submit(state: ServerState, id_prefix: str, model: str | None, prompts: list[dict[str, Any]],
                  params: SamplingParams, prompt_param: str, echo_only: bool = False,
-                 max_tokens_param: str = "max_tokens") -> Submission:
+                 max_tokens_param: str = "max_tokens", priority: int = 0) -> Submission:
     """Check each prompt's length, then add them all to the engine as one Submission (prompt_param:
     the request field the prompts came from, which errors about them name; echo_only: the prompts
     are answered alone, so a prompt as long as the context fits though a token is generated)."""
@@ -312,5 +314,5 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
             raise OpenAIServingError(str(e), param=sampling_field_of(str(e))) from e
     base_id = random_id(id_prefix)
     prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
-    ids, streams = await _add_all(state, base_id, prompts, params, prompt_param)
+    ids, streams = await _add_all(state, base_id, prompts, params, prompt_param, priority)
     return Submission(state, base_id, model or state.model_name, params, prompt_lens, ids, streams)
