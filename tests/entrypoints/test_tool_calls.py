@@ -18,8 +18,9 @@ CALLS = [ParsedCall("get_weather", '{"city": "Paris", "unit": "C"}'), ParsedCall
 @pytest.mark.parametrize("text, expected", [
     ("Just text.", ("Just text.", [])),
     (WEATHER, (None, CALLS[:1])),
-    ("Let me check. " + WEATHER + "\n" + TIME, ("Let me check. ", CALLS)),
+    ("Let me check. " + WEATHER + "\n" + TIME, ("Let me check. \n", CALLS)),   # all the text outside calls
     (WEATHER + "\n" + TIME[:-len("</tool_call>")], (None, CALLS)),        # an unclosed last call
+    (WEATHER + '\n<tool_call>\n{"name": "now", "argu', ('\n<tool_call>\n{"name": "now", "argu', CALLS[:1])),
     ('<tool_call>{"name": broken}</tool_call>', ('<tool_call>{"name": broken}</tool_call>', [])),
     ('<tool_call>{"arguments": {}}</tool_call>', ('<tool_call>{"arguments": {}}</tool_call>', [])),
     ('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', (None, [ParsedCall("f", '{"x": 1}')])),
@@ -39,22 +40,20 @@ def _stream(text: str, cuts: list[int]) -> tuple[str, list[ParsedCall]]:
 
 @pytest.mark.parametrize("text", [
     "Just text with a < sign and <tool", "Let me check. " + WEATHER + "\n" + TIME,
+    WEATHER + '\n<tool_call>\n{"name": "now", "argu',
     WEATHER + " and then " + TIME + " done", WEATHER + "\n" + TIME[:-len("</tool_call>")],
     '<tool_call>{"name": broken}</tool_call> after',
 ])
 def test_streamed_calls_are_the_whole_texts_calls(text):
-    """Fed in random pieces (tags split anywhere), the stream finds the calls extract_tool_calls finds, and
-    its content is the text outside them."""
+    """Fed in random pieces (tags split anywhere), the stream finds what extract_tool_calls finds in the whole
+    text: the same calls and the same content (a client sees the same answer streamed or not)."""
     rng = random.Random(0)
     whole_content, whole_calls = extract_tool_calls(text)
     for _ in range(30):
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(1, 12))))
         content, calls = _stream(text, cuts)
         assert calls == whole_calls
-        if not whole_calls:
-            assert content == text
-        else:
-            assert content.startswith(whole_content or "") and "<tool_call>" not in content
+        assert (content if content.strip() else None) == whole_content
 
 
 # The server -----------------------------------------------------------------------------------------
@@ -147,3 +146,12 @@ def test_serve_refuses_auto_tool_choice_without_a_parser(capsys):
     assert "--tool-call-parser" in capsys.readouterr().err
     ns = cli.make_parser().parse_args(["serve", "M", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     assert (ns.enable_auto_tool_choice, ns.tool_call_parser) == (True, "hermes")
+
+
+@pytest.mark.parametrize("tools", [[{"type": "function"}], [{"type": "retrieval", "function": {"name": "x"}}],
+                                   [{"type": "function", "function": {"description": "no name"}}],
+                                   [{"type": "function", "function": {"name": 123}}]])
+def test_malformed_tools_are_a_400(client, tools):
+    r = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                  "tools": tools, "tool_choice": "none"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text

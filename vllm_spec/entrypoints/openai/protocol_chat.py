@@ -47,6 +47,12 @@ class ChatCompletionRequest(SamplingFields):
         self._check_unsupported()
         if not self.messages:
             raise OpenAIServingError("messages must not be empty.", param="messages")
+        for i, tool in enumerate(self.tools or []):   # as vLLM's ChatCompletionToolsParam
+            function = tool.get("function")
+            if tool.get("type", "function") != "function" or not isinstance(function, dict) \
+                    or not isinstance(function.get("name"), str):
+                raise OpenAIServingError(f'tools[{i}] must be {{"type": "function", "function": {{"name": <string>, '
+                                         f'"parameters": ...}}}}, got {tool!r}.', param="tools")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise OpenAIServingError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
         if self.tools and self.parses_tool_calls and not auto_tool_choice:

@@ -114,5 +114,5 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
-    # As vLLM: a choice that ends (not cut by its length) after calling tools reports "tool_calls".
-    return "tool_calls" if called and reason == "stop" else reason
+    # As vLLM: a choice that called tools reports "tool_calls" when it ends, whatever ended it.
+    return "tool_calls" if called and reason is not None else reason

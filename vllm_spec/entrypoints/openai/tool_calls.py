@@ -2,19 +2,17 @@
 --tool-call-parser hermes`); their wire models are in protocol_chat.py.
 
 The hermes format (Hermes, Qwen2.5 and others' chat templates) wraps each call in tags:
-`<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>`. Text before the
-first tag is the message's content.
+`<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>`. Text outside the
+calls is the message's content.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 TOOL_CALL_PARSERS = ("hermes",)
 _START, _END = "<tool_call>", "</tool_call>"
-_CALLS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -37,18 +35,14 @@ def _parse_call(body: str) -> ParsedCall | None:
 
 
 def extract_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
-    """(content, tool calls) of a whole generated text; a call that does not parse leaves the text as
-    content, as vLLM's parser."""
-    if _START not in text:
-        return text, []
-    calls = []
-    for match in _CALLS.finditer(text):
-        call = _parse_call((match.group(1) if match.group(1) is not None else match.group(2)).strip())
-        if call is None:
-            return text, []
-        calls.append(call)
-    content = text[:text.index(_START)]
-    return content or None, calls
+    """(content, tool calls) of a whole generated text, as a stream of it would find them (so a client
+    sees the same calls either way): closed calls that parse, then an unclosed last one that parses;
+    anything else is content (None when only whitespace is left)."""
+    stream = ToolCallStream()
+    content, calls = stream.feed(text)
+    rest, last = stream.finish()
+    content += rest
+    return (content if content.strip() else None), calls + last
 
 
 @dataclass
