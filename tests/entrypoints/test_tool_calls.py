@@ -155,3 +155,23 @@ def test_malformed_tools_are_a_400(client, tools):
     r = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                                   "tools": tools, "tool_choice": "none"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+def test_tool_call_arguments_in_the_history_reach_the_template_as_objects(tiny_llama):
+    """OpenAI sends an assistant message's tool call arguments as JSON text: as vLLM, the template gets
+    them parsed (else it renders a quoted string); text that is no JSON is a 400 naming messages."""
+    from vllm_spec import LLM, SamplingParams
+
+    template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}"
+                "{% endfor %}{% endfor %}")
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    llm = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24)
+    out = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template,
+                   add_generation_prompt=False)
+    assert out[0].prompt == '{"city": "Paris"}'
+    bad = [messages[0], {**messages[1], "tool_calls": [{"function": {"name": "w", "arguments": "{not json"}}]}]
+    with pytest.raises(ValueError, match="tool call arguments must be JSON"):
+        llm.chat(bad, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template)

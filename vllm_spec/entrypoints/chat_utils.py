@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jinja2
@@ -56,7 +57,7 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true.")
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise ValueError(f"messages must be dicts with a string 'role' (and a 'content'), got {messages!r}.")
-    messages = [{**m, "content": text_content(m.get("content"))} for m in messages]
+    messages = [_with_parsed_tool_calls({**m, "content": text_content(m.get("content"))}) for m in messages]
     check_text("messages", messages)
     if continue_final_message:
         template_kwargs["continue_final_message"] = True
@@ -69,3 +70,24 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
         raise ValueError("the chat template did not render to text.")
     # The template writes the special tokens itself: tokenized without adding them again unless asked.
     return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=add_special_tokens).input_ids}
+
+
+def _with_parsed_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool calls with their arguments as objects, as vLLM hands them to templates
+    (OpenAI sends them as JSON text: a template would render that text as a string, quoted)."""
+    calls = message.get("tool_calls")
+    if message["role"] != "assistant" or not calls:
+        return message
+    if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+        raise ValueError(f"messages: an assistant message's tool_calls must be a list of "
+                         f'{{"function": {{"name": ..., "arguments": ...}}}}, got {calls!r}.')
+    parsed = []
+    for call in calls:
+        arguments = call["function"].get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"messages: tool call arguments must be JSON, got {arguments!r} ({e}).") from None
+        parsed.append({**call, "function": {**call["function"], "arguments": arguments}})
+    return {**message, "tool_calls": parsed}
