@@ -92,3 +92,19 @@ def test_llm_serves_priorities_first(tiny_llama):
         llm.generate(prompts[:1], params, use_tqdm=False, priority=[1.5])
     with pytest.raises(ValueError, match="scheduling_policy='priority'"):
         plain.generate(prompts[:1], params, use_tqdm=False, priority=[1])
+
+
+def test_priorities_under_preemption_keep_every_output(spec_pair):
+    """A KV cache too small for the batch, speculation on, priorities mixed: preemptions follow priority and
+    every output is the one computed alone (greedy)."""
+    prompts = [{"prompt_token_ids": [3 + (5 * i + j) % 250 for j in range(20 + 3 * i)]} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(spec_pair[0], kv_cache_memory_bytes=1 << 25).generate(
+        prompts, params, use_tqdm=False)]
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, speculative_policy="fixed",
+              scheduling_policy="priority", num_gpu_blocks_override=16, max_model_len=96, block_size=16)
+    outs = llm.generate(prompts, params, use_tqdm=False, priority=[i % 3 for i in range(8)])
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert next(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") > 0
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
