@@ -197,3 +197,22 @@ def test_block_size_does_not_change_output(tiny_llama, llama_reference, block_si
     ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert llm.llm_engine.block_manager.block_size == block_size
     assert ours == llama_reference
+
+
+def test_dynamic_ntk_rope_matches_transformers_at_the_longest_context(tmp_path):
+    """rope_scaling type "dynamic": as vLLM, the NTK-scaled base of the longest context (max_position_embeddings x
+    factor) at every position, which is the base transformers' dynamic version uses for a sequence that long:
+    the prompt logprobs of such a prompt match; max_model_len is max_position_embeddings x factor, as vLLM's."""
+    path = make_tiny_model(tmp_path / "dyn", "llama", seed=8, max_position_embeddings=64,
+                           rope_scaling={"type": "dynamic", "factor": 2.0})
+    llm = LLM(str(path), kv_cache_memory_bytes=1 << 24)
+    assert llm.llm_engine.config.model.max_model_len == 128
+    ids = [3 + (7 * i) % 300 for i in range(128)]
+    out = llm.generate([{"prompt_token_ids": ids[:127]}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    ours = torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, :126].log_softmax(-1)   # one pass of 128: the longest context
+    ref = logits.gather(1, torch.tensor(ids[1:127]).unsqueeze(1)).squeeze(1)
+    assert torch.allclose(ours, ref, atol=2e-4), (ours - ref).abs().max()

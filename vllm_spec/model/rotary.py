@@ -1,4 +1,4 @@
-"""Rotary position embeddings (rotate-half layout) with Llama-3, linear and YaRN scaling."""
+"""Rotary position embeddings (rotate-half layout) with Llama-3, linear, dynamic-NTK and YaRN scaling."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
@@ -45,6 +45,13 @@ def _yarn(pos_freqs: torch.Tensor, head_dim: int, theta: float, scaling: dict[st
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
     """The inverse frequencies, and the factor cos/sin are scaled by (YaRN's attention factor, else 1)."""
+    if rope_type(scaling) == "dynamic":
+        # As vLLM: NTK-aware scaling fixed at the longest context, L = max_position_embeddings x factor
+        # (base x (factor L / max_position_embeddings - (factor - 1)) ^ (d / (d - 2))), where transformers'
+        # dynamic version arrives too; below it transformers keeps the original base.
+        factor = scaling["factor"]
+        theta = theta * (factor * factor - (factor - 1)) ** (head_dim / (head_dim - 2))
+        scaling = None
     pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     inv = 1.0 / pos_freqs
     if not scaling:
