@@ -108,3 +108,21 @@ def test_priorities_under_preemption_keep_every_output(spec_pair):
     assert next(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") > 0
     bm = llm.llm_engine.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_a_higher_priority_sequence_takes_the_block_of_one_scheduled_before_it():
+    """As vLLM V1: the victim is the last in priority order even when it was already scheduled this step (it is
+    taken out of the step); the higher-priority sequence does not preempt itself (a reviewer's repro)."""
+    sched = _scheduler("priority", num_blocks=4)   # 3 usable blocks of 4
+    low, high = _seq("low", 9, 1.0), _seq("high", 0, 2.0)
+    sched.add(low)
+    sched.schedule()
+    sched.add(high)
+    sched.schedule()
+    for s in (low, high):   # both prompts (4 tokens) computed, a token sampled: each needs a 2nd block, one is free
+        s.output_token_ids.append(7)
+        s.num_computed_tokens = s.num_tokens - 1
+    out = sched.schedule()
+    assert [item.seq.request_id for item in out.scheduled] == ["high"]
+    assert [s.request_id for s in out.preempted] == ["low"]
+    assert out.num_prefill_tokens == 0 and not out.prefilling

@@ -18,9 +18,10 @@ CALLS = [ParsedCall("get_weather", '{"city": "Paris", "unit": "C"}'), ParsedCall
 @pytest.mark.parametrize("text, expected", [
     ("Just text.", ("Just text.", [])),
     (WEATHER, (None, CALLS[:1])),
-    ("Let me check. " + WEATHER + "\n" + TIME, ("Let me check. \n", CALLS)),   # all the text outside calls
+    ("Let me check. " + WEATHER + "\n" + TIME, ("Let me check.", CALLS)),   # the text outside calls, trimmed
     (WEATHER + "\n" + TIME[:-len("</tool_call>")], (None, CALLS)),        # an unclosed last call
     (WEATHER + '\n<tool_call>\n{"name": "now", "argu', ('\n<tool_call>\n{"name": "now", "argu', CALLS[:1])),
+    ("Fine.\n\n", ("Fine.\n\n", [])),                                    # no calls: the text as it is
     ('<tool_call>{"name": broken}</tool_call>', ('<tool_call>{"name": broken}</tool_call>', [])),
     ('<tool_call>{"arguments": {}}</tool_call>', ('<tool_call>{"arguments": {}}</tool_call>', [])),
     ('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', (None, [ParsedCall("f", '{"x": 1}')])),
@@ -77,7 +78,7 @@ def client(tiny_llama, monkeypatch):
                                                         max_model_len=256))
 
     async def scripted(request_id, prompt, params, **kwargs):
-        stream = AsyncStream(request_id)
+        stream = AsyncStream(request_id, coalesce=False)   # every piece reaches the server
         cuts = [0, 5, 21, 40, 77, 101, len(SCRIPT)]
         for i, end in enumerate(cuts[1:], 1):
             done = end == len(SCRIPT)
@@ -98,7 +99,7 @@ def test_server_returns_tool_calls(client):
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
-    assert choice["message"]["content"] == "Let me check. "
+    assert choice["message"]["content"] == "Let me check."
     calls = choice["message"]["tool_calls"]
     assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("function", "get_weather", {"city": "Paris", "unit": "C"}), ("function", "now", {})]
@@ -114,7 +115,7 @@ def test_server_streams_tool_calls(client):
     r = client.post("/v1/chat/completions", json=body)
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     deltas = [e["choices"][0]["delta"] for e in events]
-    assert "".join(d.get("content", "") for d in deltas) == "Let me check. "
+    assert "".join(d.get("content", "") for d in deltas) == "Let me check."
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "now")]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "unit": "C"}
@@ -175,3 +176,13 @@ def test_tool_call_arguments_in_the_history_reach_the_template_as_objects(tiny_l
     bad = [messages[0], {**messages[1], "tool_calls": [{"function": {"name": "w", "arguments": "{not json"}}]}]
     with pytest.raises(ValueError, match="tool call arguments must be JSON"):
         llm.chat(bad, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template)
+
+
+def test_no_empty_chunks_while_a_call_is_written(client):
+    body = {"model": "m", "messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS, "stream": True}
+    r = client.post("/v1/chat/completions", json=body)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    # The role chunk, then only chunks that carry something: content, a call, or the finish.
+    for e in events[1:]:
+        choice = e["choices"][0]
+        assert choice["delta"] or choice["finish_reason"], e

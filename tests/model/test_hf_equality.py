@@ -216,3 +216,16 @@ def test_dynamic_ntk_rope_matches_transformers_at_the_longest_context(tmp_path):
         logits = hf(torch.tensor([ids])).logits[0, :126].log_softmax(-1)   # one pass of 128: the longest context
     ref = logits.gather(1, torch.tensor(ids[1:127]).unsqueeze(1)).squeeze(1)
     assert torch.allclose(ours, ref, atol=2e-4), (ours - ref).abs().max()
+
+
+@pytest.mark.parametrize("scaling", [{"type": "dynamic", "alpha": 2.0}, {"rope_type": "linear"},
+                                     {"type": "dynamic", "factor": "2"}, {"type": "llama3", "factor": -1}])
+def test_rope_scaling_without_a_usable_factor_is_a_clear_error(tmp_path, scaling):
+    import json
+
+    path = make_tiny_model(tmp_path / "bad_rope", "llama", seed=8, max_position_embeddings=64)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    (path / "config.json").write_text(json.dumps({**cfg, "rope_scaling": scaling}))
+    with pytest.raises(ValueError, match="rope_scaling of type .* needs a positive number 'factor'"):
+        LLM(str(path), kv_cache_memory_bytes=1 << 24)

@@ -56,6 +56,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._returned_budget = 0
 
     def add(self, seq: Sequence) -> None:
         self._enqueue(seq, front=False)
@@ -95,13 +96,17 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _preempt_for(self, seq: Sequence, num_new_tokens: int, num_lookahead: int, out: SchedulerOutput) -> bool:
-        """Preempt until seq's slots fit: newest first (by priority: the last in priority order), never
-        one already scheduled this step, as a last resort seq itself. True when seq got its slots, False
-        when it was preempted."""
+        """Preempt until seq's slots fit. First come, first served: the newest first, never one already
+        scheduled this step, as a last resort seq itself. By priority (as vLLM V1): the last in priority
+        order, seq itself or one scheduled this step included (taken out of the step, its tokens back in
+        the budget: _returned_budget). True when seq got its slots, False when it was preempted."""
         scheduled = {id(s.seq) for s in out.scheduled}
         while True:
-            if self.config.policy == "priority":   # the last in priority order, seq itself included
-                victim = max((s for s in self.running if id(s) not in scheduled), key=_priority_key)
+            if self.config.policy == "priority":
+                victim = max(self.running, key=_priority_key)
+                if id(victim) in scheduled:
+                    self._unschedule(victim, out)
+                    scheduled.discard(id(victim))
             else:
                 victim = next((s for s in reversed(self.running) if id(s) not in scheduled and s is not seq), seq)
             self._preempt(victim, out)
@@ -110,9 +115,18 @@ class Scheduler:
             if self.block_manager.try_append_slots(seq, num_new_tokens, num_lookahead):
                 return True
 
+    def _unschedule(self, seq: Sequence, out: SchedulerOutput) -> None:
+        item = next(item for item in out.scheduled if item.seq is seq)
+        out.scheduled.remove(item)
+        if seq in out.prefilling:
+            out.prefilling.remove(seq)
+            out.num_prefill_tokens -= item.num_new_tokens
+        self._returned_budget += item.num_new_tokens
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(num_lookahead_slots=self.num_lookahead_slots)
         budget = self.config.max_num_batched_tokens
+        self._returned_budget = 0   # tokens of sequences taken out of this step by preemption (priority)
         bm = self.block_manager
         max_model_len = self.config.max_model_len
         lookahead = self.num_lookahead_slots
@@ -122,11 +136,12 @@ class Scheduler:
         # every step): all of their tokens (<= 1) fit the budget left (> 0), so each samples.
         prefills = []
         for seq in self.running.copy():   # a copy: preemption removes from the list
+            if out.preempted:   # (asked only once something was: all are RUNNING and scheduled until then)
+                budget, self._returned_budget = budget + self._returned_budget, 0
+                if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
+                    continue
             if budget <= 0:
                 break
-            # Preempted earlier in this loop (asked only once something was: all are RUNNING until then).
-            if out.preempted and seq.status is not SequenceStatus.RUNNING:
-                continue
             uncomputed = seq.num_tokens_to_schedule(max_model_len)
             if uncomputed is None:
                 continue   # its last token is already being sampled
@@ -140,10 +155,12 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, uncomputed, True))
                 budget -= uncomputed
         for seq, uncomputed in prefills:
+            if out.preempted:
+                budget, self._returned_budget = budget + self._returned_budget, 0
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
             if budget <= 0:
                 break
-            if out.preempted and seq.status is not SequenceStatus.RUNNING:
-                continue
             n = min(uncomputed, budget)
             slots = lookahead if n == uncomputed else 0
             if bm.try_append_slots(seq, n, slots) or self._preempt_for(seq, n, slots, out):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_spec.model.rotary import rope_type
+from vllm_spec.model.rotary import SUPPORTED_ROPE_TYPES, rope_type
+from vllm_spec.utils import is_number
 
 # HF architecture name -> whether q/k/v projections carry a bias by default.
 SUPPORTED_ARCHITECTURES: dict[str, bool] = {
@@ -100,6 +101,10 @@ class ArchConfig:
             if rope_scaling.get("factor") is None:
                 original = rope_scaling["original_max_position_embeddings"]
                 rope_scaling["factor"] = cfg["max_position_embeddings"] / original
+        if kind in SUPPORTED_ROPE_TYPES and kind != "default":
+            factor = rope_scaling.get("factor")
+            if not (is_number(factor) and factor > 0):
+                raise ValueError(f"rope_scaling of type {kind!r} needs a positive number 'factor', got {rope_scaling!r}.")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],

@@ -21,7 +21,6 @@ class ChatMessage(OpenAIRequestModel):
     name: str | None = None
 
 
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None

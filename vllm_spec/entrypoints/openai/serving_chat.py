@@ -73,7 +73,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
         parsers = [ToolCallStream() for _ in range(params.n)] if tools else None
 
         def choice(idx: int, out: RequestOutput, comp: CompletionOutput, delta: str, start: int, end: int,
-                   st: submission.ChoiceState) -> ChatCompletionResponseStreamChoice:
+                   st: submission.ChoiceState) -> ChatCompletionResponseStreamChoice | None:
             lps = None
             if k is not None and comp.logprobs is not None:
                 lps = _chat_logprobs(state, comp.token_ids[start:end], comp.logprobs[start:end], k)
@@ -88,6 +88,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
                     finish = _finish_reason(finish, parser.num_calls > 0)
                 calls = [DeltaToolCall(index=first + i, function=FunctionCall(name=c.name, arguments=c.arguments))
                          for i, c in enumerate(found)]
+                if not delta and not calls and finish is None and lps is None:
+                    return None   # the parser holds this text (a call being written): no empty chunk
             return ChatCompletionResponseStreamChoice(
                 index=idx, delta=DeltaMessage(content=delta or None, tool_calls=calls or None),
                 logprobs=lps, finish_reason=finish, stop_reason=comp.stop_reason)

@@ -199,7 +199,7 @@ class _SSEResponse(StreamingResponse):
 
 
 # Builds one streamed choice: (choice index, its request's output, the choice's output, new text, new
-# tokens' start and end, its state).
+# tokens' start and end, its state); None: nothing to send yet (text a tool-call parser holds).
 MakeChoice = Callable[[int, RequestOutput, CompletionOutput, str, int, int, ChoiceState], Any]
 
 
@@ -279,7 +279,10 @@ class Submission:
                     delta, start, end = st.advance(comp)
                     if not delta and comp.finish_reason is None and (k is None or start == end):
                         continue
-                    event = chunk(choices=[make_choice(idx, out, comp, delta, start, end, st)])
+                    choice = make_choice(idx, out, comp, delta, start, end, st)
+                    if choice is None:
+                        continue
+                    event = chunk(choices=[choice])
                     if continuous:
                         event.usage = self.usage(last)
                     yield _sse(event)

@@ -26,7 +26,7 @@ class ParsedCall:
 def _parse_call(body: str) -> ParsedCall | None:
     try:
         call = json.loads(body)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):   # (deeply nested output: json's recursion limit)
         return None
     if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
         return None
@@ -35,14 +35,14 @@ def _parse_call(body: str) -> ParsedCall | None:
 
 
 def extract_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
-    """(content, tool calls) of a whole generated text, as a stream of it would find them (so a client
-    sees the same calls either way): closed calls that parse, then an unclosed last one that parses;
-    anything else is content (None when only whitespace is left)."""
+    """(content, tool calls) of a whole generated text, as its stream finds them (a client gets the same
+    answer either way): closed calls that parse, then an unclosed last one that parses; the rest is
+    content, without its trailing whitespace when there are calls (None when nothing is left)."""
     stream = ToolCallStream()
     content, calls = stream.feed(text)
     rest, last = stream.finish()
     content += rest
-    return (content if content.strip() else None), calls + last
+    return (content or None) if calls or last else content, calls + last
 
 
 @dataclass
@@ -52,6 +52,9 @@ class ToolCallStream:
     buffer: str = ""
     in_call: bool = False
     num_calls: int = 0
+    # Content's trailing whitespace is held until more content comes (then sent with it) or the choice
+    # ends (sent if it called nothing): the newlines around calls are no content, however text is split.
+    held: str = ""
 
     def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
         """The content to send now and the calls completed by this delta."""
@@ -78,18 +81,22 @@ class ToolCallStream:
                     continue
                 calls.append(call)
                 self.num_calls += 1
-        return "".join(content), calls
+        text = self.held + "".join(content)
+        body = text.rstrip()
+        self.held = text[len(body):]
+        return body, calls
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """What is left when the choice ends: an unclosed last call that parses is a call (as in
         extract_tool_calls), anything else content."""
-        rest, in_call = self.buffer, self.in_call
-        self.buffer, self.in_call = "", False
+        rest, in_call, held = self.buffer, self.in_call, self.held
+        self.buffer, self.in_call, self.held = "", False, ""
         call = _parse_call(rest.strip()) if in_call else None
         if call is not None:
             self.num_calls += 1
             return "", [call]
-        return (_START if in_call else "") + rest, []
+        text = held + (_START if in_call else "") + rest
+        return (text.rstrip() if self.num_calls else text), []
 
 
 def _partial_tag_length(text: str) -> int:
