@@ -126,3 +126,22 @@ def test_a_higher_priority_sequence_takes_the_block_of_one_scheduled_before_it()
     assert [item.seq.request_id for item in out.scheduled] == ["high"]
     assert [s.request_id for s in out.preempted] == ["low"]
     assert out.num_prefill_tokens == 0 and not out.prefilling
+
+
+def test_prompt_chunks_take_the_budget_in_priority_order():
+    """Running prompts (low admitted before high) share a small token budget: by priority, high's chunk goes
+    first; first come, first served, low's."""
+    from vllm_spec.core.sequence import SequenceStatus
+
+    def running_prompts(policy: str) -> list[tuple[str, int]]:
+        cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=6, max_model_len=256, policy=policy)
+        sched = Scheduler(cfg, BlockManager(64, 4))
+        for rid, prio, t in (("low", 5, 1.0), ("high", 1, 2.0)):
+            seq = _seq(rid, prio, t, prompt_len=20)
+            sched.block_manager.allocate(seq, 4)
+            seq.num_computed_tokens, seq.status = 4, SequenceStatus.RUNNING
+            sched.running.append(seq)
+        return [(i.seq.request_id, i.num_new_tokens) for i in sched.schedule().scheduled]
+
+    assert running_prompts("priority") == [("high", 6)]
+    assert running_prompts("fcfs") == [("low", 6)]

@@ -154,6 +154,8 @@ class Scheduler:
                   or self._preempt_for(seq, uncomputed, lookahead, out)):
                 out.scheduled.append(ScheduledSeq(seq, uncomputed, True))
                 budget -= uncomputed
+        if self.config.policy == "priority":   # the token budget goes to prompts in priority order
+            prefills.sort(key=lambda item: _priority_key(item[0]))
         for seq, uncomputed in prefills:
             if out.preempted:
                 budget, self._returned_budget = budget + self._returned_budget, 0
