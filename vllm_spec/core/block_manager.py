@@ -9,8 +9,9 @@ With prefix caching (vLLM's enable_prefix_caching) a full block of tokens (promp
 output) is registered under a hash of its tokens and of every token before it once the
 step computing it is launched (a later step, which is all that can read it, runs after it
 on the device): prompt blocks when their step is launched, output blocks when a step is
-read, up to num_computed_tokens (which already counts the steps launched since). A new sequence starts from the longest run of registered blocks matching
-its prompt: it shares them (ref counts) and computes only the rest. A freed block keeps
+read, up to num_computed_tokens (which already counts the steps launched since). A new
+sequence starts from the longest run of registered blocks matching its prompt: it shares
+them (ref counts) and computes only the rest. A freed block keeps
 its contents and registration until the free list hands it out again (least recently
 freed first; a sequence's tail blocks before its head).
 

@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from vllm_spec.engine.async_llm_engine import AsyncLLMEngine
+from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIServingError
 from vllm_spec.outputs import Logprob
 
@@ -88,6 +89,19 @@ def request_chat_template(state: ServerState, template: str | None, kwargs: dict
         raise OpenAIServingError("this server does not take chat templates from requests (start it with "
                                  "--trust-request-chat-template to allow them).", param="chat_template")
     return template or state.chat_template
+
+
+def render_messages(state: ServerState, request: Any, add_special_tokens: bool) -> dict[str, Any]:
+    """{"prompt", "prompt_token_ids"} of a request's messages (a chat completion's or /tokenize's) under
+    the chat template it may use; a 400 naming messages where they cannot be rendered."""
+    tok = need_tokenizer(state)
+    template = request_chat_template(state, request.chat_template, request.chat_template_kwargs)
+    try:
+        return render_chat(tok, [m.model_dump(exclude_none=True) for m in request.messages],
+                           request.add_generation_prompt, request.continue_final_message, template,
+                           add_special_tokens, request.chat_template_kwargs, request.tools)
+    except Exception as e:
+        raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
 
 
 def need_tokenizer(state: ServerState):

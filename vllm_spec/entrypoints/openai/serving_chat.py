@@ -4,14 +4,11 @@ assistant message, chat-style logprobs; streamed as SSE deltas with stream=true.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.entrypoints.openai import serving, submission
-from vllm_spec.entrypoints.openai.protocol import OpenAIServingError
 from vllm_spec.entrypoints.openai.protocol_chat import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -29,17 +26,6 @@ from vllm_spec.entrypoints.openai.protocol_chat import (
 )
 from vllm_spec.entrypoints.openai.tool_calls import ToolCallStream, extract_tool_calls
 from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
-
-
-def _chat_prompt(state: serving.ServerState, request: ChatCompletionRequest) -> dict[str, Any]:
-    tok = serving.need_tokenizer(state)
-    messages = [m.model_dump(exclude_none=True) for m in request.messages]
-    template = serving.request_chat_template(state, request.chat_template, request.chat_template_kwargs)
-    try:
-        return render_chat(tok, messages, request.add_generation_prompt, request.continue_final_message,
-                           template, request.add_special_tokens, request.chat_template_kwargs, request.tools)
-    except Exception as e:
-        raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
 
 
 def _chat_logprobs(state: serving.ServerState, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]],
@@ -63,7 +49,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     serving.check_model(state, request.model)
     params = request.to_sampling_params(state.sampling_defaults, state.tool_call_parser is not None)
     tools = request.parses_tool_calls
-    prompt = await serving.in_tokenizer_thread(state, _chat_prompt, state, request)
+    prompt = await serving.in_tokenizer_thread(state, serving.render_messages, state, request,
+                                               request.add_special_tokens)
     sub = await submission.submit(state, "chatcmpl", request.model, [prompt], params, "messages",
                                max_tokens_param="max_completion_tokens" if request.max_completion_tokens is not None
                                else "max_tokens", priority=request.priority)

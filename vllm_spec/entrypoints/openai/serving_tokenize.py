@@ -7,7 +7,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.entrypoints.openai import serving
 from vllm_spec.entrypoints.openai.protocol import OpenAIBaseModel, OpenAIRequestModel, OpenAIServingError
 from vllm_spec.entrypoints.openai.protocol_chat import ChatMessage
@@ -46,18 +45,10 @@ class DetokenizeResponse(OpenAIBaseModel):
 
 
 def _token_ids(state: serving.ServerState, request: TokenizeRequest) -> list[int]:
-    tok = serving.need_tokenizer(state)
     if request.messages is not None:
-        template = serving.request_chat_template(state, request.chat_template, request.chat_template_kwargs)
-        try:
-            return render_chat(tok, [m.model_dump(exclude_none=True) for m in request.messages],
-                               request.add_generation_prompt, request.continue_final_message, template,
-                               bool(request.add_special_tokens), request.chat_template_kwargs,
-                               request.tools)["prompt_token_ids"]
-        except Exception as e:
-            raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
+        return serving.render_messages(state, request, bool(request.add_special_tokens))["prompt_token_ids"]
     add = True if request.add_special_tokens is None else request.add_special_tokens
-    return tok(request.prompt, add_special_tokens=add).input_ids
+    return serving.need_tokenizer(state)(request.prompt, add_special_tokens=add).input_ids
 
 
 async def tokenize(request: TokenizeRequest, raw_request: Request):
