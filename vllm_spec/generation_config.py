@@ -31,6 +31,20 @@ def read_generation_config(folder: Path) -> dict[str, Any]:
     return config
 
 
+def model_eos_token_ids(model_config, tokenizer) -> tuple[set[int], int | None]:
+    """The ids that end a request (the model's config, its generation config, the tokenizer's) and the
+    primary one (the tokenizer's, else the config's first)."""
+    ids = set(model_config.arch.eos_token_ids)
+    if model_config.source == "hf":
+        eos = read_generation_config(model_config.path).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    primary = next(iter(model_config.arch.eos_token_ids), None)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        primary = tokenizer.eos_token_id
+        ids.add(primary)
+    return ids, primary
+
+
 def sampling_defaults(generation_config: str, override: dict | None, model_folder: Path | None) -> dict[str, Any]:
     """{SamplingParams field: value} that requests leaving the field unset take, checked.
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+from vllm_spec.structured_output.params import StructuredOutputsParams
 from vllm_spec.utils import check_text, is_int, is_number
 
 # Temperatures below this are treated as greedy, as in vLLM.
@@ -91,6 +92,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # vLLM's: decoded text has spaces between special tokens (slow tokenizers only; see _verify).
     spaces_between_special_tokens: bool = True
+    # The output must match a JSON schema, regex, choice or grammar (vLLM's; a dict is converted).
+    structured_outputs: StructuredOutputsParams | None = None
     # vLLM's names for what is not implemented here, accepted at the values that change nothing only:
     # best_of (= n), the rest None.
     best_of: int | None = None
@@ -133,6 +136,8 @@ class SamplingParams:
         check_text("bad_words", self.bad_words)
         check_text("stop", self.stop)
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if self.allowed_token_ids is not None:
             _check(isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) > 0
                    and all(is_int(t) and t >= 0 for t in self.allowed_token_ids),
@@ -192,8 +197,10 @@ class SamplingParams:
         # decode alike either way, as in vLLM.)
         _check(isinstance(self.spaces_between_special_tokens, bool), "spaces_between_special_tokens",
                "True or False", self.spaces_between_special_tokens)
-        for name in ("logits_processors", "guided_decoding"):
-            _check(getattr(self, name) in (None, [], {}), name, "None (not supported)", getattr(self, name))
+        _check(self.logits_processors in (None, []), "logits_processors", "None (not supported)",
+               self.logits_processors)
+        _check(self.guided_decoding is None, "guided_decoding",
+               "None (vLLM renamed it: use structured_outputs=StructuredOutputsParams(...))", self.guided_decoding)
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
                f"one of {[k.name for k in RequestOutputKind]}", self.output_kind)
         _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", "a dict or None",
@@ -258,7 +265,8 @@ class SamplingParams:
         engine's copy of a request's parameters never changes)."""
         return BatchFields(self.is_greedy, 1.0 if self.is_greedy else self.temperature, self.top_k, self.top_p,
                            self.min_p, self.has_penalties, self.logprobs, self.synthetic_acceptance_rate,
-                           self.min_tokens, self.biases_logits, bool(self.bad_words))
+                           self.min_tokens, self.biases_logits, bool(self.bad_words),
+                           self.structured_outputs is not None)
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
@@ -302,3 +310,4 @@ class BatchFields(NamedTuple):
     min_tokens: int
     biases_logits: bool
     has_bad_words: bool   # bans that follow the output's tokens
+    structured: bool      # a grammar's mask, which follows the output's tokens

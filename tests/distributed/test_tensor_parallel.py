@@ -104,15 +104,18 @@ def test_tp2_prefix_caching_with_a_draft_on_one_rank(spec_pair):
         _shutdown(llm)
 
 
-def test_tp2_logit_bias_allowed_token_ids_and_bad_words(spec_pair):
-    """The constraints travel with the requests to every rank: tp=2 with speculation equals tp=1 without."""
+def test_tp2_logit_bias_allowed_token_ids_bad_words_and_grammars(spec_pair):
+    """The constraints travel with the requests to every rank (each rank's worker follows the grammars):
+    tp=2 with speculation equals tp=1 without."""
     one = LLM(spec_pair[0], **OPTS)
     plain = output_ids(one.generate(_prompts(4), GREEDY, use_tqdm=False))
     words = [one.get_tokenizer().decode(plain[0][3:5])]
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias={11: 3.0},
+    biased = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias={11: 3.0},
                             allowed_token_ids=list(range(0, 384, 2)), bad_words=words)
+    params = [biased, biased, SamplingParams(temperature=0, max_tokens=20, structured_outputs={"regex": "[a-z]{2,9}"}),
+              SamplingParams(temperature=0, max_tokens=20, structured_outputs={"choice": ["one", "two", "three"]})]
     want = output_ids(one.generate(_prompts(4), params, use_tqdm=False))
-    assert want != plain
+    assert want[:2] != plain[:2]
     llm = LLM(spec_pair[0], tensor_parallel_size=2, speculative_model=spec_pair[1], **SPEC, **OPTS)
     try:
         assert output_ids(llm.generate(_prompts(4), params, use_tqdm=False)) == want

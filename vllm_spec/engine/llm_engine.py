@@ -19,11 +19,12 @@ from vllm_spec.engine.request_input import (PromptType, as_token_ids, check_neut
 from vllm_spec.engine.request_output import make_request_output
 from vllm_spec.engine.stats import EngineStats
 from vllm_spec.executor import create_executor
-from vllm_spec.generation_config import read_generation_config
+from vllm_spec.generation_config import model_eos_token_ids
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
+from vllm_spec.structured_output.grammar import compiler_for
 from vllm_spec.tokenizer import get_tokenizer
 from vllm_spec.utils import check_text, is_number
 from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput
@@ -88,15 +89,8 @@ class LLMEngine:
         """The ids that end a request (the model's config, its generation config, the tokenizer's) and
         the primary one (the tokenizer's, else the config's first): as vLLM, ending at another reports
         it as the stop_reason (vLLM adds a generation config's other EOS ids to stop_token_ids)."""
-        ids = set(self.config.model.arch.eos_token_ids)
-        if self.config.model.source == "hf":
-            eos = read_generation_config(self.config.model.path).get("eos_token_id")
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
-        primary = next(iter(self.config.model.arch.eos_token_ids), None)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            primary = self.tokenizer.eos_token_id
-            ids.add(primary)
-        self.output_processor.eos_token_ids, self.output_processor.primary_eos_token_id = ids, primary
+        self.output_processor.eos_token_ids, self.output_processor.primary_eos_token_id = model_eos_token_ids(
+            self.config.model, self.tokenizer)
 
     # Requests -------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -141,9 +135,12 @@ class LLMEngine:
             # As vLLM: stop strings match text, which only detokenized tokens have.
             raise ValueError(f"stop strings ({params.stop!r}) need detokenized output: detokenize=True and an engine "
                              "with a tokenizer (not skip_tokenizer_init). Use stop_token_ids instead.")
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError(f"bad_words ({params.bad_words!r}) need a tokenizer (an engine without "
-                             "skip_tokenizer_init).")
+        for name in ("bad_words", "structured_outputs"):
+            if getattr(params, name) and self.tokenizer is None:
+                raise ValueError(f"{name} ({getattr(params, name)!r}) need a tokenizer (an engine without "
+                                 "skip_tokenizer_init).")
+        if params.structured_outputs is not None:   # compiled now: a bad schema fails this request alone
+            compiler_for(self.config.model, self.tokenizer).compile(params.structured_outputs)
         text, ids = self.tokenize_prompt(prompt)
         vocab, max_len = self.config.model.arch.vocab_size, self.config.model.max_model_len
         ids = params.truncate_prompt(ids, max_len)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from vllm_spec.sampling_params import BatchFields, SamplingParams
+from vllm_spec.structured_output.grammar import allowed_tokens
 from vllm_spec.utils import to_device
 
 
@@ -23,6 +24,8 @@ class SamplingRow:
     # flight (async scheduling). They count towards min_tokens; penalties need them in
     # output_token_ids, or added on the device (Penalties.add_tokens).
     num_pending: int = 0
+    # [ceil(V / 32)] int32: the tokens the row's grammar allows (structured outputs), None: no grammar.
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -60,9 +63,11 @@ class SamplingMetadata:
     # one step only. Otherwise it depends on the rows' parameters and generators alone and may serve
     # again.
     follows_tokens: bool
-    # Rows with bad words: their bans follow the output's last tokens, which the next step's metadata
-    # then needs on the host (such a step is read before the next one is scheduled).
-    bad_words: bool = False
+    # Rows with bad words or a grammar: their bans and masks follow the output's last tokens, which the
+    # next step's metadata then needs on the host (such a step is read before the next one is scheduled).
+    needs_host_tokens: bool = False
+    # [N, V] bool: the tokens each row's grammar allows (structured outputs); None: no row has one.
+    grammar_mask: torch.Tensor | None = None
     # Benchmarks only: [N] per-row probability of accepting each draft token (extra_args
     # "synthetic_acceptance_rate"), NaN on rows without one (they keep the engine-wide rate, if any).
     synthetic_acceptance: torch.Tensor | None = None
@@ -76,7 +81,7 @@ class SamplingMetadata:
         f32 = dict(device=device, dtype=torch.float32)
         # One pass over the rows' cached fields, transposed into columns in C.
         (greedy, temperature, top_ks, top_ps, min_ps, penalized, logprobs, rates,
-         min_tokens, biased, bad_words) = tuple(zip(*(p.batch_fields for p in ps))) or ((),) * len(BatchFields._fields)
+         min_tokens, biased, bad_words, structured) = tuple(zip(*(p.batch_fields for p in ps))) or ((),) * len(BatchFields._fields)
         top_k = top_p = min_p = None
         if any(top_ks):
             top_k = to_device([k if 0 < k < vocab_size else vocab_size for k in top_ks], device)
@@ -87,6 +92,7 @@ class SamplingMetadata:
         with_penalties = not for_draft and any(penalized)
         with_min_tokens = not for_draft and any(min_tokens)
         with_bad_words = not for_draft and any(bad_words)
+        with_grammar = not for_draft and any(structured)
         banned_r, banned_t = [], []
         if with_min_tokens or with_bad_words:
             for i, r in enumerate(rows):
@@ -111,8 +117,9 @@ class SamplingMetadata:
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
             # A row's output (plus pending) count only grows: once no row is short of min_tokens, none
             # will be again. Bad words' bans follow the output's last tokens.
-            follows_tokens=with_penalties or with_bad_words or bool(banned_r),
-            bad_words=with_bad_words,
+            follows_tokens=with_penalties or with_bad_words or with_grammar or bool(banned_r),
+            needs_host_tokens=with_bad_words or with_grammar,
+            grammar_mask=_grammar_mask(rows, vocab_size, device) if with_grammar else None,
             synthetic_acceptance=(to_device([float("nan") if r is None else r for r in rates], **f32)
                                   if rates.count(None) < len(rates) else None),
         )
@@ -169,6 +176,13 @@ def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device) -
         output_counts=out_counts,
         seen=(out_counts > 0) | (prompt_counts > 0),
     )
+
+
+def _grammar_mask(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor:
+    width = (vocab_size + 31) // 32
+    unconstrained = torch.full((width,), -1, dtype=torch.int32)
+    bitmasks = torch.stack([unconstrained if r.token_bitmask is None else r.token_bitmask for r in rows])
+    return allowed_tokens(bitmasks.to(device, non_blocking=True), vocab_size)
 
 
 def _bad_word_bans(words: list[list[int]], output: list[int]) -> set[int]:

@@ -1,7 +1,7 @@
 """Logits processing and sampling, vectorised over the batch.
 
 process_logits() turns raw logits into the distribution the request asks for
-(logit_bias, allowed_token_ids, penalties, min_tokens, temperature, top-k, top-p,
+(a grammar's mask, logit_bias, allowed_token_ids, penalties, min_tokens, temperature, top-k, top-p,
 min-p); the speculative verifier uses the very same function, which is what keeps
 speculation lossless.
 Random rows sample by the exponential race argmax(p / E), E ~ Exp(1), drawing E
@@ -28,7 +28,10 @@ class SamplerOutput:
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """logit_bias and allowed_token_ids (first, as vLLM), then the penalties and min_tokens' bans."""
+    """The grammar's mask, logit_bias and allowed_token_ids (first, as vLLM), then the penalties and
+    min_tokens' bans."""
+    if md.grammar_mask is not None:
+        logits = logits.masked_fill(~md.grammar_mask, float("-inf"))
     if md.logit_bias is not None:
         logits = logits + md.logit_bias
     pen = md.penalties
@@ -122,7 +125,7 @@ class Sampler:
         # Greedy rows that nothing modifies take the argmax of the model-dtype logits (float32 holds
         # every bf16/fp16 value exactly: the same token), without a float32 copy of them.
         argmax_only = (md.all_greedy and md.penalties is None and md.logit_bias is None and md.banned_rows is None
-                       and md.max_num_logprobs is None)
+                       and md.grammar_mask is None and md.max_num_logprobs is None)
         raw = logits if argmax_only else logits.float()
         tokens = sample_from_logits(process_logits(raw, md), md, self.generator)
         if md.max_num_logprobs is None:

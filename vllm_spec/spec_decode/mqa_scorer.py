@@ -178,11 +178,14 @@ class MQAScorer:
         """Sampling rows for the n+1 verified positions: position j follows the first j drafts."""
         gen = self.target.generator_for(seq)
         params = seq.sampling_params
-        if drafts is not None and _follows_drafts(params.batch_fields):
-            return [SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids + drafts[:j], gen)
-                    for j in range(n + 1)]
-        return [SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, gen, num_pending=j)
-                for j in range(n + 1)]
+        drafts = (drafts or [])[:n]
+        bitmasks = self.target.grammar_bitmasks(seq, drafts)
+        masks = [None] * (n + 1) if bitmasks is None else list(bitmasks)
+        if drafts and _follows_drafts(params.batch_fields):
+            return [SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids + drafts[:j], gen,
+                                token_bitmask=masks[j]) for j in range(n + 1)]
+        return [SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, gen, num_pending=j,
+                            token_bitmask=masks[j]) for j in range(n + 1)]
 
     def _logprobs(self, raw: torch.Tensor, emitted: list[list[int]], seqs: list[SeqInput],
                   grid_r: np.ndarray, grid_j: np.ndarray) -> list[list | None] | None:
@@ -204,6 +207,6 @@ class MQAScorer:
 
 
 def _follows_drafts(fields: BatchFields) -> bool:
-    """A row whose distribution depends on the tokens before it (penalties, bad words): each verified
-    position's must count the drafts before it."""
-    return fields.has_penalties or fields.has_bad_words
+    """A row whose distribution depends on the tokens before it (penalties, bad words, a grammar): each
+    verified position's must count the drafts before it."""
+    return fields.has_penalties or fields.has_bad_words or fields.structured

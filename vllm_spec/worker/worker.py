@@ -14,6 +14,7 @@ from vllm_spec.model.loader import load_model
 from vllm_spec.outputs import Logprob
 from vllm_spec.sample.metadata import ReusedMetadata, SamplingMetadata, SamplingRow
 from vllm_spec.sample.sampler import Sampler, SamplerOutput, gather_logprobs
+from vllm_spec.structured_output.grammar import StructuredOutputs
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import PLACEHOLDER_TOKEN, ExecuteModelRequest, PromptLogprobs, SeqInput, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner, PreparedBatch, to_device_aligned
@@ -36,6 +37,7 @@ class Worker:
         self._generators: dict[int, torch.Generator] = {}
         self._last: SampledStep | None = None   # the latest step that sampled: in-flight tokens come from it
         self._reused_md = ReusedMetadata()
+        self.structured = StructuredOutputs(config.model)
 
     # KV cache -----------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -76,15 +78,29 @@ class Worker:
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
             self._generators.pop(sid, None)
+        self.structured.release(seq_ids)
 
-    def sampling_row(self, seq: SeqInput, num_pending: int = 0) -> SamplingRow:
+    def grammar_bitmasks(self, seq: SeqInput, drafts: list[int]) -> torch.Tensor | None:
+        """[len(drafts) + 1, W] bitmasks of what the sequence's grammar allows after its output and the
+        first j drafts; None without structured outputs."""
+        params = seq.sampling_params
+        if params is None or params.structured_outputs is None:
+            return None
+        return self.structured.bitmasks(seq.seq_id, params.structured_outputs, seq.output_token_ids, drafts)
+
+    def sampling_row(self, seq: SeqInput, num_pending: int = 0, for_draft: bool = False) -> SamplingRow:
         """num_pending: output tokens in flight (on the device, not in seq.output_token_ids)."""
+        bitmask = None if for_draft else self.grammar_bitmasks(seq, [])
+        if bitmask is not None and num_pending:
+            raise RuntimeError("a sequence with structured outputs has a token in flight: its grammar cannot "
+                               "follow it (steps with such sequences are read before the next is scheduled).")
         return SamplingRow(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids, self.generator_for(seq),
-                           num_pending)
+                           num_pending, None if bitmask is None else bitmask[0])
 
     def rows_metadata(self, seqs: list[SeqInput], for_draft: bool = False) -> SamplingMetadata:
         """Sampling metadata of one row per sequence, nothing in flight."""
-        return SamplingMetadata.build([self.sampling_row(s) for s in seqs], self.vocab_size, self.device, for_draft)
+        return SamplingMetadata.build([self.sampling_row(s, for_draft=for_draft) for s in seqs], self.vocab_size,
+                                      self.device, for_draft)
 
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
         return self.launch(req).result()
@@ -129,7 +145,7 @@ class Worker:
         handle = SampledStep(seqs, seq_ids, out, copy, prompt_rows, all_logits[len(ends):], req.seqs, span)
         if sampled:
             self._last = handle
-            if md.bad_words:   # the next step's bans need this step's tokens: no overlap with it
+            if md.needs_host_tokens:   # the next step's bans or masks need this step's tokens: no overlap
                 handle.one_token_per_seq = False
         return handle
 

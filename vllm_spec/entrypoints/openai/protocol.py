@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator
 
-from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
+from vllm_spec.entrypoints.openai.structured_request import ConstraintError, structured_outputs_of
+from vllm_spec.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from vllm_spec.utils import check_text
 
 
@@ -84,8 +85,8 @@ _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 def sampling_field_of(message: str) -> str | None:
     """The SamplingParams field a refusal's message starts with (SamplingParams' and the engine's
-    checks name the field first), or None."""
-    first = message.split(" ", 1)[0].rstrip(":")
+    checks name the field first, structured_outputs' as structured_outputs.<kind>), or None."""
+    first = message.split(" ", 1)[0].rstrip(":").split(".", 1)[0]
     return first if first in _SAMPLING_FIELDS else None
 
 # vLLM's request extras that change what is generated and that this server does not implement, with
@@ -93,9 +94,7 @@ def sampling_field_of(message: str) -> str | None:
 # silently ignores them. Other unknown fields are ignored, as vLLM ignores them.
 _UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "use_beam_search": False, "echo": False,
-    "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
-    "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "logits_processors": None,
-    "return_tokens_as_token_ids": False,
+    "prompt_logprobs": None, "logits_processors": None, "return_tokens_as_token_ids": False,
 }
 
 
@@ -129,7 +128,8 @@ class SamplingFields(OpenAIRequestModel):
     allowed_token_ids: list[StrictInt] | None = None   # vLLM's extra
     bad_words: list[str] | None = None                 # vLLM's extra
     user: str | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: Any = None
+    structured_outputs: Any = None   # vLLM's extra: {"json" | "regex" | "choice" | "grammar" | ...: ...}
     truncate_prompt_tokens: int | None = None
     # vLLM's extension: free-form arguments passed to SamplingParams.extra_args.
     vllm_xargs: dict[str, str | int | float] | None = None
@@ -150,13 +150,19 @@ class SamplingFields(OpenAIRequestModel):
             value = extras.get(name, neutral)
             if value not in (neutral, None, [], {}):
                 raise OpenAIServingError(f"{name} is not supported by this server.", param=name)
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise OpenAIServingError("only response_format type 'text' is supported.", param="response_format")
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIServingError("best_of != n is not supported.", param="best_of")
         if self.stream_options is not None and not self.stream:
             raise OpenAIServingError("stream_options can only be set when stream is true.",
                                      param="stream_options")
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The structured-output constraint the request sets (response_format, structured_outputs or
+        vLLM's older guided_* fields), if any."""
+        try:
+            return structured_outputs_of(self.response_format, self.structured_outputs, self.model_extra or {})
+        except ConstraintError as e:
+            raise OpenAIServingError(str(e), param=e.param) from e
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any],
                          sent_as: dict[str, str] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
@@ -193,6 +199,7 @@ class SamplingFields(OpenAIRequestModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=self.constraint(),
             # As vLLM: a response sent whole needs no per-step output (building one per request per
             # step is host time the engine spends between launches); a stream rebuilds its deltas
             # from cumulative outputs.

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_serializer
 
 from vllm_spec.entrypoints.openai.protocol import (OpenAIBaseModel, OpenAIRequestModel, OpenAIServingError,
                                                    UsageInfo, SamplingFields)
-from vllm_spec.sampling_params import SamplingParams
+from vllm_spec.entrypoints.openai.forced_tool_calls import ForcedToolCalls, check_tool_choice, forced_constraint
+from vllm_spec.entrypoints.openai.tool_calls import ToolCallStream
+from vllm_spec.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class ChatMessage(OpenAIRequestModel):
@@ -40,6 +43,29 @@ class ChatCompletionRequest(SamplingFields):
         """Tools given with tool_choice "auto" (their default): the output's tool calls are parsed."""
         return bool(self.tools) and (self.tool_choice or "auto") == "auto"
 
+    @property
+    def forces_tool_calls(self) -> bool:
+        """tool_choice "required" or a named function: the output is constrained to the calls' JSON."""
+        return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+
+    def tool_call_reader(self) -> Callable[[], ToolCallStream | ForcedToolCalls] | None:
+        """A new reader of one choice's tool calls (None: the output is text only)."""
+        if self.forces_tool_calls:
+            name = None if self.tool_choice == "required" else self.tool_choice["function"]["name"]
+            return lambda: ForcedToolCalls(name)
+        return ToolCallStream if self.parses_tool_calls else None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """A forced tool choice's constraint, or the one the request sets."""
+        given = super().constraint()
+        if not self.forces_tool_calls:
+            return given
+        if given is not None:
+            raise OpenAIServingError(f"tool_choice {self.tool_choice!r} constrains the output to tool calls: it "
+                                     "cannot be combined with response_format or structured_outputs.",
+                                     param="tool_choice")
+        return forced_constraint(self.tool_choice, self.tools)
+
     def to_sampling_params(self, defaults: dict[str, Any] | None = None,
                            auto_tool_choice: bool = False) -> SamplingParams:
         """auto_tool_choice: the server parses tool calls out of the output (--enable-auto-tool-choice)."""
@@ -60,9 +86,10 @@ class ChatCompletionRequest(SamplingFields):
                                      "server with --enable-auto-tool-choice --tool-call-parser hermes, or use "
                                      "tool_choice \"none\" (the chat template still shows the tools to the model).",
                                      param="tool_choice")
-        if self.tools and self.tool_choice not in (None, "auto", "none"):
-            raise OpenAIServingError(f"tool_choice {self.tool_choice!r} needs guided decoding, which this server does "
-                                     "not do: use \"auto\" or \"none\".", param="tool_choice")
+        try:
+            check_tool_choice(self.tool_choice, self.tools)
+        except ValueError as e:
+            raise OpenAIServingError(str(e), param="tool_choice") from e
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIServingError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         if self.add_generation_prompt and self.continue_final_message:

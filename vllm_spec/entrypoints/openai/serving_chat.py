@@ -24,7 +24,7 @@ from vllm_spec.entrypoints.openai.protocol_chat import (
     FunctionCall,
     ToolCall,
 )
-from vllm_spec.entrypoints.openai.tool_calls import ToolCallStream, extract_tool_calls
+from vllm_spec.entrypoints.openai.tool_calls import read_tool_calls
 from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -48,7 +48,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     state = serving.server_state(raw_request)
     serving.check_model(state, request.model)
     params = request.to_sampling_params(state.sampling_defaults, state.tool_call_parser is not None)
-    tools = request.parses_tool_calls
+    reader = request.tool_call_reader()
     prompt = await serving.in_tokenizer_thread(state, serving.render_messages, state, request,
                                                request.add_special_tokens)
     sub = await submission.submit(state, "chatcmpl", request.model, [prompt], params, "messages",
@@ -57,7 +57,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     k = params.logprobs
 
     if request.stream:
-        parsers = [ToolCallStream() for _ in range(params.n)] if tools else None
+        parsers = [reader() for _ in range(params.n)] if reader is not None else None
 
         def choice(idx: int, out: RequestOutput, comp: CompletionOutput, delta: str, start: int, end: int,
                    st: submission.ChoiceState) -> ChatCompletionResponseStreamChoice | None:
@@ -91,7 +91,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
         return Response(status_code=499)  # the client is gone; nobody reads this
     choices = []
     for comp in final[0].outputs:
-        content, found = extract_tool_calls(comp.text) if tools else (comp.text, [])
+        content, found = read_tool_calls(reader(), comp.text) if reader is not None else (comp.text, [])
         calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in found]
         choices.append(ChatCompletionResponseChoice(
             index=comp.index, message=ChatResponseMessage(role=state.response_role, content=content, tool_calls=calls),

@@ -34,15 +34,20 @@ def _parse_call(body: str) -> ParsedCall | None:
     return ParsedCall(call["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def extract_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
-    """(content, tool calls) of a whole generated text, as its stream finds them (a client gets the same
-    answer either way): closed calls that parse, then an unclosed last one that parses; the rest is
-    content, without its trailing whitespace when there are calls (None when nothing is left)."""
-    stream = ToolCallStream()
-    content, calls = stream.feed(text)
-    rest, last = stream.finish()
+def read_tool_calls(reader, text: str) -> tuple[str | None, list[ParsedCall]]:
+    """(content, tool calls) of a whole generated text, as a new reader (a ToolCallStream, or any
+    reader with its feed/finish) finds them streamed: a client gets the same answer either way.
+    Content is None when there are calls and nothing else is left."""
+    content, calls = reader.feed(text)
+    rest, last = reader.finish()
     content += rest
     return (content or None) if calls or last else content, calls + last
+
+
+def extract_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
+    """The hermes calls of a whole text: closed calls that parse, then an unclosed last one that parses;
+    the rest is content, without its trailing whitespace when there are calls."""
+    return read_tool_calls(ToolCallStream(), text)
 
 
 @dataclass

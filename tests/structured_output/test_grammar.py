@@ -1,0 +1,85 @@
+"""Grammar states: masks per verified position (after the drafts before it), rollback, escapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from vllm_spec.sampling_params import StructuredOutputsParams
+from vllm_spec.structured_output.grammar import GrammarCompiler, allowed_tokens
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama):
+    return AutoTokenizer.from_pretrained(str(tiny_llama))
+
+
+@pytest.fixture(scope="module")
+def compiler(tok):
+    return GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+
+
+def _allowed(state, output, drafts, vocab):
+    return allowed_tokens(state.bitmasks(output, drafts), vocab)
+
+
+def _ids(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_allowed_tokens_unpacks_bits():
+    bitmask = torch.tensor([[0b1011, -1], [-(1 << 31), 0]], dtype=torch.int32)   # bit 31: the sign
+    allowed = allowed_tokens(bitmask, 40)
+    assert allowed.shape == (2, 40)
+    assert allowed[0, :4].tolist() == [True, True, False, True] and not allowed[0, 4:32].any()
+    assert allowed[0, 32:].all() and not allowed[1, :31].any() and allowed[1, 31] and not allowed[1, 32:].any()
+
+
+def test_masks_follow_the_drafts_and_roll_back(tok, compiler):
+    vocab = len(tok)
+    state = compiler.matcher(StructuredOutputsParams(choice=["cat", "dog"]))
+    first = _allowed(state, [], [], vocab)[0]
+    cat = _ids(tok, "cat")
+    assert first[cat[0]] and first.sum() < vocab
+    # Position j is masked after the first j drafts; the drafts are rolled back afterwards.
+    masks = _allowed(state, [], cat, vocab)
+    assert masks.shape == (len(cat) + 1, vocab)
+    assert torch.equal(masks[0], first)
+    assert masks[-1].nonzero().flatten().tolist() == [tok.eos_token_id]   # complete: only the stop token
+    assert torch.equal(_allowed(state, [], [], vocab)[0], first)
+    # A refused draft: positions after it are unconstrained (verification stops at it).
+    bad = next(t for t in range(vocab) if not first[t])
+    masks = _allowed(state, [], [bad, bad], vocab)
+    assert torch.equal(masks[0], first) and masks[1:].all()
+    # The output advances the state; past the stop token nothing is constrained (as vLLM).
+    after = _allowed(state, cat[:1], [], vocab)[0]
+    assert after.sum() >= 1 and not torch.equal(after, first)
+    assert _allowed(state, cat + [tok.eos_token_id], [], vocab).all()
+
+
+def test_choice_escapes(tok, compiler):
+    choices = ['say "hi"', "back\\slash", "two\nlines", "tab\there", "naïve ✓"]
+    for choice in choices:
+        state = compiler.matcher(StructuredOutputsParams(choice=choices))
+        for token in _ids(tok, choice):
+            assert state.matcher.accept_token(token), choice
+        assert state.matcher.accept_token(tok.eos_token_id) and state.matcher.is_terminated()
+    state = compiler.matcher(StructuredOutputsParams(choice=choices))
+    assert not all(state.matcher.accept_token(t) for t in _ids(tok, 'say "hi" again'))
+
+
+@pytest.mark.parametrize("params, named", [
+    (StructuredOutputsParams(regex="(unclosed"), "structured_outputs.regex is not valid"),
+    (StructuredOutputsParams(grammar="root ::= undefined_rule"), "structured_outputs.grammar is not valid"),
+    (StructuredOutputsParams(json={"type": "no-such-type"}), "structured_outputs.json is not valid"),
+])
+def test_grammars_that_do_not_compile_are_named(compiler, params, named):
+    with pytest.raises(ValueError, match=named):
+        compiler.compile(params)
+
+
+def test_compiled_grammars_are_cached(compiler):
+    a = compiler.compile(StructuredOutputsParams(json={"type": "object"}))
+    assert compiler.compile(StructuredOutputsParams(json='{"type":"object"}')) is a
+    assert compiler.compile(StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True)) is not a

@@ -1,0 +1,1 @@
+"""Structured outputs: requests whose output must match a JSON schema, a regex, a choice or a grammar."""

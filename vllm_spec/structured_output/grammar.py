@@ -1,0 +1,178 @@
+"""Grammars (xgrammar) for structured outputs: compiled once per constraint, matched per sequence.
+
+A sequence's matcher follows its output tokens; for a verification it also walks the drafts, so
+that position j is masked by the grammar's state after the first j drafts (then rolls them back:
+the verifier decides what is kept). A draft the grammar refuses has target probability 0 and is
+rejected, so speculation stays lossless under a grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from vllm_spec.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+_CACHED_GRAMMARS = 256
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError("structured_outputs need the xgrammar package (pip install xgrammar).") from e
+    return xgrammar
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose language is exactly the given strings (JSON string escapes are xgrammar's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams into grammars over one tokenizer's vocabulary (cached)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int]):
+        xgr = _xgrammar()
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids) or None)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.vocab_size = vocab_size
+        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled grammar; ValueError naming the field when it does not compile."""
+        key = params.key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        try:
+            grammar = self._compile(params)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs.{params.kind} is not valid: {str(e).strip()}") from None
+        with self._lock:
+            self._cache[key] = grammar
+            if len(self._cache) > _CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _compile(self, params: StructuredOutputsParams):
+        c, any_ws = self._compiler, not params.disable_any_whitespace
+        if params.json is not None:
+            return c.compile_json_schema(params.json, any_whitespace=any_ws)
+        if params.json_object:   # as vLLM: an object, not any JSON value
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
+        if params.regex is not None:
+            return c.compile_regex(params.regex)
+        if params.choice is not None:
+            return c.compile_grammar(choice_grammar(params.choice))
+        if params.grammar is not None:
+            return c.compile_grammar(params.grammar)
+        tag = json.loads(params.structural_tag)
+        if "structures" in tag:   # vLLM's first form: {"structures": [{begin, schema, end}], "triggers": [...]}
+            xgr = _xgrammar()
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                     for s in tag["structures"]]
+            return c.compile_structural_tag(items, tag["triggers"])
+        return c.compile_structural_tag(params.structural_tag)
+
+    def matcher(self, params: StructuredOutputsParams) -> "GrammarState":
+        return GrammarState(_xgrammar().GrammarMatcher(self.compile(params)), self.vocab_size)
+
+
+class GrammarState:
+    """One sequence's matcher and how many of its output tokens it has consumed."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.width = (vocab_size + 31) // 32
+        self.consumed = 0
+        # Past the grammar's end (a stop token accepted; more tokens only with ignore_eos), or after a
+        # token it refused: the output is no longer constrained (as vLLM's).
+        self.free = False
+
+    def _follow(self, output_token_ids: list[int]) -> None:
+        if len(output_token_ids) < self.consumed:   # never in the engine: replay from the start
+            self.matcher.reset()
+            self.consumed, self.free = 0, False
+        for token in output_token_ids[self.consumed:]:
+            if self.free or self.matcher.is_terminated():
+                self.free = True
+                break
+            if not self.matcher.accept_token(token):
+                logger.warning("the grammar refused output token %d; the rest of the output is unconstrained.",
+                               token)
+                self.free = True
+        self.consumed = len(output_token_ids)
+
+    def bitmasks(self, output_token_ids: list[int], drafts: list[int]) -> torch.Tensor:
+        """[len(drafts) + 1, ceil(V / 32)] int32 bitmasks of the allowed tokens after the output and
+        the first j drafts (all allowed where unconstrained, and after a draft the grammar refuses:
+        verification stops at that draft)."""
+        self._follow(output_token_ids)
+        masks = torch.full((len(drafts) + 1, self.width), -1, dtype=torch.int32)
+        walked = 0
+        if not self.free:
+            for j in range(len(drafts) + 1):
+                if self.matcher.is_terminated():
+                    break
+                self.matcher.fill_next_token_bitmask(masks, j)
+                if j == len(drafts) or not self.matcher.accept_token(drafts[j]):
+                    break
+                walked += 1
+            if walked:
+                self.matcher.rollback(walked)
+        return masks
+
+
+def allowed_tokens(bitmasks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, W] int32 bitmasks (bit t % 32 of word t // 32: token t allowed) -> [N, V] bool."""
+    bits = torch.arange(32, device=bitmasks.device, dtype=torch.int32)
+    return ((bitmasks.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab_size]
+
+
+_compilers: dict[tuple, GrammarCompiler] = {}
+_compilers_lock = threading.Lock()
+
+
+def compiler_for(model_config, tokenizer=None) -> GrammarCompiler:
+    """The process's compiler for a model (an engine and its in-process worker share it); the
+    tokenizer is loaded when not given."""
+    key = (str(model_config.path), str(model_config.tokenizer), model_config.arch.vocab_size)
+    with _compilers_lock:
+        compiler = _compilers.get(key)
+        if compiler is None:
+            from vllm_spec.generation_config import model_eos_token_ids
+            from vllm_spec.tokenizer import get_tokenizer
+            tokenizer = tokenizer if tokenizer is not None else get_tokenizer(model_config)
+            eos, _ = model_eos_token_ids(model_config, tokenizer)
+            compiler = _compilers[key] = GrammarCompiler(tokenizer, model_config.arch.vocab_size, eos)
+        return compiler
+
+
+class StructuredOutputs:
+    """A worker's grammar states, one per sequence with structured outputs."""
+
+    def __init__(self, model_config):
+        self.model_config = model_config
+        self._states: dict[int, GrammarState] = {}
+
+    def bitmasks(self, seq_id: int, params: StructuredOutputsParams, output_token_ids: list[int],
+                 drafts: list[int]) -> torch.Tensor:
+        state = self._states.get(seq_id)
+        if state is None:
+            state = self._states[seq_id] = compiler_for(self.model_config).matcher(params)
+        return state.bitmasks(output_token_ids, drafts)
+
+    def release(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self._states.pop(sid, None)
