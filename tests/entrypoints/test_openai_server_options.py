@@ -136,8 +136,9 @@ def test_cors_and_internal_errors_as_json(tiny_llama):
 
 
 def test_tools_with_tool_choice_none_are_rendered_by_the_template(tiny_llama):
-    """As vLLM's server without auto tool choice: tools with tool_choice "none" reach the chat template;
-    tools without it (vLLM's default "auto"), "required", a named tool, or tool_choice without tools: 400."""
+    """As vLLM's server without auto tool choice: tools with tool_choice "none" reach the chat template
+    ("required" and a named tool too: structured outputs force their calls); tools without tool_choice
+    (vLLM's default "auto"), or tool_choice without tools: 400."""
     template = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{{ messages[-1]['content'] }}"
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     auth = {"Authorization": "Bearer k"}
@@ -150,9 +151,10 @@ def test_tools_with_tool_choice_none_are_rendered_by_the_template(tiny_llama):
         shown = client.post("/tokenize", json={"messages": chat["messages"], "tools": tools,
                                                "chat_template": template}).json()["tokens"]
         assert shown == tok("[f]hi", add_special_tokens=False).input_ids
-        for extra in ({"tools": tools}, {"tools": tools, "tool_choice": "required"},
-                      {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}},
-                      {"tool_choice": "auto"}):
+        for forced in ("required", {"type": "function", "function": {"name": "f"}}):
+            r = client.post("/v1/chat/completions", json={**chat, "tools": tools, "tool_choice": forced}, headers=auth)
+            assert r.status_code == 200, r.text
+        for extra in ({"tools": tools}, {"tool_choice": "auto"}):
             r = client.post("/v1/chat/completions", json={**chat, **extra}, headers=auth)
             assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", (extra, r.text)
 
