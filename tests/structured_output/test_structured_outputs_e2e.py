@@ -161,3 +161,24 @@ def test_structured_outputs_need_a_tokenizer(spec_pair):
     llm = LLM(spec_pair[0], skip_tokenizer_init=True, **KV)
     with pytest.raises(ValueError, match="structured_outputs .* need a tokenizer"):
         llm.generate(make_prompts(1), SamplingParams(structured_outputs=SO(choice=CHOICES)), use_tqdm=False)
+
+
+def test_logprobs_are_of_the_masked_distribution_with_and_without_speculation(baseline, spec_llm):
+    """As vLLM (the grammar's mask applies to the model's logits): every top logprob is of an allowed
+    token, the chosen one's included, and speculation reports the same logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, structured_outputs=SO(choice=CHOICES))
+    ref = baseline.generate(PROMPTS[:3], params, use_tqdm=False)
+    got = spec_llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    tok = baseline.get_tokenizer()
+    for a, b in zip(ref, got):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids and ca.text in CHOICES
+        first = ca.logprobs[0]
+        assert len(first) >= 2   # the choices' first tokens, and no other
+        for token, lp in first.items():
+            if lp.logprob > float("-inf"):
+                assert any(c.startswith(tok.decode([token])) for c in CHOICES), tok.decode([token])
+        for la, lb in zip(ca.logprobs, cb.logprobs):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)

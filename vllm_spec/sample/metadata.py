@@ -66,7 +66,9 @@ class SamplingMetadata:
     # Rows with bad words or a grammar: their bans and masks follow the output's last tokens, which the
     # next step's metadata then needs on the host (such a step is read before the next one is scheduled).
     needs_host_tokens: bool = False
-    # [N, V] bool: the tokens each row's grammar allows (structured outputs); None: no row has one.
+    # Structured outputs: the rows with a grammar ([G] long) and the tokens each allows ([G, V] bool);
+    # None: no row has one.
+    grammar_rows: torch.Tensor | None = None
     grammar_mask: torch.Tensor | None = None
     # Benchmarks only: [N] per-row probability of accepting each draft token (extra_args
     # "synthetic_acceptance_rate"), NaN on rows without one (they keep the engine-wide rate, if any).
@@ -119,7 +121,7 @@ class SamplingMetadata:
             # will be again. Bad words' bans follow the output's last tokens.
             follows_tokens=with_penalties or with_bad_words or with_grammar or bool(banned_r),
             needs_host_tokens=with_bad_words or with_grammar,
-            grammar_mask=_grammar_mask(rows, vocab_size, device) if with_grammar else None,
+            **(_grammar_masks(rows, vocab_size, device) if with_grammar else {}),
             synthetic_acceptance=(to_device([float("nan") if r is None else r for r in rates], **f32)
                                   if rates.count(None) < len(rates) else None),
         )
@@ -178,11 +180,11 @@ def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device) -
     )
 
 
-def _grammar_mask(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor:
-    width = (vocab_size + 31) // 32
-    unconstrained = torch.full((width,), -1, dtype=torch.int32)
-    bitmasks = torch.stack([unconstrained if r.token_bitmask is None else r.token_bitmask for r in rows])
-    return allowed_tokens(bitmasks.to(device, non_blocking=True), vocab_size)
+def _grammar_masks(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """grammar_rows and grammar_mask: only the rows with a grammar ([G, V], not [N, V])."""
+    constrained = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
+    bitmasks = torch.stack([rows[i].token_bitmask for i in constrained]).to(device, non_blocking=True)
+    return dict(grammar_rows=to_device(constrained, device), grammar_mask=allowed_tokens(bitmasks, vocab_size))
 
 
 def _bad_word_bans(words: list[list[int]], output: list[int]) -> set[int]:

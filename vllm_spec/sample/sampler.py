@@ -27,11 +27,18 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None      # [N] 1-based rank of the sampled token
 
 
+def apply_grammar(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """-inf where a row's grammar (structured outputs) forbids the token. As in vLLM, where the mask
+    is applied to the model's logits, logprobs are of the masked distribution too."""
+    if md.grammar_mask is None:
+        return logits
+    return logits.index_put((md.grammar_rows,), logits[md.grammar_rows].masked_fill(~md.grammar_mask, float("-inf")))
+
+
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """The grammar's mask, logit_bias and allowed_token_ids (first, as vLLM), then the penalties and
     min_tokens' bans."""
-    if md.grammar_mask is not None:
-        logits = logits.masked_fill(~md.grammar_mask, float("-inf"))
+    logits = apply_grammar(logits, md)
     if md.logit_bias is not None:
         logits = logits + md.logit_bias
     pen = md.penalties
@@ -130,5 +137,5 @@ class Sampler:
         tokens = sample_from_logits(process_logits(raw, md), md, self.generator)
         if md.max_num_logprobs is None:
             return SamplerOutput(tokens, None, None, None)
-        ids, lps, ranks = gather_logprobs(raw, tokens, md.max_num_logprobs)
+        ids, lps, ranks = gather_logprobs(apply_grammar(raw, md), tokens, md.max_num_logprobs)
         return SamplerOutput(tokens, ids, lps, ranks)

@@ -15,7 +15,7 @@ import torch
 from vllm_spec.config import EngineConfig
 from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.sample.metadata import SamplingMetadata, SamplingRow
-from vllm_spec.sample.sampler import SamplerOutput, gather_logprobs, process_logits
+from vllm_spec.sample.sampler import SamplerOutput, apply_grammar, gather_logprobs, process_logits
 from vllm_spec.sampling_params import BatchFields
 from vllm_spec.spec_decode.policy import pads_verification
 from vllm_spec.spec_decode.proposer import Proposals, Proposer
@@ -122,6 +122,7 @@ class MQAScorer:
         # [R, k+1] grid in order, and its drafts are the proposals' rows, with no scatter into either.
         full = all_drafted and bool((found_np[sampled_np] == k).all())
         target_probs = target_argmax = None
+        scored = raw   # the logits logprobs are of: with the grammars' masks, as the distribution sampled
         if plain_greedy:   # the greedy tokens are all the verifier needs: no [R, k+1, V] tensor
             if full:
                 target_argmax = argmax_rows(raw).view(R, k + 1)
@@ -131,6 +132,8 @@ class MQAScorer:
         else:
             exp_md = SamplingMetadata.build(exp_rows, self.vocab_size, dev)
             processed = process_logits(raw.float(), exp_md)
+            if exp_md.max_num_logprobs is not None:
+                scored = apply_grammar(raw, exp_md)
             probs = processed if exp_md.all_greedy else processed.softmax(dim=-1)
             target_probs = probs.new_zeros(R, k + 1, self.vocab_size)
             target_probs[grid] = probs
@@ -153,7 +156,7 @@ class MQAScorer:
         rows, wait = copy.values(), copy.wait_time
         emitted = [row[: row.index(-1)] if row[-1] < 0 else row for row in rows]   # -1 past each row's end
 
-        logprobs = self._logprobs(raw, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
+        logprobs = self._logprobs(scored, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
         accepted = [len(emitted[row_of[i]]) - 1 for i in spec_idx]
         self.proposer.on_verified([req.seqs[i].seq_id for i in spec_idx], proposals.num_drafts, accepted)
         per_pos = (np.asarray(accepted, dtype=np.int64)[:, None] > np.arange(k)).sum(axis=0).tolist()

@@ -135,9 +135,12 @@ class GrammarState:
 
 
 def allowed_tokens(bitmasks: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, W] int32 bitmasks (bit t % 32 of word t // 32: token t allowed) -> [N, V] bool."""
-    bits = torch.arange(32, device=bitmasks.device, dtype=torch.int32)
-    return ((bitmasks.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab_size]
+    """[N, W] int32 bitmasks (bit t % 32 of word t // 32: token t allowed) -> [N, V] bool.
+    Unpacked bytewise (little-endian words: byte j of word w holds tokens 32w + 8j ...), so the
+    intermediate takes V bytes per row, not 4V."""
+    as_bytes = bitmasks.contiguous().view(torch.uint8)
+    bits = torch.arange(8, device=bitmasks.device, dtype=torch.uint8)
+    return ((as_bytes.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab_size]
 
 
 _compilers: dict[tuple, GrammarCompiler] = {}
