@@ -7,7 +7,8 @@ import torch
 from transformers import AutoTokenizer
 
 from vllm_spec.sampling_params import StructuredOutputsParams
-from vllm_spec.structured_output.grammar import GrammarCompiler, allowed_tokens
+from vllm_spec.sample.metadata import allowed_tokens
+from vllm_spec.structured_output.grammar import GrammarCompiler
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,26 @@ def test_grammars_that_do_not_compile_are_named(compiler, params, named):
         compiler.compile(params)
 
 
-def test_compiled_grammars_are_cached(compiler):
-    a = compiler.compile(StructuredOutputsParams(json={"type": "object"}))
-    assert compiler.compile(StructuredOutputsParams(json='{"type":"object"}')) is a
-    assert compiler.compile(StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True)) is not a
+def test_schema_properties_keep_their_order(tok, compiler):
+    """As vLLM: the schema's text reaches xgrammar as given (JSON objects' fields come in the order declared)."""
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
+              "required": ["zeta", "alpha"]}
+    for text, accepted in (('{"zeta": 1, "alpha": 2}', True), ('{"alpha": 2, "zeta": 1}', False)):
+        state = compiler.matcher(StructuredOutputsParams(json=schema))
+        assert all(state.matcher.accept_token(t) for t in _ids(tok, text)) == accepted, text
+
+
+def test_malformed_structural_tags_are_named(compiler):
+    for tag in ({"type": "structural_tag", "structures": [{"begin": "<a>"}], "triggers": ["<a"]},
+                {"type": "structural_tag", "structures": []}):
+        with pytest.raises(ValueError, match="structured_outputs.structural_tag is not valid"):
+            compiler.compile(StructuredOutputsParams(structural_tag=tag))
+    ok = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}],
+          "triggers": ["<f"]}
+    compiler.compile(StructuredOutputsParams(structural_tag=ok))
+
+
+def test_messages_carry_no_source_locations(compiler):
+    with pytest.raises(ValueError) as e:
+        compiler.compile(StructuredOutputsParams(json={"type": "no-such-type"}))
+    assert ".cc:" not in str(e.value)

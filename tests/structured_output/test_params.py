@@ -19,7 +19,7 @@ class Person(pydantic.BaseModel):
 def test_one_constraint_each_kind():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert StructuredOutputsParams(json=schema).kind == "json"
-    assert StructuredOutputsParams(json=json.dumps(schema)).key == StructuredOutputsParams(json=schema).key
+    assert StructuredOutputsParams(json=json.dumps(schema)).json == StructuredOutputsParams(json=schema).json
     assert json.loads(StructuredOutputsParams(json=Person).json)["required"] == ["name", "age"]
     assert StructuredOutputsParams(regex="a+").kind == "regex"
     assert StructuredOutputsParams(choice=("x", "y")).choice == ["x", "y"]

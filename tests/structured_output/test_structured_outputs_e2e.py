@@ -182,3 +182,19 @@ def test_logprobs_are_of_the_masked_distribution_with_and_without_speculation(ba
             assert la.keys() == lb.keys()
             for t in la:
                 assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("extra", [{"min_tokens": 12}, {"allowed_token_ids": [5, 6, 7]}])
+def test_bans_that_leave_nothing_the_grammar_allows_give_way_to_it(baseline, spec_llm, extra):
+    """min_tokens bans the stop token that a complete choice allows alone; allowed_token_ids may allow
+    nothing the grammar does: the grammar decides those steps, so the output stays one of the choices
+    (and ends), the same with speculation."""
+    params = SamplingParams(temperature=0, max_tokens=16, structured_outputs=SO(choice=CHOICES), **extra)
+    ref = baseline.generate(PROMPTS[:3], params, use_tqdm=False)
+    got = spec_llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert output_ids(got) == output_ids(ref)
+    for out in ref:
+        assert out.outputs[0].text in CHOICES and out.outputs[0].finish_reason == "stop"
+    sampled = SamplingParams(temperature=1.0, seed=4, max_tokens=16, structured_outputs=SO(choice=CHOICES), **extra)
+    for out in spec_llm.generate(PROMPTS[:3], sampled, use_tqdm=False):
+        assert out.outputs[0].text in CHOICES and out.outputs[0].finish_reason == "stop"

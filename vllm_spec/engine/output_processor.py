@@ -95,7 +95,9 @@ class OutputProcessor:
                     seq.output_text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
                     seq.stop_reason = stop
                     return SequenceStatus.FINISHED_STOPPED
-        if num_output >= params.min_tokens:
+        # Before min_tokens a stop token is banned, so one comes only from a complete grammar (the sampler
+        # lets a grammar decide where the bans leave it nothing): it ends the output.
+        if num_output >= params.min_tokens or params.structured_outputs is not None:
             eos = not params.ignore_eos and token in self.eos_token_ids
             if eos or token in params.stop_token_ids:
                 # As vLLM: the stop token's text is not part of the output unless asked for.

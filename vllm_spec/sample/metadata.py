@@ -8,7 +8,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from vllm_spec.sampling_params import BatchFields, SamplingParams
-from vllm_spec.structured_output.grammar import allowed_tokens
 from vllm_spec.utils import to_device
 
 
@@ -178,6 +177,15 @@ def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device) -
         output_counts=out_counts,
         seen=(out_counts > 0) | (prompt_counts > 0),
     )
+
+
+def allowed_tokens(bitmasks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, W] int32 bitmasks (bit t % 32 of word t // 32: token t allowed) -> [N, V] bool.
+    Unpacked bytewise (little-endian words: byte j of word w holds tokens 32w + 8j ...), so the
+    intermediate takes V bytes per row, not 4V."""
+    as_bytes = bitmasks.contiguous().view(torch.uint8)
+    bits = torch.arange(8, device=bitmasks.device, dtype=torch.uint8)
+    return ((as_bytes.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab_size]
 
 
 def _grammar_masks(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:

@@ -37,8 +37,20 @@ def apply_grammar(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """The grammar's mask, logit_bias and allowed_token_ids (first, as vLLM), then the penalties and
-    min_tokens' bans."""
-    logits = apply_grammar(logits, md)
+    min_tokens' and bad words' bans. Where those bans leave a row nothing its grammar allows (e.g. a
+    complete grammar allows only the stop token that min_tokens bans), the grammar alone decides: the
+    output stays in the grammar's language."""
+    logits = grammar_only = apply_grammar(logits, md)
+    logits = _bias_penalties_and_bans(logits, md)
+    if md.grammar_mask is not None and logits is not grammar_only:
+        rows = md.grammar_rows
+        banned = logits[rows]
+        dead = (banned == float("-inf")).all(dim=-1, keepdim=True)
+        logits = logits.index_put((rows,), torch.where(dead, grammar_only[rows], banned))
+    return logits
+
+
+def _bias_penalties_and_bans(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.logit_bias is not None:
         logits = logits + md.logit_bias
     pen = md.penalties

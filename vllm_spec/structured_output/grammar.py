@@ -10,17 +10,25 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_spec.structured_output.params import StructuredOutputsParams
 
+if TYPE_CHECKING:
+    import xgrammar
+
+    from vllm_spec.config import ModelConfig
+
 logger = logging.getLogger(__name__)
-_CACHED_GRAMMARS = 256
+# xgrammar's cache of compiled grammars (vLLM's default bound): distinct schemas cannot grow it past this.
+_CACHE_BYTES = 512 << 20
+# xgrammar prefixes its messages with a time and a C++ source location: not for API users.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
 def _xgrammar():
@@ -36,36 +44,39 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-class GrammarCompiler:
-    """Compiles StructuredOutputsParams into grammars over one tokenizer's vocabulary (cached)."""
+def _legacy_structural_tag(tag: dict[str, Any]) -> tuple[list, list[str]]:
+    """vLLM's first structural-tag form: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}."""
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not (isinstance(structures, list) and all(isinstance(s, dict) and isinstance(s.get("begin"), str)
+                                                 and isinstance(s.get("end"), str) for s in structures)
+            and isinstance(triggers, list) and all(isinstance(t, str) for t in triggers)):
+        raise ValueError('needs "structures": [{"begin": <string>, "schema": {...}, "end": <string>}, ...] and '
+                         '"triggers": [<string>, ...]')
+    xgr = _xgrammar()
+    return [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+            for s in structures], triggers
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int]):
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams into grammars over one tokenizer's vocabulary (xgrammar caches
+    them, bounded)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]):
         xgr = _xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids) or None)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=_CACHE_BYTES)
         self.vocab_size = vocab_size
-        self._cache: OrderedDict[tuple, Any] = OrderedDict()
-        self._lock = threading.Lock()
 
-    def compile(self, params: StructuredOutputsParams):
+    def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar; ValueError naming the field when it does not compile."""
-        key = params.key
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
         try:
-            grammar = self._compile(params)
+            return self._compile(params)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"structured_outputs.{params.kind} is not valid: {str(e).strip()}") from None
-        with self._lock:
-            self._cache[key] = grammar
-            if len(self._cache) > _CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-        return grammar
+            message = _XGRAMMAR_PREFIX.sub("", str(e).strip())
+            raise ValueError(f"structured_outputs.{params.kind} is not valid: {message}") from None
 
-    def _compile(self, params: StructuredOutputsParams):
+    def _compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         c, any_ws = self._compiler, not params.disable_any_whitespace
         if params.json is not None:
             return c.compile_json_schema(params.json, any_whitespace=any_ws)
@@ -78,21 +89,18 @@ class GrammarCompiler:
         if params.grammar is not None:
             return c.compile_grammar(params.grammar)
         tag = json.loads(params.structural_tag)
-        if "structures" in tag:   # vLLM's first form: {"structures": [{begin, schema, end}], "triggers": [...]}
-            xgr = _xgrammar()
-            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
-                     for s in tag["structures"]]
-            return c.compile_structural_tag(items, tag["triggers"])
+        if "structures" in tag:
+            return c.compile_structural_tag(*_legacy_structural_tag(tag))
         return c.compile_structural_tag(params.structural_tag)
 
-    def matcher(self, params: StructuredOutputsParams) -> "GrammarState":
+    def matcher(self, params: StructuredOutputsParams) -> GrammarState:
         return GrammarState(_xgrammar().GrammarMatcher(self.compile(params)), self.vocab_size)
 
 
 class GrammarState:
     """One sequence's matcher and how many of its output tokens it has consumed."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher: xgrammar.GrammarMatcher, vocab_size: int):
         self.matcher = matcher
         self.width = (vocab_size + 31) // 32
         self.consumed = 0
@@ -101,9 +109,7 @@ class GrammarState:
         self.free = False
 
     def _follow(self, output_token_ids: list[int]) -> None:
-        if len(output_token_ids) < self.consumed:   # never in the engine: replay from the start
-            self.matcher.reset()
-            self.consumed, self.free = 0, False
+        """Consume the output tokens not seen yet (a sequence's output only grows, preempted or not)."""
         for token in output_token_ids[self.consumed:]:
             if self.free or self.matcher.is_terminated():
                 self.free = True
@@ -134,22 +140,13 @@ class GrammarState:
         return masks
 
 
-def allowed_tokens(bitmasks: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, W] int32 bitmasks (bit t % 32 of word t // 32: token t allowed) -> [N, V] bool.
-    Unpacked bytewise (little-endian words: byte j of word w holds tokens 32w + 8j ...), so the
-    intermediate takes V bytes per row, not 4V."""
-    as_bytes = bitmasks.contiguous().view(torch.uint8)
-    bits = torch.arange(8, device=bitmasks.device, dtype=torch.uint8)
-    return ((as_bytes.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab_size]
-
-
 _compilers: dict[tuple, GrammarCompiler] = {}
 _compilers_lock = threading.Lock()
 
 
-def compiler_for(model_config, tokenizer=None) -> GrammarCompiler:
-    """The process's compiler for a model (an engine and its in-process worker share it); the
-    tokenizer is loaded when not given."""
+def compiler_for(model_config: ModelConfig, tokenizer: Any = None) -> GrammarCompiler:
+    """The process's compiler for a model (an engine, its in-process worker and the server share it);
+    the tokenizer is loaded when not given."""
     key = (str(model_config.path), str(model_config.tokenizer), model_config.arch.vocab_size)
     with _compilers_lock:
         compiler = _compilers.get(key)
@@ -165,7 +162,7 @@ def compiler_for(model_config, tokenizer=None) -> GrammarCompiler:
 class StructuredOutputs:
     """A worker's grammar states, one per sequence with structured outputs."""
 
-    def __init__(self, model_config):
+    def __init__(self, model_config: ModelConfig):
         self.model_config = model_config
         self._states: dict[int, GrammarState] = {}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json as json_lib
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import NoReturn
 
 from vllm_spec.utils import check_text
 
@@ -12,7 +12,7 @@ from vllm_spec.utils import check_text
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
-def _fail(name: str, allowed: str, value: object) -> None:
+def _fail(name: str, allowed: str, value: object) -> NoReturn:
     raise ValueError(f"structured_outputs.{name} must be {allowed}, got {value!r}.")
 
 
@@ -29,7 +29,8 @@ def _json_text(name: str, value: object) -> str:
     if not isinstance(value, dict):
         _fail(name, "a JSON object (a dict, its JSON text, or a pydantic model class)", value)
     try:
-        return json_lib.dumps(value, sort_keys=True, ensure_ascii=False)
+        # Not sorted: xgrammar (as vLLM's) writes an object's properties in the order the schema declares.
+        return json_lib.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"structured_outputs.{name} cannot be written as JSON: {e}.") from None
 
@@ -103,9 +104,3 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) is not None)
-
-    @property
-    def key(self) -> tuple[Any, ...]:
-        """Equal for constraints that compile to the same grammar."""
-        value = getattr(self, self.kind)
-        return self.kind, tuple(value) if isinstance(value, list) else value, self.disable_any_whitespace
