@@ -32,6 +32,41 @@ def test_forced_output_read_back_as_calls(name, text, expected):
     assert (content or None, calls) == expected and streamed.num_calls == len(calls)
 
 
+def test_required_moves_the_tools_defs_to_the_root(tok_compiler):
+    """pydantic writes nested models as "#/$defs/..." references: they must resolve in the list's schema."""
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str
+
+    class Trip(pydantic.BaseModel):
+        cities: list[City]
+
+    tools = [{"type": "function", "function": {"name": "plan", "parameters": Trip.model_json_schema()}},
+             {"type": "function", "function": {"name": "now", "parameters": {}}}]
+    constraint = forced_constraint("required", tools)
+    schema = json.loads(constraint.json)
+    assert "City" in schema["$defs"] and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    tok, compiler = tok_compiler
+    state = compiler.matcher(constraint)
+    text = '[{"name": "plan", "parameters": {"cities": [{"name": "Oslo"}]}}]'
+    assert all(state.matcher.accept_token(t) for t in tok.encode(text, add_special_tokens=False))
+    clash = [tools[0], {"type": "function", "function": {"name": "other", "parameters": {
+        "$defs": {"City": {"type": "integer"}}, "type": "object"}}}]
+    with pytest.raises(ValueError, match="'City' differently"):
+        forced_constraint("required", clash)
+
+
+@pytest.fixture(scope="module")
+def tok_compiler(tiny_llama):
+    from transformers import AutoTokenizer
+
+    from vllm_spec.structured_output.grammar import GrammarCompiler
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    return tok, GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+
+
 def test_constraints_and_choices():
     assert forced_constraint("auto", TOOLS) is None and forced_constraint("none", TOOLS) is None
     named = json.loads(forced_constraint(NAMED, TOOLS).json)
@@ -91,7 +126,7 @@ def test_server_forces_the_calls(client, spec_pair, tool_choice, name, stream):
     assert got_content == content
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == \
         [(c.name, c.arguments) for c in calls]
-    assert finish == ("tool_calls" if calls else "length")
+    assert finish == ("tool_calls" if calls and name is None else "stop" if calls else "length")
 
 
 def test_server_refuses_bad_tool_choices(client):
@@ -139,7 +174,9 @@ def test_server_returns_the_forced_calls(scripted, tool_choice, text, calls):
     body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice}
     choice = c.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert sent["constraint"] == forced_constraint(tool_choice, TOOLS)
-    assert choice["message"]["content"] is None and choice["finish_reason"] == "tool_calls"
+    # As vLLM: "required" ends with "tool_calls", a named function with the model's own reason.
+    assert choice["message"]["content"] is None
+    assert choice["finish_reason"] == ("stop" if tool_choice == NAMED else "tool_calls")
     assert [(t["function"]["name"], t["function"]["arguments"]) for t in choice["message"]["tool_calls"]] == calls
     r = c.post("/v1/chat/completions", json={**body, "stream": True})
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
@@ -148,4 +185,4 @@ def test_server_returns_the_forced_calls(scripted, tool_choice, text, calls):
     streamed = [t for d in deltas for t in d.get("tool_calls", [])]
     assert [(t["index"], t["function"]["name"], t["function"]["arguments"]) for t in streamed] == \
         [(i, n, a) for i, (n, a) in enumerate(calls)]
-    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert events[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]

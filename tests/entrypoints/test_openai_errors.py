@@ -81,6 +81,11 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server):
          "structured_outputs"),
         ("/v1/completions", {**good, "structured_outputs": {"choice": []}}, "json", "structured_outputs"),
         ("/v1/completions", {**good, "structured_outputs": {"pattern": "a"}}, "json", "structured_outputs"),
+        ("/v1/completions", {**good, "guided_regex": "(unclosed"}, "json", "guided_regex"),
+        ("/v1/chat/completions", {**chat_good, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "no-such-type"}}}}, "json", "response_format"),
+        ("/v1/chat/completions", {**chat_good, "tool_choice": "required", "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "no-such-type"}}}]}, "json", "tool_choice"),
         ("/v1/completions", {**good, "prompt_logprobs": 1}, "json", "prompt_logprobs"),
         ("/v1/completions", {**good, "bad_words": [" "]}, "json", "bad_words"),
         ("/v1/chat/completions", {**chat_good, "use_beam_search": True}, "json", "use_beam_search"),

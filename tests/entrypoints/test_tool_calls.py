@@ -8,7 +8,11 @@ import random
 
 import pytest
 
-from vllm_spec.entrypoints.openai.tool_calls import ParsedCall, ToolCallStream, extract_tool_calls
+from vllm_spec.entrypoints.openai.tool_calls import ParsedCall, ToolCallStream, read_tool_calls
+
+
+def extract_tool_calls(text: str):
+    return read_tool_calls(ToolCallStream(), text)
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
 TIME = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
@@ -26,7 +30,7 @@ CALLS = [ParsedCall("get_weather", '{"city": "Paris", "unit": "C"}'), ParsedCall
     ('<tool_call>{"arguments": {}}</tool_call>', ('<tool_call>{"arguments": {}}</tool_call>', [])),
     ('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', (None, [ParsedCall("f", '{"x": 1}')])),
 ])
-def test_extract_tool_calls(text, expected):
+def test_whole_texts_calls(text, expected):
     assert extract_tool_calls(text) == expected
 
 

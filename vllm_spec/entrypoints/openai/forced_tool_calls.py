@@ -34,17 +34,34 @@ def check_tool_choice(tool_choice: Any, tools: list[dict[str, Any]] | None) -> N
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """The function's parameters schema; none (or {}) takes an object, as vLLM's."""
     parameters = tool["function"].get("parameters")
-    return parameters if isinstance(parameters, dict) else {"type": "object"}
+    return parameters if isinstance(parameters, dict) and parameters else {"type": "object", "properties": {}}
+
+
+def _required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """A list of one or more {"name", "parameters"} calls of the tools. Their parameters' $defs move to
+    the root, where their "#/$defs/..." references (pydantic writes them) still resolve."""
+    defs: dict[str, Any] = {}
+    variants = []
+    for tool in tools:
+        parameters = dict(_parameters(tool))
+        for name, schema in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, schema) != schema:
+                raise ValueError(f"tools define the $defs entry {name!r} differently: rename one of them.")
+        variants.append({"type": "object", "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+                                                          "parameters": parameters},
+                         "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+    if defs:
+        schema["$defs"] = defs
+    return schema
 
 
 def forced_constraint(tool_choice: Any, tools: list[dict[str, Any]] | None) -> StructuredOutputsParams | None:
     """The constraint that makes the output the forced calls' JSON (None: tool_choice forces none)."""
     if tool_choice == "required":
-        variants = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                                      "parameters": _parameters(t)},
-                     "required": ["name", "parameters"]} for t in tools or []]
-        return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": variants}})
+        return StructuredOutputsParams(json=_required_schema(tools or []))
     name = _tool_name(tool_choice)
     if name is None:
         return None
@@ -60,6 +77,11 @@ class ForcedToolCalls:
     name: str | None
     text: str = ""
     num_calls: int = 0
+
+    @property
+    def reports_calls(self) -> bool:
+        """As vLLM: "required" ends with finish_reason "tool_calls"; a named function with the model's own."""
+        return self.name is None
 
     def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
         self.text += delta

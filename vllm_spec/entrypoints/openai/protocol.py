@@ -95,6 +95,7 @@ def sampling_field_of(message: str) -> str | None:
 _UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "use_beam_search": False, "echo": False,
     "prompt_logprobs": None, "logits_processors": None, "return_tokens_as_token_ids": False,
+    "guided_whitespace_pattern": None,
 }
 
 
@@ -156,9 +157,9 @@ class SamplingFields(OpenAIRequestModel):
             raise OpenAIServingError("stream_options can only be set when stream is true.",
                                      param="stream_options")
 
-    def constraint(self) -> StructuredOutputsParams | None:
+    def constraint(self) -> tuple[StructuredOutputsParams, str] | None:
         """The structured-output constraint the request sets (response_format, structured_outputs or
-        vLLM's older guided_* fields), if any."""
+        vLLM's older guided_* fields) and the field it came in, if any."""
         try:
             return structured_outputs_of(self.response_format, self.structured_outputs, self.model_extra or {})
         except ConstraintError as e:
@@ -199,7 +200,7 @@ class SamplingFields(OpenAIRequestModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
-            structured_outputs=self.constraint(),
+            structured_outputs=(self.constraint() or (None,))[0],
             # As vLLM: a response sent whole needs no per-step output (building one per request per
             # step is host time the engine spends between launches); a stream rebuilds its deltas
             # from cumulative outputs.

@@ -55,16 +55,18 @@ class ChatCompletionRequest(SamplingFields):
             return lambda: ForcedToolCalls(name)
         return ToolCallStream if self.parses_tool_calls else None
 
-    def constraint(self) -> StructuredOutputsParams | None:
-        """A forced tool choice's constraint, or the one the request sets."""
+    def constraint(self) -> tuple[StructuredOutputsParams, str] | None:
+        """A forced tool choice's constraint, or the one the request sets (and the field it came in)."""
         given = super().constraint()
         if not self.forces_tool_calls:
             return given
         if given is not None:
             raise OpenAIServingError(f"tool_choice {self.tool_choice!r} constrains the output to tool calls: it "
-                                     "cannot be combined with response_format or structured_outputs.",
-                                     param="tool_choice")
-        return forced_constraint(self.tool_choice, self.tools)
+                                     f"cannot be combined with {given[1]}.", param="tool_choice")
+        try:
+            return forced_constraint(self.tool_choice, self.tools), "tool_choice"
+        except ValueError as e:
+            raise OpenAIServingError(str(e), param="tools") from e
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None,
                            auto_tool_choice: bool = False) -> SamplingParams:

@@ -20,6 +20,7 @@ from vllm_spec.engine.async_llm_engine import AsyncLLMEngine
 from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIServingError
 from vllm_spec.outputs import Logprob
+from vllm_spec.structured_output.grammar import compiler_for
 
 MIN_LOGPROB = -9999.0
 
@@ -102,6 +103,19 @@ def render_messages(state: ServerState, request: Any, add_special_tokens: bool) 
                            add_special_tokens, request.chat_template_kwargs, request.tools)
     except Exception as e:
         raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
+
+
+def compile_constraint(state: ServerState, request: Any) -> None:
+    """Compile the request's structured-output constraint (it is cached for the engine), so that one
+    that does not compile is a 400 naming the field it came in, and the engine's thread does not spend
+    the compilation time while others' requests wait."""
+    constraint = request.constraint()
+    if constraint is None or state.tokenizer is None:
+        return   # (the engine refuses structured outputs without a tokenizer, naming them)
+    try:
+        compiler_for(state.engine.engine.config.model, state.tokenizer).compile(constraint[0])
+    except ValueError as e:
+        raise OpenAIServingError(str(e), param=constraint[1]) from e
 
 
 def need_tokenizer(state: ServerState):

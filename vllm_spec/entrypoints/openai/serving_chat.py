@@ -48,6 +48,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     state = serving.server_state(raw_request)
     serving.check_model(state, request.model)
     params = request.to_sampling_params(state.sampling_defaults, state.tool_call_parser is not None)
+    await serving.in_tokenizer_thread(state, serving.compile_constraint, state, request)
     reader = request.tool_call_reader()
     prompt = await serving.in_tokenizer_thread(state, serving.render_messages, state, request,
                                                request.add_special_tokens)
@@ -72,7 +73,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
                 if finish is not None:
                     rest, last = parser.finish()
                     delta, found = delta + rest, found + last
-                    finish = _finish_reason(finish, parser.num_calls > 0)
+                    finish = _finish_reason(finish, parser.reports_calls and parser.num_calls > 0)
                 calls = [DeltaToolCall(index=first + i, function=FunctionCall(name=c.name, arguments=c.arguments))
                          for i, c in enumerate(found)]
                 if not delta and not calls and finish is None and lps is None:
@@ -91,13 +92,15 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
         return Response(status_code=499)  # the client is gone; nobody reads this
     choices = []
     for comp in final[0].outputs:
-        content, found = read_tool_calls(reader(), comp.text) if reader is not None else (comp.text, [])
+        parser = reader() if reader is not None else None
+        content, found = read_tool_calls(parser, comp.text) if parser is not None else (comp.text, [])
         calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in found]
         choices.append(ChatCompletionResponseChoice(
             index=comp.index, message=ChatResponseMessage(role=state.response_role, content=content, tool_calls=calls),
             logprobs=(_chat_logprobs(state, comp.token_ids, comp.logprobs, k)
                       if k is not None and comp.logprobs is not None else None),
-            finish_reason=_finish_reason(comp.finish_reason, bool(calls)), stop_reason=comp.stop_reason))
+            finish_reason=_finish_reason(comp.finish_reason, bool(calls) and parser.reports_calls),
+            stop_reason=comp.stop_reason))
     return JSONResponse(ChatCompletionResponse(id=sub.base_id, model=sub.model, choices=choices,
                                                usage=sub.usage(final)).model_dump())
 

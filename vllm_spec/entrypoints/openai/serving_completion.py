@@ -87,6 +87,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
     state = serving.server_state(raw_request)
     serving.check_model(state, request.model)
     params = request.to_sampling_params(state.sampling_defaults)
+    await serving.in_tokenizer_thread(state, serving.compile_constraint, state, request)
     prompts = await serving.in_tokenizer_thread(state, _completion_prompts, state, request)
     sub = await submission.submit(state, "cmpl", request.model, prompts, params, "prompt", echo_only=request.echo_only,
                                   priority=request.priority)

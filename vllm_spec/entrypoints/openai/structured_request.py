@@ -40,8 +40,9 @@ def _from_response_format(fmt: Any) -> StructuredOutputsParams | None:
 
 
 def structured_outputs_of(response_format: Any, structured_outputs: Any,
-                          extras: dict[str, Any]) -> StructuredOutputsParams | None:
-    """The one constraint a request sets (None: none); ConstraintError naming the field otherwise."""
+                          extras: dict[str, Any]) -> tuple[StructuredOutputsParams, str] | None:
+    """The one constraint a request sets and the field it came in (None: none); ConstraintError naming
+    the field otherwise."""
     given: list[tuple[str, Any]] = []
     if response_format is not None:
         given.append(("response_format", lambda: _from_response_format(response_format)))
@@ -61,4 +62,4 @@ def structured_outputs_of(response_format: Any, structured_outputs: Any,
     if len(built) > 1:
         names = [name for name, _ in built]
         raise ConstraintError(f"set only one of {names}: each constrains the output.", names[1])
-    return built[0][1] if built else None
+    return (built[0][1], built[0][0]) if built else None

@@ -44,12 +44,6 @@ def read_tool_calls(reader, text: str) -> tuple[str | None, list[ParsedCall]]:
     return (content or None) if calls or last else content, calls + last
 
 
-def extract_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
-    """The hermes calls of a whole text: closed calls that parse, then an unclosed last one that parses;
-    the rest is content, without its trailing whitespace when there are calls."""
-    return read_tool_calls(ToolCallStream(), text)
-
-
 @dataclass
 class ToolCallStream:
     """One streamed choice's text, split into content deltas and whole tool calls as they close."""
@@ -57,6 +51,7 @@ class ToolCallStream:
     buffer: str = ""
     in_call: bool = False
     num_calls: int = 0
+    reports_calls = True   # a choice with calls ends with finish_reason "tool_calls"
     # Content's trailing whitespace is held until more content comes (then sent with it) or the choice
     # ends (sent if it called nothing): the newlines around calls are no content, however text is split.
     held: str = ""
@@ -92,8 +87,8 @@ class ToolCallStream:
         return body, calls
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
-        """What is left when the choice ends: an unclosed last call that parses is a call (as in
-        extract_tool_calls), anything else content."""
+        """What is left when the choice ends: an unclosed last call that parses is a call, anything else
+        content."""
         rest, in_call, held = self.buffer, self.in_call, self.held
         self.buffer, self.in_call, self.held = "", False, ""
         call = _parse_call(rest.strip()) if in_call else None
