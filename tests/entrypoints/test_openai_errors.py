@@ -85,7 +85,15 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server):
         ("/v1/chat/completions", {**chat_good, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "no-such-type"}}}}, "json", "response_format"),
         ("/v1/chat/completions", {**chat_good, "tool_choice": "required", "tools": [{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "no-such-type"}}}]}, "json", "tool_choice"),
+            "name": "f", "parameters": {"type": "no-such-type"}}}]}, "json", "tools"),
+        ("/v1/completions", {**good, "response_format": {}}, "json", "response_format"),
+        ("/v1/completions", {**good, "response_format": {"json_schema": {"name": "x", "schema": {}}}}, "json",
+         "response_format"),
+        ("/v1/completions", {**good, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+         "json", "response_format"),
+        ("/v1/completions", {**good, "structured_outputs": {"disable_any_whitespace": True}}, "json",
+         "structured_outputs"),
+        ("/v1/completions", {**good, "guided_json": {"type": "array", "uniqueItems": True}}, "json", "guided_json"),
         ("/v1/completions", {**good, "prompt_logprobs": 1}, "json", "prompt_logprobs"),
         ("/v1/completions", {**good, "bad_words": [" "]}, "json", "bad_words"),
         ("/v1/chat/completions", {**chat_good, "use_beam_search": True}, "json", "use_beam_search"),

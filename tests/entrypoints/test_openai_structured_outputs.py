@@ -59,6 +59,9 @@ def _offline_chat(offline, constraint: SO) -> str:
     ({"guided_regex": "[a-d]{4}"}, SO(regex="[a-d]{4}")),
     ({"guided_json": SCHEMA}, SO(json=SCHEMA)),
     ({"guided_grammar": 'root ::= "x" [0-9]'}, SO(grammar='root ::= "x" [0-9]')),
+    # structured_outputs with options only applies them to response_format's constraint (as vLLM folds them).
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "shirt", "schema": SCHEMA}},
+      "structured_outputs": {"disable_any_whitespace": True}}, SO(json=SCHEMA, disable_any_whitespace=True)),
 ])
 def test_chat_constraints_give_the_offline_output(client, offline, body, constraint):
     choice = _chat(client, **body)

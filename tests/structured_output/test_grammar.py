@@ -103,3 +103,27 @@ def test_messages_carry_no_source_locations(compiler):
     with pytest.raises(ValueError) as e:
         compiler.compile(StructuredOutputsParams(json={"type": "no-such-type"}))
     assert ".cc:" not in str(e.value)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    {"type": "object", "properties": {"a": {"type": "array", "contains": {"const": 1}}}},
+    {"allOf": [{"type": "object"}, {"required": ["a"]}]},
+    {"type": "object", "properties": {"a": {"not": {"type": "integer"}}}},
+    {"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 3}},
+    {"type": "object", "dependentRequired": {"a": ["b"]}},
+    {"$defs": {"A": {"type": "array", "uniqueItems": True}}, "$ref": "#/$defs/A"},
+])
+def test_schema_keywords_xgrammar_would_not_enforce_are_refused(compiler, schema):
+    with pytest.raises(ValueError, match="cannot enforce"):
+        compiler.compile(StructuredOutputsParams(json=schema))
+
+
+def test_keyword_names_as_property_names_and_one_part_all_of_are_fine(tok, compiler):
+    schema = {"type": "object", "properties": {"if": {"type": "integer"}, "not": {"allOf": [{"type": "boolean"}],
+                                                                                   "description": "a flag"}},
+              "required": ["if", "not"]}
+    state = compiler.matcher(StructuredOutputsParams(json=schema))
+    assert all(state.matcher.accept_token(t) for t in _ids(tok, '{"if": 3, "not": true}'))
+    state = compiler.matcher(StructuredOutputsParams(json=schema))
+    assert not all(state.matcher.accept_token(t) for t in _ids(tok, '{"if": 3, "not": 7'))

@@ -39,6 +39,45 @@ def _xgrammar():
     return xgrammar
 
 
+# JSON-schema keywords xgrammar accepts but does not enforce (the output could break them): refused,
+# as vLLM refuses them for xgrammar.
+_UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "allOf", "not", "if", "then", "else",
+                        "dependentRequired", "dependentSchemas")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "contains", "not", "if", "then", "else", "propertyNames",
+                  "unevaluatedProperties", "unevaluatedItems")
+
+
+def _inline_single_all_of(node: dict[str, Any]) -> dict[str, Any]:
+    """{"allOf": [X], ...annotations} is X with the annotations (pydantic writes it around a $ref)."""
+    parts = node.get("allOf")
+    if isinstance(parts, list) and len(parts) == 1 and isinstance(parts[0], dict):
+        return {**{k: v for k, v in node.items() if k != "allOf"}, **parts[0]}
+    return node
+
+
+def enforceable_schema(node: Any) -> Any:
+    """The schema with one-part allOfs inlined; ValueError naming a keyword xgrammar would not enforce."""
+    if not isinstance(node, dict):
+        return node
+    node = _inline_single_all_of(node)
+    unenforced = [k for k in _UNENFORCED_KEYWORDS if k in node]
+    if unenforced:
+        raise ValueError(f"the schema uses {unenforced}, which the xgrammar backend cannot enforce.")
+    out = dict(node)
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            out[key] = {name: enforceable_schema(sub) for name, sub in node[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            out[key] = [enforceable_schema(sub) for sub in node[key]]
+    for key in _SCHEMA_VALUES:
+        if key in node:
+            out[key] = enforceable_schema(node[key])
+    return out
+
+
 def choice_grammar(choices: list[str]) -> str:
     """EBNF whose language is exactly the given strings (JSON string escapes are xgrammar's too)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -79,7 +118,8 @@ class GrammarCompiler:
     def _compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         c, any_ws = self._compiler, not params.disable_any_whitespace
         if params.json is not None:
-            return c.compile_json_schema(params.json, any_whitespace=any_ws)
+            schema = json.dumps(enforceable_schema(json.loads(params.json)), ensure_ascii=False)
+            return c.compile_json_schema(schema, any_whitespace=any_ws)
         if params.json_object:   # as vLLM: an object, not any JSON value
             return c.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
         if params.regex is not None:

@@ -160,8 +160,12 @@ class SamplingFields(OpenAIRequestModel):
     def constraint(self) -> tuple[StructuredOutputsParams, str] | None:
         """The structured-output constraint the request sets (response_format, structured_outputs or
         vLLM's older guided_* fields) and the field it came in, if any."""
+        return self._constraint(None)
+
+    def _constraint(self, forced) -> tuple[StructuredOutputsParams, str] | None:
         try:
-            return structured_outputs_of(self.response_format, self.structured_outputs, self.model_extra or {})
+            return structured_outputs_of(self.response_format, self.structured_outputs, self.model_extra or {},
+                                         forced)
         except ConstraintError as e:
             raise OpenAIServingError(str(e), param=e.param) from e
 

@@ -56,17 +56,12 @@ class ChatCompletionRequest(SamplingFields):
         return ToolCallStream if self.parses_tool_calls else None
 
     def constraint(self) -> tuple[StructuredOutputsParams, str] | None:
-        """A forced tool choice's constraint, or the one the request sets (and the field it came in)."""
-        given = super().constraint()
-        if not self.forces_tool_calls:
-            return given
-        if given is not None:
-            raise OpenAIServingError(f"tool_choice {self.tool_choice!r} constrains the output to tool calls: it "
-                                     f"cannot be combined with {given[1]}.", param="tool_choice")
-        try:
-            return forced_constraint(self.tool_choice, self.tools), "tool_choice"
-        except ValueError as e:
-            raise OpenAIServingError(str(e), param="tools") from e
+        """The request's structured-output constraint and the field it came in: a forced tool choice's
+        or response_format's / structured_outputs' / ..."""
+        forced = None
+        if self.forces_tool_calls:
+            forced = (lambda: forced_constraint(self.tool_choice, self.tools)), "tool_choice"
+        return self._constraint(forced)
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None,
                            auto_tool_choice: bool = False) -> SamplingParams:

@@ -112,10 +112,16 @@ def compile_constraint(state: ServerState, request: Any) -> None:
     constraint = request.constraint()
     if constraint is None or state.tokenizer is None:
         return   # (the engine refuses structured outputs without a tokenizer, naming them)
+    params, sent_in = constraint
     try:
-        compiler_for(state.engine.engine.config.model, state.tokenizer).compile(constraint[0])
+        compiler_for(state.engine.engine.config.model, state.tokenizer).compile(params)
     except ValueError as e:
-        raise OpenAIServingError(str(e), param=constraint[1]) from e
+        # A forced tool choice's schema is made of the tools' parameters: the tools are at fault.
+        param = "tools" if sent_in == "tool_choice" else sent_in
+        message = str(e)
+        if param != "structured_outputs":
+            message = message.replace(f"structured_outputs.{params.kind}", f"{param} ({params.kind})", 1)
+        raise OpenAIServingError(message, param=param) from e
 
 
 def need_tokenizer(state: ServerState):
