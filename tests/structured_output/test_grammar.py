@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -113,9 +115,38 @@ def test_messages_carry_no_source_locations(compiler):
     {"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 3}},
     {"type": "object", "dependentRequired": {"a": ["b"]}},
     {"$defs": {"A": {"type": "array", "uniqueItems": True}}, "$ref": "#/$defs/A"},
+    {"type": "object", "properties": {"v": {"type": "string", "pattern": "^[A-Z]+$", "maxLength": 4}}},
+    {"type": "object", "propertyNames": {"pattern": "^a", "minLength": 2}},
+    {"type": "number", "multipleOf": 0.5},
+    {"type": "string", "pattern": "^(?!ab)[a-z]{2}$"},
+    {"type": "string", "pattern": "^a^b$"},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
 ])
-def test_schema_keywords_xgrammar_would_not_enforce_are_refused(compiler, schema):
-    with pytest.raises(ValueError, match="cannot enforce"):
+def test_schemas_xgrammar_would_not_enforce_are_refused(compiler, schema):
+    with pytest.raises(ValueError, match="cannot be enforced by the xgrammar backend"):
+        compiler.compile(StructuredOutputsParams(json=schema))
+    tag = {"type": "structural_tag", "structures": [{"begin": "<a>", "schema": schema, "end": "</a>"}],
+           "triggers": ["<a"]}
+    with pytest.raises(ValueError, match="structured_outputs.structural_tag .*xgrammar backend"):
+        compiler.compile(StructuredOutputsParams(structural_tag=tag))
+
+
+@pytest.mark.parametrize("regex, refused", [
+    ("a^b", "^ after its start"), ("a$b", "$ before its end"), ("(?=a)a", "lookaround"),
+    (r"\ud83d\ude00", "surrogate"), ("[^a]b$", None), (r"^\$[0-9]+\.[0-9]{2}$", None), ("[$^]x", None),
+])
+def test_regexes_xgrammar_would_not_enforce_are_refused(compiler, regex, refused):
+    if refused is None:
+        compiler.compile(StructuredOutputsParams(regex=regex))
+        return
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        compiler.compile(StructuredOutputsParams(regex=regex))
+
+
+def test_satisfiable_look_alikes_compile(compiler):
+    for schema in ({"type": "integer", "multipleOf": 5}, {"type": "string", "pattern": "^[a-z]{2,4}$"},
+                   {"type": "object", "required": ["x"], "additionalProperties": {"type": "integer"}},
+                   {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}):
         compiler.compile(StructuredOutputsParams(json=schema))
 
 

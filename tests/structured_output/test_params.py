@@ -43,6 +43,8 @@ def test_one_constraint_each_kind():
     ({"json_object": True, "disable_any_whitespace": 1}, "disable_any_whitespace must be True or False"),
     ({"json_object": True, "whitespace_pattern": " "}, "whitespace_pattern is not supported"),
     ({"regex": "\ud800"}, "structured_outputs.regex is not valid Unicode"),
+    ({"json": '{"type": "number", "maximum": NaN}'}, "structured_outputs.json is not valid JSON"),
+    ({"structural_tag": [1]}, r"structural_tag must be a JSON object \(a dict or its JSON text\)"),
 ])
 def test_bad_constraints_are_named(kwargs, named):
     with pytest.raises(ValueError, match=named):

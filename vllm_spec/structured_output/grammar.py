@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_spec.structured_output.enforceable import check_structural_tag, enforceable_schema, regex_problem
 from vllm_spec.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 # xgrammar's cache of compiled grammars (vLLM's default bound): distinct schemas cannot grow it past this.
 _CACHE_BYTES = 512 << 20
 # xgrammar prefixes its messages with a time and a C++ source location: not for API users.
-_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: ?)?")
 
 
 def _xgrammar():
@@ -37,45 +38,6 @@ def _xgrammar():
     except ImportError as e:
         raise ValueError("structured_outputs need the xgrammar package (pip install xgrammar).") from e
     return xgrammar
-
-
-# JSON-schema keywords xgrammar accepts but does not enforce (the output could break them): refused,
-# as vLLM refuses them for xgrammar.
-_UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "allOf", "not", "if", "then", "else",
-                        "dependentRequired", "dependentSchemas")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_VALUES = ("items", "additionalProperties", "contains", "not", "if", "then", "else", "propertyNames",
-                  "unevaluatedProperties", "unevaluatedItems")
-
-
-def _inline_single_all_of(node: dict[str, Any]) -> dict[str, Any]:
-    """{"allOf": [X], ...annotations} is X with the annotations (pydantic writes it around a $ref)."""
-    parts = node.get("allOf")
-    if isinstance(parts, list) and len(parts) == 1 and isinstance(parts[0], dict):
-        return {**{k: v for k, v in node.items() if k != "allOf"}, **parts[0]}
-    return node
-
-
-def enforceable_schema(node: Any) -> Any:
-    """The schema with one-part allOfs inlined; ValueError naming a keyword xgrammar would not enforce."""
-    if not isinstance(node, dict):
-        return node
-    node = _inline_single_all_of(node)
-    unenforced = [k for k in _UNENFORCED_KEYWORDS if k in node]
-    if unenforced:
-        raise ValueError(f"the schema uses {unenforced}, which the xgrammar backend cannot enforce.")
-    out = dict(node)
-    for key in _SCHEMA_MAPS:
-        if isinstance(node.get(key), dict):
-            out[key] = {name: enforceable_schema(sub) for name, sub in node[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(node.get(key), list):
-            out[key] = [enforceable_schema(sub) for sub in node[key]]
-    for key in _SCHEMA_VALUES:
-        if key in node:
-            out[key] = enforceable_schema(node[key])
-    return out
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -123,12 +85,16 @@ class GrammarCompiler:
         if params.json_object:   # as vLLM: an object, not any JSON value
             return c.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
         if params.regex is not None:
+            problem = regex_problem(params.regex)
+            if problem:
+                raise ValueError(f"xgrammar would not enforce it as written: {problem}.")
             return c.compile_regex(params.regex)
         if params.choice is not None:
             return c.compile_grammar(choice_grammar(params.choice))
         if params.grammar is not None:
             return c.compile_grammar(params.grammar)
         tag = json.loads(params.structural_tag)
+        check_structural_tag(tag)
         if "structures" in tag:
             return c.compile_structural_tag(*_legacy_structural_tag(tag))
         return c.compile_structural_tag(params.structural_tag)

@@ -16,21 +16,26 @@ def _fail(name: str, allowed: str, value: object) -> NoReturn:
     raise ValueError(f"structured_outputs.{name} must be {allowed}, got {value!r}.")
 
 
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _json_text(name: str, value: object) -> str:
-    """A JSON schema or structural tag as canonical JSON text (a dict, a pydantic model class, or text)."""
+    """A JSON schema or structural tag as JSON text (a dict, a pydantic model class, or text)."""
     if isinstance(value, type) and hasattr(value, "model_json_schema"):
         value = value.model_json_schema()
     if isinstance(value, str):
         check_text(f"structured_outputs.{name}", value)
         try:
-            value = json_lib.loads(value)
-        except json_lib.JSONDecodeError as e:
+            value = json_lib.loads(value, parse_constant=_no_constant)
+        except (json_lib.JSONDecodeError, ValueError) as e:
             raise ValueError(f"structured_outputs.{name} is not valid JSON: {e}.") from None
     if not isinstance(value, dict):
-        _fail(name, "a JSON object (a dict, its JSON text, or a pydantic model class)", value)
+        kinds = "a dict, its JSON text, or a pydantic model class" if name == "json" else "a dict or its JSON text"
+        _fail(name, f"a JSON object ({kinds})", value)
     try:
         # Not sorted: xgrammar (as vLLM's) writes an object's properties in the order the schema declares.
-        return json_lib.dumps(value, ensure_ascii=False)
+        return json_lib.dumps(value, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"structured_outputs.{name} cannot be written as JSON: {e}.") from None
 
