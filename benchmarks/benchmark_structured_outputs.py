@@ -67,7 +67,7 @@ def _valid(text: str) -> bool:
 
 
 def run(system: str, constraint: str, model: str, spec: dict, args) -> tuple[Row, list[list[int]]]:
-    llm = LLM(model, dtype=args.dtype, device=args.device, seed=0, max_model_len=1024, **spec)
+    llm = LLM(model, dtype=args.dtype, device=args.device, seed=0, **spec)
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if constraint == "json_schema" else None
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=so)
     messages = [[{"role": "user", "content": f"Describe {PEOPLE[i % len(PEOPLE)]} as a JSON object with the keys "
