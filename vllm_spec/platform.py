@@ -11,6 +11,20 @@ _DTYPES = {
 }
 
 
+def import_triton():
+    """(triton, triton.language) where a CUDA device can run their kernels, else (None, None): on a
+    CPU-only machine importing triton gains nothing, and some triton builds report leaked bindings at
+    every interpreter exit there."""
+    if not torch.cuda.is_available():
+        return None, None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None, None
+    return triton, tl
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

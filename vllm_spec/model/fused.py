@@ -12,11 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
+from vllm_spec.platform import import_triton
+
+triton, tl = import_triton()
 
 
 def _triton_ok(x: torch.Tensor) -> bool:

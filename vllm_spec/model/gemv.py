@@ -28,11 +28,9 @@ from typing import NamedTuple
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
+from vllm_spec.platform import import_triton
+
+triton, tl = import_triton()
 
 # Tests turn this off to compute the unfused reference on the same device.
 ENABLED = True

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
+from vllm_spec.platform import import_triton
+
+triton, tl = import_triton()
 
 _CHUNK = 2048
 # From about one row per SM torch's reduction fills the device by itself, and one launch costs the

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
+from vllm_spec.platform import import_triton
+
+triton, tl = import_triton()
 
 
 def available(target_argmax: torch.Tensor) -> bool:
