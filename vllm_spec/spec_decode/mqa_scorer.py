@@ -103,10 +103,10 @@ class MQAScorer:
             batch.input_ids[dst_t] = proposals.token_ids[src_row_t, src_pos_t]
 
         drafts_host = proposals.token_ids.tolist() if any(
-            _follows_drafts(req.seqs[i].sampling_params.batch_fields, True) for i in spec_idx) else None
+            _reads_drafts(req.seqs[i].sampling_params.batch_fields) for i in spec_idx) else None
         # Plain greedy rows (no penalties or logit biases, min_tokens met) verify against argmax of the raw
         # logits: no per-position sampling metadata, no softmax over [rows, V]. (batch_fields: cached.)
-        plain_greedy = all(f.greedy and not _follows_drafts(f, True) and not f.biases_logits
+        plain_greedy = all(f.greedy and not _reads_drafts(f) and not f.biases_logits
                            and f.min_tokens <= len(s.output_token_ids)
                            for s, f in ((req.seqs[i], req.seqs[i].sampling_params.batch_fields) for i in sampled))
         exp_rows = [] if plain_greedy else [
@@ -209,7 +209,13 @@ class MQAScorer:
         return per_seq
 
 
-def _follows_drafts(fields: BatchFields, or_grammar: bool = False) -> bool:
-    """A row whose distribution depends on the tokens before it (penalties, bad words; a grammar's mask,
-    which its matcher follows, with or_grammar): each verified position's must count the drafts before it."""
-    return fields.has_penalties or fields.has_bad_words or (or_grammar and fields.structured)
+def _follows_drafts(fields: BatchFields) -> bool:
+    """A row whose distribution depends on the tokens before it (penalties, bad words): each verified
+    position's rows count the drafts before it as output."""
+    return fields.has_penalties or fields.has_bad_words
+
+
+def _reads_drafts(fields: BatchFields) -> bool:
+    """A row whose verified positions need the drafts on the host: those above, and a grammar's (its
+    matcher walks the drafts for each position's mask)."""
+    return _follows_drafts(fields) or fields.structured

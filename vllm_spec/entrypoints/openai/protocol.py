@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections.abc import Callable
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator
@@ -157,17 +159,20 @@ class SamplingFields(OpenAIRequestModel):
             raise OpenAIServingError("stream_options can only be set when stream is true.",
                                      param="stream_options")
 
+    @cached_property
     def constraint(self) -> tuple[StructuredOutputsParams, str] | None:
-        """The structured-output constraint the request sets (response_format, structured_outputs or
-        vLLM's older guided_* fields) and the field it came in, if any."""
-        return self._constraint(None)
-
-    def _constraint(self, forced) -> tuple[StructuredOutputsParams, str] | None:
+        """The structured-output constraint the request sets (response_format, structured_outputs, vLLM's
+        older guided_* fields, or what _forced_constraint forces) and the field it came in, if any. Built
+        once per request: its sampling parameters and the server's compile check both read it."""
         try:
             return structured_outputs_of(self.response_format, self.structured_outputs, self.model_extra or {},
-                                         forced)
+                                         self._forced_constraint())
         except ConstraintError as e:
             raise OpenAIServingError(str(e), param=e.param) from e
+
+    def _forced_constraint(self) -> tuple[Callable[[], StructuredOutputsParams | None], str] | None:
+        """A constraint another field forces (built on demand) and that field: none here."""
+        return None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any],
                          sent_as: dict[str, str] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
@@ -204,7 +209,7 @@ class SamplingFields(OpenAIRequestModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
-            structured_outputs=(self.constraint() or (None,))[0],
+            structured_outputs=(self.constraint or (None,))[0],
             # As vLLM: a response sent whole needs no per-step output (building one per request per
             # step is host time the engine spends between launches); a stream rebuilds its deltas
             # from cumulative outputs.

@@ -55,13 +55,11 @@ class ChatCompletionRequest(SamplingFields):
             return lambda: ForcedToolCalls(name)
         return ToolCallStream if self.parses_tool_calls else None
 
-    def constraint(self) -> tuple[StructuredOutputsParams, str] | None:
-        """The request's structured-output constraint and the field it came in: a forced tool choice's
-        or response_format's / structured_outputs' / ..."""
-        forced = None
-        if self.forces_tool_calls:
-            forced = (lambda: forced_constraint(self.tool_choice, self.tools)), "tool_choice"
-        return self._constraint(forced)
+    def _forced_constraint(self) -> tuple[Callable[[], StructuredOutputsParams | None], str] | None:
+        """tool_choice "required" or a named function forces its calls' JSON."""
+        if not self.forces_tool_calls:
+            return None
+        return (lambda: forced_constraint(self.tool_choice, self.tools)), "tool_choice"
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None,
                            auto_tool_choice: bool = False) -> SamplingParams:

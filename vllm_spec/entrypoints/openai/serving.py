@@ -109,7 +109,7 @@ def compile_constraint(state: ServerState, request: Any) -> None:
     """Compile the request's structured-output constraint (it is cached for the engine), so that one
     that does not compile is a 400 naming the field it came in, and the engine's thread does not spend
     the compilation time while others' requests wait."""
-    constraint = request.constraint()
+    constraint = request.constraint
     if constraint is None or state.tokenizer is None:
         return   # (the engine refuses structured outputs without a tokenizer, naming them)
     params, sent_in = constraint
