@@ -16,13 +16,10 @@ A table is printed and JSON is written under benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,10 +27,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmark_spec_decode import positive_int
+from default_pair import add_pair_args, resolve_pair, write_rows
 
 from vllm_spec import LLM, SamplingParams
 
-DEFAULT_DRAFT = REPO / "vllm_spec" / "assets" / "default_draft"
 SYSTEM_TEXT = ("You are a careful assistant for a public library. Answer questions about opening hours, "
                "borrowing rules, events and the catalogue. Be brief, be polite, and say when you do not know. ")
 QUESTIONS = ["When does the library open on Sundays?", "How many books can I borrow at once?",
@@ -85,25 +82,15 @@ def run(system: str, caching: bool, model: str, spec: dict, args) -> tuple[Row, 
 
 def main(argv: list[str] | None = None) -> list[Row]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default=None, help="draft model, or 'none' (default: the package's default draft "
-                                                 "with the default model, else none)")
-    p.add_argument("--k", type=positive_int, default=4, help="speculative tokens with a draft")
+    add_pair_args(p, "prefix_caching")
     p.add_argument("--prefix-tokens", type=positive_int, default=512)
     p.add_argument("--requests", type=positive_int, default=17, help="requests, the first one included")
     p.add_argument("--batch", type=positive_int, default=4, help="requests per wave after the first")
     p.add_argument("--max-tokens", type=positive_int, default=16)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/prefix_caching_<time>.json)")
     args = p.parse_args(argv)
     if args.requests < 2:
         p.error("--requests must be at least 2 (one fills the cache, the rest read it)")
-    model = args.model
-    if model is None:
-        from vllm_spec.model.default_model import default_model_path
-        model = str(default_model_path())
-    draft = args.draft if args.draft is not None else (str(DEFAULT_DRAFT) if args.model is None else "none")
+    model, draft = resolve_pair(args)
     systems = {"plain": {}}
     if draft != "none":
         systems["speculative"] = dict(speculative_model=draft, num_speculative_tokens=args.k)
@@ -120,12 +107,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         print(f"{row.system:<12} {'on' if row.caching else 'off':>5} {row.requests:8d} {row.prefix_tokens:6d} "
               f"{row.seconds:7.2f} {row.tokens_per_s:8.1f} {row.mean_ttft_ms:8.1f} {row.cached_tokens:7d} "
               f"{base.seconds / row.seconds:7.2f} {'' if row.identical_to_uncached is None else row.identical_to_uncached!s:>5}")
-    out = Path(args.out) if args.out else (REPO / "benchmarks" / "results" /
-                                           f"prefix_caching_{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "model": model, "draft": draft, "host": platform.node(),
-                               "rows": [asdict(r) for r in rows]}, indent=1))
-    print(f"wrote {out}")
+    write_rows(args, "prefix_caching", model, draft, rows)
     return rows
 
 

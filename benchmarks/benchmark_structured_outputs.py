@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,11 +26,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmark_spec_decode import positive_int
+from default_pair import add_pair_args, resolve_pair, write_rows
 
 from vllm_spec import LLM, SamplingParams
 from vllm_spec.sampling_params import StructuredOutputsParams
 
-DEFAULT_DRAFT = REPO / "vllm_spec" / "assets" / "default_draft"
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
                          "hobbies": {"type": "array", "items": {"type": "string"}}},
@@ -89,23 +87,13 @@ def run(system: str, constraint: str, model: str, spec: dict, args) -> tuple[Row
 
 def main(argv: list[str] | None = None) -> list[Row]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default=None, help="draft model, or 'none' (default: the package's default draft "
-                                                 "with the default model, else none)")
-    p.add_argument("--k", type=positive_int, default=4, help="speculative tokens")
+    add_pair_args(p, "structured_outputs")
     p.add_argument("--requests", type=positive_int, default=8)
     p.add_argument("--batch", type=positive_int, default=1, help="requests per generate call")
     p.add_argument("--max-tokens", type=positive_int, default=96)
     p.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed"])
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/structured_outputs_<time>.json)")
     args = p.parse_args(argv)
-    model = args.model
-    if model is None:
-        from vllm_spec.model.default_model import default_model_path
-        model = str(default_model_path())
-    draft = args.draft if args.draft is not None else (str(DEFAULT_DRAFT) if args.model is None else "none")
+    model, draft = resolve_pair(args)
     systems = {"plain": {}}
     if draft != "none":
         systems["draft"] = dict(speculative_model=draft, num_speculative_tokens=args.k,
@@ -130,12 +118,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         same = "" if r.identical_to_plain is None else str(r.identical_to_plain)
         print(f"{r.system:<7} {r.constraint:<11} {r.requests:4d} {r.seconds:7.2f} {r.tokens_per_s:7.1f} "
               f"{r.speedup:7.2f} {accept:>6} {r.valid_json:5.2f} {same:>5}")
-    out = Path(args.out) if args.out else (REPO / "benchmarks" / "results" /
-                                           f"structured_outputs_{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "model": model, "draft": draft, "host": platform.node(),
-                               "rows": [asdict(r) for r in rows]}, indent=1))
-    print(f"wrote {out}")
+    write_rows(args, "structured_outputs", model, draft, rows)
     return rows
 
 
