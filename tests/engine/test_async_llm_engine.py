@@ -114,3 +114,32 @@ def test_vllms_request_options_and_ids(engine):
             await engine.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 120.0))
+
+
+def test_reset_prefix_cache_between_steps(tiny_llama):
+    """As vLLM's AsyncLLM.reset_prefix_cache: awaited, applied in the engine thread while other
+    requests run; later prompts compute every token again. Refused once the engine is shut down."""
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                             enable_prefix_caching=True))
+    prompt = {"prompt_token_ids": list(range(5, 45))}
+
+    async def cached(request_id: str) -> int:
+        async for out in engine.generate(prompt, SHORT, request_id):
+            pass
+        return out.num_cached_tokens
+
+    async def main():
+        try:
+            assert await cached("cold") == 0
+            assert await cached("warm") > 0
+            running = asyncio.ensure_future(_text(engine, "running", SamplingParams(max_tokens=200, ignore_eos=True)))
+            await asyncio.sleep(0.05)
+            assert await engine.reset_prefix_cache() is True
+            assert await cached("after") == 0
+            assert len(await running) == 200
+        finally:
+            await engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await engine.reset_prefix_cache()
+
+    asyncio.run(asyncio.wait_for(main(), 120.0))

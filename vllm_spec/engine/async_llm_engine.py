@@ -355,6 +355,12 @@ class AsyncLLMEngine:
         with self._lock:
             return list(self._metrics), self._num_free_blocks
 
+    async def reset_prefix_cache(self, device: object = None) -> bool:
+        """As vLLM's: forget the prefix cache's registrations (in the engine thread, between steps)."""
+        if self.is_stopped:
+            raise EngineDeadError("the engine is shut down.") from self._dead_error
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.reset_prefix_cache)
+
     async def check_health(self) -> None:
         if self._dead_error is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead_error}") from self._dead_error
