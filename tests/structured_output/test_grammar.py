@@ -6,21 +6,10 @@ import re
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from vllm_spec.sampling_params import StructuredOutputsParams
 from vllm_spec.sample.metadata import allowed_tokens
-from vllm_spec.structured_output.grammar import GrammarCompiler
 
-
-@pytest.fixture(scope="module")
-def tok(tiny_llama):
-    return AutoTokenizer.from_pretrained(str(tiny_llama))
-
-
-@pytest.fixture(scope="module")
-def compiler(tok):
-    return GrammarCompiler(tok, len(tok), [tok.eos_token_id])
 
 
 def _allowed(state, output, drafts, vocab):

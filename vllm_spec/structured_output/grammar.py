@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_spec.structured_output.enforceable import check_structural_tag, enforceable_schema, regex_problem
+from vllm_spec.structured_output.lark import is_lark, lark_to_ebnf
 from vllm_spec.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class GrammarCompiler:
         if params.choice is not None:
             return c.compile_grammar(choice_grammar(params.choice))
         if params.grammar is not None:
-            return c.compile_grammar(params.grammar)
+            return c.compile_grammar(lark_to_ebnf(params.grammar) if is_lark(params.grammar) else params.grammar)
         tag = json.loads(params.structural_tag)
         check_structural_tag(tag)
         if "structures" in tag:
