@@ -13,6 +13,8 @@ from vllm_spec.utils import check_text, is_int, is_number
 
 # Temperatures below this are treated as greedy, as in vLLM.
 SAMPLING_EPS = 1e-5
+# Most logprobs / prompt_logprobs a request may ask for (vLLM's default max_logprobs; fixed here).
+MAX_LOGPROBS = 20
 # Penalties are applied in float32: a larger one would become inf there (0 * inf = NaN logits).
 _FLOAT32_MAX = 3.4028234663852886e38
 
@@ -175,12 +177,12 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         _check(
-            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-            "logprobs", "None or an integer in [0, 20]", self.logprobs,
+            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs,
         )
         _check(
-            self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
-            "prompt_logprobs", "None or an integer in [0, 20]", self.prompt_logprobs,
+            self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs,
         )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them", self.stop)
         _check(
@@ -294,6 +296,32 @@ class SamplingParams:
         if child.seed is not None:
             child.seed = self.seed + index
         return child
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not (is_int(value) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if not (is_number(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}.")
+        if not (is_number(self.length_penalty) and self.length_penalty == self.length_penalty):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}.")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")
+
 
 
 class BatchFields(NamedTuple):

@@ -1,0 +1,120 @@
+"""Beam search (vLLM's LLM.beam_search): the same beams as a brute-force search over the HF model's
+own logprobs, greedy at width 1, end-of-sequence beams completed, unchanged by speculation or by
+searching fewer prompts at once; bad parameters named."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import FIXED, SPEC_KV, make_prompts
+from vllm_spec import LLM, SamplingParams
+from vllm_spec.beam_search import BeamSearchSequence, beam_score, run_beam_search
+from vllm_spec.outputs import Logprob
+from vllm_spec.sampling_params import BeamSearchParams
+
+PROMPTS = make_prompts(3, seed=5)
+
+
+def _reference(model, prompt: list[int], width: int, steps: int) -> list[tuple[list[int], float]]:
+    """Beam search over the HF model's log-softmax (no end token reached: random weights, ignore_eos)."""
+    beams = [(list(prompt), 0.0)]
+    for _ in range(steps):
+        candidates = []
+        for tokens, score in beams:
+            with torch.no_grad():
+                logits = model(torch.tensor([tokens])).logits[0, -1].float()
+            top = torch.log_softmax(logits, -1).topk(2 * width)
+            candidates += [(tokens + [t], score + lp) for lp, t in zip(top.values.tolist(), top.indices.tolist())]
+        beams = sorted(candidates, key=lambda b: b[1] / len(b[0]), reverse=True)[:width]
+    return beams
+
+
+@pytest.fixture(scope="module")
+def llm(spec_pair):
+    return LLM(spec_pair[0], **SPEC_KV)
+
+
+def test_the_beams_of_a_brute_force_search(llm, spec_pair):
+    model = AutoModelForCausalLM.from_pretrained(spec_pair[0], torch_dtype=torch.float32).eval()
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    outs = llm.beam_search(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outs):
+        ref = _reference(model, prompt["prompt_token_ids"], 3, 5)
+        assert [b.tokens for b in out.sequences] == [tokens for tokens, _ in ref]
+        for beam, (_, score) in zip(out.sequences, ref):
+            assert beam.cum_logprob == pytest.approx(score, abs=1e-3)
+            assert len(beam.logprobs) == 5 and beam.finish_reason == "length"
+            assert beam.text == llm.get_tokenizer().decode(beam.tokens)   # prompt and beam, as vLLM's
+
+
+def test_width_one_is_greedy(llm):
+    outs = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True))
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    for prompt, out, ref in zip(PROMPTS, outs, greedy):
+        assert out.sequences[0].tokens == prompt["prompt_token_ids"] + list(ref.outputs[0].token_ids)
+
+
+def test_speculation_and_concurrency_limits_do_not_change_the_beams(llm, spec_pair):
+    spec = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **FIXED, **SPEC_KV)
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    want = [[b.tokens for b in o.sequences] for o in llm.beam_search(PROMPTS, params)]
+    assert [[b.tokens for b in o.sequences] for o in spec.beam_search(PROMPTS, params)] == want
+    assert [[b.tokens for b in o.sequences] for o in llm.beam_search(PROMPTS, params, concurrency_limit=1)] == want
+
+
+def _step_outputs(prompts, tables):
+    """Stand-ins for the engine's one-token outputs: each beam's top logprobs."""
+    return [SimpleNamespace(prompt_token_ids=p, outputs=[SimpleNamespace(logprobs=[
+        {t: Logprob(math.log(pr)) for t, pr in table.items()}])]) for p, table in zip(prompts, tables)]
+
+
+def test_end_of_sequence_completes_a_beam():
+    eos = 9
+    steps = iter([[{1: 0.5, 2: 0.3}, {1: 0.2, 2: 0.1}]])   # after the first step: the two live beams
+    first = _step_outputs([[5, 6]], [{eos: 0.6, 1: 0.3, 2: 0.1}])
+    out = run_beam_search(lambda tokens: _step_outputs(tokens, next(steps)), first,
+                          BeamSearchParams(beam_width=2, max_tokens=2), {eos})[0]
+    done = out.sequences[0]
+    assert done.tokens == [5, 6, eos] and done.finish_reason == "stop" and done.stop_reason == eos
+    assert out.sequences[1].tokens == [5, 6, 1, 1] and out.sequences[1].finish_reason == "length"
+    # With ignore_eos the end token is one more candidate: the beams go on.
+    steps = iter([[{1: 0.5}, {2: 0.4}]])
+    out = run_beam_search(lambda tokens: _step_outputs(tokens, next(steps)), first,
+                          BeamSearchParams(beam_width=2, max_tokens=2, ignore_eos=True), {eos})[0]
+    assert [b.tokens for b in out.sequences] == [[5, 6, eos, 1], [5, 6, 1, 2]]
+
+
+def test_scores_divide_by_the_length_to_the_penalty():
+    beam = BeamSearchSequence([1, 2, 3, 9], cum_logprob=-6.0, finish_reason="stop")
+    assert beam_score(beam, {9}, 1.0) == pytest.approx(-2.0)   # the end token is not counted
+    assert beam_score(beam, {9}, 2.0) == pytest.approx(-6.0 / 9)
+    assert beam_score(BeamSearchSequence([1, 2, 3, 4], cum_logprob=-6.0), {9}, 0.0) == pytest.approx(-6.0)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(beam_width=0, max_tokens=4), "beam_width must be an integer >= 1"),
+    (dict(beam_width=2, max_tokens=1.5), "max_tokens must be an integer >= 1"),
+    (dict(beam_width=2, max_tokens=4, temperature=-1), "temperature must be a number >= 0"),
+    (dict(beam_width=2, max_tokens=4, length_penalty="x"), "length_penalty must be a number"),
+    (dict(beam_width=2, max_tokens=4, ignore_eos=1), "ignore_eos must be true or false"),
+])
+def test_bad_parameters_are_named(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        BeamSearchParams(**kwargs)
+
+
+def test_bad_calls_are_named(llm):
+    with pytest.raises(ValueError, match=r"beam_width must be at most 10"):
+        llm.beam_search(PROMPTS, BeamSearchParams(beam_width=11, max_tokens=2))
+    with pytest.raises(ValueError, match="params must be a BeamSearchParams"):
+        llm.beam_search(PROMPTS, SamplingParams())
+    with pytest.raises(ValueError, match="concurrency_limit"):
+        llm.beam_search(PROMPTS, BeamSearchParams(beam_width=2, max_tokens=2), concurrency_limit=0)
+    with pytest.raises(ValueError, match="prompts must not be empty"):
+        llm.beam_search([], BeamSearchParams(beam_width=2, max_tokens=2))
+    assert len(llm.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=2, max_tokens=2))[0].sequences) == 2
