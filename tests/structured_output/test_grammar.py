@@ -123,6 +123,7 @@ def test_schemas_xgrammar_would_not_enforce_are_refused(compiler, schema):
 @pytest.mark.parametrize("regex, refused", [
     ("a^b", "^ after its start"), ("a$b", "$ before its end"), ("(?=a)a", "lookaround"),
     (r"\ud83d\ude00", "surrogate"), ("[^a]b$", None), (r"^\$[0-9]+\.[0-9]{2}$", None), ("[$^]x", None),
+    (r"\Aab", "the letter A"), (r"ab\Z", "the letter Z"), (r"ab\z", "the letter z"), (r"[\\A]\\Z", None),
 ])
 def test_regexes_xgrammar_would_not_enforce_are_refused(compiler, regex, refused):
     if refused is None:
@@ -147,3 +148,19 @@ def test_keyword_names_as_property_names_and_one_part_all_of_are_fine(tok, compi
     assert all(state.matcher.accept_token(t) for t in _ids(tok, '{"if": 3, "not": true}'))
     state = compiler.matcher(StructuredOutputsParams(json=schema))
     assert not all(state.matcher.accept_token(t) for t in _ids(tok, '{"if": 3, "not": 7'))
+
+
+def test_special_tokens_are_never_text(tok, compiler):
+    """A special token's text (<|im_start|>, the EOS <|endoftext|>) is no text a grammar matches: the
+    output cannot stop on EOS before the grammar is complete, nor emit a special token as text."""
+    state = compiler.matcher(StructuredOutputsParams(grammar='root ::= "Q" [^\\n]+'))
+    after_q = _allowed(state, _ids(tok, "Q"), [], len(tok))[0]
+    specials = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    assert after_q.any() and not after_q[specials].any()
+    done = _allowed(state, _ids(tok, "Qx"), [], len(tok))[0]
+    assert done[tok.eos_token_id] and not done[specials[1:]].any()   # complete: EOS may end it
+
+
+def test_a_grammar_no_output_matches_is_refused(compiler):
+    with pytest.raises(ValueError, match="structured_outputs.grammar is not valid: no output can match it"):
+        compiler.compile(StructuredOutputsParams(grammar="root ::= root"))

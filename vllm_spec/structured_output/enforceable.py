@@ -16,9 +16,14 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "contains", "not", "if", "the
                   "unevaluatedProperties", "unevaluatedItems")
 
 
+# Anchors xgrammar does not know: it matches the escaped letter itself (\b and \B it refuses).
+_ANCHOR_ESCAPES = ("A", "Z", "z", "G")
+
+
 def regex_problem(pattern: str) -> str | None:
     """Why xgrammar would not enforce this regex as written (None: it would): lookarounds, ^ or $ inside
-    the pattern, surrogate escapes (no UTF-8 text matches them)."""
+    the pattern, anchors it reads as letters (\\A, \\Z, \\z, \\G), surrogate escapes (no UTF-8 text
+    matches them)."""
     in_class, i = False, 0
     while i < len(pattern):
         ch = pattern[i]
@@ -26,6 +31,8 @@ def regex_problem(pattern: str) -> str | None:
             escape = pattern[i + 1: i + 6]
             if escape[:1] in ("u", "U") and len(escape) == 5 and escape[1:2] in "dD" and escape[2:3] in "89abcdefABCDEF":
                 return f"it escapes a UTF-16 surrogate (\\{escape}), which no text contains"
+            if not in_class and escape[:1] in _ANCHOR_ESCAPES:
+                return f"it uses \\{escape[0]}, which xgrammar would match as the letter {escape[0]}"
             i += 2
             continue
         if in_class:

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # xgrammar's cache of compiled grammars (vLLM's default bound): distinct schemas cannot grow it past this.
 _CACHE_BYTES = 512 << 20
 # xgrammar prefixes its messages with a time and a C++ source location: not for API users.
-_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: ?)?")
+_XGRAMMAR_PREFIX = re.compile(r"\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: ?)?")
 
 
 def _xgrammar():
@@ -39,6 +39,12 @@ def _xgrammar():
     except ImportError as e:
         raise ValueError("structured_outputs need the xgrammar package (pip install xgrammar).") from e
     return xgrammar
+
+
+def _special_token_ids(tokenizer: Any, vocab_size: int) -> set[int]:
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ()) | {i for i, t in added.items() if getattr(t, "special", False)}
+    return {i for i in ids if 0 <= i < vocab_size}
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -67,16 +73,30 @@ class GrammarCompiler:
         xgr = _xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids) or None)
+        special = _special_token_ids(tokenizer, vocab_size)
+        if special:
+            # xgrammar reads a special token's text (<|im_end|>, <|im_start|>) as text a grammar may
+            # match, so an output could stop on EOS mid-grammar: as empty tokens they are never text.
+            vocab = [b"" if i in special else token for i, token in enumerate(info.decoded_vocab)]
+            info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                                     stop_token_ids=info.stop_token_ids, add_prefix_space=info.add_prefix_space)
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=_CACHE_BYTES)
         self.vocab_size = vocab_size
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        """The compiled grammar; ValueError naming the field when it does not compile."""
+        """The compiled grammar; ValueError naming the field when it does not compile, or when no output
+        can match it (it allows no first token)."""
         try:
-            return self._compile(params)
-        except (RuntimeError, ValueError, TypeError) as e:
+            compiled = self._compile(params)
+        except (RuntimeError, ValueError, TypeError, RecursionError) as e:
             message = _XGRAMMAR_PREFIX.sub("", str(e).strip())
             raise ValueError(f"structured_outputs.{params.kind} is not valid: {message}") from None
+        xgr = _xgrammar()
+        first = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(first)
+        if not first.any():
+            raise ValueError(f"structured_outputs.{params.kind} is not valid: no output can match it.")
+        return compiled
 
     def _compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         c, any_ws = self._compiler, not params.disable_any_whitespace

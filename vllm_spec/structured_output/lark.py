@@ -4,17 +4,19 @@ backend takes Lark grammars too).
 Rules (lowercase names), terminals (uppercase), strings (with the `i` flag), regexps (without flags),
 `"a".."z"` ranges, `[optional]`, `* + ?`, `~n` and `~m..n`, aliases (`-> name`, dropped: they only name
 tree nodes), priorities, `?` / `!` / `_` prefixes, `%import common.NAME` (Lark's common terminals) and
-`%ignore`. The start rule is `start`, else the first rule. Lark's lexer picks the longest terminal match;
-the grammar here accepts every way of cutting the text into terminals, so it may let through a text that
+`%ignore`. The start rule is `start`, else the first rule; strings unescape as Lark's, a regexp's `.`
+excludes newlines and `i` strings take what Python's re.IGNORECASE takes. Lark's lexer picks one match per
+terminal (the longest, or the shortest under a lazy repeat); the grammar here accepts every way of
+cutting the text into terminals and reads lazy repeats as greedy, so it may let through a text that
 Lark's parser would refuse (as vLLM's conversion does). What cannot be translated raises ValueError
 naming the line.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import re
+import string
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -23,15 +25,17 @@ from vllm_spec.structured_output.enforceable import regex_problem
 _TOKEN = re.compile(r"""
     (?P<nl>\r?\n) | (?P<ws>[ \t\f]+) | (?P<comment>(?://|\#)[^\n]*)
     | (?P<string>"(?:[^"\\\n]|\\.)*"i?) | (?P<regexp>/(?:[^/\\\n]|\\.)+/[a-z]*)
-    | (?P<directive>%[a-z]+) | (?P<name>[A-Za-z_][A-Za-z0-9_]*) | (?P<number>[0-9]+)
+    | (?P<directive>%[a-z]+) | (?P<name>[A-Za-z_][A-Za-z0-9_]*) | (?P<number>-?[0-9]+)
     | (?P<op>->|\.\.|[:|()\[\]*+?~!.,{}])
 """, re.VERBOSE)
 _DEFINITION = re.compile(r"^\s*[?!]?[A-Za-z_][A-Za-z0-9_]*(\.-?[0-9]+)?\s*:", re.MULTILINE)
+_EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.\-]*\s*::=", re.MULTILINE)
 _IGNORE = "lark.ignore"
 _EBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_.\-]*|.', re.DOTALL)
 
 # Lark's common terminals (lark/grammars/common.lark), in Lark syntax; ESCAPED_STRING without its
-# lookbehind: a string of non-newline characters whose closing quote is not escaped.
+# lookbehind (a string of non-newline characters whose closing quote is not escaped) and C_COMMENT
+# without its lazy repeat (a comment ends at its first */).
 _COMMON = r"""
 DIGIT: "0".."9"
 HEXDIGIT: "a".."f" | "A".."F" | DIGIT
@@ -56,19 +60,22 @@ LF: /\n/
 NEWLINE: (CR? LF)+
 SH_COMMENT: /#[^\n]*/
 CPP_COMMENT: /\/\/[^\n]*/
-C_COMMENT: "/*" /(.|\n)*?/ "*/"
+C_COMMENT: /\/\*[^*]*\*+([^\/*][^*]*\*+)*\//
 SQL_COMMENT: /--[^\n]*/
 """
 
 
 def is_lark(grammar: str) -> bool:
-    """Whether a grammar text is Lark rather than EBNF (EBNF defines with `::=`)."""
-    return "::=" not in grammar and _DEFINITION.search(grammar) is not None
+    """Whether a grammar text is Lark rather than EBNF (whose rules are `name ::= ...`)."""
+    return _EBNF_RULE.search(grammar) is None and _DEFINITION.search(grammar) is not None
 
 
 def lark_to_ebnf(grammar: str) -> str:
     """The EBNF (root rule `root`) for a Lark grammar; ValueError saying what and where otherwise."""
-    return _Translation(grammar).ebnf()
+    try:
+        return _Translation(grammar).ebnf()
+    except RecursionError:
+        raise ValueError("the Lark grammar nests too deeply") from None
 
 
 @dataclass
@@ -232,7 +239,7 @@ class _Translation:
         body, flags = token.text[1:].rsplit("/", 1)
         if flags:
             raise ValueError(f"line {token.line}: regexp flags ({flags}) are not supported")
-        pattern = body.replace("\\/", "/")
+        pattern = _lark_dots(body.replace("\\/", "/"))
         if pattern in self.regexps:
             return self.regexps[pattern]
         problem = regex_problem(pattern)
@@ -249,6 +256,43 @@ class _Translation:
             rule, body_text = line.split(" ::= ", 1)
             self.rules[rule] = _Rule(rule, body_text, token.line)
         return name
+
+
+def _lark_dots(pattern: str) -> str:
+    """The pattern with Python's `.` (anything but a newline) for xgrammar's (anything)."""
+    out, in_class, i = [], False, 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            out.append(pattern[i: i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]" or pattern[i - 1] == "[" or pattern[i - 2: i] == "[^"
+        elif ch == "[":
+            in_class = True
+        out.append("[^\\n]" if ch == "." and not in_class else ch)
+        i += 1
+    return "".join(out)
+
+
+@cache
+def _case_twins() -> dict[str, str]:
+    """Characters by their lowercase (one character), for the `i` flag: K and the Kelvin sign for k."""
+    twins: dict[str, str] = {}
+    for code in range(0x110000):
+        ch = chr(code)
+        low = ch.lower()
+        if len(low) == 1:
+            twins[low] = twins.get(low, low) + ch if ch != low else twins.get(low, low)
+    return twins
+
+
+def _any_case(ch: str) -> str:
+    """EBNF for one character of an `i` string: any character Python's re.IGNORECASE takes for it."""
+    low = ch.lower()
+    variants = sorted(set(ch + (_case_twins().get(low, "") if len(low) == 1 else "")))
+    return _string(ch) if len(variants) == 1 else "[" + "".join(_class_char(v) for v in variants) + "]"
 
 
 @cache
@@ -306,7 +350,7 @@ class _Expansions:
         if self._take("~"):
             low = self._number()
             high = self._number() if self._take("..") else low
-            if high < low:
+            if not 0 <= low <= high:
                 raise ValueError(f"line {self.line}: ~{low}..{high} is an empty range")
             return f"({atom}){{{low},{high}}}"
         return atom
@@ -345,8 +389,7 @@ class _Expansions:
                     raise ValueError(f"line {tok.line}: a range needs two single characters in order")
                 return self._token(f"[{_class_char(low)}-{_class_char(high)}]")
             if tok.text.endswith("i"):
-                parts = [f"[{_class_char(c.lower())}{_class_char(c.upper())}]" if c.lower() != c.upper()
-                         else _string(c) for c in text]
+                parts = [_any_case(c) for c in text]
                 return self._token("(" + " ".join(parts) + ")" if parts else '""')
             return self._token(_string(text))
         if tok.kind == "regexp":
@@ -359,8 +402,35 @@ class _Expansions:
 
     @staticmethod
     def _literal(tok: _Token) -> str:
-        quoted = tok.text[:-1] if tok.text.endswith("i") else tok.text
-        try:
-            return ast.literal_eval(quoted)
-        except (SyntaxError, ValueError):
-            raise ValueError(f"line {tok.line}: {quoted} is not a valid string") from None
+        return _unescape(tok.text[1: tok.text.rindex('"')], tok.line)
+
+
+_CONTROL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "\\": "\\", '"': '"'}
+_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+
+
+def _unescape(body: str, line: int) -> str:
+    """A Lark string's text: \\n \\t \\r \\f \\\\ \\" and \\x.. \\u.... \\U........ are escapes; a backslash
+    before any other character stays a backslash (Lark's rule, not Python's)."""
+    out, i = [], 0
+    while i < len(body):
+        ch = body[i]
+        if ch != "\\" or i + 1 == len(body):
+            out.append(ch)
+            i += 1
+            continue
+        code = body[i + 1]
+        if code in _CONTROL_ESCAPES:
+            out.append(_CONTROL_ESCAPES[code])
+            i += 2
+        elif code in _HEX_ESCAPES:
+            digits = body[i + 2: i + 2 + _HEX_ESCAPES[code]]
+            if len(digits) != _HEX_ESCAPES[code] or not all(c in string.hexdigits for c in digits) \
+                    or not (int(digits, 16) <= 0x10FFFF and not 0xD800 <= int(digits, 16) <= 0xDFFF):
+                raise ValueError(f"line {line}: \\{code}{digits} is not a valid escape")
+            out.append(chr(int(digits, 16)))
+            i += 2 + len(digits)
+        else:
+            out.append("\\")
+            i += 1
+    return "".join(out)
