@@ -4,6 +4,7 @@ searching fewer prompts at once; bad parameters named."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from types import SimpleNamespace
 
@@ -12,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import FIXED, SPEC_KV, make_prompts
-from vllm_spec import LLM, SamplingParams
-from vllm_spec.beam_search import BeamSearchSequence, beam_score, run_beam_search
+from vllm_spec import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
+from vllm_spec.beam_search import BeamSearchSequence, beam_score, beam_search
 from vllm_spec.outputs import Logprob
 from vllm_spec.sampling_params import BeamSearchParams
 
@@ -73,20 +74,55 @@ def _step_outputs(prompts, tables):
         {t: Logprob(math.log(pr)) for t, pr in table.items()}])]) for p, table in zip(prompts, tables)]
 
 
+def _search(first, params, eos, steps):
+    """Drive a search with scripted steps: each step's tables of top logprobs, one per live beam."""
+    search = beam_search(first, params, eos)
+    try:
+        beams = next(search)
+        while True:
+            beams = search.send(_step_outputs(beams, next(steps)))
+    except StopIteration as finished:
+        return finished.value
+
+
 def test_end_of_sequence_completes_a_beam():
     eos = 9
-    steps = iter([[{1: 0.5, 2: 0.3}, {1: 0.2, 2: 0.1}]])   # after the first step: the two live beams
     first = _step_outputs([[5, 6]], [{eos: 0.6, 1: 0.3, 2: 0.1}])
-    out = run_beam_search(lambda tokens: _step_outputs(tokens, next(steps)), first,
-                          BeamSearchParams(beam_width=2, max_tokens=2), {eos})[0]
+    # After the first step: the two live beams' tables.
+    out = _search(first, BeamSearchParams(beam_width=2, max_tokens=2), {eos}, iter([[{1: 0.5, 2: 0.3}, {1: 0.2, 2: 0.1}]]))[0]
     done = out.sequences[0]
     assert done.tokens == [5, 6, eos] and done.finish_reason == "stop" and done.stop_reason == eos
     assert out.sequences[1].tokens == [5, 6, 1, 1] and out.sequences[1].finish_reason == "length"
     # With ignore_eos the end token is one more candidate: the beams go on.
-    steps = iter([[{1: 0.5}, {2: 0.4}]])
-    out = run_beam_search(lambda tokens: _step_outputs(tokens, next(steps)), first,
-                          BeamSearchParams(beam_width=2, max_tokens=2, ignore_eos=True), {eos})[0]
+    out = _search(first, BeamSearchParams(beam_width=2, max_tokens=2, ignore_eos=True), {eos},
+                  iter([[{1: 0.5}, {2: 0.4}]]))[0]
     assert [b.tokens for b in out.sequences] == [[5, 6, eos, 1], [5, 6, 1, 2]]
+    # One token: the first step decides.
+    out = _search(first, BeamSearchParams(beam_width=2, max_tokens=1), {eos}, iter([]))[0]
+    assert [b.tokens for b in out.sequences] == [[5, 6, eos], [5, 6, 1]]
+
+
+def test_the_async_engine_returns_the_beams_as_completions(llm, spec_pair):
+    """AsyncLLMEngine.beam_search (what the server calls): one finished RequestOutput, a completion per
+    beam with its new tokens and text, the same beams as the offline search."""
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=spec_pair[0], **SPEC_KV))
+    params = BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)
+    want = llm.beam_search(PROMPTS[:1], params)[0].sequences
+    start = len(PROMPTS[0]["prompt_token_ids"])
+
+    async def main():
+        try:
+            return [out async for out in engine.beam_search(PROMPTS[0], "b", params)]
+        finally:
+            await engine.shutdown()
+
+    outs = asyncio.run(asyncio.wait_for(main(), 120.0))
+    assert len(outs) == 1 and outs[0].finished and outs[0].prompt_token_ids == PROMPTS[0]["prompt_token_ids"]
+    comps = outs[0].outputs
+    assert [c.token_ids for c in comps] == [b.tokens[start:] for b in want]
+    assert [c.index for c in comps] == [0, 1, 2] and all(c.finish_reason == "length" for c in comps)
+    assert comps[0].text == llm.get_tokenizer().decode(comps[0].token_ids)
+    assert comps[0].cumulative_logprob == pytest.approx(want[0].cum_logprob)
 
 
 def test_scores_divide_by_the_length_to_the_penalty():

@@ -5,11 +5,14 @@ the live ones come back, scored by cumulative logprob over length ** length_pena
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable, Collection, Generator
 from dataclasses import dataclass, field
+from typing import Any
 
-from vllm_spec.outputs import Logprob, RequestOutput
-from vllm_spec.sampling_params import BeamSearchParams
+from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
+from vllm_spec.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
 
 @dataclass
@@ -37,11 +40,14 @@ def beam_score(beam: BeamSearchSequence, eos_token_ids: Collection[int], length_
     return beam.cum_logprob / (length ** length_penalty)
 
 
-def run_beam_search(step: Callable[[list[list[int]]], list[RequestOutput]], first: list[RequestOutput],
-                    params: BeamSearchParams, eos_token_ids: Collection[int],
-                    on_step: Callable[[], object] = lambda: None) -> list[BeamSearchOutput]:
+# A search's protocol: it yields the token lists of the live beams (one one-token request each) and is
+# sent their outputs, in order, until it returns each prompt's best beams.
+BeamSearch = Generator[list[list[int]], list[RequestOutput], list[BeamSearchOutput]]
+
+
+def beam_search(first: list[RequestOutput], params: BeamSearchParams, eos_token_ids: Collection[int]) -> BeamSearch:
     """Beam search from `first` (each prompt's first one-token step, with its top 2 x beam_width
-    logprobs); `step(token_lists)` runs the next ones, a sequence per live beam."""
+    logprobs); the caller runs the steps it yields, so the offline and the async engine share it."""
     width, stops = params.beam_width, () if params.ignore_eos else eos_token_ids
     live = [[BeamSearchSequence(list(out.prompt_token_ids))] for out in first]
     done: list[list[BeamSearchSequence]] = [[] for _ in first]
@@ -63,11 +69,10 @@ def run_beam_search(step: Callable[[list[list[int]]], list[RequestOutput]], firs
             at += len(prompt_beams)
             candidates.sort(key=lambda b: beam_score(b, eos_token_ids, params.length_penalty), reverse=True)
             live[p] = candidates[:width]
-        on_step()
         beams = [beam for prompt_beams in live for beam in prompt_beams]
         if not beams or step_index == params.max_tokens - 1:
             break
-        outputs = step([beam.tokens for beam in beams])
+        outputs = yield [beam.tokens for beam in beams]
     results = []
     for finished, unfinished in zip(done, live):
         for beam in unfinished:
@@ -76,3 +81,51 @@ def run_beam_search(step: Callable[[list[list[int]]], list[RequestOutput]], firs
                       reverse=True)
         results.append(BeamSearchOutput(best[:width]))
     return results
+
+
+def one_token_params(params: BeamSearchParams) -> SamplingParams:
+    """What each beam's step asks the engine for; ValueError for parameters it cannot ask for."""
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+    if 2 * params.beam_width > MAX_LOGPROBS:
+        raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // 2} (each step asks for 2 x beam_width "
+                         f"logprobs, and max_logprobs is {MAX_LOGPROBS}), got {params.beam_width}.")
+    return SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
+                          detokenize=False)
+
+
+def as_request_output(request_id: str, first: RequestOutput, result: BeamSearchOutput, tokenizer: Any,
+                      eos_token_ids: Collection[int]) -> RequestOutput:
+    """A prompt's beams as one finished request with a completion per beam (as vLLM's engine clients
+    return them: the beam's new tokens, its text without a final end token)."""
+    start = len(first.prompt_token_ids)
+    completions = []
+    for i, beam in enumerate(result.sequences):
+        new = beam.tokens[start:]
+        shown = new[:-1] if beam.finish_reason == "stop" and new and new[-1] in eos_token_ids else new
+        completions.append(CompletionOutput(i, tokenizer.decode(shown) if tokenizer is not None else "", new,
+                                            beam.cum_logprob, beam.logprobs, beam.finish_reason, beam.stop_reason))
+    return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions, finished=True,
+                         metrics=first.metrics, num_cached_tokens=first.num_cached_tokens)
+
+
+async def search_async(generate: Callable[[Any, str], Awaitable[RequestOutput]], prompt: Any, request_id: str,
+                       params: BeamSearchParams, eos_token_ids: Collection[int], tokenizer: Any) -> RequestOutput:
+    """One prompt's beam search on an async engine: `generate(prompt, request_id)` runs a one-token
+    request; a step's beams run concurrently, and a failure or cancellation cancels the others."""
+    ids = itertools.count()
+    first = await generate(prompt, f"{request_id}-{next(ids)}")
+    search = beam_search([first], params, eos_token_ids)
+    try:
+        beams = next(search)
+        while True:
+            tasks = [asyncio.ensure_future(generate({"prompt_token_ids": t}, f"{request_id}-{next(ids)}"))
+                     for t in beams]
+            try:
+                outputs = await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:
+                    task.cancel()
+            beams = search.send(list(outputs))
+    except StopIteration as finished:
+        return as_request_output(request_id, first, finished.value[0], tokenizer, eos_token_ids)

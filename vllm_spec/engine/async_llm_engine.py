@@ -25,13 +25,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from vllm_spec.beam_search import one_token_params, search_async
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.async_stream import AsyncStream, EngineDeadError, EngineStepError, RequestAbortedError
 from vllm_spec.engine.llm_engine import LLMEngine
-from vllm_spec.engine.request_input import PromptType, check_request_id, check_request_options
+from vllm_spec.engine.request_input import PromptType, check_neutral, check_request_id, check_request_options
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
-from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
+from vllm_spec.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -354,6 +355,22 @@ class AsyncLLMEngine:
         """(metrics, free KV blocks) as of the end of the last loop iteration."""
         with self._lock:
             return list(self._metrics), self._num_free_blocks
+
+    async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams,
+                          lora_request: None = None) -> AsyncIterator[RequestOutput]:
+        """vLLM's: the prompt's beam_width best beams as one finished RequestOutput, a completion per
+        beam (vllm_spec.beam_search); its one-token steps are requests `<request_id>-<n>`."""
+        check_neutral(lora_request=lora_request)
+        one_token = one_token_params(params)
+
+        async def generate(step_prompt: PromptType, step_id: str) -> RequestOutput:
+            async for out in self.generate(step_prompt, one_token, step_id):
+                last = out
+            return last
+
+        engine = self.engine
+        yield await search_async(generate, prompt, request_id, params, engine.output_processor.eos_token_ids,
+                                 engine.tokenizer)
 
     async def reset_prefix_cache(self, device: object = None) -> bool:
         """As vLLM's: forget the prefix cache's registrations (in the engine thread, between steps)."""

@@ -10,14 +10,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from vllm_spec.beam_search import BeamSearchOutput, run_beam_search
+from vllm_spec.beam_search import BeamSearchOutput, beam_search, one_token_params
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.llm_engine import LLMEngine
 from vllm_spec.engine.request_input import PromptType, check_neutral, check_priority
 from vllm_spec.entrypoints.chat_utils import render_chat
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
-from vllm_spec.sampling_params import MAX_LOGPROBS, BeamSearchParams, RequestOutputKind, SamplingParams
+from vllm_spec.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from vllm_spec.utils import is_int
 
 
@@ -58,30 +58,28 @@ class LLM:
         """vLLM's: the beam_width best continuations of each prompt, best first (vllm_spec.beam_search);
         concurrency_limit: how many prompts are searched at once (all by default)."""
         check_neutral(lora_request=lora_request)
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
-        if 2 * params.beam_width > MAX_LOGPROBS:
-            raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // 2} (each step asks for 2 x beam_width "
-                             f"logprobs, and max_logprobs is {MAX_LOGPROBS}), got {params.beam_width}.")
+        one_token = one_token_params(params)
         if concurrency_limit is not None and not (is_int(concurrency_limit) and concurrency_limit >= 1):
             raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}.")
         prompt_list = _as_prompt_list(prompts)
         if not prompt_list:
             raise ValueError("prompts must not be empty.")
-        one_token = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
-                                   detokenize=False)
-
-        def step(token_lists: list[list[int]]) -> list[RequestOutput]:
-            return self.generate([{"prompt_token_ids": t} for t in token_lists], one_token, use_tqdm=False)
-
+        eos = self.llm_engine.output_processor.eos_token_ids
         limit = concurrency_limit or len(prompt_list)
         results: list[BeamSearchOutput] = []
         with tqdm(total=params.max_tokens * -(-len(prompt_list) // limit), desc="Beam search",
                   disable=not use_tqdm) as bar:
             for start in range(0, len(prompt_list), limit):
-                first = self.generate(prompt_list[start: start + limit], one_token, use_tqdm=False)
-                results += run_beam_search(step, first, params, self.llm_engine.output_processor.eos_token_ids,
-                                           bar.update)
+                search = beam_search(self.generate(prompt_list[start: start + limit], one_token, use_tqdm=False),
+                                     params, eos)
+                try:
+                    beams = next(search)
+                    while True:
+                        bar.update()
+                        beams = search.send(self.generate([{"prompt_token_ids": t} for t in beams], one_token,
+                                                          use_tqdm=False))
+                except StopIteration as finished:
+                    results += finished.value
         tokenizer = self.get_tokenizer()
         for out in results:
             for beam in out.sequences:   # the prompt and the beam's tokens, as vLLM's
