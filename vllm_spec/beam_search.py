@@ -109,12 +109,13 @@ def as_request_output(request_id: str, first: RequestOutput, result: BeamSearchO
                          metrics=first.metrics, num_cached_tokens=first.num_cached_tokens)
 
 
-async def search_async(generate: Callable[[Any, str], Awaitable[RequestOutput]], prompt: Any, request_id: str,
-                       params: BeamSearchParams, eos_token_ids: Collection[int], tokenizer: Any) -> RequestOutput:
-    """One prompt's beam search on an async engine: `generate(prompt, request_id)` runs a one-token
-    request; a step's beams run concurrently, and a failure or cancellation cancels the others."""
-    ids = itertools.count()
-    first = await generate(prompt, f"{request_id}-{next(ids)}")
+async def search_async(generate: Callable[[Any, str], Awaitable[RequestOutput]], first: RequestOutput,
+                       request_id: str, params: BeamSearchParams, eos_token_ids: Collection[int],
+                       tokenizer: Any) -> RequestOutput:
+    """One prompt's beam search on an async engine, from its first step's output: `generate(prompt,
+    request_id)` runs a one-token request; a step's beams run concurrently, and a failure or a
+    cancellation cancels the others."""
+    ids = itertools.count(1)
     search = beam_search([first], params, eos_token_ids)
     try:
         beams = next(search)

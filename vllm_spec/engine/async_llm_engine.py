@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -361,16 +362,21 @@ class AsyncLLMEngine:
         """vLLM's: the prompt's beam_width best beams as one finished RequestOutput, a completion per
         beam (vllm_spec.beam_search); its one-token steps are requests `<request_id>-<n>`."""
         check_neutral(lora_request=lora_request)
+        first = await self._last_output(prompt, f"{request_id}-0", one_token_params(params))
+        yield await self.continue_beam_search(first, request_id, params)
+
+    async def continue_beam_search(self, first: RequestOutput, request_id: str,
+                                   params: BeamSearchParams) -> RequestOutput:
+        """A beam search from its first step's output (the server adds first steps as it adds other
+        requests, so a bad prompt is refused before any answer starts)."""
         one_token = one_token_params(params)
+        return await search_async(functools.partial(self._last_output, params=one_token), first, request_id,
+                                  params, self.engine.output_processor.eos_token_ids, self.engine.tokenizer)
 
-        async def generate(step_prompt: PromptType, step_id: str) -> RequestOutput:
-            async for out in self.generate(step_prompt, one_token, step_id):
-                last = out
-            return last
-
-        engine = self.engine
-        yield await search_async(generate, prompt, request_id, params, engine.output_processor.eos_token_ids,
-                                 engine.tokenizer)
+    async def _last_output(self, prompt: PromptType, request_id: str, params: SamplingParams) -> RequestOutput:
+        async for out in self.generate(prompt, params, request_id):
+            last = out
+        return last
 
     async def reset_prefix_cache(self, device: object = None) -> bool:
         """As vLLM's: forget the prefix cache's registrations (in the engine thread, between steps)."""

@@ -12,7 +12,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator
 
 from vllm_spec.entrypoints.openai.structured_request import ConstraintError, structured_outputs_of
-from vllm_spec.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from vllm_spec.sampling_params import (
+    MAX_LOGPROBS,
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from vllm_spec.utils import check_text
 
 
@@ -95,7 +101,7 @@ def sampling_field_of(message: str) -> str | None:
 # the values that change nothing: set otherwise, they get a 400 naming them rather than an output that
 # silently ignores them. Other unknown fields are ignored, as vLLM ignores them.
 _UNSUPPORTED_EXTRAS: dict[str, Any] = {
-    "use_beam_search": False, "echo": False,
+    "echo": False,
     "prompt_logprobs": None, "logits_processors": None, "return_tokens_as_token_ids": False,
     "guided_whitespace_pattern": None,
 }
@@ -137,6 +143,9 @@ class SamplingFields(OpenAIRequestModel):
     # vLLM's extension: free-form arguments passed to SamplingParams.extra_args.
     vllm_xargs: dict[str, str | int | float] | None = None
     priority: StrictInt = 0   # vLLM's: lower runs first, with --scheduling-policy priority
+    # vLLM's: n beams (beam width n) instead of n samples; length_penalty scores them.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @field_validator("n", mode="before")
     @classmethod
@@ -158,6 +167,23 @@ class SamplingFields(OpenAIRequestModel):
         if self.stream_options is not None and not self.stream:
             raise OpenAIServingError("stream_options can only be set when stream is true.",
                                      param="stream_options")
+
+    def beam_search_params(self, params: SamplingParams, max_model_len: int) -> BeamSearchParams | None:
+        """vLLM's use_beam_search (None: not asked): beams of the request's n, max_tokens (else the
+        context's end), temperature, ignore_eos and length_penalty; its other sampling fields do not
+        apply, and a structured-output constraint is refused rather than ignored."""
+        if not self.use_beam_search:
+            return None
+        if params.n > MAX_LOGPROBS // 2:
+            raise OpenAIServingError(f"n must be at most {MAX_LOGPROBS // 2} with use_beam_search (the beam width: "
+                                     f"each step reads 2 x n logprobs), got {params.n}.", param="n")
+        if self.constraint is not None:
+            raise OpenAIServingError(f"use_beam_search cannot be combined with {self.constraint[1]} (beam search "
+                                     "does not enforce structured outputs).", param="use_beam_search")
+        return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or max_model_len,
+                                ignore_eos=params.ignore_eos, temperature=params.temperature,
+                                length_penalty=self.length_penalty,
+                                include_stop_str_in_output=params.include_stop_str_in_output)
 
     @cached_property
     def constraint(self) -> tuple[StructuredOutputsParams, str] | None:

@@ -54,7 +54,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
                                                request.add_special_tokens)
     sub = await submission.submit(state, "chatcmpl", request.model, [prompt], params, "messages",
                                max_tokens_param="max_completion_tokens" if request.max_completion_tokens is not None
-                               else "max_tokens", priority=request.priority)
+                               else "max_tokens", priority=request.priority,
+                               beam=request.beam_search_params(params, state.max_model_len))
     k = params.logprobs
 
     if request.stream:

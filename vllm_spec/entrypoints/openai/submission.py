@@ -31,7 +31,8 @@ from vllm_spec.entrypoints.openai.protocol import (
 )
 from vllm_spec.entrypoints.openai.serving import ERROR_TYPES, ServerState
 from vllm_spec.outputs import CompletionOutput, RequestOutput
-from vllm_spec.sampling_params import SamplingParams
+from vllm_spec.beam_search import one_token_params
+from vllm_spec.sampling_params import BeamSearchParams, SamplingParams
 
 # Engine failures that end a request early; the other exceptions are the server's own bugs.
 _ENGINE_ERRORS = (EngineStepError, EngineDeadError, RequestAbortedError)
@@ -87,7 +88,7 @@ async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any
     return ids, streams
 
 
-async def _merge(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several request streams as (prompt index, output)."""
     if len(streams) == 1:
         async for out in streams[0]:
@@ -96,7 +97,7 @@ async def _merge(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, Request
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, stream: AsyncStream) -> None:
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
             async for out in stream:
                 queue.put_nowait((i, out))
@@ -215,7 +216,7 @@ class Submission:
     params: SamplingParams
     prompt_lens: list[int]
     ids: list[str]
-    streams: list[AsyncStream]
+    streams: list[AsyncIterator[RequestOutput]]
 
     def usage(self, outputs: Sequence[RequestOutput | None]) -> UsageInfo:
         """Token counts over the latest output of each prompt (None: none yet)."""
@@ -295,12 +296,22 @@ class Submission:
         yield "data: [DONE]\n\n"
 
 
+async def _beam_stream(state: ServerState, first: AsyncStream, request_id: str,
+                       beam: BeamSearchParams) -> AsyncIterator[RequestOutput]:
+    """A prompt's beams, searched on from its first step, as its stream's one (final) output."""
+    async for out in first:
+        last = out
+    yield await state.engine.continue_beam_search(last, request_id, beam)
+
+
 async def submit(state: ServerState, id_prefix: str, model: str | None, prompts: list[dict[str, Any]],
                  params: SamplingParams, prompt_param: str, echo_only: bool = False,
-                 max_tokens_param: str = "max_tokens", priority: int = 0) -> Submission:
+                 max_tokens_param: str = "max_tokens", priority: int = 0,
+                 beam: BeamSearchParams | None = None) -> Submission:
     """Check each prompt's length, then add them all to the engine as one Submission (prompt_param:
     the request field the prompts came from, which errors about them name; echo_only: the prompts
-    are answered alone, so a prompt as long as the context fits though a token is generated)."""
+    are answered alone, so a prompt as long as the context fits though a token is generated; beam:
+    beam search instead of sampling, each prompt's first step added as the other requests are)."""
     if params.truncate_prompt_tokens is not None:   # left truncation, before the length checks
         prompts = [{**p, "prompt_token_ids": params.truncate_prompt(p["prompt_token_ids"], state.max_model_len)}
                    for p in prompts]
@@ -317,5 +328,10 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
             raise OpenAIServingError(str(e), param=sampling_field_of(str(e))) from e
     base_id = random_id(id_prefix)
     prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
-    ids, streams = await _add_all(state, base_id, prompts, params, prompt_param, priority)
+    if beam is None:
+        ids, streams = await _add_all(state, base_id, prompts, params, prompt_param, priority)
+    else:
+        ids, firsts = await _add_all(state, base_id, prompts, one_token_params(beam), prompt_param, priority)
+        streams = [_beam_stream(state, first, rid, dataclasses.replace(beam, max_tokens=min(
+            beam.max_tokens, state.max_model_len - length))) for first, rid, length in zip(firsts, ids, prompt_lens)]
     return Submission(state, base_id, model or state.model_name, params, prompt_lens, ids, streams)
