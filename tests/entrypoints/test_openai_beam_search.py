@@ -67,3 +67,12 @@ def test_what_beam_search_cannot_honour_is_named(server, extra, param):
     r = _post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": PROMPTS[0], **BEAM, **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_client_gone_mid_search_frees_its_beams(server):
+    body = {"model": MODEL_NAME, "messages": MESSAGES[0], **BEAM, "max_tokens": 300, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60.0) as client, \
+            client.stream("POST", "/v1/chat/completions", json=body, headers=AUTH) as s:
+        assert s.status_code == 200
+        next(s.iter_lines())   # the opening chunk: the search runs; then the client leaves
+    _wait_all_blocks_free(server)

@@ -150,15 +150,16 @@ def test_keyword_names_as_property_names_and_one_part_all_of_are_fine(tok, compi
     assert not all(state.matcher.accept_token(t) for t in _ids(tok, '{"if": 3, "not": 7'))
 
 
-def test_special_tokens_are_never_text(tok, compiler):
-    """A special token's text (<|im_start|>, the EOS <|endoftext|>) is no text a grammar matches: the
-    output cannot stop on EOS before the grammar is complete, nor emit a special token as text."""
+def test_stop_tokens_are_never_text(tok, compiler):
+    """A stop token's text (the EOS <|endoftext|>) is no text a grammar matches: the output cannot stop
+    before the grammar is complete. Other special tokens keep theirs (structural tags use them)."""
     state = compiler.matcher(StructuredOutputsParams(grammar='root ::= "Q" [^\\n]+'))
     after_q = _allowed(state, _ids(tok, "Q"), [], len(tok))[0]
-    specials = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    assert after_q.any() and not after_q[specials].any()
-    done = _allowed(state, _ids(tok, "Qx"), [], len(tok))[0]
-    assert done[tok.eos_token_id] and not done[specials[1:]].any()   # complete: EOS may end it
+    assert after_q.any() and not after_q[tok.eos_token_id]
+    assert _allowed(state, _ids(tok, "Qx"), [], len(tok))[0][tok.eos_token_id]   # complete: EOS may end it
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    tagged = compiler.matcher(StructuredOutputsParams(grammar='root ::= "<|im_start|>" "x"'))
+    assert _allowed(tagged, [], [], len(tok))[0][im_start]
 
 
 def test_a_grammar_no_output_matches_is_refused(compiler):

@@ -41,12 +41,6 @@ def _xgrammar():
     return xgrammar
 
 
-def _special_token_ids(tokenizer: Any, vocab_size: int) -> set[int]:
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    ids = set(getattr(tokenizer, "all_special_ids", ()) or ()) | {i for i, t in added.items() if getattr(t, "special", False)}
-    return {i for i in ids if 0 <= i < vocab_size}
-
-
 def choice_grammar(choices: list[str]) -> str:
     """EBNF whose language is exactly the given strings (JSON string escapes are xgrammar's too)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -73,11 +67,12 @@ class GrammarCompiler:
         xgr = _xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids) or None)
-        special = _special_token_ids(tokenizer, vocab_size)
-        if special:
-            # xgrammar reads a special token's text (<|im_end|>, <|im_start|>) as text a grammar may
-            # match, so an output could stop on EOS mid-grammar: as empty tokens they are never text.
-            vocab = [b"" if i in special else token for i, token in enumerate(info.decoded_vocab)]
+        stops = {i for i in info.stop_token_ids if 0 <= i < vocab_size}
+        if any(info.decoded_vocab[i] for i in stops):
+            # xgrammar reads a stop token's text (<|im_end|>) as text a grammar may match, so an output
+            # could stop there mid-grammar: as empty tokens they only end a complete output. (Other
+            # special tokens keep their text: structural tags are built on them.)
+            vocab = [b"" if i in stops else token for i, token in enumerate(info.decoded_vocab)]
             info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
                                      stop_token_ids=info.stop_token_ids, add_prefix_space=info.add_prefix_space)
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=_CACHE_BYTES)
