@@ -60,7 +60,7 @@ def test_width_one_is_greedy(llm):
         assert out.sequences[0].tokens == prompt["prompt_token_ids"] + list(ref.outputs[0].token_ids)
 
 
-def test_speculation_and_concurrency_limits_do_not_change_the_beams(llm, spec_pair):
+def test_a_speculative_engine_and_concurrency_limits_do_not_change_the_beams(llm, spec_pair):
     spec = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **FIXED, **SPEC_KV)
     params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
     want = [[b.tokens for b in o.sequences] for o in llm.beam_search(PROMPTS, params)]
@@ -74,9 +74,9 @@ def _step_outputs(prompts, tables):
         {t: Logprob(math.log(pr)) for t, pr in table.items()}])]) for p, table in zip(prompts, tables)]
 
 
-def _search(first, params, eos, steps):
+def _search(first, params, eos, steps, max_model_len=1000):
     """Drive a search with scripted steps: each step's tables of top logprobs, one per live beam."""
-    search = beam_search(first, params, eos)
+    search = beam_search(first, params, eos, max_model_len)
     try:
         beams = next(search)
         while True:
@@ -100,6 +100,18 @@ def test_end_of_sequence_completes_a_beam():
     # One token: the first step decides.
     out = _search(first, BeamSearchParams(beam_width=2, max_tokens=1), {eos}, iter([]))[0]
     assert [b.tokens for b in out.sequences] == [[5, 6, eos], [5, 6, 1]]
+    # Beams end at the context's end, whatever max_tokens asks.
+    out = _search(first, BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True), {eos}, iter([]),
+                  max_model_len=3)[0]
+    assert [b.tokens for b in out.sequences] == [[5, 6, eos], [5, 6, 1]]
+    assert all(b.finish_reason == "length" for b in out.sequences)
+
+
+def test_a_final_end_token_is_not_counted_in_the_length_even_with_ignore_eos():
+    """As vLLM's score: with ignore_eos an end token is a candidate whose length excludes it."""
+    first = _step_outputs([[5]], [{9: math.exp(-0.6), 1: math.exp(-0.95)}])
+    out = _search(first, BeamSearchParams(beam_width=1, max_tokens=1, ignore_eos=True), {9}, iter([]))[0]
+    assert out.sequences[0].tokens == [5, 1]   # -0.95 / 2 beats -0.6 / 1
 
 
 def test_the_async_engine_returns_the_beams_as_completions(llm, spec_pair):
@@ -130,13 +142,16 @@ def test_scores_divide_by_the_length_to_the_penalty():
     assert beam_score(beam, {9}, 1.0) == pytest.approx(-2.0)   # the end token is not counted
     assert beam_score(beam, {9}, 2.0) == pytest.approx(-6.0 / 9)
     assert beam_score(BeamSearchSequence([1, 2, 3, 4], cum_logprob=-6.0), {9}, 0.0) == pytest.approx(-6.0)
+    assert beam_score(BeamSearchSequence([1, 2, 3, 9], cum_logprob=-6.0, finish_reason="length"), {9}, 1.0) \
+        == pytest.approx(-2.0)
 
 
 @pytest.mark.parametrize("kwargs, named", [
     (dict(beam_width=0, max_tokens=4), "beam_width must be an integer >= 1"),
     (dict(beam_width=2, max_tokens=1.5), "max_tokens must be an integer >= 1"),
     (dict(beam_width=2, max_tokens=4, temperature=-1), "temperature must be a number >= 0"),
-    (dict(beam_width=2, max_tokens=4, length_penalty="x"), "length_penalty must be a number"),
+    (dict(beam_width=2, max_tokens=4, length_penalty="x"), "length_penalty must be a finite number"),
+    (dict(beam_width=2, max_tokens=4, length_penalty=float("inf")), "length_penalty must be a finite number"),
     (dict(beam_width=2, max_tokens=4, ignore_eos=1), "ignore_eos must be true or false"),
 ])
 def test_bad_parameters_are_named(kwargs, named):
@@ -153,4 +168,16 @@ def test_bad_calls_are_named(llm):
         llm.beam_search(PROMPTS, BeamSearchParams(beam_width=2, max_tokens=2), concurrency_limit=0)
     with pytest.raises(ValueError, match="prompts must not be empty"):
         llm.beam_search([], BeamSearchParams(beam_width=2, max_tokens=2))
+    changed = BeamSearchParams(beam_width=2, max_tokens=2)
+    changed.beam_width = 0
+    with pytest.raises(ValueError, match="beam_width must be an integer >= 1"):
+        llm.beam_search(PROMPTS, changed)
     assert len(llm.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=2, max_tokens=2))[0].sequences) == 2
+
+
+def test_beams_end_at_the_context_end(spec_pair):
+    llm = LLM(spec_pair[0], max_model_len=24, **SPEC_KV)
+    prompt = {"prompt_token_ids": list(range(3, 23))}   # 20 tokens: room for 4 more
+    out = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True))[0]
+    assert [len(b.tokens) for b in out.sequences] == [24, 24]
+    assert all(b.finish_reason == "length" for b in out.sequences)

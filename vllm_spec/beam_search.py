@@ -6,6 +6,7 @@ the live ones come back, scored by cumulative logprob over length ** length_pena
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Awaitable, Callable, Collection, Generator
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ class BeamSearchOutput:
 
 def beam_score(beam: BeamSearchSequence, eos_token_ids: Collection[int], length_penalty: float) -> float:
     """vLLM's: cumulative logprob over the length (prompt included, a final end token not) ** penalty."""
-    length = len(beam.tokens) - (beam.finish_reason == "stop" and beam.tokens[-1] in eos_token_ids)
+    length = len(beam.tokens) - (beam.tokens[-1] in eos_token_ids)
     return beam.cum_logprob / (length ** length_penalty)
 
 
@@ -45,9 +46,11 @@ def beam_score(beam: BeamSearchSequence, eos_token_ids: Collection[int], length_
 BeamSearch = Generator[list[list[int]], list[RequestOutput], list[BeamSearchOutput]]
 
 
-def beam_search(first: list[RequestOutput], params: BeamSearchParams, eos_token_ids: Collection[int]) -> BeamSearch:
+def beam_search(first: list[RequestOutput], params: BeamSearchParams, eos_token_ids: Collection[int],
+                max_model_len: int) -> BeamSearch:
     """Beam search from `first` (each prompt's first one-token step, with its top 2 x beam_width
-    logprobs); the caller runs the steps it yields, so the offline and the async engine share it."""
+    logprobs); the caller runs the steps it yields, so the offline and the async engine share it.
+    Beams that reach the context's end (max_model_len) end there, finish_reason "length"."""
     width, stops = params.beam_width, () if params.ignore_eos else eos_token_ids
     live = [[BeamSearchSequence(list(out.prompt_token_ids))] for out in first]
     done: list[list[BeamSearchSequence]] = [[] for _ in first]
@@ -69,14 +72,17 @@ def beam_search(first: list[RequestOutput], params: BeamSearchParams, eos_token_
             at += len(prompt_beams)
             candidates.sort(key=lambda b: beam_score(b, eos_token_ids, params.length_penalty), reverse=True)
             live[p] = candidates[:width]
+            if live[p] and len(live[p][0].tokens) >= max_model_len:   # (a step's beams are one length)
+                done[p] += live[p]
+                live[p] = []
         beams = [beam for prompt_beams in live for beam in prompt_beams]
         if not beams or step_index == params.max_tokens - 1:
             break
         outputs = yield [beam.tokens for beam in beams]
     results = []
     for finished, unfinished in zip(done, live):
-        for beam in unfinished:
-            beam.finish_reason = "length"
+        for beam in finished + unfinished:
+            beam.finish_reason = beam.finish_reason or "length"
         best = sorted(finished + unfinished, key=lambda b: beam_score(b, eos_token_ids, params.length_penalty),
                       reverse=True)
         results.append(BeamSearchOutput(best[:width]))
@@ -87,6 +93,7 @@ def one_token_params(params: BeamSearchParams) -> SamplingParams:
     """What each beam's step asks the engine for; ValueError for parameters it cannot ask for."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+    dataclasses.replace(params)   # checked again: fields may have changed since construction
     if 2 * params.beam_width > MAX_LOGPROBS:
         raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // 2} (each step asks for 2 x beam_width "
                          f"logprobs, and max_logprobs is {MAX_LOGPROBS}), got {params.beam_width}.")
@@ -111,12 +118,12 @@ def as_request_output(request_id: str, first: RequestOutput, result: BeamSearchO
 
 async def search_async(generate: Callable[[Any, str], Awaitable[RequestOutput]], first: RequestOutput,
                        request_id: str, params: BeamSearchParams, eos_token_ids: Collection[int],
-                       tokenizer: Any) -> RequestOutput:
+                       max_model_len: int, tokenizer: Any) -> RequestOutput:
     """One prompt's beam search on an async engine, from its first step's output: `generate(prompt,
     request_id)` runs a one-token request; a step's beams run concurrently, and a failure or a
     cancellation cancels the others."""
     ids = itertools.count(1)
-    search = beam_search([first], params, eos_token_ids)
+    search = beam_search([first], params, eos_token_ids, max_model_len)
     try:
         beams = next(search)
         while True:

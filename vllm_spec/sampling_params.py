@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -316,8 +317,8 @@ class BeamSearchParams:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if not (is_number(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}.")
-        if not (is_number(self.length_penalty) and self.length_penalty == self.length_penalty):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}.")
+        if not (is_number(self.length_penalty) and math.isfinite(self.length_penalty)):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}.")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")

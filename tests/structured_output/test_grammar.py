@@ -163,5 +163,5 @@ def test_stop_tokens_are_never_text(tok, compiler):
 
 
 def test_a_grammar_no_output_matches_is_refused(compiler):
-    with pytest.raises(ValueError, match="structured_outputs.grammar is not valid: no output can match it"):
+    with pytest.raises(ValueError, match="structured_outputs.grammar is not valid: it allows no first token"):
         compiler.compile(StructuredOutputsParams(grammar="root ::= root"))

@@ -76,6 +76,12 @@ def test_json_with_ignored_whitespace(compiler, tok):
     ('start: /a.b/ X\nX.-1: "!"', ["axb!"], ["a\nb!"]),
     # case-insensitive as Python's re: the capital sharp s and the Kelvin sign too
     ('start: "straße"i "k"i', ["STRAẞEK", "straßek", "Straße\u212a"], ["STRASSEK", "strasek"]),
+    # single-quoted strings (vLLM's conversion takes them), where \\' is the quote
+    ("start: 'a' \"\\'\" 'b\\'c'", ["a\\'b'c"], ["a'b'c"]),
+    # a regexp's character class may start with ] or [; a . after it is still no newline
+    ('start: /[[]./ /[a[]./', ["[x[y"], ["[\n[y", "[xay\n"]),
+    # ranges past the basic plane
+    ('start: "\\U0001F600".."\\U0001F64F"', ["\U0001F642"], ["\U0001F650", "a"]),
     # a C comment ends at its first */
     ('start: C_COMMENT+\n%import common.C_COMMENT', ["/* a */", "/* a *//**/", "/***/"], ["/* a */ */", "/* a"]),
 ])
@@ -92,7 +98,7 @@ def test_lark_constructs(compiler, tok, grammar, good, bad):
     ('start: x{1}', "templates"),
     ('start: "a"\n%declare X', "line 2: %declare is not supported"),
     ('start: "a" /x/i', "regexp flags"),
-    ("start: 'a'", "double quotes"),
+    ('start: "a" &', "line 1: unexpected '&'"),
     ('%import foo.BAR\nstart: "a"', "line 1: only Lark's common terminals"),
     ('%import common.NOPE\nstart: "a"', "common.NOPE is not one of"),
     ('start: ("a"', "not closed"),
@@ -104,14 +110,22 @@ def test_lark_constructs(compiler, tok, grammar, good, bad):
     (r'start: "\u12"', r"line 1: \u12 is not a valid escape"),
     (r'start: "\ud800"', "not a valid escape"),
     ("start: " + "(" * 400 + '"a"' + ")" * 400, "nests too deeply"),
-    ('start: start', "no output can match it"),
+    ('start: start', "allows no first token"),
+    ('start: "a"\n%ignore', "line 2: %ignore needs what to ignore"),
 ])
 def test_what_cannot_be_translated_is_named(compiler, grammar, named):
-    if "no output" not in named:   # (that one translates; the compiler finds it empty)
+    if "first token" not in named:   # (that one translates; the compiler finds it empty)
         with pytest.raises(ValueError, match=re.escape(named)):
             lark_to_ebnf(grammar)
     with pytest.raises(ValueError, match=r"^structured_outputs\.grammar is not valid: .*" + re.escape(named)):
         compiler.compile(SO(grammar=grammar))
+
+
+def test_ignored_runs_match_in_linear_time(compiler, tok):
+    """%ignore WS repeats WS's one character, not WS itself: (X+)* would split a run many ways."""
+    grammar = 'start: "[" "1" "]"\n%import common.WS\n%ignore WS'
+    assert "lark.ignore ::= ((lark.re" in lark_to_ebnf(grammar) and ")+)*" not in lark_to_ebnf(grammar)
+    assert _matches(compiler, tok, grammar, "[" + " " * 2000 + "1 ]")
 
 
 def test_only_what_the_start_rule_reaches_is_kept():

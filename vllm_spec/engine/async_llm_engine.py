@@ -370,8 +370,10 @@ class AsyncLLMEngine:
         """A beam search from its first step's output (the server adds first steps as it adds other
         requests, so a bad prompt is refused before any answer starts)."""
         one_token = one_token_params(params)
-        return await search_async(functools.partial(self._last_output, params=one_token), first, request_id,
-                                  params, self.engine.output_processor.eos_token_ids, self.engine.tokenizer)
+        engine = self.engine
+        return await search_async(functools.partial(self._last_output, params=one_token), first, request_id, params,
+                                  engine.output_processor.eos_token_ids, engine.config.model.max_model_len,
+                                  engine.tokenizer)
 
     async def _last_output(self, prompt: PromptType, request_id: str, params: SamplingParams) -> RequestOutput:
         async for out in self.generate(prompt, params, request_id):

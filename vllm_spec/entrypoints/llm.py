@@ -71,7 +71,7 @@ class LLM:
                   disable=not use_tqdm) as bar:
             for start in range(0, len(prompt_list), limit):
                 search = beam_search(self.generate(prompt_list[start: start + limit], one_token, use_tqdm=False),
-                                     params, eos)
+                                     params, eos, self.llm_engine.config.model.max_model_len)
                 try:
                     beams = next(search)
                     while True:

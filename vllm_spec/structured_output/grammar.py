@@ -78,19 +78,21 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=_CACHE_BYTES)
         self.vocab_size = vocab_size
 
-    def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        """The compiled grammar; ValueError naming the field when it does not compile, or when no output
-        can match it (it allows no first token)."""
+    def compile(self, params: StructuredOutputsParams, check_start: bool = True) -> xgrammar.CompiledGrammar:
+        """The compiled grammar; ValueError naming the field when it does not compile, or (check_start:
+        a request's checks, not the matchers of its sequences) when it allows no first token."""
         try:
             compiled = self._compile(params)
         except (RuntimeError, ValueError, TypeError, RecursionError) as e:
             message = _XGRAMMAR_PREFIX.sub("", str(e).strip())
             raise ValueError(f"structured_outputs.{params.kind} is not valid: {message}") from None
-        xgr = _xgrammar()
-        first = xgr.allocate_token_bitmask(1, self.vocab_size)
-        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(first)
-        if not first.any():
-            raise ValueError(f"structured_outputs.{params.kind} is not valid: no output can match it.")
+        if check_start:
+            xgr = _xgrammar()
+            first = xgr.allocate_token_bitmask(1, self.vocab_size)
+            xgr.GrammarMatcher(compiled).fill_next_token_bitmask(first)
+            if not first.any():
+                raise ValueError(f"structured_outputs.{params.kind} is not valid: it allows no first token, so no "
+                                 "output can match it.")
         return compiled
 
     def _compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
@@ -116,7 +118,7 @@ class GrammarCompiler:
         return c.compile_structural_tag(params.structural_tag)
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarState:
-        return GrammarState(_xgrammar().GrammarMatcher(self.compile(params)), self.vocab_size)
+        return GrammarState(_xgrammar().GrammarMatcher(self.compile(params, check_start=False)), self.vocab_size)
 
 
 class GrammarState:

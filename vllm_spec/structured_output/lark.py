@@ -5,7 +5,7 @@ Rules (lowercase names), terminals (uppercase), strings (with the `i` flag), reg
 `"a".."z"` ranges, `[optional]`, `* + ?`, `~n` and `~m..n`, aliases (`-> name`, dropped: they only name
 tree nodes), priorities, `?` / `!` / `_` prefixes, `%import common.NAME` (Lark's common terminals) and
 `%ignore`. The start rule is `start`, else the first rule; strings unescape as Lark's, a regexp's `.`
-excludes newlines and `i` strings take what Python's re.IGNORECASE takes. Lark's lexer picks one match per
+excludes newlines and an `i` string's characters match those with the same lowercase. Lark's lexer picks one match per
 terminal (the longest, or the shortest under a lazy repeat); the grammar here accepts every way of
 cutting the text into terminals and reads lazy repeats as greedy, so it may let through a text that
 Lark's parser would refuse (as vLLM's conversion does). What cannot be translated raises ValueError
@@ -18,13 +18,13 @@ import json
 import re
 import string
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, lru_cache
 
 from vllm_spec.structured_output.enforceable import regex_problem
 
 _TOKEN = re.compile(r"""
     (?P<nl>\r?\n) | (?P<ws>[ \t\f]+) | (?P<comment>(?://|\#)[^\n]*)
-    | (?P<string>"(?:[^"\\\n]|\\.)*"i?) | (?P<regexp>/(?:[^/\\\n]|\\.)+/[a-z]*)
+    | (?P<string>"(?:[^"\\\n]|\\.)*"i?|'(?:[^'\\\n]|\\.)*'i?) | (?P<regexp>/(?:[^/\\\n]|\\.)+/[a-z]*)
     | (?P<directive>%[a-z]+) | (?P<name>[A-Za-z_][A-Za-z0-9_]*) | (?P<number>-?[0-9]+)
     | (?P<op>->|\.\.|[:|()\[\]*+?~!.,{}])
 """, re.VERBOSE)
@@ -70,6 +70,7 @@ def is_lark(grammar: str) -> bool:
     return _EBNF_RULE.search(grammar) is None and _DEFINITION.search(grammar) is not None
 
 
+@lru_cache(maxsize=64)   # a request's grammar is checked by the server, then compiled by the engine
 def lark_to_ebnf(grammar: str) -> str:
     """The EBNF (root rule `root`) for a Lark grammar; ValueError saying what and where otherwise."""
     try:
@@ -90,7 +91,7 @@ def _tokens(text: str) -> list[_Token]:
     while pos < len(text):
         m = _TOKEN.match(text, pos)
         if m is None:
-            raise ValueError(f"line {line}: unexpected {text[pos]!r} (Lark strings use double quotes)")
+            raise ValueError(f"line {line}: unexpected {text[pos]!r}")
         if m.lastgroup not in ("ws", "comment"):
             tokens.append(_Token(m.lastgroup, m.group(), line))
         line += m.group().count("\n")
@@ -122,14 +123,9 @@ def _string(text: str) -> str:
 def _class_char(ch: str) -> str:
     if ch in "]\\^-":
         return "\\" + ch
-    return ch if ch.isprintable() else f"\\u{ord(ch):04x}"
-
-
-@dataclass
-class _Rule:
-    name: str
-    body: str
-    line: int
+    if ch.isprintable():
+        return ch
+    return f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}"
 
 
 @dataclass
@@ -137,7 +133,7 @@ class _Translation:
     """One Lark grammar on its way to EBNF: its rules (user's, imported, regexps') and what they use."""
 
     source: str
-    rules: dict[str, _Rule] = field(default_factory=dict)
+    rules: dict[str, str] = field(default_factory=dict)   # name -> EBNF body
     ignores: list[str] = field(default_factory=list)
     used: dict[str, int] = field(default_factory=dict)   # name -> first line using it
     regexps: dict[str, str] = field(default_factory=dict)   # pattern -> its rule's name
@@ -148,18 +144,19 @@ class _Translation:
         statements = _statements(_tokens(self.source))
         self.ignores_apply = any(s[0].text == "%ignore" for s in statements)
         self._read(statements)
-        rules = [r for r in self.rules.values() if not r.name.startswith(("lark.", "common."))]
-        if not rules:
+        own = [name for name in self.rules if not name.startswith(("lark.", "common."))]
+        if not own:
             raise ValueError("the Lark grammar defines no rule")
         for name, line in self.used.items():
             if name not in self.rules:
                 raise ValueError(f"line {line}: {name} is used but not defined (or imported)")
-        start = "start" if "start" in self.rules else next((r.name for r in rules if not _is_terminal(r.name)),
-                                                           rules[0].name)
+        start = "start" if "start" in self.rules else next((n for n in own if not _is_terminal(n)), own[0])
         bodies = {"root": self._ref(start) + (f" {_IGNORE}" if self.ignores else "")}
         if self.ignores:
-            bodies[_IGNORE] = f"({' | '.join(self.ignores)})*"
-        bodies.update((self._ref(r.name), r.body) for r in self.rules.values())
+            # (X+)* is ambiguous (a run of ignored text splits many ways), which slows matching down
+            # past linear: the repeat of an ignored X+ is (X)*.
+            bodies[_IGNORE] = f"({' | '.join(self._unrepeated(item) for item in self.ignores)})*"
+        bodies.update((self._ref(name), body) for name, body in self.rules.items())
         # Only what the start rule reaches (imports bring all of Lark's common terminals).
         reached, todo = set(), ["root"]
         while todo:
@@ -168,6 +165,20 @@ class _Translation:
                 reached.add(name)
                 todo += [t for t in _EBNF_TOKEN.findall(bodies[name]) if t in bodies]
         return "\n".join(f"{name} ::= {body}" for name, body in bodies.items() if name in reached)
+
+    def _unrepeated(self, item: str) -> str:
+        """An ignored item's X where it is (a name for) `(X)+`, else the item."""
+        while item in self.rules:
+            item = self.rules[item]
+        tokens = _EBNF_TOKEN.findall(item)
+        if len(tokens) < 3 or tokens[0] != "(" or tokens[-2:] != [")", "+"]:
+            return item
+        depth = 0
+        for i, token in enumerate(tokens[:-1]):
+            depth += (token == "(") - (token == ")")
+            if depth == 0 and i < len(tokens) - 2:
+                return item   # (A)(B)+: not one group
+        return "".join(tokens[:-1])
 
     @staticmethod
     def _ref(name: str) -> str:
@@ -196,11 +207,13 @@ class _Translation:
         if name in self.rules:
             raise ValueError(f"line {line}: {toks[0].text} is defined twice")
         parser = _Expansions(self, toks[pos + 1:], line, in_rule=not _is_terminal(toks[0].text))
-        self.rules[name] = _Rule(name, parser.parse(), line)
+        self.rules[name] = parser.parse()
 
     def _directive(self, statement: list[_Token]) -> None:
         head, rest = statement[0], statement[1:]
         if head.text == "%ignore":
+            if not rest:
+                raise ValueError(f"line {head.line}: %ignore needs what to ignore (e.g. %ignore WS)")
             parser = _Expansions(self, rest, head.line, in_rule=False)
             self.ignores.append(parser.parse())
         elif head.text == "%import":
@@ -223,7 +236,7 @@ class _Translation:
             if alias in self.rules:
                 raise ValueError(f"line {line}: {alias} is defined twice")
             self._load_common()
-            self.rules[alias] = _Rule(alias, f"common.{name}", line)
+            self.rules[alias] = f"common.{name}"
 
     def _load_common(self) -> None:
         if "common.DIGIT" in self.rules:
@@ -238,7 +251,8 @@ class _Translation:
         """The rule matching a `/pattern/` (one per distinct pattern), from xgrammar's own translation."""
         body, flags = token.text[1:].rsplit("/", 1)
         if flags:
-            raise ValueError(f"line {token.line}: regexp flags ({flags}) are not supported")
+            raise ValueError(f"line {token.line}: regexp flags ({flags}) are not supported: write the pattern "
+                             "without them (e.g. [aA] for a case-insensitive a)")
         pattern = _lark_dots(body.replace("\\/", "/"))
         if pattern in self.regexps:
             return self.regexps[pattern]
@@ -254,24 +268,26 @@ class _Translation:
         renamed = "".join(name + t[4:] if re.fullmatch(r"root(_\w+)?", t) else t for t in _EBNF_TOKEN.findall(ebnf))
         for line in renamed.strip().splitlines():
             rule, body_text = line.split(" ::= ", 1)
-            self.rules[rule] = _Rule(rule, body_text, token.line)
+            self.rules[rule] = body_text
         return name
 
 
 def _lark_dots(pattern: str) -> str:
     """The pattern with Python's `.` (anything but a newline) for xgrammar's (anything)."""
-    out, in_class, i = [], False, 0
+    out, class_start, i = [], None, 0   # class_start: where the open [...] begins (its ] may come first)
     while i < len(pattern):
         ch = pattern[i]
         if ch == "\\":
             out.append(pattern[i: i + 2])
             i += 2
             continue
-        if in_class:
-            in_class = ch != "]" or pattern[i - 1] == "[" or pattern[i - 2: i] == "[^"
+        if class_start is not None:
+            first = class_start + 1 + (pattern[class_start + 1: class_start + 2] == "^")
+            if ch == "]" and i > first:
+                class_start = None
         elif ch == "[":
-            in_class = True
-        out.append("[^\\n]" if ch == "." and not in_class else ch)
+            class_start = i
+        out.append("[^\\n]" if ch == "." and class_start is None else ch)
         i += 1
     return "".join(out)
 
@@ -280,7 +296,7 @@ def _lark_dots(pattern: str) -> str:
 def _case_twins() -> dict[str, str]:
     """Characters by their lowercase (one character), for the `i` flag: K and the Kelvin sign for k."""
     twins: dict[str, str] = {}
-    for code in range(0x110000):
+    for code in range(0x1E950):   # (no character past the Adlam block has a case)
         ch = chr(code)
         low = ch.lower()
         if len(low) == 1:
@@ -289,7 +305,7 @@ def _case_twins() -> dict[str, str]:
 
 
 def _any_case(ch: str) -> str:
-    """EBNF for one character of an `i` string: any character Python's re.IGNORECASE takes for it."""
+    """EBNF for one character of an `i` string: it and the characters with its lowercase."""
     low = ch.lower()
     variants = sorted(set(ch + (_case_twins().get(low, "") if len(low) == 1 else "")))
     return _string(ch) if len(variants) == 1 else "[" + "".join(_class_char(v) for v in variants) + "]"
@@ -402,16 +418,17 @@ class _Expansions:
 
     @staticmethod
     def _literal(tok: _Token) -> str:
-        return _unescape(tok.text[1: tok.text.rindex('"')], tok.line)
+        quote = tok.text[0]   # "..." (Lark's) or '...' (vLLM's conversion takes them too)
+        return _unescape(tok.text[1: tok.text.rindex(quote)], tok.line, quote)
 
 
-_CONTROL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "\\": "\\", '"': '"'}
+_CONTROL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "\\": "\\"}
 _HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 
 
-def _unescape(body: str, line: int) -> str:
-    """A Lark string's text: \\n \\t \\r \\f \\\\ \\" and \\x.. \\u.... \\U........ are escapes; a backslash
-    before any other character stays a backslash (Lark's rule, not Python's)."""
+def _unescape(body: str, line: int, quote: str = '"') -> str:
+    """A Lark string's text: \\n \\t \\r \\f \\\\, its quote and \\x.. \\u.... \\U........ are escapes; a
+    backslash before any other character stays a backslash (Lark's rule, not Python's)."""
     out, i = [], 0
     while i < len(body):
         ch = body[i]
@@ -420,8 +437,8 @@ def _unescape(body: str, line: int) -> str:
             i += 1
             continue
         code = body[i + 1]
-        if code in _CONTROL_ESCAPES:
-            out.append(_CONTROL_ESCAPES[code])
+        if code in _CONTROL_ESCAPES or code == quote:
+            out.append(_CONTROL_ESCAPES.get(code, quote))
             i += 2
         elif code in _HEX_ESCAPES:
             digits = body[i + 2: i + 2 + _HEX_ESCAPES[code]]

@@ -332,6 +332,5 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
         ids, streams = await _add_all(state, base_id, prompts, params, prompt_param, priority)
     else:
         ids, firsts = await _add_all(state, base_id, prompts, one_token_params(beam), prompt_param, priority)
-        streams = [_beam_stream(state, first, rid, dataclasses.replace(beam, max_tokens=min(
-            beam.max_tokens, state.max_model_len - length))) for first, rid, length in zip(firsts, ids, prompt_lens)]
+        streams = [_beam_stream(state, first, rid, beam) for first, rid in zip(firsts, ids)]
     return Submission(state, base_id, model or state.model_name, params, prompt_lens, ids, streams)
