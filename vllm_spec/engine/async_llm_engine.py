@@ -19,21 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from vllm_spec.beam_search import one_token_params, search_async
 from vllm_spec.engine.arg_utils import EngineArgs
+from vllm_spec.engine.async_engine_ops import EngineOperations
 from vllm_spec.engine.async_stream import AsyncStream, EngineDeadError, EngineStepError, RequestAbortedError
 from vllm_spec.engine.llm_engine import LLMEngine
-from vllm_spec.engine.request_input import PromptType, check_neutral, check_request_id, check_request_options
+from vllm_spec.engine.request_input import PromptType, check_request_id, check_request_options
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
-from vllm_spec.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class _IterationResult:
     in_flight: bool = False   # a step was left running (async scheduling): step again at once
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineOperations):
     """Serves concurrent async callers from one LLMEngine driven by one background task."""
 
     def __init__(self, engine: LLMEngine):
@@ -356,35 +355,6 @@ class AsyncLLMEngine:
         """(metrics, free KV blocks) as of the end of the last loop iteration."""
         with self._lock:
             return list(self._metrics), self._num_free_blocks
-
-    async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams,
-                          lora_request: None = None) -> AsyncIterator[RequestOutput]:
-        """vLLM's: the prompt's beam_width best beams as one finished RequestOutput, a completion per
-        beam (vllm_spec.beam_search); its one-token steps are requests `<request_id>-<n>`."""
-        check_neutral(lora_request=lora_request)
-        first = await self._last_output(prompt, f"{request_id}-0", one_token_params(params))
-        yield await self.continue_beam_search(first, request_id, params)
-
-    async def continue_beam_search(self, first: RequestOutput, request_id: str,
-                                   params: BeamSearchParams) -> RequestOutput:
-        """A beam search from its first step's output (the server adds first steps as it adds other
-        requests, so a bad prompt is refused before any answer starts)."""
-        one_token = one_token_params(params)
-        engine = self.engine
-        return await search_async(functools.partial(self._last_output, params=one_token), first, request_id, params,
-                                  engine.output_processor.eos_token_ids, engine.config.model.max_model_len,
-                                  engine.tokenizer)
-
-    async def _last_output(self, prompt: PromptType, request_id: str, params: SamplingParams) -> RequestOutput:
-        async for out in self.generate(prompt, params, request_id):
-            last = out
-        return last
-
-    async def reset_prefix_cache(self, device: object = None) -> bool:
-        """As vLLM's: forget the prefix cache's registrations (in the engine thread, between steps)."""
-        if self.is_stopped:
-            raise EngineDeadError("the engine is shut down.") from self._dead_error
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.reset_prefix_cache)
 
     async def check_health(self) -> None:
         if self._dead_error is not None:

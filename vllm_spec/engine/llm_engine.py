@@ -22,6 +22,7 @@ from vllm_spec.executor import create_executor
 from vllm_spec.generation_config import model_eos_token_ids
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
+from vllm_spec.profiler import EngineProfiler
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
 from vllm_spec.structured_output.grammar import compiler_for
@@ -50,6 +51,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.num_lookahead_slots)
         self.output_processor = OutputProcessor(self.tokenizer, config.model.max_model_len)
         self.update_eos_token_ids()
+        self.profiler = EngineProfiler()
         if config.model.sampling_defaults:
             logger.info("Default sampling parameters have been overridden by the model's generation config: %s "
                         "(generation_config='vllm' keeps vLLM's own).", config.model.sampling_defaults)
@@ -362,6 +364,14 @@ class LLMEngine:
         self.stats.on_step(schedule_time + launch_time + (t4 - t2), schedule_time, worker_host, t4 - t3,
                            result.device_time)
         return outputs
+
+    def start_profile(self) -> None:
+        """Start a torch profiler trace of this process (vllm_spec.profiler; vLLM's)."""
+        self.profiler.start()
+
+    def stop_profile(self) -> None:
+        """Stop the trace and write it to $VLLM_TORCH_PROFILER_DIR."""
+        self.profiler.stop()
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's registrations: later prompts compute every token again (blocks

@@ -52,6 +52,15 @@ class LLM:
     def embed(self, *args: Any, **kwargs: Any):
         self._not_generative("embed")
 
+    def classify(self, *args: Any, **kwargs: Any):
+        self._not_generative("classify")
+
+    def score(self, *args: Any, **kwargs: Any):
+        self._not_generative("score")
+
+    def reward(self, *args: Any, **kwargs: Any):
+        self._not_generative("reward")
+
     def beam_search(self, prompts: PromptType | SequenceABC[PromptType], params: BeamSearchParams,
                     lora_request: None = None, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
@@ -185,6 +194,14 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's registrations (vLLM's; True when done)."""
         return self.llm_engine.reset_prefix_cache()
+
+    def start_profile(self) -> None:
+        """vLLM's: start a torch profiler trace (to $VLLM_TORCH_PROFILER_DIR; vllm_spec.profiler)."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> None:
+        """Stop the trace and write it."""
+        self.llm_engine.stop_profile()
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import socket
 import sys
@@ -157,6 +158,23 @@ def build_app(state: ServerState, cors: CorsOptions | None = None) -> FastAPI:
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping():   # vLLM's (SageMaker's) liveness probe: /health's answer
         return await health()
+
+    if os.environ.get("VLLM_TORCH_PROFILER_DIR"):   # as vLLM: only where traces have somewhere to go
+        @app.post("/start_profile")
+        async def start_profile():
+            await state.engine.start_profile()
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile():
+            await state.engine.stop_profile()
+            return Response(status_code=200)
+
+    if os.environ.get("VLLM_SERVER_DEV_MODE") == "1":   # as vLLM: a development server's extra
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache():
+            await state.engine.reset_prefix_cache()
+            return Response(status_code=200)
 
     json_only = [Depends(_json_body)]
     app.post("/v1/completions", dependencies=json_only)(create_completion)
