@@ -19,6 +19,8 @@ from vllm_spec.outputs import Logprob
 from vllm_spec.sampling_params import BeamSearchParams
 
 PROMPTS = make_prompts(3, seed=5)
+# float32 everywhere (bf16 on a GPU by default): beams compared with each other and a float32 reference.
+KV = dict(SPEC_KV, dtype="float32")
 
 
 def _reference(model, prompt: list[int], width: int, steps: int) -> list[tuple[list[int], float]]:
@@ -37,7 +39,7 @@ def _reference(model, prompt: list[int], width: int, steps: int) -> list[tuple[l
 
 @pytest.fixture(scope="module")
 def llm(spec_pair):
-    return LLM(spec_pair[0], **SPEC_KV)
+    return LLM(spec_pair[0], **KV)
 
 
 def test_the_beams_of_a_brute_force_search(llm, spec_pair):
@@ -61,7 +63,7 @@ def test_width_one_is_greedy(llm):
 
 
 def test_a_speculative_engine_and_concurrency_limits_do_not_change_the_beams(llm, spec_pair):
-    spec = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **FIXED, **SPEC_KV)
+    spec = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **FIXED, **KV)
     params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
     want = [[b.tokens for b in o.sequences] for o in llm.beam_search(PROMPTS, params)]
     assert [[b.tokens for b in o.sequences] for o in spec.beam_search(PROMPTS, params)] == want
@@ -117,7 +119,7 @@ def test_a_final_end_token_is_not_counted_in_the_length_even_with_ignore_eos():
 def test_the_async_engine_returns_the_beams_as_completions(llm, spec_pair):
     """AsyncLLMEngine.beam_search (what the server calls): one finished RequestOutput, a completion per
     beam with its new tokens and text, the same beams as the offline search."""
-    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=spec_pair[0], **SPEC_KV))
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=spec_pair[0], **KV))
     params = BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)
     want = llm.beam_search(PROMPTS[:1], params)[0].sequences
     start = len(PROMPTS[0]["prompt_token_ids"])
@@ -176,7 +178,7 @@ def test_bad_calls_are_named(llm):
 
 
 def test_beams_end_at_the_context_end(spec_pair):
-    llm = LLM(spec_pair[0], max_model_len=24, **SPEC_KV)
+    llm = LLM(spec_pair[0], max_model_len=24, **KV)
     prompt = {"prompt_token_ids": list(range(3, 23))}   # 20 tokens: room for 4 more
     out = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True))[0]
     assert [len(b.tokens) for b in out.sequences] == [24, 24]
