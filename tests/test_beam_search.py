@@ -53,6 +53,8 @@ def test_the_beams_of_a_brute_force_search(llm, spec_pair):
             assert beam.cum_logprob == pytest.approx(score, abs=1e-3)
             assert len(beam.logprobs) == 5 and beam.finish_reason == "length"
             assert beam.text == llm.get_tokenizer().decode(beam.tokens)   # prompt and beam, as vLLM's
+            step_entries = beam.logprobs[0]
+            assert all(lp.decoded_token is not None for lp in step_entries.values())
 
 
 def test_width_one_is_greedy(llm):
@@ -183,3 +185,35 @@ def test_beams_end_at_the_context_end(spec_pair):
     out = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True))[0]
     assert [len(b.tokens) for b in out.sequences] == [24, 24]
     assert all(b.finish_reason == "length" for b in out.sequences)
+
+
+def test_the_progress_bar_ends_full(llm, monkeypatch):
+    """use_tqdm: one tick per step, and the steps all beams ended before (here every beam lasts 3 of 5)."""
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc, **kwargs):
+            self.total, self.n = total, 0
+            if desc == "Beam search":   # (not generate()'s own, unshown, bars)
+                bars.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr("vllm_spec.entrypoints.llm.tqdm", Bar)
+    llm.beam_search(PROMPTS, BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True), use_tqdm=True,
+                    concurrency_limit=2)
+    assert [(b.total, b.n) for b in bars] == [(10, 10)]
+    short = LLM(llm.llm_engine.config.model.path, max_model_len=23, **KV)
+    short.beam_search([{"prompt_token_ids": list(range(3, 23))}], BeamSearchParams(beam_width=2, max_tokens=5,
+                                                                                   ignore_eos=True), use_tqdm=True)
+    assert (bars[-1].total, bars[-1].n) == (5, 5)

@@ -52,7 +52,10 @@ def test_the_async_engine_and_the_servers_endpoints(tiny_llama, tmp_path, monkey
     monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path))
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
     with TestClient(app()) as client:
+        r = client.post("/stop_profile")
+        assert r.status_code == 400 and "not running" in r.json()["error"]["message"]
         assert client.post("/start_profile").status_code == 200
+        assert client.post("/start_profile").status_code == 400   # already running
         r = client.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 2})
         assert r.status_code == 200
         assert client.post("/stop_profile").status_code == 200

@@ -97,8 +97,7 @@ def one_token_params(params: BeamSearchParams) -> SamplingParams:
     if 2 * params.beam_width > MAX_LOGPROBS:
         raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // 2} (each step asks for 2 x beam_width "
                          f"logprobs, and max_logprobs is {MAX_LOGPROBS}), got {params.beam_width}.")
-    return SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
-                          detokenize=False)
+    return SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width)
 
 
 def as_request_output(request_id: str, first: RequestOutput, result: BeamSearchOutput, tokenizer: Any,

@@ -76,3 +76,11 @@ def test_a_client_gone_mid_search_frees_its_beams(server):
         assert s.status_code == 200
         next(s.iter_lines())   # the opening chunk: the search runs; then the client leaves
     _wait_all_blocks_free(server)
+
+
+def test_a_non_finite_length_penalty_is_named(server):
+    """JSON's NaN (which the server's parser takes) is a 400 naming the field, not an internal error."""
+    body = '{"model": "%s", "prompt": "hi", "use_beam_search": true, "n": 2, "max_tokens": 2, "length_penalty": NaN}'
+    r = httpx.post(server.url + "/v1/completions", content=body % MODEL_NAME,
+                   headers={**AUTH, "Content-Type": "application/json"}, timeout=60.0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty", r.text

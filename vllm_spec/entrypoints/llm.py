@@ -79,16 +79,20 @@ class LLM:
         with tqdm(total=params.max_tokens * -(-len(prompt_list) // limit), desc="Beam search",
                   disable=not use_tqdm) as bar:
             for start in range(0, len(prompt_list), limit):
-                search = beam_search(self.generate(prompt_list[start: start + limit], one_token, use_tqdm=False),
-                                     params, eos, self.llm_engine.config.model.max_model_len)
+                first = self.generate(prompt_list[start: start + limit], one_token, use_tqdm=False)
+                bar.update()
+                search = beam_search(first, params, eos, self.llm_engine.config.model.max_model_len)
+                steps = 1
                 try:
                     beams = next(search)
                     while True:
+                        outputs = self.generate([{"prompt_token_ids": t} for t in beams], one_token, use_tqdm=False)
                         bar.update()
-                        beams = search.send(self.generate([{"prompt_token_ids": t} for t in beams], one_token,
-                                                          use_tqdm=False))
+                        steps += 1
+                        beams = search.send(outputs)
                 except StopIteration as finished:
                     results += finished.value
+                bar.update(params.max_tokens - steps)   # the steps all beams ended before
         tokenizer = self.get_tokenizer()
         for out in results:
             for beam in out.sequences:   # the prompt and the beam's tokens, as vLLM's

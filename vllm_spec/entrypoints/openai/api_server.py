@@ -160,15 +160,20 @@ def build_app(state: ServerState, cors: CorsOptions | None = None) -> FastAPI:
         return await health()
 
     if os.environ.get("VLLM_TORCH_PROFILER_DIR"):   # as vLLM: only where traces have somewhere to go
+        async def profiler_call(call) -> Response:
+            try:
+                await call()
+            except RuntimeError as e:   # started twice, or stopped while not running: the client's order
+                return error_response(400, str(e))
+            return Response(status_code=200)
+
         @app.post("/start_profile")
         async def start_profile():
-            await state.engine.start_profile()
-            return Response(status_code=200)
+            return await profiler_call(state.engine.start_profile)
 
         @app.post("/stop_profile")
         async def stop_profile():
-            await state.engine.stop_profile()
-            return Response(status_code=200)
+            return await profiler_call(state.engine.stop_profile)
 
     if os.environ.get("VLLM_SERVER_DEV_MODE") == "1":   # as vLLM: a development server's extra
         @app.post("/reset_prefix_cache")

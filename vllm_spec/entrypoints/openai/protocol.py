@@ -180,10 +180,13 @@ class SamplingFields(OpenAIRequestModel):
         if self.constraint is not None:
             raise OpenAIServingError(f"use_beam_search cannot be combined with {self.constraint[1]} (beam search "
                                      "does not enforce structured outputs).", param="use_beam_search")
-        return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or max_model_len,
-                                ignore_eos=params.ignore_eos, temperature=params.temperature,
-                                length_penalty=self.length_penalty,
-                                include_stop_str_in_output=params.include_stop_str_in_output)
+        try:
+            return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or max_model_len,
+                                    ignore_eos=params.ignore_eos, temperature=params.temperature,
+                                    length_penalty=self.length_penalty,
+                                    include_stop_str_in_output=params.include_stop_str_in_output)
+        except ValueError as e:   # (what SamplingParams did not check: a non-finite length_penalty)
+            raise OpenAIServingError(str(e), param=str(e).split(" ", 1)[0]) from e
 
     @cached_property
     def constraint(self) -> tuple[StructuredOutputsParams, str] | None:
