@@ -62,6 +62,7 @@ def test_chat_returns_the_beams_as_choices(server):
     ({"n": 11}, "n"),
     ({"response_format": {"type": "json_object"}}, "use_beam_search"),
     ({"length_penalty": "long"}, "length_penalty"),
+    ({"echo": True, "logprobs": 1}, "use_beam_search"),
 ])
 def test_what_beam_search_cannot_honour_is_named(server, extra, param):
     r = _post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": PROMPTS[0], **BEAM, **extra})

@@ -279,6 +279,11 @@ class CompletionRequest(SamplingFields):
         return self._sampling_params(max_tokens, self.logprobs, defaults or {}, {"prompt_logprobs": "logprobs"},
                                      prompt_logprobs=self.logprobs if self.echo else None)
 
+    def beam_search_params(self, params: SamplingParams, max_model_len: int) -> BeamSearchParams | None:
+        if self.use_beam_search and self.echo:   # (beam steps score no prompt: nothing to echo its logprobs from)
+            raise OpenAIServingError("use_beam_search cannot be combined with echo.", param="use_beam_search")
+        return super().beam_search_params(params, max_model_len)
+
     @property
     def echo_only(self) -> bool:
         """The prompt is answered without the completion (echo with max_tokens 0)."""
