@@ -19,17 +19,26 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.mark.parametrize("name, text, expected", [
     ("get_weather", '{"unit": "C"}', (None, [ParsedCall("get_weather", '{"unit": "C"}')])),
-    ("get_weather", '{"unit": ', ('{"unit": ', [])),   # cut by max_tokens: the text stays content
+    # cut by max_tokens: still the call's arguments, as vLLM's (streamed as they came)
+    ("get_weather", '{"unit": ', (None, [ParsedCall("get_weather", '{"unit": ')])),
+    ("get_weather", "", (None, [ParsedCall("get_weather", "")])),
     (None, '[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": {"unit": "F"}}]',
-     (None, [ParsedCall("now", "{}"), ParsedCall("get_weather", '{"unit": "F"}')])),
+     (None, [ParsedCall("now", "{}"), ParsedCall("get_weather", '{"unit": "F"}', 1)])),
     (None, '[{"parameters": {}}]', ('[{"parameters": {}}]', [])),
 ])
 def test_forced_output_read_back_as_calls(name, text, expected):
     assert read_tool_calls(ForcedToolCalls(name), text) == expected
     streamed = ForcedToolCalls(name)
-    assert [streamed.feed(text[i:i + 3]) for i in range(0, len(text), 3)] == [("", [])] * len(range(0, len(text), 3))
-    content, calls = streamed.finish()
-    assert (content or None, calls) == expected and streamed.num_calls == len(calls)
+    pieces = [streamed.feed(text[i:i + 3]) for i in range(0, len(text), 3)]
+    content, last = streamed.finish()
+    assert all(piece_content == "" for piece_content, _ in pieces)
+    found = [p for _, ps in pieces for p in ps] + last
+    if name is None:   # "required": the calls come whole when the choice ends
+        assert not any(ps for _, ps in pieces) and (content or None, last) == expected
+    else:   # a named function's arguments stream as they come; the first piece names it
+        assert [p.name for p in found] == [name] + [None] * (len(found) - 1)
+        assert "".join(p.arguments for p in found) == text and {p.index for p in found} == {0}
+    assert streamed.num_calls == len(expected[1])
 
 
 def test_required_moves_the_tools_defs_to_the_root(tok_compiler):
@@ -111,13 +120,14 @@ def test_server_forces_the_calls(client, spec_pair, tool_choice, name, stream):
     # What the offline API generates under the same constraint, read back as calls.
     llm = LLM(spec_pair[0], **OPTS)
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=forced_constraint(tool_choice, TOOLS))
-    text = llm.chat([MESSAGES], params, use_tqdm=False, tools=TOOLS)[0].outputs[0].text
+    output = llm.chat([MESSAGES], params, use_tqdm=False, tools=TOOLS)[0].outputs[0]
+    text = output.text
     content, calls = read_tool_calls(ForcedToolCalls(name), text)
     if stream:
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         deltas = [e["choices"][0]["delta"] for e in events]
         got_content = "".join(d.get("content") or "" for d in deltas) or None
-        got_calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        got_calls = _joined([c for d in deltas for c in d.get("tool_calls", [])])
         finish = events[-1]["choices"][0]["finish_reason"]
     else:
         choice = r.json()["choices"][0]
@@ -126,7 +136,8 @@ def test_server_forces_the_calls(client, spec_pair, tool_choice, name, stream):
     assert got_content == content
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == \
         [(c.name, c.arguments) for c in calls]
-    assert finish == ("tool_calls" if calls and name is None else "stop" if calls else "length")
+    # As vLLM: "required" ends with "tool_calls", a named function with the model's own reason.
+    assert finish == ("tool_calls" if calls and name is None else output.finish_reason)
 
 
 def test_server_refuses_bad_tool_choices(client):
@@ -183,6 +194,18 @@ def test_server_returns_the_forced_calls(scripted, tool_choice, text, calls):
     deltas = [e["choices"][0]["delta"] for e in events]
     assert not any(d.get("content") for d in deltas)
     streamed = [t for d in deltas for t in d.get("tool_calls", [])]
-    assert [(t["index"], t["function"]["name"], t["function"]["arguments"]) for t in streamed] == \
-        [(i, n, a) for i, (n, a) in enumerate(calls)]
+    assert [(t["function"]["name"], t["function"]["arguments"]) for t in _joined(streamed)] == calls
+    if tool_choice == NAMED:   # the arguments stream in pieces; only the first names the call and has its id
+        assert len(streamed) > 1 and streamed[0]["id"].startswith("chatcmpl-tool-")
+        assert all("id" not in t and "name" not in t["function"] for t in streamed[1:])
     assert events[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+
+def _joined(pieces: list[dict]) -> list[dict]:
+    """Streamed tool-call pieces joined by index, as clients join them."""
+    calls: dict[int, dict] = {}
+    for piece in pieces:
+        call = calls.setdefault(piece["index"], {"function": {"name": None, "arguments": ""}})
+        call["function"]["name"] = call["function"]["name"] or piece["function"].get("name")
+        call["function"]["arguments"] += piece["function"].get("arguments", "")
+    return list(calls.values())

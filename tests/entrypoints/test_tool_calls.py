@@ -16,7 +16,7 @@ def extract_tool_calls(text: str):
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
 TIME = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
-CALLS = [ParsedCall("get_weather", '{"city": "Paris", "unit": "C"}'), ParsedCall("now", "{}")]
+CALLS = [ParsedCall("get_weather", '{"city": "Paris", "unit": "C"}'), ParsedCall("now", "{}", index=1)]
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -122,6 +122,7 @@ def test_server_streams_tool_calls(client):
     assert "".join(d.get("content", "") for d in deltas) == "Let me check."
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "now")]
+    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in calls)   # whole calls
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "unit": "C"}
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert r.text.rstrip().endswith("data: [DONE]")

@@ -70,9 +70,10 @@ def forced_constraint(tool_choice: Any, tools: list[dict[str, Any]] | None) -> S
 
 @dataclass
 class ForcedToolCalls:
-    """One choice's constrained output read back as tool calls (name: the named function; None:
-    "required"). Streamed, the text is held and the calls come whole when the choice ends; an output
-    that does not parse (cut by max_tokens) stays content."""
+    """One choice's constrained output read back as tool calls (as vLLM's). A named function's output is
+    its call's arguments, streamed as they come (the first piece names the function; an output cut by
+    max_tokens stays the call's arguments). "required" (name None) is read when the choice ends: the
+    calls of the list, or the text as content when it does not parse."""
 
     name: str | None
     text: str = ""
@@ -85,19 +86,26 @@ class ForcedToolCalls:
 
     def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
         self.text += delta
-        return "", []
+        if self.name is None or not delta:
+            return "", []
+        first, self.num_calls = self.num_calls == 0, 1
+        return "", [ParsedCall(self.name if first else None, delta)]
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
-        """(content, calls) of the whole text: the calls, or the text as content when it does not parse."""
+        """(content, calls) the end adds: "required"'s calls (or its text, when it does not parse); a
+        named function that generated nothing, its call with empty arguments."""
+        if self.name is not None:
+            if self.num_calls:
+                return "", []
+            self.num_calls = 1
+            return "", [ParsedCall(self.name, "")]
         try:
             value = json.loads(self.text)
         except (ValueError, RecursionError):
             return self.text, []
-        if self.name is not None:
-            calls = [ParsedCall(self.name, json.dumps(value, ensure_ascii=False))]
-        elif isinstance(value, list) and all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in value):
-            calls = [ParsedCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
-        else:
+        if not (isinstance(value, list) and all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in value)):
             return self.text, []
+        calls = [ParsedCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False), i)
+                 for i, c in enumerate(value)]
         self.num_calls = len(calls)
         return "", calls

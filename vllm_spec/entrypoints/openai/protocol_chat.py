@@ -117,16 +117,37 @@ class FunctionCall(OpenAIBaseModel):
     arguments: str   # JSON text, as OpenAI's
 
 
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{secrets.token_hex(16)}"
+
+
 class ToolCall(OpenAIBaseModel):
-    id: str = Field(default_factory=lambda: f"chatcmpl-tool-{secrets.token_hex(16)}")
+    id: str = Field(default_factory=tool_call_id)
     type: str = "function"
     function: FunctionCall
 
 
-class DeltaToolCall(ToolCall):
-    """A streamed tool call: whole, in one chunk (clients join a call's pieces by index)."""
+class _SetFieldsOnly(OpenAIBaseModel):
+    """Streamed pieces carry only the fields they set, as OpenAI's and vLLM's streams."""
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler):
+        return {name: value for name, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_SetFieldsOnly):
+    name: str | None = None
+    arguments: str = ""
+
+
+class DeltaToolCall(_SetFieldsOnly):
+    """A streamed tool call or a piece of one (clients join a call's pieces by index): a call's first
+    piece carries its id, type and function name."""
 
     index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall
 
 
 class ChatResponseMessage(OpenAIBaseModel):
@@ -152,17 +173,13 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(OpenAIBaseModel):
+class DeltaMessage(_SetFieldsOnly):
     """A streamed chunk's change: only what it sets (the first carries the role; the last may be {}),
     as OpenAI's and vLLM's streams."""
 
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _set_fields_only(self, handler):
-        return {name: value for name, value in handler(self).items() if value is not None}
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -19,10 +19,12 @@ from vllm_spec.entrypoints.openai.protocol_chat import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
+    DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
     ToolCall,
+    tool_call_id,
 )
 from vllm_spec.entrypoints.openai.tool_calls import read_tool_calls
 from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
@@ -69,14 +71,14 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
             calls, finish = None, comp.finish_reason
             if parsers is not None:
                 parser = parsers[idx]
-                first = parser.num_calls
                 delta, found = parser.feed(delta)
                 if finish is not None:
                     rest, last = parser.finish()
                     delta, found = delta + rest, found + last
                     finish = _finish_reason(finish, parser.reports_calls and parser.num_calls > 0)
-                calls = [DeltaToolCall(index=first + i, function=FunctionCall(name=c.name, arguments=c.arguments))
-                         for i, c in enumerate(found)]
+                calls = [DeltaToolCall(index=c.index, function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
+                                       **({} if c.name is None else {"id": tool_call_id(), "type": "function"}))
+                         for c in found]
                 if not delta and not calls and finish is None and lps is None:
                     return None   # the parser holds this text (a call being written): no empty chunk
             return ChatCompletionResponseStreamChoice(

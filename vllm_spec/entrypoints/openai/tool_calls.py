@@ -9,7 +9,7 @@ calls is the message's content.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 TOOL_CALL_PARSERS = ("hermes",)
 _START, _END = "<tool_call>", "</tool_call>"
@@ -17,10 +17,12 @@ _START, _END = "<tool_call>", "</tool_call>"
 
 @dataclass(frozen=True)
 class ParsedCall:
-    """A tool call found in the output: the function's name and its arguments as JSON text."""
+    """A tool call found in the output, or a streamed piece of one (clients join pieces by index): the
+    function's name (on a call's first piece only) and its arguments' JSON text (or a piece of it)."""
 
-    name: str
+    name: str | None
     arguments: str
+    index: int = 0   # which call of the choice
 
 
 def _parse_call(body: str) -> ParsedCall | None:
@@ -38,10 +40,14 @@ def read_tool_calls(reader, text: str) -> tuple[str | None, list[ParsedCall]]:
     """(content, tool calls) of a whole generated text, as a new reader (a ToolCallStream, or any
     reader with its feed/finish) finds them streamed: a client gets the same answer either way.
     Content is None when there are calls and nothing else is left."""
-    content, calls = reader.feed(text)
+    content, pieces = reader.feed(text)
     rest, last = reader.finish()
     content += rest
-    return (content or None) if calls or last else content, calls + last
+    calls: dict[int, ParsedCall] = {}
+    for piece in pieces + last:
+        call = calls.get(piece.index)
+        calls[piece.index] = piece if call is None else replace(call, arguments=call.arguments + piece.arguments)
+    return (content or None) if calls else content, list(calls.values())
 
 
 @dataclass
@@ -79,7 +85,7 @@ class ToolCallStream:
                 if call is None:   # not a call after all: its text is content
                     content.append(_START + body + _END)
                     continue
-                calls.append(call)
+                calls.append(replace(call, index=self.num_calls))
                 self.num_calls += 1
         text = self.held + "".join(content)
         body = text.rstrip()
@@ -94,7 +100,7 @@ class ToolCallStream:
         call = _parse_call(rest.strip()) if in_call else None
         if call is not None:
             self.num_calls += 1
-            return "", [call]
+            return "", [replace(call, index=self.num_calls - 1)]
         text = held + (_START if in_call else "") + rest
         return (text.rstrip() if self.num_calls else text), []
 
