@@ -217,3 +217,15 @@ def test_the_progress_bar_ends_full(llm, monkeypatch):
     short.beam_search([{"prompt_token_ids": list(range(3, 23))}], BeamSearchParams(beam_width=2, max_tokens=5,
                                                                                    ignore_eos=True), use_tqdm=True)
     assert (bars[-1].total, bars[-1].n) == (5, 5)
+
+
+def test_the_search_caches_its_prefixes_and_forgets_them_after(llm):
+    """The beams' shared prefixes are read from the prefix cache during the search even where the engine
+    keeps none (vLLM's is on by default); afterwards the engine is as it was."""
+    blocks = llm.llm_engine.block_manager
+    assert not blocks.enable_caching
+    hits = blocks.num_hit_tokens
+    llm.beam_search([{"prompt_token_ids": list(range(3, 40))}], BeamSearchParams(beam_width=2, max_tokens=4,
+                                                                                 ignore_eos=True))
+    assert blocks.num_hit_tokens > hits
+    assert not blocks.enable_caching and not blocks.cached and not blocks.block_hash

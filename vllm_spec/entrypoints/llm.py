@@ -73,8 +73,26 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         if not prompt_list:
             raise ValueError("prompts must not be empty.")
-        eos = self.llm_engine.output_processor.eos_token_ids
         limit = concurrency_limit or len(prompt_list)
+        # Each step's beams repeat their prompt and all but their last token: the search reads them from
+        # the prefix cache even where the engine keeps none (vLLM's is on by default), and forgets them after.
+        blocks = self.llm_engine.block_manager
+        caching, blocks.enable_caching = blocks.enable_caching, True
+        try:
+            results = self._beam_search(prompt_list, params, one_token, limit, use_tqdm)
+        finally:
+            if not caching:
+                blocks.enable_caching = False
+                blocks.reset_prefix_cache()
+        tokenizer = self.get_tokenizer()
+        for out in results:
+            for beam in out.sequences:   # the prompt and the beam's tokens, as vLLM's
+                beam.text = None if tokenizer is None else tokenizer.decode(beam.tokens)
+        return results
+
+    def _beam_search(self, prompt_list: list[PromptType], params: BeamSearchParams, one_token: SamplingParams,
+                     limit: int, use_tqdm: bool) -> list[BeamSearchOutput]:
+        eos = self.llm_engine.output_processor.eos_token_ids
         results: list[BeamSearchOutput] = []
         with tqdm(total=params.max_tokens * -(-len(prompt_list) // limit), desc="Beam search",
                   disable=not use_tqdm) as bar:
@@ -93,10 +111,6 @@ class LLM:
                 except StopIteration as finished:
                     results += finished.value
                 bar.update(params.max_tokens - steps)   # the steps all beams ended before
-        tokenizer = self.get_tokenizer()
-        for out in results:
-            for beam in out.sequences:   # the prompt and the beam's tokens, as vLLM's
-                beam.text = None if tokenizer is None else tokenizer.decode(beam.tokens)
         return results
 
     def generate(
