@@ -313,16 +313,13 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
-            if not (is_int(value) and value >= 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        if not (is_number(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}.")
-        if not (is_number(self.length_penalty) and math.isfinite(self.length_penalty)):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}.")
+            _check(is_int(value) and value >= 1, name, "an integer >= 1", value)
+        _check(is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0",
+               self.temperature)
+        _check(is_number(self.length_penalty) and math.isfinite(self.length_penalty), "length_penalty",
+               "a finite number", self.length_penalty)
         for name in ("ignore_eos", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")
-
+            _check(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
 
 
 class BatchFields(NamedTuple):

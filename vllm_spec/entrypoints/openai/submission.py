@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from vllm_spec.beam_search import one_token_params
 from vllm_spec.engine.async_llm_engine import AsyncStream, EngineDeadError, EngineStepError, RequestAbortedError
 from vllm_spec.entrypoints.openai.protocol import (
     ErrorInfo,
@@ -31,7 +32,6 @@ from vllm_spec.entrypoints.openai.protocol import (
 )
 from vllm_spec.entrypoints.openai.serving import ERROR_TYPES, ServerState
 from vllm_spec.outputs import CompletionOutput, RequestOutput
-from vllm_spec.beam_search import one_token_params
 from vllm_spec.sampling_params import BeamSearchParams, SamplingParams
 
 # Engine failures that end a request early; the other exceptions are the server's own bugs.
