@@ -32,6 +32,32 @@ def test_weights_that_cannot_be_packed_are_used_as_they_are():
         assert pack_for_cpu(gpu) is gpu
 
 
+def test_a_dtype_this_cpu_cannot_pack_stays_plain(monkeypatch):
+    """oneDNN refuses bfloat16 on CPUs without its instructions: such weights keep the plain layout
+    (asked once per dtype), others still pack."""
+    from vllm_spec.model import layers
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    monkeypatch.setattr(layers, "_UNPACKABLE", set())
+    asked = []
+    reorder = layers._reorder_linear_weight
+
+    def refuse_bf16(weight):
+        asked.append(weight.dtype)
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+        return reorder(weight)
+
+    monkeypatch.setattr(layers, "_reorder_linear_weight", refuse_bf16)
+    bf16 = torch.randn(8, 4, dtype=torch.bfloat16)
+    assert pack_for_cpu(bf16) is bf16 and pack_for_cpu(bf16) is bf16
+    assert pack_for_cpu(torch.randn(8, 4)).is_mkldnn
+    assert asked == [torch.bfloat16, torch.float32]
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    assert torch.equal(linear(x, pack_for_cpu(bf16)), torch.nn.functional.linear(x, bf16))
+
+
 def test_engine_on_cpu_multiplies_by_packed_weights(tiny_llama):
     """Built on the CPU, every linear layer of the model multiplies by a packed copy."""
     if not torch.backends.mkldnn.is_available():

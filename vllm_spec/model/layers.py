@@ -50,9 +50,22 @@ def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor:
     fp32, 2 cores): decoding streams every weight once per step and the plain layout is read slowly.
     """
     if (weight.is_mkldnn or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
-            or not torch.backends.mkldnn.is_available()):
+            or weight.dtype in _UNPACKABLE or not torch.backends.mkldnn.is_available()):
         return weight
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+    try:
+        return _reorder_linear_weight(weight.detach())
+    except RuntimeError:
+        # oneDNN's bfloat16 path needs CPU features (AVX-512 BF16 or AVX-NE-CONVERT) that many CPUs lack:
+        # the plain layout, for this dtype from then on.
+        _UNPACKABLE.add(weight.dtype)
+        return weight
+
+
+_UNPACKABLE: set[torch.dtype] = set()
+
+
+def _reorder_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 16)
 
 
 class LinearBase(nn.Module):
