@@ -180,6 +180,21 @@ def draft_graph_steps(engine, batch: int, max_k: int, context: int = 256, reps: 
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
+def host_profile(engine, steps: int) -> None:
+    """cProfile of `steps` steady decode steps: Python functions by own time, then by cumulative time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=positive_int, default=1)
@@ -223,7 +238,7 @@ def main() -> None:
     if args.trace_steps:
         trace_steps(engine, args.batch, args.trace_steps, args.mixed)
         return
-    if args.sync_check or args.api_calls:
+    if args.sync_check or args.api_calls or args.host_profile:
         from vllm_spec import SamplingParams
         from vllm_spec.sampling_params import RequestOutputKind
 
@@ -233,17 +248,10 @@ def main() -> None:
             engine.add_request(f"s{i}", [2 + i] * 128, params)
         while any(s.num_output_tokens < 2 for s in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()
-        (sync_check if args.sync_check else api_calls)(engine, args.batch)
-        return
-    if args.host_profile:
-        import cProfile
-        import pstats
-
-        profiler = cProfile.Profile()
-        profiler.enable()
-        run_decode(engine, args.batch, 128, 24, seed=1, extra_args=mixed, vocab=vocab)
-        profiler.disable()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+        if args.host_profile:
+            host_profile(engine, steps=40)
+        else:
+            (sync_check if args.sync_check else api_calls)(engine, args.batch)
         return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run_decode(engine, args.batch, 128, 24, seed=1, extra_args=mixed, vocab=vocab)

@@ -31,6 +31,10 @@ class _Echo(torch.nn.Module):
     def forward(self, input_ids, positions, md):
         return torch.stack([input_ids, positions, md.slot_mapping], dim=1).float() * self.one
 
+    def compute_logits(self, hidden):
+        """A stand-in LM head: four 'logits' per row that name the row's hidden state."""
+        return torch.cat([hidden, hidden.sum(dim=1, keepdim=True)], dim=1) * 2
+
 
 def _batch(batch: int, q: int, seed: int, device: str):
     g = torch.Generator().manual_seed(seed)
@@ -120,3 +124,27 @@ def test_staged_batches_mixed_with_device_inputs(device, q, monkeypatch):
         overwrite()
         with pytest.raises(RuntimeError, match="restaged"):
             graphed.replay(batch, stale)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_logits_graph_ends_with_the_lm_head(device, monkeypatch):
+    """A graph made with logits=True (a target's plain decode) returns the LM head's output for its
+    batch, staged or copied in, and a runner's run() takes the rows asked of it from those logits."""
+    from vllm_spec.worker.model_runner import ModelRunner, PreparedBatch
+
+    if device == "cpu":
+        monkeypatch.setattr(cuda_graph, "capture_graph", eager_capture)
+    model = _Echo(device)
+    graphed = GraphedForward(model, 1, MAX_BLOCKS, BLOCK, 64, logits=True)
+    graphed.capture(16)
+    for step, batch in enumerate([5, 3, 12]):
+        ids, positions, md = _batch(batch, 1, step, device)
+        expected = model.compute_logits(model(ids, positions, md))
+        assert torch.equal(graphed(ids, positions, md), expected)
+        host = [t.cpu().numpy() for t in (ids, positions, md.slot_mapping, md.seq_lens, md.block_tables)]
+        ids_v, positions_v, md_v, stage = graphed.stage(*host)
+        runner = ModelRunner.__new__(ModelRunner)
+        prepared = PreparedBatch(ids_v, positions_v, md_v, 1, list(range(batch)), None, host[0], graphed, stage)
+        assert torch.equal(runner.run(prepared), expected)
+        rows = torch.tensor([batch - 1, 0], device=device)
+        assert torch.equal(runner.run(prepared, rows), expected[rows])

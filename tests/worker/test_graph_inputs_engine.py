@@ -74,6 +74,8 @@ def test_staged_graph_inputs_match_eager(spec_pair, graphs_on_cpu, engine, param
     k = engine.get("num_speculative_tokens")
     if k is None:
         assert set(staged) == {1}, "decode batches did not go through a graph's staged inputs"
+        graph = _runners(llm)[0]._graphs[1]
+        assert graph.logits and any(g.replays for g, _ in graph.graphs.values()), "no decode step's logits in a graph"
     elif engine.get("speculative_policy") == "fixed":
         assert k + 1 in staged, "no verification batch was staged"
         loop = llm.llm_engine.executor.worker.draft_proposer.loop

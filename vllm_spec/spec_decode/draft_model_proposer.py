@@ -90,7 +90,7 @@ class DraftModelProposer:
             starts = [s.seq_len - 2 - q for s in behind]
         feed = [SeqInput(s.seq_id, tokens_from(s, start)[:-2], start, s.block_table, sample=False)
                 for s, start in zip(behind, starts)]
-        self.runner.hidden_states(self.runner.prepare(feed))
+        self.runner.write_kv(self.runner.prepare(feed))
         for s in feed:
             self._computed[s.seq_id] = s.seq_len
         return True
@@ -126,7 +126,7 @@ class DraftModelProposer:
             self._computed[s.seq_id] = s.seq_len
         if not spec:
             if catch_up:
-                self.runner.hidden_states(self.runner.prepare(catch_up))
+                self.runner.write_kv(self.runner.prepare(catch_up))
             return Proposals(torch.empty(0, 0, dtype=torch.long), None, [])
         batch = self.runner.prepare(catch_up)
         row_in_batch = {i: r for r, i in enumerate(fed)}

@@ -27,6 +27,7 @@ class PreparedBatch:
     uniform_q: int | None      # tokens per sequence when every sequence feeds the same number
     token_starts: list[int]    # host copy of query_start_loc[:-1]: each sequence's first row
     last_rows: np.ndarray      # int64 [B]: each sequence's last row (where its next token is sampled)
+    host_tokens: np.ndarray    # int64 [T]: input_ids as sent (PLACEHOLDER_TOKEN where a token is in flight)
     # The graph whose static buffers hold the inputs (views of them above), and its stage number.
     graph: GraphedForward | None = None
     stage: int = 0
@@ -46,8 +47,12 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaForCausalLM, device: torch.device, block_size: int,
-                 max_model_len: int, cuda_graphs: bool = False):
+                 max_model_len: int, cuda_graphs: bool = False, graph_logits: bool = False):
+        """graph_logits: one-token-per-sequence graphs end with the LM head. A target's plain decode
+        step wants the logits of every row, so its LM head runs in the graph, off the host's path
+        (launching it took the host 34-87 µs a step on an H200)."""
         self.model = model
+        self.graph_logits = graph_logits
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -121,14 +126,14 @@ class ModelRunner:
         graph = self.graph_for(uniform, B) if uniform and use_graph else None
         if graph is not None:
             input_ids, pos_t, md, stage = graph.stage(tokens, positions, slots, seq_lens, tables)
-            return PreparedBatch(input_ids, pos_t, md, uniform, qsl[:-1].tolist(), qsl[1:] - 1, graph, stage)
+            return PreparedBatch(input_ids, pos_t, md, uniform, qsl[:-1].tolist(), qsl[1:] - 1, tokens, graph, stage)
         input_ids, pos_t, slot_t, qsl_t, lens_t, tables_t = to_device_aligned(
             [tokens, positions, slots, qsl, seq_lens, tables.ravel()], self.device)
         md = AttentionMetadata(
             query_start_loc=qsl_t, seq_lens=lens_t, block_tables=tables_t.view(B, width), slot_mapping=slot_t,
             max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()), block_size=self.block_size,
         )
-        return PreparedBatch(input_ids, pos_t, md, uniform, qsl[:-1].tolist(), qsl[1:] - 1)
+        return PreparedBatch(input_ids, pos_t, md, uniform, qsl[:-1].tolist(), qsl[1:] - 1, tokens)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -147,25 +152,33 @@ class ModelRunner:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = self._graphs[q_len] = GraphedForward(self.model, q_len, self.max_blocks_per_seq, self.block_size,
-                                                     self.max_model_len, self._graph_pool)
+                                                     self.max_model_len, self._graph_pool,
+                                                     logits=self.graph_logits and q_len == 1)
         return graph
 
     @torch.inference_mode()
-    def hidden_states(self, batch: PreparedBatch) -> torch.Tensor:
-        """The model's forward: a graph replay for a batch staged in a graph's buffers, else eager."""
+    def _forward(self, batch: PreparedBatch) -> torch.Tensor:
+        """The model's forward: a graph replay for a batch staged in a graph's buffers (its hidden
+        states, or its logits where the graph ends with the LM head), else eager (hidden states)."""
         if batch.graph is not None:
             return batch.graph.replay(batch.md.num_seqs, batch.stage)
         return self.model(batch.input_ids, batch.positions, batch.md)
+
+    def write_kv(self, batch: PreparedBatch) -> None:
+        """The forward pass for its K/V alone (a chunk that samples nothing)."""
+        self._forward(batch)
 
     @torch.inference_mode()
     def run(self, batch: PreparedBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the given token rows (every token when rows is None), in the model's dtype: a
         greedy row needs only their argmax, and converting [rows, vocab] to float32 is a pass over
         twice their bytes (callers that compute distributions convert)."""
-        hidden = self.hidden_states(batch)
+        out = self._forward(batch)
+        if batch.graph is not None and batch.graph.logits:
+            return out if rows is None else out[rows]
         if rows is None:
-            return self.model.compute_logits(hidden)
-        return self.logits(hidden, rows)
+            return self.model.compute_logits(out)
+        return self.logits(out, rows)
 
     def capture_graphs(self, q_lens: list[int], max_batch: int, max_tokens: int | None = None) -> None:
         """Capture up front the graphs the worker will replay, so no step pays for a capture

@@ -35,6 +35,7 @@ class StagingBuffer:
         self._host_array = self._host.numpy()
         self._sent = torch.cuda.Event() if device.type == "cuda" else None
         self._in_flight = False
+        self._prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # stop -> (device, host) views
 
     def host(self) -> np.ndarray:
         """The mirror, to write into: waits (rarely) until the last send has read it."""
@@ -71,4 +72,7 @@ class StagingBuffer:
             self._in_flight = True
 
     def _send_prefix(self, stop: int) -> None:
-        self.device[:stop].copy_(self._host[:stop], non_blocking=True)
+        views = self._prefixes.get(stop)
+        if views is None:   # the same few lengths come back step after step: sliced once each
+            views = self._prefixes[stop] = (self.device[:stop], self._host[:stop])
+        views[0].copy_(views[1], non_blocking=True)

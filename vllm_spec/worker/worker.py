@@ -31,7 +31,8 @@ class Worker:
         self.device = config.model.device
         self.tp = tp or get_tp_group()
         self.runner = ModelRunner(load_model(config.model, self.tp), self.device, config.cache.block_size,
-                                  config.model.max_model_len, cuda_graphs=not config.enforce_eager)
+                                  config.model.max_model_len, cuda_graphs=not config.enforce_eager,
+                                  graph_logits=True)
         self.vocab_size = config.model.arch.vocab_size
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
         self._generators: dict[int, torch.Generator] = {}
@@ -126,7 +127,7 @@ class Worker:
         if on_pass is not None:
             on_pass()
         if not sampled and not prompt_rows.rows:
-            self.runner.hidden_states(batch)
+            self.runner.write_kv(batch)
             return DoneStep(StepOutput([], []), one_token_per_seq=True)
         if prompt_rows.rows:
             rows = to_device(np.concatenate([ends, np.asarray(prompt_rows.rows, dtype=np.int64)]), self.device)
@@ -139,10 +140,11 @@ class Worker:
             if in_flight is not None and md.penalties is not None:
                 row_of = {i: r for r, i in enumerate(sampled)}
                 md.penalties.add_tokens(to_device([row_of[i] for i in in_flight[0]], self.device), in_flight[1])
-            out = self.sampler(all_logits[: len(ends)], md)
+            out = self.sampler(all_logits if len(all_logits) == len(ends) else all_logits[: len(ends)], md)
         copy = HostCopy(out.sampled, timed=True) if out is not None else None
         span.end(copy)
-        handle = SampledStep(seqs, seq_ids, out, copy, prompt_rows, all_logits[len(ends):], req.seqs, span)
+        prompt_logits = all_logits[len(ends):] if prompt_rows.rows else None
+        handle = SampledStep(seqs, seq_ids, out, copy, prompt_rows, prompt_logits, req.seqs, span)
         if sampled:
             self._last = handle
             if md.needs_host_tokens:   # the next step's bans or masks need this step's tokens: no overlap
@@ -184,7 +186,7 @@ class Worker:
         Returns the indices of the sequences fed such a token and the tokens (on the device: the
         penalties count them), or None when there are none.
         """
-        ph = [i for i, s in enumerate(seqs) if s.token_ids[-1] == PLACEHOLDER_TOKEN]
+        ph = np.flatnonzero(batch.host_tokens[batch.last_rows] == PLACEHOLDER_TOKEN).tolist()
         if not ph:
             return None
         last = self._last_sampled()
@@ -208,7 +210,7 @@ class SampledStep(StepHandle):
     one_token_per_seq = True
 
     def __init__(self, seqs: list[SeqInput], seq_ids: list[int], out: SamplerOutput | None, copy: HostCopy | None,
-                 prompt_rows: "PromptLogprobRows", prompt_logits: torch.Tensor, chunk_seqs: list[SeqInput],
+                 prompt_rows: "PromptLogprobRows", prompt_logits: torch.Tensor | None, chunk_seqs: list[SeqInput],
                  span: DeviceSpan):
         """copy: the sampled tokens' copy to the host (None when nothing was sampled)."""
         self.seqs, self.seq_ids, self._out, self._span = seqs, seq_ids, out, span
