@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gemv.py [--rows 2 5 8 16 20 32] [--sweep] [--out gemv.json]
     python benchmarks/bench_gemv.py --shapes 8b --rows-sweep 20 80   # several-rows blocks vs cuBLAS
+    python benchmarks/bench_gemv.py --shapes 8b --rows --gate-up-sweep 16 80   # gate/up with SiLU·mul fused
 
 Each case replays a CUDA graph of 64 calls that cycle over enough weight copies
 (>= 512 MB) that no weight stays in L2, as in a decode step that streams the whole
@@ -77,24 +78,32 @@ def row_tilings(m: int) -> list[tuple[int, int]]:
     return [(one, 0)] + ([(first, gemv._rows_tile(rest))] if rest > 0 and first < one else [])
 
 
+def time_configs(configs, fn_of, weights: list[torch.Tensor]) -> list[tuple[float, "gemv.RowsBlocks"]]:
+    """(µs, config) of fn_of(config) for every config whose tiles fit the shared memory and the launch,
+    fastest first."""
+    results = []
+    for c in configs:
+        if (c.block_m + c.block_m2 + c.block_n) * c.block_k * 2 * c.stages > 200 << 10 or c.block_n * c.block_k > 16384:
+            continue
+        try:
+            results.append((time_graph(fn_of(c), weights), c))
+        except gemv.triton.runtime.errors.OutOfResources:
+            continue
+    return sorted(results)
+
+
 def rows_sweep(m: int, n: int, k: int, dtype: torch.dtype, weights: list[torch.Tensor], bw: float) -> dict:
     """cuBLAS and the several-rows kernel's configs for m rows of one weight shape; prints the best four."""
     xm = torch.randn(m, k, device="cuda", dtype=dtype)
     t_ref = time_graph(lambda w: F.linear(xm, w), weights)
-    results = []
     # Every program reads all m rows of x (from L2): at 80 rows of 4096 that is 655 KB a program, more in
     # all than the weights themselves at 64 weight rows a program, hence up to 256.
-    for (bm, bm2), swap, bn, bk, warps, stages in itertools.product(
-            row_tilings(m), (False, True), (16, 32, 64, 128, 256), (64, 128, 256), WARPS, (3, 4)):
-        if (bm + bm2 + bn) * bk * 2 * stages > 200 << 10 or warps * 32 * 8 > (bm + bm2) * bn or bn * bk > 16384:
-            continue
-        c = gemv.RowsBlocks(bm, bm2, bn, bk, warps, stages, swap)
-        try:
-            t = time_graph(lambda w, c=c: gemv.rows_linear(xm, w, None, c), weights)
-        except gemv.triton.runtime.errors.OutOfResources:
-            continue
-        results.append((t, c))
-    results.sort()
+    results = time_configs(
+        (gemv.RowsBlocks(bm, bm2, bn, bk, warps, stages, swap)
+         for (bm, bm2), swap, bn, bk, warps, stages in itertools.product(
+             row_tilings(m), (False, True), (16, 32, 64, 128, 256), (64, 128, 256), WARPS, (3, 4))
+         if warps * 32 * 8 <= (bm + bm2) * bn),
+        lambda c: (lambda w: gemv.rows_linear(xm, w, None, c)), weights)
     best = ", ".join(f"{tuple(c)} {t:.2f}us" for t, c in results[:4])
     floor = n * k * 2 / bw * 1e6
     out = dict(cublas_us=t_ref, configs=[dict(us=t, **c._asdict()) for t, c in results])
@@ -108,6 +117,27 @@ def rows_sweep(m: int, n: int, k: int, dtype: torch.dtype, weights: list[torch.T
     return out
 
 
+def gate_up_sweep(m: int, n: int, k: int, dtype: torch.dtype, weights: list[torch.Tensor], bw: float) -> dict:
+    """m rows of a merged gate/up weight (n = 2I rows): the product then fused.silu_mul (cuBLAS, or the
+    several-rows kernel up to gemv.MAX_ROWS rows: what the engine ran before gate_up_silu) against
+    gate_up_silu's configs; prints the best four and the one in use."""
+    xm = torch.randn(m, k, device="cuda", dtype=dtype)
+    t_ref = time_graph(lambda w: fused.silu_mul(F.linear(xm, w)), weights)
+    t_old = time_graph(lambda w: fused.silu_mul(gemv.linear(xm, w)), weights) if m <= gemv.MAX_ROWS else t_ref
+    results = time_configs(
+        (gemv.RowsBlocks(bm, bm2, bn, bk, warps, stages, True)
+         for (bm, bm2), bn, bk, warps, stages in itertools.product(
+             row_tilings(m), (16, 32, 64), (64, 128, 256), (4, 8), (3, 4))),
+        lambda c: (lambda w: gemv.gate_up_silu(xm, w, None, c)), weights)
+    current = gemv._gate_up_blocks(m, n // 2, k)
+    t_cur = time_graph(lambda w: gemv.gate_up_silu(xm, w, None, current), weights)
+    best = ", ".join(f"{tuple(c)} {t:.2f}us" for t, c in results[:4])
+    print(f"  {m} rows {n}x{k} + SiLU·mul: cuBLAS {t_ref:.2f}us, before {t_old:.2f}us, fused {tuple(current)} "
+          f"{t_cur:.2f}us, floor {n * k * 2 / bw * 1e6:.2f}us, best {best}", flush=True)
+    return dict(cublas_us=t_ref, before_us=t_old, fused_us=t_cur, current=current._asdict(),
+                configs=[dict(us=t, **c._asdict()) for t, c in results])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
@@ -115,6 +145,8 @@ def main() -> None:
                     help=f"also time these row counts (2..{gemv.MAX_ROWS}) plain")
     ap.add_argument("--rows-sweep", type=int, nargs="*", default=[],
                     help="time every several-rows block config at these row counts (tiles up to 128 rows) against cuBLAS")
+    ap.add_argument("--gate-up-sweep", type=int, nargs="*", default=[],
+                    help="row counts at which to sweep gate_up_silu's configs (gate/up shapes only)")
     ap.add_argument("--shapes", default="", help="only the shapes whose name starts with this (e.g. 8b)")
     ap.add_argument("--out", default="gemv.json")
     args = ap.parse_args()
@@ -149,6 +181,8 @@ def main() -> None:
                                                 for t, bn, bk, w in results]))
         for m in args.rows_sweep:
             rows.append(dict(shape=name, rows_sweep=m, **rows_sweep(m, n, k, dtype, weights, bw)))
+        for m in args.gate_up_sweep if "gate_up" in name else ():
+            rows.append(dict(shape=name, gate_up_sweep=m, **gate_up_sweep(m, n, k, dtype, weights, bw)))
         del weights
     with open(args.out, "w") as f:
         json.dump(dict(copy_bandwidth=bw, rows=rows), f, indent=1)

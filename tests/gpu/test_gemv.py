@@ -1,4 +1,5 @@
-"""Triton GEMVs (one row: plain, RMSNorm-fused, SiLU·mul-fused; several rows: plain) against float64 references of the unfused ops."""
+"""Triton GEMVs (one row: plain, RMSNorm-fused, SiLU·mul-fused; several rows: plain, gate/up with SiLU·mul)
+against float64 references of the unfused ops."""
 
 from __future__ import annotations
 
@@ -108,6 +109,95 @@ def test_fused_inputs_round_like_the_unfused_ops(k):
     assert torch.equal(gemv.silu_mul_linear(gate_up, eye), fused.silu_mul(gate_up))
 
 
+def _silu_mul_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    gate_up = F.linear(x.double(), w.double(), None if b is None else b.double())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k", [(2 * 4096, 4096), (2 * 1000, 768), (2 * 129, 200), (2 * 7, 33)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows", [2, 5, 16, 20, 32, 48, 80, gemv.GATE_UP_MAX_ROWS])
+def test_gate_up_silu(dtype, n, k, with_bias, rows):
+    """Every row count the MLP sends here (one tile of 16 or 32 rows, or a power of two plus a tile for
+    the rest), partial column blocks and K tails."""
+    x, w, b, _ = _draw(n * 11 + k + rows, n, k, dtype, rows)
+    x = x * 3   # products of a few units: SiLU's bend, not only its linear part
+    b = b if with_bias else None
+    ref = _silu_mul_ref(x, w, b)
+    _poison_allocator((rows, n // 2), dtype)
+    y = gemv.gate_up_silu(x, w, b)
+    assert y.shape == (rows, n // 2)
+    for row in range(rows):
+        assert rel_err(y[row], ref[row]) < BOUND[dtype], row
+
+
+@pytest.mark.parametrize("rows, block_m, block_m2", [(80, 64, 16), (70, 64, 16), (20, 32, 0), (5, 16, 0)])
+@pytest.mark.parametrize("block_n, swap", [(32, True), (64, True), (16, False)])
+def test_gate_up_silu_tilings(rows, block_m, block_m2, block_n, swap):
+    x, w, b, _ = _draw(rows + block_n + swap, 2 * 300, 200, torch.bfloat16, rows)
+    ref = _silu_mul_ref(x * 3, w, b)
+    _poison_allocator((rows, 300), torch.bfloat16)
+    y = gemv.gate_up_silu(x * 3, w, b, gemv.RowsBlocks(block_m, block_m2, block_n, 64, 4, 3, swap))
+    for row in range(rows):
+        assert rel_err(y[row], ref[row]) < BOUND[torch.bfloat16], row
+
+
+@pytest.mark.parametrize("rows", [3, 80])
+def test_gate_up_silu_rounds_like_the_unfused_ops(rows):
+    """With W = [I; I] both products are x itself (float16 sums of one nonzero term are exact), so
+    the epilogue's rounding must give fused.silu_mul([x | x]) bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 96, device="cuda", dtype=torch.float16, generator=g) * 3
+    eye = torch.eye(96, device="cuda", dtype=torch.float16)
+    assert torch.equal(gemv.gate_up_silu(x, torch.cat([eye, eye])), fused.silu_mul(torch.cat([x, x], dim=1)))
+
+
+def test_gate_up_silu_eligibility_and_fallback(monkeypatch):
+    """2..GATE_UP_MAX_ROWS half-precision rows of an even-rowed weight larger than FUSE_MAX_NUMEL on CUDA
+    (a small one, as a 68M draft's, streamed slower fused: too few programs); a config that does not fit
+    the device falls back to the product then fused.silu_mul, for that shape from then on."""
+    import triton
+
+    w = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    assert not gemv.gate_up_eligible(torch.randn(4, 32, device="cuda", dtype=torch.bfloat16), w)
+    monkeypatch.setattr(gemv, "FUSE_MAX_NUMEL", w.numel() - 1)
+    rows = lambda m: torch.randn(m, 32, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    assert gemv.gate_up_eligible(rows(2), w) and gemv.gate_up_eligible(rows(gemv.GATE_UP_MAX_ROWS), w)
+    assert not gemv.gate_up_eligible(rows(1), w)
+    assert not gemv.gate_up_eligible(rows(gemv.GATE_UP_MAX_ROWS + 1), w)
+    assert not gemv.gate_up_eligible(rows(4), w[:63])
+    assert not gemv.gate_up_eligible(rows(4).float(), w.float())
+    assert not gemv.gate_up_eligible(rows(4).cpu(), w.cpu())
+
+    def refuse(*args, **kwargs):
+        raise triton.runtime.errors.OutOfResources(160 << 10, 100 << 10, "shared memory")
+
+    monkeypatch.setattr(gemv, "_rows_silu_kernel", type("Refusing", (), {"__getitem__": lambda self, grid: refuse})())
+    monkeypatch.setattr(gemv, "_ROWS_UNFIT", set())
+    x = rows(5)
+    assert torch.equal(gemv.gate_up_silu(x, w), fused.silu_mul(F.linear(x, w)))
+    assert gemv._ROWS_UNFIT == {(gemv._gate_up_blocks(5, 32, 32), 64, 32)}
+    assert torch.equal(gemv.gate_up_silu(x, w), fused.silu_mul(F.linear(x, w)))
+
+
+def test_warm_up_compiles_every_row_tiling():
+    """After warm_up_gate_up, no row count gate_up_silu may meet (2..GATE_UP_MAX_ROWS) compiles a kernel
+    (a compile mid-serving stalls a step)."""
+    def compiled() -> int:
+        return sum(len(cache[0]) for cache in gemv._rows_silu_kernel.device_caches.values())
+
+    w = torch.randn(2 * 40, 64, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2 * 40, device="cuda", dtype=torch.bfloat16)
+    gemv.warm_up_gate_up(w, b)
+    before = compiled()
+    assert before >= len({gemv._gate_up_blocks(m, 40, 64) for m in range(2, gemv.GATE_UP_MAX_ROWS + 1)})
+    for m in range(gemv.GATE_UP_MIN_ROWS, gemv.GATE_UP_MAX_ROWS + 1):
+        gemv.gate_up_silu(torch.randn(m, 64, device="cuda", dtype=torch.bfloat16), w, b)
+    assert compiled() == before
+
+
 def test_a_row_of_the_wrong_width_is_refused():
     w = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="input of shape"):
@@ -119,6 +209,8 @@ def test_a_row_of_the_wrong_width_is_refused():
     with pytest.raises(ValueError, match="bias"):
         gemv.linear(torch.randn(3, 32, device="cuda", dtype=torch.bfloat16), w,
                     torch.randn(63, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="input of shape"):
+        gemv.gate_up_silu(torch.randn(3, 31, device="cuda", dtype=torch.bfloat16), w)
 
 
 def test_blocks_that_do_not_fit_the_device_fall_back_to_cublas(monkeypatch):
@@ -181,8 +273,11 @@ def test_deep_weights_past_max_rows_take_a_zero_bias(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])   # qwen2: q/k/v bias, untied LM head
-def test_decoder_forward_matches_unfused(request, arch, dtype, monkeypatch):
-    """One token through a whole model: the fused path against the unfused ops on the same device."""
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_decoder_forward_matches_unfused(request, arch, dtype, tokens, monkeypatch):
+    """One token (the one-row GEMVs with the norm and SiLU·mul fused in) or five (the several-rows
+    kernel, SiLU·mul in the gate/up epilogue) through a whole model, against the unfused ops on the
+    same device."""
     from vllm_spec import LLM
     from vllm_spec.attention.metadata import AttentionMetadata
 
@@ -191,16 +286,22 @@ def test_decoder_forward_matches_unfused(request, arch, dtype, monkeypatch):
     model = llm.llm_engine.executor.worker.runner.model
     block_size = llm.llm_engine.config.cache.block_size
     md = AttentionMetadata(
-        query_start_loc=torch.tensor([0, 1], device="cuda"), seq_lens=torch.tensor([1], device="cuda"),
-        block_tables=torch.tensor([[1]], device="cuda"), slot_mapping=torch.tensor([block_size], device="cuda"),
-        max_query_len=1, max_seq_len=1, block_size=block_size)
-    ids, pos = torch.tensor([5], device="cuda"), torch.tensor([0], device="cuda")
+        query_start_loc=torch.tensor([0, tokens], device="cuda"), seq_lens=torch.tensor([tokens], device="cuda"),
+        block_tables=torch.tensor([[1]], device="cuda"),
+        slot_mapping=torch.arange(tokens, device="cuda") + block_size,
+        max_query_len=tokens, max_seq_len=tokens, block_size=block_size)
+    ids, pos = torch.arange(5, 5 + tokens, device="cuda"), torch.arange(tokens, device="cuda")
+    monkeypatch.setattr(gemv, "FUSE_MAX_NUMEL", 0 if tokens > 1 else gemv.FUSE_MAX_NUMEL)   # a tiny model's MLP
     calls = []
-    launch = gemv._launch
+    launch, gate_up_silu = gemv._launch, gemv.gate_up_silu
     monkeypatch.setattr(gemv, "_launch", lambda *a, **k: (calls.append(a[0]), launch(*a, **k))[1])
+    monkeypatch.setattr(gemv, "gate_up_silu", lambda *a, **k: (calls.append("gate_up"), gate_up_silu(*a, **k))[1])
     with torch.inference_mode():
         fused_logits = model.compute_logits(model(ids, pos, md))
-    assert sorted(set(calls)) == [0, 1, 2], "every gemv variant should run on one row"
+    if tokens == 1:
+        assert sorted(set(calls)) == [0, 1, 2], "every gemv variant should run on one row"
+    else:
+        assert calls == ["gate_up"] * model.config.num_hidden_layers
     monkeypatch.setattr(gemv, "ENABLED", False)
     with torch.inference_mode():
         ref = model.compute_logits(model(ids, pos, md))

@@ -148,3 +148,8 @@ def test_a_logits_graph_ends_with_the_lm_head(device, monkeypatch):
         assert torch.equal(runner.run(prepared), expected)
         rows = torch.tensor([batch - 1, 0], device=device)
         assert torch.equal(runner.run(prepared, rows), expected[rows])
+    # A pass run for its K/V alone skips the graph (and with it the LM head).
+    runner.model, heads = model, []
+    monkeypatch.setattr(model, "compute_logits", lambda hidden: heads.append(hidden))
+    runner.write_kv(prepared)
+    assert heads == []

@@ -16,7 +16,9 @@ over the weights, so 2..MAX_ROWS rows take a kernel that reads each weight tile 
 and multiplies it by all rows on the tensor cores (padded to a 16- or 32-row tile:
 CUDA cores multiplying every weight by 5-8 rows fell well behind the memory; past 32
 rows cuBLAS is faster; up to LT_MAX_ROWS, cuBLASLt for the MLP's down projection:
-lt_bias). The norm and SiLU·mul stay unfused there.
+lt_bias). The norm stays unfused there; the MLP's gate/up product takes SiLU·mul in its
+epilogue (gate_up_silu) up to GATE_UP_MAX_ROWS: silu(gate) * up is written, never gate
+and up, so the separate SiLU·mul kernel and its pass over [rows, 2I] are gone.
 
 Used for float16/bfloat16 rows on CUDA; everything else (CPU, float32, more than
 MAX_ROWS rows) takes the unfused ops, which are also the reference in tests/gpu.
@@ -28,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from vllm_spec.model import fused
 from vllm_spec.platform import import_triton
 
 triton, tl = import_triton()
@@ -44,6 +47,7 @@ FUSE_MAX_NUMEL = 8 << 20
 MAX_ROWS = 32
 _ROWS_TILE = 16
 LT_MAX_ROWS = 96   # lt_bias
+GATE_UP_MIN_ROWS, GATE_UP_MAX_ROWS = 2, 96   # gate_up_silu (one row: the GEMV, then SiLU·mul)
 
 _PLAIN, _NORM, _SILU = 0, 1, 2
 
@@ -51,6 +55,16 @@ _PLAIN, _NORM, _SILU = 0, 1, 2
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x W^T runs here: 1..MAX_ROWS half-precision rows on CUDA."""
     return (ENABLED and triton is not None and x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and weight.stride(-1) == 1 and x.stride(-1) == 1)
+
+
+def gate_up_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether silu(x G^T) * (x U^T) for weight = [G; U] runs here as one kernel (gate_up_silu): a few
+    half-precision rows on CUDA and a large weight (a 68M draft's made too few programs: its steps
+    slowed)."""
+    return (ENABLED and triton is not None and x.is_cuda and x.dim() == 2 and weight.numel() > FUSE_MAX_NUMEL
+            and GATE_UP_MIN_ROWS <= x.shape[0] <= GATE_UP_MAX_ROWS and weight.shape[0] % 2 == 0
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and weight.stride(-1) == 1 and x.stride(-1) == 1)
 
@@ -138,6 +152,27 @@ def _rows_blocks(m: int, n: int, k: int) -> RowsBlocks:
     return RowsBlocks(block_m, 0, 16, block_k, 2, 4)
 
 
+def _row_tiles(m: int) -> tuple[int, int]:
+    """(block_m, block_m2): one tile up to 32 rows, else the largest power of two below m plus a tile
+    for the rest (80 rows as 64 + 16, not 128)."""
+    one = _rows_tile(m)
+    if m <= 32 or one == m:
+        return one, 0
+    first = 1 << (m.bit_length() - 1)
+    return first, _rows_tile(m - first)
+
+
+def _gate_up_blocks(m: int, n: int, k: int) -> RowsBlocks:
+    """gate_up_silu's config (n: the output width, half the weight's rows), from bench_gemv.py
+    --gate-up-sweep on an H200 (8B gate/up): 64 columns a program (64 rows of gate and 64 of up),
+    BLOCK_K 128 over 3 stages up to 32 rows, 64 over 4 past them (80 rows: 64.3 µs; 32 columns a
+    program took 152.8)."""
+    block_m, block_m2 = _row_tiles(m)
+    if block_m + block_m2 <= 32:
+        return RowsBlocks(block_m, block_m2, 64, _block_k(k, (128, 64)), 4, 3, swap=True)
+    return RowsBlocks(block_m, block_m2, 64, 64, 4, 4, swap=True)
+
+
 # (N, dtype, device) -> zeros: the bias that sends a deep weight's product to cuBLASLt (lt_bias).
 _ZERO_BIAS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -197,6 +232,43 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         BLOCK_K=blocks.block_k, EVEN_K=k % blocks.block_k == 0, SWAP=blocks.swap, num_warps=blocks.warps,
         num_stages=blocks.stages)
     return y
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 blocks: RowsBlocks | None = None) -> torch.Tensor:
+    """silu(gate) * up for [gate | up] = x W^T (+ b), W = [G; U] (the MLP's merged gate/up weight),
+    for `gate_up_eligible` rows: [M, N/2], rounded as linear then fused.silu_mul round it.
+    `blocks`: a config other than _gate_up_blocks' (benchmark sweeps)."""
+    (m, k), n = x.shape, weight.shape[0] // 2
+    _check_shapes(x, weight.shape[1], weight, bias)
+    blocks = blocks or _gate_up_blocks(m, n, k)
+    if m > blocks.block_m + blocks.block_m2:
+        raise ValueError(f"gemv: {m} rows do not fit tiles of {blocks.block_m} + {blocks.block_m2}")
+    if (blocks, 2 * n, k) in _ROWS_UNFIT:
+        return fused.silu_mul(torch.nn.functional.linear(x, weight, bias))
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    try:
+        _rows_silu_kernel[(triton.cdiv(n, blocks.block_n),)](
+            x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=blocks.block_m, BLOCK_M2=blocks.block_m2, BLOCK_N=blocks.block_n,
+            BLOCK_K=blocks.block_k, EVEN_K=k % blocks.block_k == 0, SWAP=blocks.swap, num_warps=blocks.warps,
+            num_stages=blocks.stages)
+    except triton.runtime.errors.OutOfResources:   # as in linear
+        _ROWS_UNFIT.add((blocks, 2 * n, k))
+        return fused.silu_mul(torch.nn.functional.linear(x, weight, bias))
+    return y
+
+
+@torch.inference_mode()
+def warm_up_gate_up(weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """Compile gate_up_silu for every row tiling it may meet with this weight's shape (5-7 of them):
+    a compile mid-serving (a prompt of a new length) would stall that step for about a second."""
+    n, k = weight.shape[0] // 2, weight.shape[1]
+    rows_of = {}
+    for m in range(GATE_UP_MIN_ROWS, GATE_UP_MAX_ROWS + 1):
+        rows_of.setdefault(_gate_up_blocks(m, n, k), m)
+    for m in rows_of.values():
+        gate_up_silu(torch.zeros(m, k, dtype=weight.dtype, device=weight.device), weight, bias)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -272,17 +344,13 @@ if triton is not None:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
     @triton.jit
-    def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr):
-        """y [M, N] = x [M, K] W^T (+ b) for M <= BLOCK_M + BLOCK_M2: the rows padded to one or two
-        tensor-core tiles (two let 80 rows be 64 + 16, not 128), so each weight tile is read once for
-        all of them. SWAP multiplies W x^T instead (the weight rows in the tile's M dimension)."""
-        pid = tl.program_id(0)
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < N
+    def _rows_acc(w_rows, row_mask, x_ptr, M, K, stride_x, BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr):
+        """The float32 products of the weight rows at w_rows with x's M rows, padded to one or two
+        tensor-core tiles (two let 80 rows be 64 + 16, not 128), each weight tile read once for all of
+        them: (acc, acc2), [BLOCK_N, rows] when SWAP (W x^T: the weight rows on the tile's M side), else
+        [rows, BLOCK_N]."""
         offs = tl.arange(0, BLOCK_K)
-        w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
         m1 = tl.arange(0, BLOCK_M)
         m2 = BLOCK_M + tl.arange(0, BLOCK_M2 if BLOCK_M2 > 0 else 16)
         if SWAP:
@@ -299,9 +367,54 @@ if triton is not None:
             if BLOCK_M2 > 0:
                 x2 = _load_tile(x_ptr + m2[:, None] * stride_x + cols[None, :], m2 < M, cols, K, EVEN_K)
                 acc2 = tl.dot(w, tl.trans(x2), acc2) if SWAP else tl.dot(x2, tl.trans(w), acc2)
-        _store_rows(acc, b_ptr, y_ptr, m1, rows, M, N, HAS_BIAS, SWAP)
+        return acc, acc2
+
+    # M feeds only masks: one compiled variant for every row count of a tiling, not one more for
+    # multiples of 16 (which Triton would otherwise specialize on).
+    @triton.jit(do_not_specialize=["M"])
+    def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr):
+        """y [M, N] = x [M, K] W^T (+ b) for M <= BLOCK_M + BLOCK_M2 (_rows_acc)."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
+        acc, acc2 = _rows_acc(w_ptr + rows[:, None].to(tl.int64) * stride_w, row_mask, x_ptr, M, K, stride_x,
+                              BLOCK_M, BLOCK_M2, BLOCK_N, BLOCK_K, EVEN_K, SWAP)
+        m1 = tl.arange(0, BLOCK_M)
+        _store_rows(_biased(acc, b_ptr, rows, N, HAS_BIAS, SWAP), y_ptr, m1, rows, M, N, SWAP)
         if BLOCK_M2 > 0:
-            _store_rows(acc2, b_ptr, y_ptr, m2, rows, M, N, HAS_BIAS, SWAP)
+            m2 = BLOCK_M + tl.arange(0, BLOCK_M2)
+            _store_rows(_biased(acc2, b_ptr, rows, N, HAS_BIAS, SWAP), y_ptr, m2, rows, M, N, SWAP)
+
+    @triton.jit(do_not_specialize=["M"])   # as _rows_kernel
+    def _rows_silu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, HAS_BIAS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr):
+        """y [M, N] = silu(x G^T (+ b_G)) * (x U^T (+ b_U)) for W = [G; U] of 2N rows: columns j of y
+        read rows j of G and of U, so each program owns both halves of its columns."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
+        g, g2 = _rows_acc(w_ptr + rows[:, None].to(tl.int64) * stride_w, row_mask, x_ptr, M, K, stride_x,
+                          BLOCK_M, BLOCK_M2, BLOCK_N, BLOCK_K, EVEN_K, SWAP)
+        u, u2 = _rows_acc(w_ptr + (rows[:, None] + N).to(tl.int64) * stride_w, row_mask, x_ptr, M, K, stride_x,
+                          BLOCK_M, BLOCK_M2, BLOCK_N, BLOCK_K, EVEN_K, SWAP)
+        dtype = y_ptr.dtype.element_ty
+        m1 = tl.arange(0, BLOCK_M)
+        _store_rows(_silu_mul(_biased(g, b_ptr, rows, N, HAS_BIAS, SWAP),
+                              _biased(u, b_ptr + N, rows, N, HAS_BIAS, SWAP), dtype), y_ptr, m1, rows, M, N, SWAP)
+        if BLOCK_M2 > 0:
+            m2 = BLOCK_M + tl.arange(0, BLOCK_M2)
+            _store_rows(_silu_mul(_biased(g2, b_ptr, rows, N, HAS_BIAS, SWAP),
+                                  _biased(u2, b_ptr + N, rows, N, HAS_BIAS, SWAP), dtype),
+                        y_ptr, m2, rows, M, N, SWAP)
+
+    @triton.jit
+    def _silu_mul(gate, up, dtype: tl.constexpr):
+        """silu(gate) * up of float32 products, each rounded to dtype where the unfused ops round
+        (the linear's output, then silu's), as fused.silu_mul computes it."""
+        g = gate.to(dtype).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        return s * up.to(dtype).to(tl.float32)
 
     @triton.jit
     def _load_tile(ptrs, row_mask, cols, K, EVEN_K: tl.constexpr):
@@ -311,16 +424,20 @@ if triton is not None:
         return tl.load(ptrs, mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
 
     @triton.jit
-    def _store_rows(acc, b_ptr, y_ptr, ms, rows, M, N, HAS_BIAS: tl.constexpr, SWAP: tl.constexpr):
-        """y[ms, rows] = acc (+ b[rows]); acc is [rows, ms] when SWAP, else [ms, rows]."""
+    def _biased(acc, b_ptr, rows, N, HAS_BIAS: tl.constexpr, SWAP: tl.constexpr):
+        """acc (+ b[rows]); acc is [rows, ms] when SWAP, else [ms, rows]."""
+        if HAS_BIAS:
+            b = tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+            acc += b[:, None] if SWAP else b[None, :]
+        return acc
+
+    @triton.jit
+    def _store_rows(acc, y_ptr, ms, rows, M, N, SWAP: tl.constexpr):
+        """y[ms, rows] = acc (y's rows N wide); acc is [rows, ms] when SWAP, else [ms, rows]."""
         row_mask = rows < N
         if SWAP:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
             tl.store(y_ptr + ms[None, :] * N + rows[:, None], acc.to(y_ptr.dtype.element_ty),
                      mask=(ms < M)[None, :] & row_mask[:, None])
         else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + ms[:, None] * N + rows[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=(ms < M)[:, None] & row_mask[None, :])

@@ -9,6 +9,7 @@ from torch import nn
 
 from vllm_spec.attention import Attention, AttentionMetadata
 from vllm_spec.distributed.parallel_state import GroupCoordinator
+from vllm_spec.model import gemv
 from vllm_spec.model.arch_config import ArchConfig
 from vllm_spec.model.fused import rotary
 from vllm_spec.model.layers import (
@@ -76,6 +77,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP of norm(x + residual), x + residual)."""
+        if gemv.gate_up_eligible(x, self.gate_up_proj.weight):   # SiLU·mul in the gate/up product's epilogue
+            x, residual = norm(x, residual)
+            return self.down_proj(gemv.gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)), residual
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
         return self.down_proj.forward_silu_mul(gate_up), residual
 

@@ -12,6 +12,7 @@ from vllm_spec.attention import torch_backend
 from vllm_spec.attention.layer import select_backend
 from vllm_spec.attention.metadata import AttentionMetadata, compute_slot_mapping
 from vllm_spec.config import MAX_SPECULATIVE_TOKENS
+from vllm_spec.model import gemv
 from vllm_spec.model.llama import LlamaForCausalLM
 from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.worker.batch import SeqInput
@@ -91,6 +92,7 @@ class ModelRunner:
             for window in {a.sliding_window: None for a in self.model.attention_layers()}:
                 backend.warm_up(attn.num_heads, attn.k_cache, attn.v_cache, attn.scale, window, dtype)
             self._warm_up_argmax(dtype)
+            self._warm_up_gate_up(dtype)
 
     @torch.inference_mode()
     def _warm_up_argmax(self, dtype: torch.dtype) -> None:
@@ -100,6 +102,13 @@ class ModelRunner:
                                                        device=self.device))
         argmax_rows(logits)
         argmax_rows(logits.float())
+
+    def _warm_up_gate_up(self, dtype: torch.dtype) -> None:
+        """Compile the MLP's gate/up-with-SiLU·mul kernel for its row tilings before serving."""
+        gate_up = self.model.layers[0].mlp.gate_up_proj
+        rows = torch.zeros(gemv.GATE_UP_MIN_ROWS, gate_up.weight.shape[1], dtype=dtype, device=self.device)
+        if gemv.gate_up_eligible(rows, gate_up.weight):
+            gemv.warm_up_gate_up(gate_up.weight, gate_up.bias)
 
     def prepare(self, seqs: list[SeqInput], use_graph: bool = True) -> PreparedBatch:
         """Flatten the sequences' new tokens and build the attention metadata.
@@ -164,9 +173,13 @@ class ModelRunner:
             return batch.graph.replay(batch.md.num_seqs, batch.stage)
         return self.model(batch.input_ids, batch.positions, batch.md)
 
+    @torch.inference_mode()
     def write_kv(self, batch: PreparedBatch) -> None:
         """The forward pass for its K/V alone (a chunk that samples nothing)."""
-        self._forward(batch)
+        if batch.graph is not None and batch.graph.logits:   # eager over the staged inputs: no LM head
+            self.model(batch.input_ids, batch.positions, batch.md)
+        else:
+            self._forward(batch)
 
     @torch.inference_mode()
     def run(self, batch: PreparedBatch, rows: torch.Tensor | None = None) -> torch.Tensor:

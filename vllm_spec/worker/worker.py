@@ -17,6 +17,7 @@ from vllm_spec.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from vllm_spec.structured_output.grammar import StructuredOutputs
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import PLACEHOLDER_TOKEN, ExecuteModelRequest, PromptLogprobs, SeqInput, StepOutput
+from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for
 from vllm_spec.worker.model_runner import ModelRunner, PreparedBatch, to_device_aligned
 from vllm_spec.worker.step_handle import DeviceSpan, DoneStep, HostCopy, StepHandle
 
@@ -32,7 +33,8 @@ class Worker:
         self.tp = tp or get_tp_group()
         self.runner = ModelRunner(load_model(config.model, self.tp), self.device, config.cache.block_size,
                                   config.model.max_model_len, cuda_graphs=not config.enforce_eager,
-                                  graph_logits=True)
+                                  # A sharded LM head all-gathers: collectives stay out of graphs (as the draft loop's).
+                                  graph_logits=self.tp.world_size == 1)
         self.vocab_size = config.model.arch.vocab_size
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
         self._generators: dict[int, torch.Generator] = {}
@@ -57,7 +59,15 @@ class Worker:
         arch = self.config.model.arch
         tokens = self.config.scheduler.max_num_batched_tokens
         activations = tokens * (arch.hidden_size * 16 + arch.intermediate_size * 4) * 4 + (1 << 30)
-        return int(total * cache.gpu_memory_utilization - used - activations)
+        return int(total * cache.gpu_memory_utilization - used - activations - self._graph_logits_bytes())
+
+    def _graph_logits_bytes(self) -> int:
+        """What the logits outputs of the one-token graphs (every bucket's, kept by its graph) will take."""
+        if not (self.runner.cuda_graphs and self.runner.graph_logits):
+            return 0
+        largest = bucket_for(self.config.scheduler.max_num_seqs) or BATCH_BUCKETS[-1]
+        rows = sum(b for b in BATCH_BUCKETS if b <= largest)
+        return rows * self.vocab_size * torch.empty(0, dtype=self.config.model.dtype).element_size()
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks, self.config.model.dtype)
