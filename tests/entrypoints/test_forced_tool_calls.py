@@ -33,12 +33,28 @@ def test_forced_output_read_back_as_calls(name, text, expected):
     content, last = streamed.finish()
     assert all(piece_content == "" for piece_content, _ in pieces)
     found = [p for _, ps in pieces for p in ps] + last
-    if name is None:   # "required": the calls come whole when the choice ends
-        assert not any(ps for _, ps in pieces) and (content or None, last) == expected
+    if name is None:   # "required": each call comes whole once its object closes
+        assert (content or None, found) == expected and not last
     else:   # a named function's arguments stream as they come; the first piece names it
         assert [p.name for p in found] == [name] + [None] * (len(found) - 1)
         assert "".join(p.arguments for p in found) == text and {p.index for p in found} == {0}
     assert streamed.num_calls == len(expected[1])
+
+
+def test_required_streams_each_call_as_its_object_closes():
+    """A call of the list streams once its object closes, not when the choice ends; braces, brackets
+    and escaped quotes inside strings do not close it; an output cut after a call keeps the call."""
+    first = '[{"name": "get_weather", "parameters": {"unit": "C", "note": "a } ] \\" {"}}'
+    reader = ForcedToolCalls(None)
+    assert reader.feed(first[:-1]) == ("", [])
+    assert reader.feed(first[-1]) == ("", [ParsedCall("get_weather", json.dumps(json.loads(first + "]")[0]["parameters"]))])
+    assert reader.feed(', {"name": "now", "param') == ("", [])
+    assert reader.feed('eters": {}}]') == ("", [ParsedCall("now", "{}", 1)])
+    assert reader.finish() == ("", []) and reader.num_calls == 2
+    cut = ForcedToolCalls(None)
+    assert cut.feed(first + ', {"name": "n') == ("", [ParsedCall("get_weather", json.dumps(
+        {"unit": "C", "note": 'a } ] " {'}))])
+    assert cut.finish() == ("", []) and cut.num_calls == 1
 
 
 def test_required_moves_the_tools_defs_to_the_root(tok_compiler):
@@ -198,6 +214,9 @@ def test_server_returns_the_forced_calls(scripted, tool_choice, text, calls):
     if tool_choice == NAMED:   # the arguments stream in pieces; only the first names the call and has its id
         assert len(streamed) > 1 and streamed[0]["id"].startswith("chatcmpl-tool-")
         assert all("id" not in t and "name" not in t["function"] for t in streamed[1:])
+    else:   # each call whole, with its id and index, as its object closes
+        assert [(t["index"], t["id"][:14]) for t in streamed] == [(0, "chatcmpl-tool-"), (1, "chatcmpl-tool-")]
+        assert streamed[0]["id"] != streamed[1]["id"]
     assert events[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
 
 

@@ -72,12 +72,19 @@ def forced_constraint(tool_choice: Any, tools: list[dict[str, Any]] | None) -> S
 class ForcedToolCalls:
     """One choice's constrained output read back as tool calls (as vLLM's). A named function's output is
     its call's arguments, streamed as they come (the first piece names the function; an output cut by
-    max_tokens stays the call's arguments). "required" (name None) is read when the choice ends: the
-    calls of the list, or the text as content when it does not parse."""
+    max_tokens stays the call's arguments). "required" (name None) streams each call of the list once its
+    object closes (name and arguments, the arguments as json.dumps writes them: the same text streamed or
+    not); an output whose calls do not parse is the choice's content when it ends."""
 
     name: str | None
     text: str = ""
     num_calls: int = 0
+    _scanned: int = 0          # "required": how much of text the scan has read
+    _depth: int = 0            # its nesting there, and whether inside a string (after a backslash)
+    _in_string: bool = False
+    _escaped: bool = False
+    _object_start: int = -1    # where the list's open object starts
+    _invalid: bool = False     # an object that is not a call was found: nothing more streams
 
     @property
     def reports_calls(self) -> bool:
@@ -86,26 +93,60 @@ class ForcedToolCalls:
 
     def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
         self.text += delta
-        if self.name is None or not delta:
+        if not delta:
             return "", []
+        if self.name is None:
+            return "", self._closed_calls()
         first, self.num_calls = self.num_calls == 0, 1
         return "", [ParsedCall(self.name if first else None, delta)]
 
+    def _closed_calls(self) -> list[ParsedCall]:
+        """The list's call objects that closed since the last scan."""
+        calls, text = [], self.text
+        for i in range(self._scanned, len(text)):
+            c = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "[{":
+                self._depth += 1
+                if c == "{" and self._depth == 2:
+                    self._object_start = i
+            elif c in "]}":
+                if c == "}" and self._depth == 2 and not self._invalid:
+                    call = self._call(text[self._object_start: i + 1], self.num_calls)
+                    if call is None:
+                        self._invalid = True
+                    else:
+                        calls.append(call)
+                        self.num_calls += 1
+                self._depth -= 1
+        self._scanned = len(text)
+        return calls
+
+    @staticmethod
+    def _call(text: str, index: int) -> ParsedCall | None:
+        """A call of the list ({"name", "parameters"}), or None when the text is no such object."""
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            return None
+        if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
+            return None
+        return ParsedCall(value["name"], json.dumps(value.get("parameters", {}), ensure_ascii=False), index)
+
     def finish(self) -> tuple[str, list[ParsedCall]]:
-        """(content, calls) the end adds: "required"'s calls (or its text, when it does not parse); a
-        named function that generated nothing, its call with empty arguments."""
+        """(content, calls) the end adds: "required"'s text as content when none of its calls streamed
+        (it does not parse); a named function that generated nothing, its call with empty arguments."""
         if self.name is not None:
             if self.num_calls:
                 return "", []
             self.num_calls = 1
             return "", [ParsedCall(self.name, "")]
-        try:
-            value = json.loads(self.text)
-        except (ValueError, RecursionError):
-            return self.text, []
-        if not (isinstance(value, list) and all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in value)):
-            return self.text, []
-        calls = [ParsedCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False), i)
-                 for i, c in enumerate(value)]
-        self.num_calls = len(calls)
-        return "", calls
+        return ("", []) if self.num_calls else (self.text, [])
