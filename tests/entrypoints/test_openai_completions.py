@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 
 import httpx
@@ -198,3 +199,25 @@ def test_logit_bias_allowed_token_ids_and_bad_words_match_offline(server):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, bad_words=words)
     assert resp.choices[0].text == server.llm.generate(PROMPTS[2], params, use_tqdm=False)[0].outputs[0].text
     assert resp.choices[0].text != server.ref_text[PROMPTS[2]]
+
+
+def test_the_clients_request_id_names_the_response(server):
+    """As vLLM: the X-Request-Id header (else the body's request_id) is the response's id after its prefix,
+    streamed chunks too; an id reused while in flight still runs; a request_id that is no string is a 400."""
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
+    r = _post(server, "/v1/completions", body, headers={**AUTH, "X-Request-Id": "abc123"})
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-abc123"
+    chat = {"model": MODEL_NAME, "messages": MESSAGES[0], "max_tokens": 2, "temperature": 0, "request_id": "myid"}
+    assert _post(server, "/v1/chat/completions", chat).json()["id"] == "chatcmpl-myid"
+    r = _post(server, "/v1/chat/completions", chat, headers={**AUTH, "X-Request-Id": "hdr"})
+    assert r.json()["id"] == "chatcmpl-hdr"
+    stream = _post(server, "/v1/completions", {**body, "stream": True, "request_id": "s1"})
+    events = [e for e in _sse_events(stream.text.splitlines()) if e != "[DONE]"]
+    assert events and {e["id"] for e in events} == {"cmpl-s1"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        same = list(pool.map(lambda _: _post(server, "/v1/completions", {**body, "n": 2},
+                                             headers={**AUTH, "X-Request-Id": "dup"}), range(2)))
+    assert [(r.status_code, r.json()["id"], len(r.json()["choices"])) for r in same] == [(200, "cmpl-dup", 2)] * 2
+    bad = _post(server, "/v1/completions", {**body, "request_id": 7})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
+    assert _post(server, "/v1/completions", body).json()["id"].startswith("cmpl-")

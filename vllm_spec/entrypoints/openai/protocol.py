@@ -102,7 +102,7 @@ def sampling_field_of(message: str) -> str | None:
 # silently ignores them. Other unknown fields are ignored, as vLLM ignores them.
 _UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "echo": False,
-    "prompt_logprobs": None, "logits_processors": None, "return_tokens_as_token_ids": False,
+    "prompt_logprobs": None, "logits_processors": None, "return_tokens_as_token_ids": False, "return_token_ids": False,
     "guided_whitespace_pattern": None,
 }
 

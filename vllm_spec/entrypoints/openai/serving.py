@@ -75,6 +75,18 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
 
 
 # Request checks -------------------------------------------------------------------------------------
+def client_request_id(raw_request: Request, request: Any) -> str | None:
+    """The id a client gave its request (as vLLM: the X-Request-Id header, else the body's request_id),
+    which the response's id carries; None: the server makes one up."""
+    header = raw_request.headers.get("X-Request-Id")
+    if header:
+        return header
+    body = (request.model_extra or {}).get("request_id")
+    if body is not None and not isinstance(body, str):
+        raise OpenAIServingError(f"request_id must be a string, got {body!r}.", param="request_id")
+    return body or None
+
+
 def check_model(state: ServerState, model: str | None) -> None:
     if model is None or model in state.served_model_names:
         return

@@ -57,7 +57,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     sub = await submission.submit(state, "chatcmpl", request.model, [prompt], params, "messages",
                                max_tokens_param="max_completion_tokens" if request.max_completion_tokens is not None
                                else "max_tokens", priority=request.priority,
-                               beam=request.beam_search_params(params, state.max_model_len))
+                               beam=request.beam_search_params(params, state.max_model_len),
+                               request_id=serving.client_request_id(raw_request, request))
     k = params.logprobs
 
     if request.stream:

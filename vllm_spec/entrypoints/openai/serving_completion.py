@@ -91,7 +91,8 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
     prompts = await serving.in_tokenizer_thread(state, _completion_prompts, state, request)
     sub = await submission.submit(state, "cmpl", request.model, prompts, params, "prompt", echo_only=request.echo_only,
                                   priority=request.priority,
-                                  beam=request.beam_search_params(params, state.max_model_len))
+                                  beam=request.beam_search_params(params, state.max_model_len),
+                                  request_id=serving.client_request_id(raw_request, request))
     n, k = params.n, params.logprobs
     echo = ([await serving.in_tokenizer_thread(state, _prompt_text, state, p) for p in prompts] if request.echo
             else [""] * len(prompts))

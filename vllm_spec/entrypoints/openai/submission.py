@@ -307,11 +307,13 @@ async def _beam_stream(state: ServerState, first: AsyncStream, request_id: str,
 async def submit(state: ServerState, id_prefix: str, model: str | None, prompts: list[dict[str, Any]],
                  params: SamplingParams, prompt_param: str, echo_only: bool = False,
                  max_tokens_param: str = "max_tokens", priority: int = 0,
-                 beam: BeamSearchParams | None = None) -> Submission:
+                 beam: BeamSearchParams | None = None, request_id: str | None = None) -> Submission:
     """Check each prompt's length, then add them all to the engine as one Submission (prompt_param:
     the request field the prompts came from, which errors about them name; echo_only: the prompts
     are answered alone, so a prompt as long as the context fits though a token is generated; beam:
-    beam search instead of sampling, each prompt's first step added as the other requests are)."""
+    beam search instead of sampling, each prompt's first step added as the other requests are;
+    request_id: the client's id for the response, "<id_prefix>-<request_id>", its engine requests named
+    after it with a random suffix, since clients may reuse an id)."""
     if params.truncate_prompt_tokens is not None:   # left truncation, before the length checks
         prompts = [{**p, "prompt_token_ids": params.truncate_prompt(p["prompt_token_ids"], state.max_model_len)}
                    for p in prompts]
@@ -326,11 +328,12 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
             params = dataclasses.replace(params, max_tokens=cap)
         except ValueError as e:   # e.g. min_tokens above the cap: the request's field is named
             raise OpenAIServingError(str(e), param=sampling_field_of(str(e))) from e
-    base_id = random_id(id_prefix)
+    response_id = random_id(id_prefix) if request_id is None else f"{id_prefix}-{request_id}"
+    base_id = response_id if request_id is None else random_id(response_id)
     prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
     if beam is None:
         ids, streams = await _add_all(state, base_id, prompts, params, prompt_param, priority)
     else:
         ids, firsts = await _add_all(state, base_id, prompts, one_token_params(beam), prompt_param, priority)
         streams = [_beam_stream(state, first, rid, beam) for first, rid in zip(firsts, ids)]
-    return Submission(state, base_id, model or state.model_name, params, prompt_lens, ids, streams)
+    return Submission(state, response_id, model or state.model_name, params, prompt_lens, ids, streams)
