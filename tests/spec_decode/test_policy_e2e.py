@@ -405,3 +405,27 @@ def test_a_policy_that_fails_to_learn_does_not_fail_the_steps(spec_pair, greedy_
         llm.generate(make_prompts(1), GREEDY, use_tqdm=False)   # its steps teach the first call's last
     assert "failed in" in caplog.text and len(lessons) >= steps >= 3
     assert len(finished) == 16 and not finished & set(policy._acceptance.seqs)   # released despite the failures
+
+
+def test_drafts_the_proposer_did_not_find_are_no_trials(spec_pair):
+    """An n-gram proposer may find fewer drafts than asked, or none: the policy learns from the drafts
+    proposed (a draft never proposed is no rejection), so no match does not drive its acceptance
+    estimate to 0 and stop speculation for good."""
+    llm = LLM(spec_pair[0], speculative_model="[ngram]", num_speculative_tokens=3, ngram_prompt_lookup_max=3,
+              **FIXED, **KV)
+    worker = llm.llm_engine.executor.worker
+    found_per_step, propose = [], worker.proposer.propose
+
+    def recording(*args, **kwargs):
+        proposals = propose(*args, **kwargs)
+        found_per_step.append(list(proposals.num_drafts))
+        return proposals
+
+    worker.proposer.propose = recording
+    learned, observe = [], worker.policy.observe
+    worker.policy.observe = lambda shape, chosen, *rest: learned.append(list(chosen)) or observe(shape, chosen, *rest)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9, 5, 6, 7, 8] + list(range(20, 40))}   # one match, then none
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    speculative = [found for found in found_per_step if found]
+    assert speculative and any(f[0] < 3 for f in speculative), found_per_step
+    assert [c for c in learned if any(c)] == [f for f in speculative if any(f)]

@@ -188,8 +188,13 @@ class SpecDecodeWorker:
             step = self.target.launch(req, on_pass=timer.mark)
             timer.mark()
             self._policy_work(shape)
-        handle = _SpecStep(self, step, timer, _Observation(shape, [asked[i] for i in rows], start, bool(spec_idx),
-                                                           caught_up))
+        # What the proposer found (an n-gram proposer may find fewer drafts than asked, or none): a
+        # draft never proposed is no trial of the acceptance, and the verification did not score it.
+        drafted = list(asked)
+        for i, n in zip(spec_idx, proposals.num_drafts):
+            drafted[i] = n
+        handle = _SpecStep(self, step, timer, _Observation(shape, [asked[i] for i in rows], [drafted[i] for i in rows],
+                                                           start, bool(spec_idx), caught_up))
         if handle.one_token_per_seq:
             self._unread = handle
         return handle
@@ -209,7 +214,7 @@ class SpecDecodeWorker:
         by_id = {sid: len(toks) - 1 for sid, toks in zip(result.seq_ids, result.token_ids)}
         charge = self._charges.read(time.perf_counter(), obs.start, obs.speculative)
         charge.seconds = max(charge.seconds - stats.catch_up_time, 1e-6)
-        self._lessons.append(_Lesson(obs.shape, obs.asked, [by_id.get(sid, 0) for sid in obs.shape.seq_ids],
+        self._lessons.append(_Lesson(obs.shape, obs.drafted, [by_id.get(sid, 0) for sid in obs.shape.seq_ids],
                                      stats, charge))
         stats.policy = replace(self.policy.estimates(), mean_k=sum(obs.asked) / len(obs.asked) if obs.asked else 0.0)
 
@@ -250,11 +255,12 @@ def _num_params(model: torch.nn.Module) -> int:
 
 @dataclass
 class _Observation:
-    """What the policy learns from once a step is read: its shape, the drafts asked, when it began,
+    """What the policy learns from once a step is read: its shape, the drafts asked and found, when it began,
     and whether it speculated (ran to completion at launch: an n-gram proposer may find no drafts)."""
 
     shape: StepShape
     asked: list[int]
+    drafted: list[int]   # what the proposer found of those
     start: float
     speculative: bool
     caught_up: bool   # the proposer fed tokens it had missed before proposing
