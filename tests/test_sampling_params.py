@@ -116,6 +116,16 @@ def test_vllm_names_accepted_where_they_change_nothing():
             SamplingParams(**kwargs)
 
 
+def test_truncation_past_max_model_len_is_refused():
+    """As vLLM: truncate_prompt_tokens above max_model_len is an error naming it; -1 means max_model_len."""
+    ids = list(range(10))
+    assert SamplingParams(truncate_prompt_tokens=4).truncate_prompt(ids, 8) == [6, 7, 8, 9]
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt(ids, 8) == ids[2:]
+    assert SamplingParams(truncate_prompt_tokens=8).truncate_prompt(ids, 8) == ids[2:]
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(9\) is greater than max_model_len \(8\)"):
+        SamplingParams(truncate_prompt_tokens=9).truncate_prompt(ids, 8)
+
+
 def test_logit_bias_and_allowed_token_ids():
     """vLLM's forms: string keys (as JSON sends them) become ints, biases are clamped to OpenAI's [-100, 100]."""
     p = SamplingParams(logit_bias={"5": 250, 3: -1.5, 7: -1e9}, allowed_token_ids=(4, 2))

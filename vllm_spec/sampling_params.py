@@ -286,8 +286,12 @@ class SamplingParams:
         return params
 
     def truncate_prompt(self, token_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's last truncate_prompt_tokens ids (-1, as vLLM: max_model_len), or all of them."""
+        """The prompt's last truncate_prompt_tokens ids (-1, as vLLM: max_model_len), or all of them.
+        ValueError, as vLLM's, where truncate_prompt_tokens exceeds max_model_len (nothing it keeps fits)."""
         n = self.truncate_prompt_tokens
+        if n is not None and n > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({n}) is greater than max_model_len ({max_model_len}): "
+                             "choose a smaller truncation, or -1 for max_model_len.")
         return token_ids if n is None else token_ids[-(max_model_len if n == -1 else n):]
 
     def for_child(self, index: int) -> "SamplingParams":

@@ -95,6 +95,7 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server):
          "structured_outputs"),
         ("/v1/completions", {**good, "guided_json": {"type": "array", "uniqueItems": True}}, "json", "guided_json"),
         ("/v1/completions", {**good, "prompt_logprobs": 1}, "json", "prompt_logprobs"),
+        ("/v1/completions", {**good, "truncate_prompt_tokens": 100000}, "json", "truncate_prompt_tokens"),
         ("/v1/chat/completions", {**chat_good, "return_token_ids": True}, "json", "return_token_ids"),
         ("/v1/completions", {**good, "bad_words": [" "]}, "json", "bad_words"),
         ("/v1/chat/completions", {**chat_good, "use_beam_search": True, "response_format": {"type": "json_object"}},

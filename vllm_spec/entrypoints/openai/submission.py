@@ -315,8 +315,11 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
     request_id: the client's id for the response, "<id_prefix>-<request_id>", its engine requests named
     after it with a random suffix, since clients may reuse an id)."""
     if params.truncate_prompt_tokens is not None:   # left truncation, before the length checks
-        prompts = [{**p, "prompt_token_ids": params.truncate_prompt(p["prompt_token_ids"], state.max_model_len)}
-                   for p in prompts]
+        try:
+            prompts = [{**p, "prompt_token_ids": params.truncate_prompt(p["prompt_token_ids"], state.max_model_len)}
+                       for p in prompts]
+        except ValueError as e:
+            raise OpenAIServingError(str(e), param="truncate_prompt_tokens") from e
     for p in prompts:
         _check_length(state, len(p["prompt_token_ids"]), 0 if echo_only else params.max_tokens, prompt_param,
                       max_tokens_param)
