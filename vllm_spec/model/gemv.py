@@ -52,21 +52,24 @@ GATE_UP_MIN_ROWS, GATE_UP_MAX_ROWS = 2, 96   # gate_up_silu (one row: the GEMV, 
 _PLAIN, _NORM, _SILU = 0, 1, 2
 
 
-def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x W^T runs here: 1..MAX_ROWS half-precision rows on CUDA."""
-    return (ENABLED and triton is not None and x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
+def _kernel_rows(x: torch.Tensor, weight: torch.Tensor, least: int, most: int) -> bool:
+    """least..most half-precision rows on CUDA, row-contiguous, against a weight of their dtype."""
+    return (ENABLED and triton is not None and x.is_cuda and x.dim() == 2 and least <= x.shape[0] <= most
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and weight.stride(-1) == 1 and x.stride(-1) == 1)
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x W^T runs here: 1..MAX_ROWS half-precision rows on CUDA."""
+    return _kernel_rows(x, weight, 1, MAX_ROWS)
 
 
 def gate_up_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether silu(x G^T) * (x U^T) for weight = [G; U] runs here as one kernel (gate_up_silu): a few
     half-precision rows on CUDA and a large weight (a 68M draft's made too few programs: its steps
     slowed)."""
-    return (ENABLED and triton is not None and x.is_cuda and x.dim() == 2 and weight.numel() > FUSE_MAX_NUMEL
-            and GATE_UP_MIN_ROWS <= x.shape[0] <= GATE_UP_MAX_ROWS and weight.shape[0] % 2 == 0
-            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and weight.stride(-1) == 1 and x.stride(-1) == 1)
+    return (_kernel_rows(x, weight, GATE_UP_MIN_ROWS, GATE_UP_MAX_ROWS) and weight.numel() > FUSE_MAX_NUMEL
+            and weight.shape[0] % 2 == 0)
 
 
 def fusable(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
@@ -244,19 +247,18 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     blocks = blocks or _gate_up_blocks(m, n, k)
     if m > blocks.block_m + blocks.block_m2:
         raise ValueError(f"gemv: {m} rows do not fit tiles of {blocks.block_m} + {blocks.block_m2}")
-    if (blocks, 2 * n, k) in _ROWS_UNFIT:
-        return fused.silu_mul(torch.nn.functional.linear(x, weight, bias))
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    try:
-        _rows_silu_kernel[(triton.cdiv(n, blocks.block_n),)](
-            x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=blocks.block_m, BLOCK_M2=blocks.block_m2, BLOCK_N=blocks.block_n,
-            BLOCK_K=blocks.block_k, EVEN_K=k % blocks.block_k == 0, SWAP=blocks.swap, num_warps=blocks.warps,
-            num_stages=blocks.stages)
-    except triton.runtime.errors.OutOfResources:   # as in linear
-        _ROWS_UNFIT.add((blocks, 2 * n, k))
-        return fused.silu_mul(torch.nn.functional.linear(x, weight, bias))
-    return y
+    if (blocks, 2 * n, k) not in _ROWS_UNFIT:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        try:
+            _rows_silu_kernel[(triton.cdiv(n, blocks.block_n),)](
+                x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0),
+                HAS_BIAS=bias is not None, BLOCK_M=blocks.block_m, BLOCK_M2=blocks.block_m2, BLOCK_N=blocks.block_n,
+                BLOCK_K=blocks.block_k, EVEN_K=k % blocks.block_k == 0, SWAP=blocks.swap, num_warps=blocks.warps,
+                num_stages=blocks.stages)
+            return y
+        except triton.runtime.errors.OutOfResources:   # as in linear
+            _ROWS_UNFIT.add((blocks, 2 * n, k))
+    return fused.silu_mul(torch.nn.functional.linear(x, weight, bias))
 
 
 @torch.inference_mode()
@@ -301,9 +303,7 @@ if triton is not None:
             w = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             x = (normed * w).to(x.dtype)
         elif MODE == 2:
-            up = tl.load(x_ptr + K + cols, mask=mask, other=0.0)
-            g = x.to(tl.float32)
-            x = ((g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+            x = _silu_mul(x, tl.load(x_ptr + K + cols, mask=mask, other=0.0), x.dtype).to(x.dtype)
         return x.to(tl.float32)
 
     @triton.jit
@@ -410,8 +410,8 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul(gate, up, dtype: tl.constexpr):
-        """silu(gate) * up of float32 products, each rounded to dtype where the unfused ops round
-        (the linear's output, then silu's), as fused.silu_mul computes it."""
+        """silu(gate) * up in float32, rounded where the unfused ops round (gate and up to dtype, as a
+        linear's output is: nothing for inputs already in dtype; then silu's), as fused.silu_mul."""
         g = gate.to(dtype).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         return s * up.to(dtype).to(tl.float32)
