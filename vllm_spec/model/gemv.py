@@ -225,11 +225,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 blocks: RowsBlocks) -> torch.Tensor:
     """x W^T (+ b) by the several-rows kernel with the given `_rows_blocks` (benchmark sweeps pass their own)."""
-    (m, k), n = x.shape, weight.shape[0]
+    return _launch_rows(_rows_kernel, x, weight, bias, weight.shape[0], blocks)
+
+
+def _launch_rows(kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int,
+                 blocks: RowsBlocks) -> torch.Tensor:
+    """y [M, n] by a several-rows kernel (_rows_kernel, _rows_silu_kernel) in the given config."""
+    m, k = x.shape
     if m > blocks.block_m + blocks.block_m2:
         raise ValueError(f"gemv: {m} rows do not fit tiles of {blocks.block_m} + {blocks.block_m2}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _rows_kernel[(triton.cdiv(n, blocks.block_n),)](
+    kernel[(triton.cdiv(n, blocks.block_n),)](
         x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=blocks.block_m, BLOCK_M2=blocks.block_m2, BLOCK_N=blocks.block_n,
         BLOCK_K=blocks.block_k, EVEN_K=k % blocks.block_k == 0, SWAP=blocks.swap, num_warps=blocks.warps,
@@ -245,17 +251,9 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     (m, k), n = x.shape, weight.shape[0] // 2
     _check_shapes(x, weight.shape[1], weight, bias)
     blocks = blocks or _gate_up_blocks(m, n, k)
-    if m > blocks.block_m + blocks.block_m2:
-        raise ValueError(f"gemv: {m} rows do not fit tiles of {blocks.block_m} + {blocks.block_m2}")
     if (blocks, 2 * n, k) not in _ROWS_UNFIT:
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
         try:
-            _rows_silu_kernel[(triton.cdiv(n, blocks.block_n),)](
-                x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0),
-                HAS_BIAS=bias is not None, BLOCK_M=blocks.block_m, BLOCK_M2=blocks.block_m2, BLOCK_N=blocks.block_n,
-                BLOCK_K=blocks.block_k, EVEN_K=k % blocks.block_k == 0, SWAP=blocks.swap, num_warps=blocks.warps,
-                num_stages=blocks.stages)
-            return y
+            return _launch_rows(_rows_silu_kernel, x, weight, bias, n, blocks)
         except triton.runtime.errors.OutOfResources:   # as in linear
             _ROWS_UNFIT.add((blocks, 2 * n, k))
     return fused.silu_mul(torch.nn.functional.linear(x, weight, bias))
