@@ -153,3 +153,14 @@ def test_a_logits_graph_ends_with_the_lm_head(device, monkeypatch):
     monkeypatch.setattr(model, "compute_logits", lambda hidden: heads.append(hidden))
     runner.write_kv(prepared)
     assert heads == []
+
+
+def test_capture_past_the_largest_bucket_takes_every_bucket(monkeypatch):
+    """max_num_seqs above the largest bucket: every bucket is captured (larger batches run eagerly),
+    not a failed comparison with no bucket."""
+    from vllm_spec.worker.cuda_graph import buckets_up_to
+
+    assert buckets_up_to(5) == [1, 2, 4, 8] and buckets_up_to(BATCH_BUCKETS[-1] + 1) == list(BATCH_BUCKETS)
+    graphed = _graphed("cpu", 1, monkeypatch)
+    graphed.capture(BATCH_BUCKETS[-1] * 2)
+    assert sorted(graphed.graphs) == list(BATCH_BUCKETS)

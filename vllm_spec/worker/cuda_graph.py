@@ -30,6 +30,13 @@ def bucket_for(batch: int) -> int | None:
     return BATCH_BUCKETS[i] if i < len(BATCH_BUCKETS) else None
 
 
+def buckets_up_to(batch: int) -> list[int]:
+    """The buckets a batch of at most `batch` sequences may use (every one past the largest: larger
+    batches run eagerly)."""
+    largest = bucket_for(batch) or BATCH_BUCKETS[-1]
+    return [b for b in BATCH_BUCKETS if b <= largest]
+
+
 def capture_graph(run: Callable[[], torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Capture `run` (over static buffers) into a CUDA graph in `pool`; returns the graph and its output."""
     stream = torch.cuda.Stream()
@@ -126,7 +133,7 @@ class GraphedForward:
     @torch.inference_mode()
     def capture(self, max_batch: int) -> None:
         """Capture every bucket up to max_batch, largest first (smaller ones reuse its pool memory)."""
-        for bucket in sorted((b for b in BATCH_BUCKETS if b <= bucket_for(max_batch)), reverse=True):
+        for bucket in reversed(buckets_up_to(max_batch)):
             self._graph(bucket)
 
     def _graph(self, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

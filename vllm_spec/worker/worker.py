@@ -17,7 +17,7 @@ from vllm_spec.sample.sampler import Sampler, SamplerOutput, gather_logprobs
 from vllm_spec.structured_output.grammar import StructuredOutputs
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import PLACEHOLDER_TOKEN, ExecuteModelRequest, PromptLogprobs, SeqInput, StepOutput
-from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for
+from vllm_spec.worker.cuda_graph import buckets_up_to
 from vllm_spec.worker.model_runner import ModelRunner, PreparedBatch, to_device_aligned
 from vllm_spec.worker.step_handle import DeviceSpan, DoneStep, HostCopy, StepHandle
 
@@ -65,8 +65,7 @@ class Worker:
         """What the logits outputs of the one-token graphs (every bucket's, kept by its graph) will take."""
         if not (self.runner.cuda_graphs and self.runner.graph_logits):
             return 0
-        largest = bucket_for(self.config.scheduler.max_num_seqs) or BATCH_BUCKETS[-1]
-        rows = sum(b for b in BATCH_BUCKETS if b <= largest)
+        rows = sum(buckets_up_to(self.config.scheduler.max_num_seqs))
         return rows * self.vocab_size * torch.empty(0, dtype=self.config.model.dtype).element_size()
 
     def init_kv_cache(self, num_blocks: int) -> None:
