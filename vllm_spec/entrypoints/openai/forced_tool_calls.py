@@ -4,11 +4,10 @@ structured outputs to the calls' JSON (a named function: its arguments; "require
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm_spec.entrypoints.openai.tool_calls import ParsedCall
+from vllm_spec.entrypoints.openai.tool_calls import ParsedCall, parse_call
 from vllm_spec.sampling_params import StructuredOutputsParams
 
 
@@ -120,26 +119,15 @@ class ForcedToolCalls:
                     self._object_start = i
             elif c in "]}":
                 if c == "}" and self._depth == 2 and not self._invalid:
-                    call = self._call(text[self._object_start: i + 1], self.num_calls)
+                    call = parse_call(text[self._object_start: i + 1])
                     if call is None:
                         self._invalid = True
                     else:
-                        calls.append(call)
+                        calls.append(replace(call, index=self.num_calls))
                         self.num_calls += 1
                 self._depth -= 1
         self._scanned = len(text)
         return calls
-
-    @staticmethod
-    def _call(text: str, index: int) -> ParsedCall | None:
-        """A call of the list ({"name", "parameters"}), or None when the text is no such object."""
-        try:
-            value = json.loads(text)
-        except (ValueError, RecursionError):
-            return None
-        if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
-            return None
-        return ParsedCall(value["name"], json.dumps(value.get("parameters", {}), ensure_ascii=False), index)
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """(content, calls) the end adds: "required"'s text as content when none of its calls streamed

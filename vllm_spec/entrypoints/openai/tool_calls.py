@@ -25,7 +25,9 @@ class ParsedCall:
     index: int = 0   # which call of the choice
 
 
-def _parse_call(body: str) -> ParsedCall | None:
+def parse_call(body: str) -> ParsedCall | None:
+    """A call's JSON ({"name", "arguments" or "parameters"}) as a ParsedCall (arguments as json.dumps
+    writes them), or None when the text is no such object."""
     try:
         call = json.loads(body)
     except (ValueError, RecursionError):   # (deeply nested output: json's recursion limit)
@@ -81,7 +83,7 @@ class ToolCallStream:
                 if end < 0:
                     break
                 body, self.buffer, self.in_call = self.buffer[:end], self.buffer[end + len(_END):], False
-                call = _parse_call(body.strip())
+                call = parse_call(body.strip())
                 if call is None:   # not a call after all: its text is content
                     content.append(_START + body + _END)
                     continue
@@ -97,7 +99,7 @@ class ToolCallStream:
         content."""
         rest, in_call, held = self.buffer, self.in_call, self.held
         self.buffer, self.in_call, self.held = "", False, ""
-        call = _parse_call(rest.strip()) if in_call else None
+        call = parse_call(rest.strip()) if in_call else None
         if call is not None:
             self.num_calls += 1
             return "", [replace(call, index=self.num_calls - 1)]
