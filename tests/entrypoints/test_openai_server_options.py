@@ -45,7 +45,7 @@ def test_chat_template_and_response_role(tiny_llama):
 
 
 
-def test_add_special_tokens_and_unsupported_chat_echo(tiny_llama):
+def test_add_special_tokens(tiny_llama):
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
                                                         max_model_len=256))
     state = build_state(engine, str(tiny_llama), ["m"])
@@ -55,9 +55,6 @@ def test_add_special_tokens_and_unsupported_chat_echo(tiny_llama):
             r = client.post("/v1/completions", json={"model": "m", "prompt": "hello there", "max_tokens": 1,
                                                      "add_special_tokens": add})
             assert r.json()["usage"]["prompt_tokens"] == len(tok("hello there", add_special_tokens=add).input_ids)
-        chat = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                                         "echo": True})
-        assert chat.status_code == 400 and chat.json()["error"]["param"] == "echo"
 
 
 def test_sampling_fields_the_engine_refuses_are_named(tiny_llama):

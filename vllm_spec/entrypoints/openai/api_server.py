@@ -200,7 +200,8 @@ def build_app(state: ServerState, cors: CorsOptions | None = None) -> FastAPI:
 def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence[str] | None = None,
                 api_key: str | None = None, chat_template: str | None = None,
                 response_role: str = "assistant", enable_prompt_tokens_details: bool = False,
-                trust_request_chat_template: bool = False, tool_call_parser: str | None = None) -> ServerState:
+                trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
+                return_tokens_as_token_ids: bool = False) -> ServerState:
     """Server state around a built engine; loads the server's own tokenizer copy (the engine's is
     used by the engine thread only)."""
     from vllm_spec.tokenizer import get_tokenizer
@@ -212,7 +213,8 @@ def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence
                        api_key=api_key or None, max_model_len=cfg.max_model_len, chat_template=chat_template,
                        response_role=response_role, sampling_defaults=cfg.get_diff_sampling_param(),
                        enable_prompt_tokens_details=enable_prompt_tokens_details,
-                       trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser)
+                       trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
+                       return_tokens_as_token_ids=return_tokens_as_token_ids)
 
 
 # Running ----------------------------------------------------------------------------------------------------
@@ -294,7 +296,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                 engine.num_usable_blocks, engine.config.model.max_model_len)
     state = build_state(engine, args.model, args.served_model_name, args.api_key, args.chat_template,
                         args.response_role, args.enable_prompt_tokens_details, args.trust_request_chat_template,
-                        args.tool_call_parser if args.enable_auto_tool_choice else None)
+                        args.tool_call_parser if args.enable_auto_tool_choice else None,
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     app = build_app(state, CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                        args.allow_credentials))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -44,6 +44,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--response-role", default="assistant", help="role of the generated chat messages")
     server.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="usage reports prompt_tokens_details.cached_tokens (the prefix cache's hits)")
+    server.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="logprobs name their tokens 'token_id:<id>' unless a request says otherwise "
+                             "(its return_tokens_as_token_ids)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     server.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")

@@ -100,11 +100,7 @@ def sampling_field_of(message: str) -> str | None:
 # vLLM's request extras that change what is generated and that this server does not implement, with
 # the values that change nothing: set otherwise, they get a 400 naming them rather than an output that
 # silently ignores them. Other unknown fields are ignored, as vLLM ignores them.
-_UNSUPPORTED_EXTRAS: dict[str, Any] = {
-    "echo": False,
-    "prompt_logprobs": None, "logits_processors": None, "return_tokens_as_token_ids": False, "return_token_ids": False,
-    "guided_whitespace_pattern": None,
-}
+_UNSUPPORTED_EXTRAS: dict[str, Any] = {"logits_processors": None, "guided_whitespace_pattern": None}
 
 
 class SamplingFields(OpenAIRequestModel):
@@ -146,6 +142,12 @@ class SamplingFields(OpenAIRequestModel):
     # vLLM's: n beams (beam width n) instead of n samples; length_penalty scores them.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's: the prompt's logprobs (each prompt token's and its top prompt_logprobs), not in streams.
+    prompt_logprobs: int | None = None
+    # vLLM's: logprobs name their tokens "token_id:<id>" (None: the server's --return-tokens-as-token-ids).
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the response carries the prompt's and each choice's token ids.
+    return_token_ids: bool | None = None
 
     @field_validator("n", mode="before")
     @classmethod
@@ -167,6 +169,10 @@ class SamplingFields(OpenAIRequestModel):
         if self.stream_options is not None and not self.stream:
             raise OpenAIServingError("stream_options can only be set when stream is true.",
                                      param="stream_options")
+        if self.stream and self.prompt_logprobs is not None and (self.prompt_logprobs > 0
+                                                                 or self.prompt_logprobs == -1):
+            raise OpenAIServingError("prompt_logprobs are not available when stream is true.",
+                                     param="prompt_logprobs")
 
     def beam_search_params(self, params: SamplingParams, max_model_len: int) -> BeamSearchParams | None:
         """vLLM's use_beam_search (None: not asked): beams of the request's n, max_tokens (else the
@@ -180,6 +186,8 @@ class SamplingFields(OpenAIRequestModel):
         if self.constraint is not None:
             raise OpenAIServingError(f"use_beam_search cannot be combined with {self.constraint[1]} (beam search "
                                      "does not enforce structured outputs).", param="use_beam_search")
+        if self.prompt_logprobs is not None:   # (beam steps score no prompt)
+            raise OpenAIServingError("use_beam_search cannot be combined with prompt_logprobs.", param="use_beam_search")
         try:
             return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or max_model_len,
                                     ignore_eos=params.ignore_eos, temperature=params.temperature,
@@ -276,8 +284,11 @@ class CompletionRequest(SamplingFields):
         # As vLLM (and OpenAI): echo with max_tokens 0 answers the prompt alone (its logprobs, the
         # use of it: scoring a text); the engine still runs one step for it.
         max_tokens = 1 if self.echo_only else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs, defaults or {}, {"prompt_logprobs": "logprobs"},
-                                     prompt_logprobs=self.logprobs if self.echo else None)
+        # As vLLM: an echo scores the prompt with the request's logprobs unless prompt_logprobs says.
+        prompt_logprobs, sent_as = self.prompt_logprobs, {}
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs, sent_as = self.logprobs, {"prompt_logprobs": "logprobs"}
+        return self._sampling_params(max_tokens, self.logprobs, defaults or {}, sent_as, prompt_logprobs)
 
     def beam_search_params(self, params: SamplingParams, max_model_len: int) -> BeamSearchParams | None:
         if self.use_beam_search and self.echo:   # (beam steps score no prompt: nothing to echo its logprobs from)
@@ -297,12 +308,30 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(OpenAIBaseModel):
+class LogprobInfo(OpenAIBaseModel):
+    """One token's entry in a prompt's logprobs (vLLM's Logprob on the wire)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (the first: None, nothing predicts it): {token id: its entry}.
+PromptLogprobs = list[dict[int, LogprobInfo] | None]
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None   # with return_token_ids (a stream: in a choice's first chunk)
+    token_ids: list[int] | None = None          # with return_token_ids (a stream: the chunk's new tokens)
+
+
+class CompletionResponseChoice(CompletionResponseStreamChoice):
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -319,11 +348,28 @@ class CompletionStreamResponse(OpenAIBaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionResponseChoice]
+    choices: list[CompletionResponseStreamChoice]
     usage: UsageInfo | None = None
 
 
 # /v1/models -----------------------------------------------------------------------------------------
+class ModelPermission(OpenAIBaseModel):
+    """What clients may do with a served model (OpenAI's legacy card field, as vLLM fills it)."""
+
+    id: str = Field(default_factory=lambda: random_id("modelperm"))
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(OpenAIBaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -332,6 +378,7 @@ class ModelCard(OpenAIBaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(OpenAIBaseModel):

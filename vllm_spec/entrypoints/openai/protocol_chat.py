@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_serializer
 
 from vllm_spec.entrypoints.openai.protocol import (OpenAIBaseModel, OpenAIRequestModel, OpenAIServingError,
-                                                   UsageInfo, SamplingFields)
+                                                   PromptLogprobs, UsageInfo, SamplingFields)
 from vllm_spec.entrypoints.openai.forced_tool_calls import ForcedToolCalls, check_tool_choice, forced_constraint
 from vllm_spec.entrypoints.openai.tool_calls import ToolCallStream
 from vllm_spec.sampling_params import SamplingParams, StructuredOutputsParams
@@ -33,6 +33,8 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False   # the template writes them; True adds the tokenizer's too
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: each choice's content starts with the last message's where both have the same role.
+    echo: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -95,7 +97,7 @@ class ChatCompletionRequest(SamplingFields):
         sent_as = {"logprobs": "top_logprobs"}
         if self.max_completion_tokens is not None:
             sent_as["max_tokens"] = "max_completion_tokens"
-        return self._sampling_params(max_tokens, logprobs, defaults or {}, sent_as)
+        return self._sampling_params(max_tokens, logprobs, defaults or {}, sent_as, self.prompt_logprobs)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -162,6 +164,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None   # with return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -171,6 +174,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None   # with return_token_ids
 
 
 class DeltaMessage(_SetFieldsOnly):
@@ -188,6 +193,7 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None   # with return_token_ids: the chunk's new tokens
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -197,3 +203,4 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None   # with return_token_ids: in the opening chunks

@@ -18,7 +18,13 @@ from fastapi.responses import JSONResponse
 
 from vllm_spec.engine.async_llm_engine import AsyncLLMEngine
 from vllm_spec.entrypoints.chat_utils import render_chat
-from vllm_spec.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIServingError
+from vllm_spec.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    LogprobInfo,
+    OpenAIServingError,
+    PromptLogprobs,
+)
 from vllm_spec.outputs import Logprob
 from vllm_spec.structured_output.grammar import compiler_for
 
@@ -38,6 +44,7 @@ class ServerState:
     chat_template: str | None = None   # --chat-template: for requests that bring none
     response_role: str = "assistant"   # --response-role: the role of generated chat messages
     enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens
+    return_tokens_as_token_ids: bool = False   # --return-tokens-as-token-ids: requests' default
     trust_request_chat_template: bool = False   # else a request's own chat template is refused (as vLLM)
     tool_call_parser: str | None = None   # --enable-auto-tool-choice --tool-call-parser NAME
     # Tokenizing and chat templates run here, one at a time, never on the event loop: a long prompt
@@ -148,12 +155,30 @@ def clamp_logprob(value: float) -> float:
     return MIN_LOGPROB if math.isnan(value) else max(value, MIN_LOGPROB)
 
 
-def token_text(state: ServerState, tid: int, lp: Logprob) -> str:
-    if lp.decoded_token is not None:
+def tokens_as_ids(state: ServerState, request: Any) -> bool:
+    """Whether the request's logprobs name tokens "token_id:<id>" (its field, else the server's flag)."""
+    asked = request.return_tokens_as_token_ids
+    return state.return_tokens_as_token_ids if asked is None else asked
+
+
+def token_text(state: ServerState, tid: int, lp: Logprob | None, as_id: bool = False) -> str:
+    """How logprobs name a token: its text, or "token_id:<id>" (asked for, or no tokenizer)."""
+    if as_id:
+        return f"token_id:{tid}"
+    if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     if state.tokenizer is not None:
         return state.tokenizer.decode([tid])
     return f"token_id:{tid}"
+
+
+def prompt_logprobs_info(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    """A prompt's logprobs as vLLM's responses carry them (logprobs clamped for JSON)."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {tid: LogprobInfo(logprob=clamp_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+             for tid, lp in entry.items()} for entry in entries]
 
 
 def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

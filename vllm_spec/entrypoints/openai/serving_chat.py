@@ -31,12 +31,12 @@ from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def _chat_logprobs(state: serving.ServerState, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]],
-                   k: int) -> ChatCompletionLogProbs:
+                   k: int, as_ids: bool) -> ChatCompletionLogProbs:
     content = []
     for tid, entry in zip(token_ids, entries):
         lp = entry.get(tid)
-        text = serving.token_text(state, tid, lp) if lp is not None else ""
-        tops = [ChatCompletionLogProb(token=(s := serving.token_text(state, t, v)),
+        text = serving.token_text(state, tid, lp, as_ids) if lp is not None or as_ids else ""
+        tops = [ChatCompletionLogProb(token=(s := serving.token_text(state, t, v, as_ids)),
                                       logprob=serving.clamp_logprob(v.logprob),
                                       bytes=list(s.encode("utf-8", errors="replace")))
                 for t, v in serving.top_entries(entry, k)]
@@ -60,6 +60,9 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
                                beam=request.beam_search_params(params, state.max_model_len),
                                request_id=serving.client_request_id(raw_request, request))
     k = params.logprobs
+    as_ids, with_ids = serving.tokens_as_ids(state, request), bool(request.return_token_ids)
+    role = state.response_role if request.add_generation_prompt else request.messages[-1].role
+    echo = _echoed_text(request, role)
 
     if request.stream:
         parsers = [reader() for _ in range(params.n)] if reader is not None else None
@@ -68,7 +71,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
                    st: submission.ChoiceState) -> ChatCompletionResponseStreamChoice | None:
             lps = None
             if k is not None and comp.logprobs is not None:
-                lps = _chat_logprobs(state, comp.token_ids[start:end], comp.logprobs[start:end], k)
+                lps = _chat_logprobs(state, comp.token_ids[start:end], comp.logprobs[start:end], k, as_ids)
+            ids = list(comp.token_ids[start:end]) if with_ids else None
             calls, finish = None, comp.finish_reason
             if parsers is not None:
                 parser = parsers[idx]
@@ -80,16 +84,20 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
                 calls = [DeltaToolCall(index=c.index, function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
                                        **({} if c.name is None else {"id": tool_call_id(), "type": "function"}))
                          for c in found]
-                if not delta and not calls and finish is None and lps is None:
+                if not delta and not calls and finish is None and lps is None and not ids:
                     return None   # the parser holds this text (a call being written): no empty chunk
             return ChatCompletionResponseStreamChoice(
                 index=idx, delta=DeltaMessage(content=delta or None, tool_calls=calls or None),
-                logprobs=lps, finish_reason=finish, stop_reason=comp.stop_reason)
+                logprobs=lps, finish_reason=finish, stop_reason=comp.stop_reason, token_ids=ids)
 
-        # As OpenAI: each choice opens with a delta that carries only the role.
-        opening = [ChatCompletionResponseStreamChoice(index=idx, delta=DeltaMessage(role=state.response_role, content=""))
+        # As OpenAI: each choice opens with a delta that carries only the role; as vLLM, an echo follows.
+        opening = [ChatCompletionResponseStreamChoice(index=idx, delta=DeltaMessage(role=role, content=""))
                    for idx in range(params.n)]
-        return sub.stream(ChatCompletionStreamResponse, request.stream_options, opening, choice)
+        if echo:
+            opening += [ChatCompletionResponseStreamChoice(index=idx, delta=DeltaMessage(content=echo))
+                        for idx in range(params.n)]
+        return sub.stream(ChatCompletionStreamResponse, request.stream_options, opening, choice,
+                          {"prompt_token_ids": sub.prompt_token_ids[0]} if with_ids else None, with_ids)
 
     final = await sub.collect(raw_request)
     if final is None or final[0] is None:
@@ -99,14 +107,29 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
         parser = reader() if reader is not None else None
         content, found = read_tool_calls(parser, comp.text) if parser is not None else (comp.text, [])
         calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in found]
+        if echo:
+            content = echo + (content or "")
         choices.append(ChatCompletionResponseChoice(
-            index=comp.index, message=ChatResponseMessage(role=state.response_role, content=content, tool_calls=calls),
-            logprobs=(_chat_logprobs(state, comp.token_ids, comp.logprobs, k)
+            index=comp.index, message=ChatResponseMessage(role=role, content=content, tool_calls=calls),
+            logprobs=(_chat_logprobs(state, comp.token_ids, comp.logprobs, k, as_ids)
                       if k is not None and comp.logprobs is not None else None),
             finish_reason=_finish_reason(comp.finish_reason, bool(calls) and parser.reports_calls),
-            stop_reason=comp.stop_reason))
-    return JSONResponse(ChatCompletionResponse(id=sub.base_id, model=sub.model, choices=choices,
-                                               usage=sub.usage(final)).model_dump())
+            stop_reason=comp.stop_reason, token_ids=list(comp.token_ids) if with_ids else None))
+    return JSONResponse(ChatCompletionResponse(
+        id=sub.base_id, model=sub.model, choices=choices, usage=sub.usage(final),
+        prompt_logprobs=serving.prompt_logprobs_info(final[0].prompt_logprobs),
+        prompt_token_ids=sub.prompt_token_ids[0] if with_ids else None).model_dump())
+
+
+def _echoed_text(request: ChatCompletionRequest, role: str) -> str:
+    """What echo puts before each choice's content, as vLLM's: the last message's text where it has
+    the generated message's role (continuing it), else nothing."""
+    last = request.messages[-1]
+    if not request.echo or last.role != role or not last.content:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.get("text", "") for part in last.content if part.get("type") == "text")
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:

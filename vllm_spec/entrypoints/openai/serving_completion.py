@@ -1,6 +1,7 @@
 """POST /v1/completions: text or token-id prompts (one or a batch), optional echo (with the prompt's
 logprobs when logprobs are asked; with max_tokens 0 the prompt alone), legacy logprobs (tokens,
-token_logprobs, top_logprobs, text_offset); streamed as SSE with stream=true."""
+token_logprobs, top_logprobs, text_offset), vLLM's prompt_logprobs and token ids; streamed as SSE
+with stream=true."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from vllm_spec.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
+    CompletionResponseStreamChoice,
     CompletionStreamResponse,
     OpenAIServingError,
 )
@@ -44,21 +46,21 @@ def _completion_prompts(state: serving.ServerState, request: CompletionRequest) 
 
 
 def _completion_logprobs(state: serving.ServerState, token_ids: Sequence[int],
-                         entries: Sequence[dict[int, Logprob] | None], k: int,
-                         offset: int) -> tuple[CompletionLogProbs, int]:
-    """Legacy logprobs of these tokens, their text offsets counted from `offset`; an entry None (a
-    prompt's first token, which nothing predicts) has neither logprob nor alternatives, as vLLM's."""
+                         entries: Sequence[dict[int, Logprob] | None], k: int, offset: int,
+                         as_ids: bool) -> tuple[CompletionLogProbs, int]:
+    """Legacy logprobs of these tokens, their text offsets counted from `offset` (as_ids: tokens named
+    "token_id:<id>"); an entry None (a prompt's first token, which nothing predicts) has neither
+    logprob nor alternatives, as vLLM's."""
     out = CompletionLogProbs()
     for tid, entry in zip(token_ids, entries):
         lp = entry.get(tid) if entry is not None else None
-        text = serving.token_text(state, tid, lp) if lp is not None else (state.tokenizer.decode([tid])
-                                                                  if state.tokenizer else "")
+        text = serving.token_text(state, tid, lp, as_ids)
         out.tokens.append(text)
         out.token_logprobs.append(serving.clamp_logprob(lp.logprob) if lp is not None else None)
         if entry is None:
             out.top_logprobs.append(None)
         else:
-            top = {serving.token_text(state, t, v): serving.clamp_logprob(v.logprob)
+            top = {serving.token_text(state, t, v, as_ids): serving.clamp_logprob(v.logprob)
                    for t, v in serving.top_entries(entry, k)}
             if lp is not None:
                 top.setdefault(text, serving.clamp_logprob(lp.logprob))  # as vLLM: the sampled token is always listed
@@ -68,12 +70,13 @@ def _completion_logprobs(state: serving.ServerState, token_ids: Sequence[int],
     return out, offset
 
 
-def _echoed_logprobs(state: serving.ServerState, out: RequestOutput, k: int) -> tuple[CompletionLogProbs, int]:
+def _echoed_logprobs(state: serving.ServerState, out: RequestOutput, k: int,
+                     as_ids: bool) -> tuple[CompletionLogProbs, int]:
     """The prompt's logprobs, for echo, and the text offset the completion's continue from (the
     prompt's token texts: a BOS token's too, as vLLM's)."""
     if out.prompt_logprobs is None:
         raise RuntimeError("the engine returned no prompt logprobs for an echo with logprobs")
-    return _completion_logprobs(state, out.prompt_token_ids, out.prompt_logprobs, k, 0)
+    return _completion_logprobs(state, out.prompt_token_ids, out.prompt_logprobs, k, 0, as_ids)
 
 
 def _joined(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
@@ -94,6 +97,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
                                   beam=request.beam_search_params(params, state.max_model_len),
                                   request_id=serving.client_request_id(raw_request, request))
     n, k = params.n, params.logprobs
+    as_ids, with_ids = serving.tokens_as_ids(state, request), bool(request.return_token_ids)
     echo = ([await serving.in_tokenizer_thread(state, _prompt_text, state, p) for p in prompts] if request.echo
             else [""] * len(prompts))
     # echo with max_tokens 0: the prompt (and its logprobs) alone, not the token generated for it.
@@ -104,10 +108,13 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
         """Logprobs of the choice's tokens [start, end) (and, from its first, the echoed prompt's first)."""
         echoed = None
         if request.echo and start == 0:
-            echoed, offset = _echoed_logprobs(state, out, k)
+            echoed, offset = _echoed_logprobs(state, out, k, as_ids)
         lps, offset = _completion_logprobs(state, comp.token_ids[start:end][:shown], comp.logprobs[start:end][:shown],
-                                           k, offset)
+                                           k, offset, as_ids)
         return (lps if echoed is None else _joined(echoed, lps)), offset
+
+    def token_ids(comp: CompletionOutput, start: int, end: int) -> list[int] | None:
+        return list(comp.token_ids[start:end][:shown]) if with_ids else None
 
     if request.stream:
         opened: set[int] = set()
@@ -116,15 +123,18 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
                    st: submission.ChoiceState) -> CompletionResponseChoice:
             # As vLLM: with echo, a choice's first chunk carries the prompt (text and logprobs) before
             # its first tokens.
-            prefix = echo[idx // n] if idx not in opened else ""
+            first = idx not in opened
             opened.add(idx)
             lps = None
             if k is not None and comp.logprobs is not None:
                 lps, st.text_offset = choice_logprobs(out, comp, start, end, st.text_offset)
-            return CompletionResponseChoice(index=idx, text=prefix + (delta if shown is None else ""), logprobs=lps,
-                                            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
+            return CompletionResponseStreamChoice(
+                index=idx, text=(echo[idx // n] if first else "") + (delta if shown is None else ""), logprobs=lps,
+                finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                prompt_token_ids=list(out.prompt_token_ids) if with_ids and first else None,
+                token_ids=token_ids(comp, start, end))
 
-        return sub.stream(CompletionStreamResponse, request.stream_options, [], choice)
+        return sub.stream(CompletionStreamResponse, request.stream_options, [], choice, every_token=with_ids)
 
     final = await sub.collect(raw_request)
     if final is None:
@@ -135,10 +145,12 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
             lps = None
             if k is not None and comp.logprobs is not None:
                 lps, _ = choice_logprobs(out, comp, 0, len(comp.token_ids), 0)
-            choices.append(CompletionResponseChoice(index=i * n + comp.index,
-                                                    text=echo[i] + (comp.text if shown is None else ""),
-                                                    logprobs=lps, finish_reason=comp.finish_reason,
-                                                    stop_reason=comp.stop_reason))
+            choices.append(CompletionResponseChoice(
+                index=i * n + comp.index, text=echo[i] + (comp.text if shown is None else ""), logprobs=lps,
+                finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                prompt_logprobs=serving.prompt_logprobs_info(out.prompt_logprobs),
+                prompt_token_ids=list(out.prompt_token_ids) if with_ids else None,
+                token_ids=token_ids(comp, 0, len(comp.token_ids))))
     return JSONResponse(CompletionResponse(id=sub.base_id, model=sub.model, choices=choices,
                                            usage=sub.usage(final)).model_dump())
 

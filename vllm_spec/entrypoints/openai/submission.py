@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,13 +214,13 @@ class Submission:
     base_id: str
     model: str
     params: SamplingParams
-    prompt_lens: list[int]
+    prompt_token_ids: list[list[int]]   # each prompt's, as the engine got them (truncated)
     ids: list[str]
     streams: list[AsyncIterator[RequestOutput]]
 
     def usage(self, outputs: Sequence[RequestOutput | None]) -> UsageInfo:
         """Token counts over the latest output of each prompt (None: none yet)."""
-        prompt = sum(self.prompt_lens)
+        prompt = sum(len(ids) for ids in self.prompt_token_ids)
         completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
         details = None
         if self.state.enable_prompt_tokens_details:
@@ -249,24 +249,28 @@ class Submission:
             self.abort()
 
     def stream(self, chunk_type: type, options: StreamOptions | None, opening: Sequence[Any],
-               make_choice: MakeChoice) -> StreamingResponse:
-        """The SSE response: one chunk per opening choice, then one per choice that has something
-        new (text, tokens with logprobs, or its finish), then the usage chunk if asked, then [DONE].
+               make_choice: MakeChoice, opening_fields: Mapping[str, Any] | None = None,
+               every_token: bool = False) -> StreamingResponse:
+        """The SSE response: one chunk per opening choice (with opening_fields: more of chunk_type's
+        fields), then one per choice that has something new (text, tokens with logprobs or with their
+        ids where every_token, or its finish), then the usage chunk if asked, then [DONE].
         chunk_type is the endpoint's stream response model."""
-        events = self._events(chunk_type, options, opening, make_choice)
+        events = self._events(chunk_type, options, opening, make_choice, opening_fields or {},
+                              every_token or self.params.logprobs is not None)
         return _SSEResponse(events, on_close=self.abort)
 
     async def _events(self, chunk_type: type, options: StreamOptions | None, opening: Sequence[Any],
-                      make_choice: MakeChoice) -> AsyncIterator[str]:
+                      make_choice: MakeChoice, opening_fields: Mapping[str, Any],
+                      every_token: bool) -> AsyncIterator[str]:
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and bool(options.continuous_usage_stats)   # as vLLM: only with usage on
-        n, k = self.params.n, self.params.logprobs
+        n = self.params.n
         states = [ChoiceState() for _ in range(len(self.streams) * n)]
         last: list[RequestOutput | None] = [None] * len(self.streams)
         chunk = functools.partial(chunk_type, id=self.base_id, created=int(time.time()), model=self.model)
         try:
             for choice in opening:
-                event = chunk(choices=[choice])
+                event = chunk(choices=[choice], **opening_fields)
                 if continuous:   # as vLLM: every chunk carries usage, the opening ones too
                     event.usage = self.usage(last)
                 yield _sse(event)
@@ -278,7 +282,7 @@ class Submission:
                     if st.done:
                         continue
                     delta, start, end = st.advance(comp)
-                    if not delta and comp.finish_reason is None and (k is None or start == end):
+                    if not delta and comp.finish_reason is None and (not every_token or start == end):
                         continue
                     choice = make_choice(idx, out, comp, delta, start, end, st)
                     if choice is None:
@@ -333,10 +337,10 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
             raise OpenAIServingError(str(e), param=sampling_field_of(str(e))) from e
     response_id = random_id(id_prefix) if request_id is None else f"{id_prefix}-{request_id}"
     base_id = response_id if request_id is None else random_id(response_id)
-    prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
     if beam is None:
         ids, streams = await _add_all(state, base_id, prompts, params, prompt_param, priority)
     else:
         ids, firsts = await _add_all(state, base_id, prompts, one_token_params(beam), prompt_param, priority)
         streams = [_beam_stream(state, first, rid, beam) for first, rid in zip(firsts, ids)]
-    return Submission(state, response_id, model or state.model_name, params, prompt_lens, ids, streams)
+    return Submission(state, response_id, model or state.model_name, params,
+                      [list(p["prompt_token_ids"]) for p in prompts], ids, streams)
