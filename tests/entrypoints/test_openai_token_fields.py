@@ -105,6 +105,12 @@ def test_return_token_ids_whole_and_streamed(app, offline):
     assert choices[0]["prompt_token_ids"] == ref.prompt_token_ids
     assert all(c["prompt_token_ids"] is None for c in choices[1:])
     assert sum((c["token_ids"] for c in choices), []) == list(ref.outputs[0].token_ids)
+    # Tokens that add no text (here a special token, skipped in the text) still stream their ids.
+    eos = state.tokenizer.eos_token_id
+    events = _events(client.post("/v1/completions", json={**body, "stream": True,
+                                                          "logit_bias": {str(eos): 100}}).text)
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == ""
+    assert sum((e["choices"][0]["token_ids"] for e in events if e["choices"]), []) == [eos] * 5
     # Not asked: no ids.
     plain = client.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
     assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
