@@ -1,11 +1,18 @@
-"""Linear weights packed for the CPU's oneDNN give the plain layout's results."""
+"""Linear weights packed for the CPU's oneDNN give the plain layout's results (the path where
+cpu_linear's kernel is not available: it is switched off here)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from vllm_spec.model import cpu_linear
 from vllm_spec.model.layers import linear, pack_for_cpu
+
+
+@pytest.fixture(autouse=True)
+def _no_cpu_kernel(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "available", lambda: False)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])

@@ -1,0 +1,89 @@
+"""The CPU's float32 linear kernel (csrc/cpu/rows_linear.cpp): against torch in float64, the same result
+for a row whatever the batch, its place in the engine, and the fallback without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_spec.model import cpu_linear
+from vllm_spec.model.layers import LinearBase, linear, pack_for_cpu
+
+needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX2 CPU kernel here (or not buildable)")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 17, 64, 300])
+@pytest.mark.parametrize("n, k", [(1, 8), (3, 13), (37, 100), (256, 576), (130, 1536)])
+def test_kernel_matches_float64(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen)
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    got = cpu_linear.linear(x, weight, bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    # float32 sums of k products: error bound ~ k * eps * sum |x_i w_i| (here well under it).
+    scale = (x.double().abs() @ weight.double().abs().T) + bias.double().abs()
+    assert ((got.double() - expected).abs() <= 4 * k * 2 ** -24 * scale + 1e-30).all()
+
+
+@needs_kernel
+def test_a_row_gets_the_same_bits_in_any_batch():
+    """A token scored in a (k+1)-row verification gets exactly the logits of a 1-row step."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(203, 576, generator=gen)
+    x = torch.randn(11, 576, generator=gen)
+    alone = torch.cat([cpu_linear.linear(x[i:i + 1], weight) for i in range(11)])
+    for rows in (2, 3, 5, 11):
+        assert torch.equal(cpu_linear.linear(x[:rows], weight), alone[:rows])
+    assert torch.equal(cpu_linear.linear(x[4:9], weight), alone[4:9])
+
+
+@needs_kernel
+def test_layers_use_it_for_float32_on_plain_weights():
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    assert pack_for_cpu(weight) is weight   # no oneDNN copy: the kernel reads the plain layout
+    x = torch.randn(2, 3, 8, 32)[:, :, ::2]   # leading dims and a strided view
+    got = linear(x, weight, bias)
+    assert got.shape == (2, 3, 4, 48)
+    assert torch.allclose(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert cpu_linear.handles(x, weight)
+    assert not cpu_linear.handles(x.bfloat16(), weight.bfloat16())
+    assert not cpu_linear.handles(x, weight.T)   # (not contiguous)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")
+    cpu_linear._module.cache_clear()
+    try:
+        assert not cpu_linear.available()
+        weight = torch.randn(8, 4)
+        assert not cpu_linear.handles(torch.randn(2, 4), weight)
+        if torch.backends.mkldnn.is_available():
+            assert pack_for_cpu(weight).is_mkldnn   # the oneDNN path as before
+    finally:
+        monkeypatch.undo()
+        cpu_linear._module.cache_clear()
+
+
+@needs_kernel
+def test_engine_keeps_plain_weights_and_its_outputs(tiny_llama, monkeypatch):
+    """With the kernel the model keeps no packed copies, and its greedy tokens and logprobs are those
+    of the oneDNN path (within float32 rounding)."""
+    from vllm_spec import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    prompts = ["hello world", "the quick brown fox jumps"]
+    llm = LLM(model=str(tiny_llama), kv_cache_memory_bytes=1 << 22, device="cpu")
+    model = llm.llm_engine.executor.worker.runner.model
+    assert all(m.packed is None for m in model.modules() if isinstance(m, LinearBase))
+    ours = llm.generate(prompts, params, use_tqdm=False)
+    del llm
+    monkeypatch.setattr(cpu_linear, "available", lambda: False)
+    ref = LLM(model=str(tiny_llama), kv_cache_memory_bytes=1 << 22, device="cpu").generate(prompts, params,
+                                                                                           use_tqdm=False)
+    for a, b in zip(ours, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            (ta, va), = [(t, v) for t, v in la.items() if v.rank == 1]
+            assert abs(va.logprob - lb[ta].logprob) < 1e-4
