@@ -111,6 +111,13 @@ def test_return_token_ids_whole_and_streamed(app, offline):
                                                           "logit_bias": {str(eos): 100}}).text)
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == ""
     assert sum((e["choices"][0]["token_ids"] for e in events if e["choices"]), []) == [eos] * 5
+    # Two prompts and n=2, streamed: each choice's first chunk has its prompt's ids.
+    two = ["one two three", PROMPT]
+    events = _events(client.post("/v1/completions", json={**body, "prompt": two, "n": 2, "stream": True}).text)
+    for idx in range(4):
+        mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == idx]
+        assert mine[0]["prompt_token_ids"] == state.tokenizer(two[idx // 2]).input_ids
+        assert all(c["prompt_token_ids"] is None for c in mine[1:]) and len(sum((c["token_ids"] for c in mine), [])) == 5
     # Not asked: no ids.
     plain = client.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
     assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
@@ -123,7 +130,10 @@ def test_return_token_ids_whole_and_streamed(app, offline):
     assert whole["prompt_token_ids"] == rendered
     assert [len(c["token_ids"]) for c in whole["choices"]] == [4, 4]
     events = _events(client.post("/v1/chat/completions", json={**chat, "stream": True}).text)
-    assert events[0]["prompt_token_ids"] == rendered and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    # The role chunks (one per choice) carry the prompt's ids; later chunks do not.
+    assert [e["prompt_token_ids"] for e in events[:2]] == [rendered, rendered]
+    assert all(e["choices"][0]["delta"]["role"] == "assistant" for e in events[:2])
+    assert all(e["prompt_token_ids"] is None for e in events[2:])
     for idx in (0, 1):
         streamed = sum((c["token_ids"] or [] for e in events for c in e["choices"] if c["index"] == idx), [])
         assert streamed == whole["choices"][idx]["token_ids"]
@@ -167,10 +177,15 @@ def test_chat_echo_prepends_the_continued_message(app, offline):
     body = {"model": "m", "messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
             "add_generation_prompt": False, "continue_final_message": True}
     plain = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
-    echoed = client.post("/v1/chat/completions", json={**body, "echo": True}).json()["choices"][0]["message"]
+    whole = client.post("/v1/chat/completions", json={**body, "echo": True}).json()
+    echoed = whole["choices"][0]["message"]
     # The generated message continues the last one: its role, and with echo its content first.
     assert plain["role"] == echoed["role"] == "assistant"
     assert echoed["content"] == prefix + plain["content"]
+    # As vLLM: an echo also scores the prompt (with top_logprobs alternatives, none here).
+    assert whole["prompt_logprobs"][0] is None and all(len(e) == 1 for e in whole["prompt_logprobs"][1:])
+    r = client.post("/v1/chat/completions", json={**body, "echo": True, "logprobs": True, "top_logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
     events = _events(client.post("/v1/chat/completions", json={**body, "echo": True, "stream": True}).text)
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
     assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1] == {"content": prefix}

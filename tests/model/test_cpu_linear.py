@@ -13,7 +13,7 @@ needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX2 CP
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 17, 64, 300])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 17, 64, 300])
 @pytest.mark.parametrize("n, k", [(1, 8), (3, 13), (37, 100), (256, 576), (130, 1536)])
 def test_kernel_matches_float64(rows, n, k):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -23,16 +23,17 @@ def test_kernel_matches_float64(rows, n, k):
     got = cpu_linear.linear(x, weight, bias)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     # float32 sums of k products: error bound ~ k * eps * sum |x_i w_i| (here well under it).
-    scale = (x.double().abs() @ weight.double().abs().T) + bias.double().abs()
+    scale = torch.nn.functional.linear(x.double().abs(), weight.double().abs(), bias.double().abs())
     assert ((got.double() - expected).abs() <= 4 * k * 2 ** -24 * scale + 1e-30).all()
 
 
 @needs_kernel
-def test_a_row_gets_the_same_bits_in_any_batch():
+@pytest.mark.parametrize("k", [576, 579])   # (579: the sums' scalar tail)
+def test_a_row_gets_the_same_bits_in_any_batch(k):
     """A token scored in a (k+1)-row verification gets exactly the logits of a 1-row step."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(203, 576, generator=gen)
-    x = torch.randn(11, 576, generator=gen)
+    weight = torch.randn(203, k, generator=gen)
+    x = torch.randn(11, k, generator=gen)
     alone = torch.cat([cpu_linear.linear(x[i:i + 1], weight) for i in range(11)])
     for rows in (2, 3, 5, 11):
         assert torch.equal(cpu_linear.linear(x[:rows], weight), alone[:rows])
@@ -46,10 +47,15 @@ def test_layers_use_it_for_float32_on_plain_weights():
     x = torch.randn(2, 3, 8, 32)[:, :, ::2]   # leading dims and a strided view
     got = linear(x, weight, bias)
     assert got.shape == (2, 3, 4, 48)
+    assert torch.equal(got, cpu_linear.linear(x, weight, bias))   # the kernel's own bits
     assert torch.allclose(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     assert cpu_linear.handles(x, weight)
     assert not cpu_linear.handles(x.bfloat16(), weight.bfloat16())
     assert not cpu_linear.handles(x, weight.T)   # (not contiguous)
+    trained = weight.clone().requires_grad_()   # (no backward: autograd's path)
+    assert not cpu_linear.handles(x, trained)
+    linear(x, trained).sum().backward()
+    assert trained.grad is not None
 
 
 def test_switched_off_by_the_environment(monkeypatch):

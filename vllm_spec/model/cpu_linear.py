@@ -10,17 +10,21 @@ It also sums each output element in the same order whatever the number of rows: 
 (k+1)-token verification are bit-for-bit those of a 1-token step.
 
 The kernel is compiled with torch.utils.cpp_extension (a C++ compiler and ninja) into torch's extension
-cache the first time a process needs it (about 30 s, once per machine). Where that is not possible (no
-compiler, not x86-64 with AVX2, the source not shipped, or VLLM_SPEC_CPU_KERNELS=0) `available()` is
-False and linear layers use oneDNN / torch as before.
+directory ($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions; one folder per source, flags, torch and
+Python version) the first time a process needs it (about 30 s, once per machine). Where that is not possible (no compiler, not x86-64 with AVX2, no csrc/
+folder beside the package as in a wheel install, or VLLM_SPEC_CPU_KERNELS=0) `available()` is False and
+linear layers use oneDNN / torch as before.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
+import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -30,13 +34,17 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "rows_linear.cpp"
 ENV_SWITCH = "VLLM_SPEC_CPU_KERNELS"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# A build lock older than this was left by a build that died (torch's lock would wait for it forever).
+STALE_LOCK_S = 600.0
 
 
 def handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether linear(x, weight) runs on the kernel (float32 CPU tensors, a plain 2-D weight)."""
     return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
             and weight.device.type == "cpu" and weight.dim() == 2 and not weight.is_mkldnn
-            and weight.is_contiguous() and x.shape[-1] == weight.shape[1] and available())
+            and weight.is_contiguous() and x.shape[-1] == weight.shape[1] and available()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))   # (no backward)
 
 
 def available() -> bool:
@@ -63,12 +71,25 @@ def _module() -> ModuleType | None:
     if not SOURCE.is_file():
         logger.debug("CPU linear kernel: no source at %s (an installed wheel): torch's linear", SOURCE)
         return None
+    stamp = f"{' '.join(FLAGS)} {torch.__version__} {sys.version_info[:2]}".encode()
+    version = hashlib.sha256(SOURCE.read_bytes() + stamp).hexdigest()[:12]
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    build = root / f"vllm_spec_rows_linear_{version}"
     try:
         from torch.utils.cpp_extension import load
 
-        return load("vllm_spec_rows_linear", [str(SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        build.mkdir(parents=True, exist_ok=True)
+        lock = build / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+        if not any(build.glob("*.so")):
+            logger.info("building the CPU linear kernel (once, about 30 s) in %s", build)
+        return load(f"vllm_spec_rows_linear_{version}", [str(SOURCE)], extra_cflags=FLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means the fallback
-        logger.warning("CPU linear kernel not built (%s: %s); using torch's linear. Set %s=0 to skip the "
-                       "attempt.", type(e).__name__, str(e).strip().splitlines()[-1:] or "", ENV_SWITCH)
+        lines = str(e).strip().splitlines()
+        reason = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "")
+        logger.warning("CPU linear kernel not built (%s: %s); using torch's linear (%s=0 skips the attempt).",
+                       type(e).__name__, reason, ENV_SWITCH)
+        logger.debug("CPU linear kernel build failure", exc_info=True)
         return None

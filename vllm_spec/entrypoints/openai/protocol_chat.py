@@ -97,7 +97,11 @@ class ChatCompletionRequest(SamplingFields):
         sent_as = {"logprobs": "top_logprobs"}
         if self.max_completion_tokens is not None:
             sent_as["max_tokens"] = "max_completion_tokens"
-        return self._sampling_params(max_tokens, logprobs, defaults or {}, sent_as, self.prompt_logprobs)
+        # As vLLM: an echo scores the prompt with the request's top_logprobs unless prompt_logprobs says.
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs, sent_as["prompt_logprobs"] = self.top_logprobs or 0, "top_logprobs"
+        return self._sampling_params(max_tokens, logprobs, defaults or {}, sent_as, prompt_logprobs)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from vllm_spec.entrypoints.chat_utils import text_content
 from vllm_spec.entrypoints.openai import serving, submission
 from vllm_spec.entrypoints.openai.protocol_chat import (
     ChatCompletionLogProb,
@@ -54,6 +55,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     reader = request.tool_call_reader()
     prompt = await serving.in_tokenizer_thread(state, serving.render_messages, state, request,
                                                request.add_special_tokens)
+    role = state.response_role if request.add_generation_prompt else request.messages[-1].role
+    echo = _echoed_text(request, role)
     sub = await submission.submit(state, "chatcmpl", request.model, [prompt], params, "messages",
                                max_tokens_param="max_completion_tokens" if request.max_completion_tokens is not None
                                else "max_tokens", priority=request.priority,
@@ -61,8 +64,6 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
                                request_id=serving.client_request_id(raw_request, request))
     k = params.logprobs
     as_ids, with_ids = serving.tokens_as_ids(state, request), bool(request.return_token_ids)
-    role = state.response_role if request.add_generation_prompt else request.messages[-1].role
-    echo = _echoed_text(request, role)
 
     if request.stream:
         parsers = [reader() for _ in range(params.n)] if reader is not None else None
@@ -90,14 +91,15 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
                 index=idx, delta=DeltaMessage(content=delta or None, tool_calls=calls or None),
                 logprobs=lps, finish_reason=finish, stop_reason=comp.stop_reason, token_ids=ids)
 
-        # As OpenAI: each choice opens with a delta that carries only the role; as vLLM, an echo follows.
-        opening = [ChatCompletionResponseStreamChoice(index=idx, delta=DeltaMessage(role=role, content=""))
-                   for idx in range(params.n)]
+        # As OpenAI: each choice opens with a delta that carries only the role (as vLLM: and the prompt's
+        # token ids where asked); as vLLM, an echo follows.
+        ids_field = {"prompt_token_ids": sub.prompt_token_ids[0]} if with_ids else {}
+        opening = [submission.Opening(ChatCompletionResponseStreamChoice(
+            index=idx, delta=DeltaMessage(role=role, content="")), ids_field) for idx in range(params.n)]
         if echo:
-            opening += [ChatCompletionResponseStreamChoice(index=idx, delta=DeltaMessage(content=echo))
-                        for idx in range(params.n)]
-        return sub.stream(ChatCompletionStreamResponse, request.stream_options, opening, choice,
-                          {"prompt_token_ids": sub.prompt_token_ids[0]} if with_ids else None, with_ids)
+            opening += [submission.Opening(ChatCompletionResponseStreamChoice(
+                index=idx, delta=DeltaMessage(content=echo))) for idx in range(params.n)]
+        return sub.stream(ChatCompletionStreamResponse, request.stream_options, opening, choice, with_ids)
 
     final = await sub.collect(raw_request)
     if final is None or final[0] is None:
@@ -124,12 +126,9 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
 def _echoed_text(request: ChatCompletionRequest, role: str) -> str:
     """What echo puts before each choice's content, as vLLM's: the last message's text where it has
     the generated message's role (continuing it), else nothing."""
-    last = request.messages[-1]
-    if not request.echo or last.role != role or not last.content:
+    if not request.echo or request.messages[-1].role != role:
         return ""
-    if isinstance(last.content, str):
-        return last.content
-    return "\n".join(part.get("text", "") for part in last.content if part.get("type") == "text")
+    return text_content(request.messages[-1].content)   # (rendered already: its parts are text)
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:

@@ -120,7 +120,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
         opened: set[int] = set()
 
         def choice(idx: int, out: RequestOutput, comp: CompletionOutput, delta: str, start: int, end: int,
-                   st: submission.ChoiceState) -> CompletionResponseChoice:
+                   st: submission.ChoiceState) -> CompletionResponseStreamChoice:
             # As vLLM: with echo, a choice's first chunk carries the prompt (text and logprobs) before
             # its first tokens.
             first = idx not in opened
@@ -141,6 +141,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
         return Response(status_code=499)  # the client is gone; nobody reads this
     choices = []
     for i, out in enumerate(final):
+        prompt_logprobs = serving.prompt_logprobs_info(out.prompt_logprobs)
         for comp in out.outputs:
             lps = None
             if k is not None and comp.logprobs is not None:
@@ -148,7 +149,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
             choices.append(CompletionResponseChoice(
                 index=i * n + comp.index, text=echo[i] + (comp.text if shown is None else ""), logprobs=lps,
                 finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
-                prompt_logprobs=serving.prompt_logprobs_info(out.prompt_logprobs),
+                prompt_logprobs=prompt_logprobs,
                 prompt_token_ids=list(out.prompt_token_ids) if with_ids else None,
                 token_ids=token_ids(comp, 0, len(comp.token_ids))))
     return JSONResponse(CompletionResponse(id=sub.base_id, model=sub.model, choices=choices,

@@ -199,6 +199,14 @@ class _SSEResponse(StreamingResponse):
                 self._on_close()  # also covers a generator that never started
 
 
+@dataclass
+class Opening:
+    """A chunk a stream sends before any output: one choice, and more of the chunk's fields."""
+
+    choice: Any
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
 # Builds one streamed choice: (choice index, its request's output, the choice's output, new text, new
 # tokens' start and end, its state); None: nothing to send yet (text a tool-call parser holds).
 MakeChoice = Callable[[int, RequestOutput, CompletionOutput, str, int, int, ChoiceState], Any]
@@ -248,20 +256,17 @@ class Submission:
         finally:
             self.abort()
 
-    def stream(self, chunk_type: type, options: StreamOptions | None, opening: Sequence[Any],
-               make_choice: MakeChoice, opening_fields: Mapping[str, Any] | None = None,
-               every_token: bool = False) -> StreamingResponse:
-        """The SSE response: one chunk per opening choice (with opening_fields: more of chunk_type's
-        fields), then one per choice that has something new (text, tokens with logprobs or with their
-        ids where every_token, or its finish), then the usage chunk if asked, then [DONE].
-        chunk_type is the endpoint's stream response model."""
-        events = self._events(chunk_type, options, opening, make_choice, opening_fields or {},
+    def stream(self, chunk_type: type, options: StreamOptions | None, opening: Sequence[Opening],
+               make_choice: MakeChoice, every_token: bool = False) -> StreamingResponse:
+        """The SSE response: the opening chunks, then one per choice that has something new (text,
+        tokens with logprobs or with their ids where every_token, or its finish), then the usage chunk
+        if asked, then [DONE]. chunk_type is the endpoint's stream response model."""
+        events = self._events(chunk_type, options, opening, make_choice,
                               every_token or self.params.logprobs is not None)
         return _SSEResponse(events, on_close=self.abort)
 
-    async def _events(self, chunk_type: type, options: StreamOptions | None, opening: Sequence[Any],
-                      make_choice: MakeChoice, opening_fields: Mapping[str, Any],
-                      every_token: bool) -> AsyncIterator[str]:
+    async def _events(self, chunk_type: type, options: StreamOptions | None, opening: Sequence[Opening],
+                      make_choice: MakeChoice, every_token: bool) -> AsyncIterator[str]:
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and bool(options.continuous_usage_stats)   # as vLLM: only with usage on
         n = self.params.n
@@ -269,8 +274,8 @@ class Submission:
         last: list[RequestOutput | None] = [None] * len(self.streams)
         chunk = functools.partial(chunk_type, id=self.base_id, created=int(time.time()), model=self.model)
         try:
-            for choice in opening:
-                event = chunk(choices=[choice], **opening_fields)
+            for first in opening:
+                event = chunk(choices=[first.choice], **first.fields)
                 if continuous:   # as vLLM: every chunk carries usage, the opening ones too
                     event.usage = self.usage(last)
                 yield _sse(event)
