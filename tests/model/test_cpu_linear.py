@@ -19,12 +19,45 @@ def test_kernel_matches_float64(rows, n, k):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen)
     weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
-    got = cpu_linear.linear(x, weight, bias)
-    assert got.dtype == torch.float32 and got.shape == (rows, n)
-    # float32 sums of k products: error bound ~ k * eps * sum |x_i w_i| (here well under it).
-    scale = torch.nn.functional.linear(x.double().abs(), weight.double().abs(), bias.double().abs())
-    assert ((got.double() - expected).abs() <= 4 * k * 2 ** -24 * scale + 1e-30).all()
+    for w in (weight, weight.bfloat16()):   # (bf16 weights: sums in float32 all the same)
+        expected = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+        got = cpu_linear.kernel().rows_linear(x, w) + bias
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        # float32 sums of k products: error bound ~ k * eps * sum |x_i w_i| (here well under it).
+        scale = torch.nn.functional.linear(x.double().abs(), w.double().abs(), bias.double().abs())
+        assert ((got.double() - expected).abs() <= 4 * k * 2 ** -24 * scale + 1e-30).all()
+
+
+@needs_kernel
+def test_bfloat16_rounds_the_float32_sum_once():
+    """In bfloat16 the result is the float32 sum rounded to bf16 (as torch's own bf16 matmul)."""
+    if torch.bfloat16 not in cpu_linear.dtypes():
+        pytest.skip("this CPU has bf16 arithmetic: oneDNN serves bf16")
+    gen = torch.Generator().manual_seed(3)
+    x, weight, bias = (torch.randn(5, 100, generator=gen).bfloat16(), torch.randn(37, 100, generator=gen).bfloat16(),
+                       torch.randn(37, generator=gen).bfloat16())
+    got = linear(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and pack_for_cpu(weight) is weight
+    exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    # Within float32's error of the exact sum before the one rounding: at most one bf16 step off.
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
+    # torch's bf16 result rounds the same sum in another order: equal, or one bf16 step apart.
+    theirs = torch.nn.functional.linear(x, weight, bias)
+    assert ((got.double() - theirs.double()).abs() <= exact.abs() * 2 ** -7 + 1e-6).all()
+
+
+def test_bfloat16_is_left_to_onednn_on_cpus_with_bf16_arithmetic(monkeypatch):
+    from vllm_spec.model import cpu_linear as module
+
+    monkeypatch.setattr(module, "available", lambda: True)
+    try:
+        for native, expected in ((True, {torch.float32}), (False, {torch.float32, torch.bfloat16})):
+            monkeypatch.setattr(module, "cpu_has_native_bf16", lambda native=native: native)
+            module.dtypes.cache_clear()
+            assert module.dtypes() == expected
+    finally:
+        monkeypatch.undo()
+        module.dtypes.cache_clear()
 
 
 @needs_kernel
@@ -34,10 +67,11 @@ def test_a_row_gets_the_same_bits_in_any_batch(k):
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(203, k, generator=gen)
     x = torch.randn(11, k, generator=gen)
-    alone = torch.cat([cpu_linear.linear(x[i:i + 1], weight) for i in range(11)])
-    for rows in (2, 3, 5, 11):
-        assert torch.equal(cpu_linear.linear(x[:rows], weight), alone[:rows])
-    assert torch.equal(cpu_linear.linear(x[4:9], weight), alone[4:9])
+    for w in (weight, weight.bfloat16()):
+        alone = torch.cat([cpu_linear.kernel().rows_linear(x[i:i + 1], w) for i in range(11)])
+        for rows in (2, 3, 5, 11):
+            assert torch.equal(cpu_linear.kernel().rows_linear(x[:rows], w), alone[:rows])
+        assert torch.equal(cpu_linear.kernel().rows_linear(x[4:9].contiguous(), w), alone[4:9])
 
 
 @needs_kernel
@@ -50,7 +84,8 @@ def test_layers_use_it_for_float32_on_plain_weights():
     assert torch.equal(got, cpu_linear.linear(x, weight, bias))   # the kernel's own bits
     assert torch.allclose(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     assert cpu_linear.handles(x, weight)
-    assert not cpu_linear.handles(x.bfloat16(), weight.bfloat16())
+    assert cpu_linear.handles(x.bfloat16(), weight.bfloat16()) == (torch.bfloat16 in cpu_linear.dtypes())
+    assert not cpu_linear.handles(x.half(), weight.half()) and not cpu_linear.handles(x, weight.bfloat16())
     assert not cpu_linear.handles(x, weight.T)   # (not contiguous)
     trained = weight.clone().requires_grad_()   # (no backward: autograd's path)
     assert not cpu_linear.handles(x, trained)
@@ -61,6 +96,7 @@ def test_layers_use_it_for_float32_on_plain_weights():
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")
     cpu_linear._module.cache_clear()
+    cpu_linear.dtypes.cache_clear()
     try:
         assert not cpu_linear.available()
         weight = torch.randn(8, 4)
@@ -70,6 +106,7 @@ def test_switched_off_by_the_environment(monkeypatch):
     finally:
         monkeypatch.undo()
         cpu_linear._module.cache_clear()
+        cpu_linear.dtypes.cache_clear()
 
 
 @needs_kernel
@@ -85,7 +122,7 @@ def test_engine_keeps_plain_weights_and_its_outputs(tiny_llama, monkeypatch):
     assert all(m.packed is None for m in model.modules() if isinstance(m, LinearBase))
     ours = llm.generate(prompts, params, use_tqdm=False)
     del llm
-    monkeypatch.setattr(cpu_linear, "available", lambda: False)
+    monkeypatch.setattr(cpu_linear, "dtypes", lambda: frozenset())
     ref = LLM(model=str(tiny_llama), kv_cache_memory_bytes=1 << 22, device="cpu").generate(prompts, params,
                                                                                            use_tqdm=False)
     for a, b in zip(ours, ref):

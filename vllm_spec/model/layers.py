@@ -46,15 +46,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor:
     """A copy of a linear layer's weight in oneDNN's blocked layout, or the weight itself where that
-    does not apply (not on CPU, no oneDNN, a dtype other than float32/bfloat16, or float32 where
-    cpu_linear's kernel multiplies the plain layout faster).
+    does not apply (not on CPU, no oneDNN, a dtype other than float32/bfloat16, or one that
+    cpu_linear's kernel multiplies faster in the plain layout).
 
     On CPU this made the matmuls of a SmolLM2-sized model 1.7-2.5x faster at 1-16 rows (bf16 and
     fp32, 2 cores): decoding streams every weight once per step and the plain layout is read slowly.
     """
     if (weight.is_mkldnn or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
             or weight.dtype in _UNPACKABLE or not torch.backends.mkldnn.is_available()
-            or (weight.dtype == torch.float32 and cpu_linear.available())):
+            or weight.dtype in cpu_linear.dtypes()):
         return weight
     try:
         return _reorder_linear_weight(weight.detach())
