@@ -145,6 +145,9 @@ def test_tokens_as_token_ids_in_both_logprob_formats(app, tiny_llama):
             "return_tokens_as_token_ids": True, "return_token_ids": True}
     choice = client.post("/v1/completions", json=body).json()["choices"][0]
     ids = choice["prompt_token_ids"] + choice["token_ids"]
+    # As vLLM: the prompt comes back as ids, so echo adds no text before the completion's.
+    no_echo = client.post("/v1/completions", json={**body, "echo": False}).json()["choices"][0]
+    assert choice["text"] == no_echo["text"] and choice["token_ids"] == no_echo["token_ids"]
     lps = choice["logprobs"]
     assert lps["tokens"] == [f"token_id:{t}" for t in ids]
     # Text offsets count the names as written, as vLLM's.

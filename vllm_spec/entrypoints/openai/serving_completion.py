@@ -98,8 +98,9 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
                                   request_id=serving.client_request_id(raw_request, request))
     n, k = params.n, params.logprobs
     as_ids, with_ids = serving.tokens_as_ids(state, request), bool(request.return_token_ids)
-    echo = ([await serving.in_tokenizer_thread(state, _prompt_text, state, p) for p in prompts] if request.echo
-            else [""] * len(prompts))
+    # As vLLM: with return_token_ids the prompt comes back as its ids, so echo adds no text (its logprobs stay).
+    echo = ([await serving.in_tokenizer_thread(state, _prompt_text, state, p) for p in prompts]
+            if request.echo and not with_ids else [""] * len(prompts))
     # echo with max_tokens 0: the prompt (and its logprobs) alone, not the token generated for it.
     shown = 0 if request.echo_only else None
 
