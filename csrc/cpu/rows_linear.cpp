@@ -3,10 +3,11 @@
 // bfloat16 (widened in registers: half the memory traffic, where the CPU has no bf16 arithmetic of its own).
 //
 // Decoding multiplies a few rows of activations by every weight once per step, so the weights'
-// memory traffic sets the time. Each tile keeps 4 weight rows x up to 3 activation rows of sums in
-// registers and reads each weight row once for all activation rows; the first pass over a tile
-// prefetches the tile PREFETCH_TILES ahead, so the FMAs on one tile overlap the load of the next
-// (without it a single core's loads and FMAs ran one after the other: 8 GB/s at 5 rows, 13 at 1).
+// memory traffic sets the time. A tile of 4 weight rows keeps its sums in registers (4 x up to 3
+// activation rows, or 2 x up to 6 with the weights held) and reads each weight row once per pass; the
+// first pass over a tile prefetches the tile kPrefetchTiles ahead, so the FMAs on one tile overlap the
+// load of the next (without it a single core's loads and FMAs ran one after the other: 8 GB/s at 5
+// rows, 13 at 1).
 //
 // Every output element is summed in the same order (8 lanes over k, the lanes added pairwise, then
 // the k tail) whatever the number of rows and tiles: a row gets bit-for-bit the same result in a
@@ -23,7 +24,8 @@
 namespace {
 
 constexpr int kTileRows = 4;        // weight rows per tile
-constexpr int kMaxActRows = 3;      // activation rows per pass: 4 x 3 sums + 1 weight + 3 inputs in 16 registers
+constexpr int kHeldRows = 6;        // tile_held_weights' rows: 2 x 6 sums + 2 weights + 1 input in 16 registers
+constexpr int64_t kHeldMaxRows = 18;   // up to here, passes of kHeldRows (see rows)
 constexpr int kPrefetchTiles = 3;   // how far ahead the first pass prefetches (measured: 1-4 alike, 0 slower)
 // Activation rows per sweep over the weights: every tile re-reads them, so they must stay in L2 (2048
 // rows at once took 1.5-2x torch's time; the weights' extra sweeps cost little where rows are many).
@@ -79,15 +81,78 @@ void tile(const float* x, const W* w, int64_t K, float* y, int64_t ldy, bool pre
     }
 }
 
-// All M activation rows against R weight rows: passes of up to kMaxActRows rows; only the first
-// prefetches (the later ones read the tile's weights from cache).
+// As tile, with the R weight vectors held and the MC activation rows streamed past them: 2 x 6 sums
+// + 2 weights + 1 input fit the 16 registers, so 4-6 rows take one pass (one prefetched sweep) where
+// tile needs two (5 rows of gate_up: 1.01x a row's time against 1.28x). The same order of sums per
+// output element as tile.
+template <typename W, int R, int MC>
+void tile_held_weights(const float* x, const W* w, int64_t K, float* y, int64_t ldy, bool prefetch) {
+  __m256 acc[R][MC];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_setzero_ps();
+  const W* ahead = prefetch ? w + static_cast<int64_t>(kPrefetchTiles) * kTileRows * K : w;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = load8(w + r * K + k);
+    if (prefetch && (k & 15) == 0)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K + k), _MM_HINT_T0);
+    for (int m = 0; m < MC; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MC; ++m) {
+      float s = lane_sum(acc[r][m]);
+      for (int64_t t = k; t < K; ++t) s += widen(w[r * K + t]) * x[m * K + t];
+      y[m * ldy + r] = s;
+    }
+}
+
+// Up to kHeldRows activation rows in one pass: the tile's weight rows two at a time.
+template <typename W, int R, int MC>
+void rows_in_one_pass(const float* x, const W* w, int64_t K, float* y, int64_t ldy, bool prefetch) {
+  static_assert(R % 2 == 0 || R == 1, "pairs of weight rows");
+  if constexpr (R == 1) {
+    tile_held_weights<W, 1, MC>(x, w, K, y, ldy, prefetch);
+  } else {
+    for (int r = 0; r < R; r += 2) tile_held_weights<W, 2, MC>(x, w + r * K, K, y + r, ldy, prefetch);
+  }
+}
+
+// All M activation rows against R weight rows: up to 3 in one pass of tile; up to kHeldMaxRows in passes
+// of up to 6 with the weights held (fewer passes over the tile); more in passes of 3 (the arithmetic
+// bounds many rows, and tile's does more per load: 64 rows of gate_up took 95 ms that way, 106 held).
+// Only the first pass prefetches (the later ones read the tile's weights from cache).
 template <typename W, int R>
 void rows(const float* x, int64_t M, const W* w, int64_t K, float* y, int64_t ldy, bool prefetch) {
-  int64_t m = 0;
-  for (; m + kMaxActRows <= M; m += kMaxActRows)
-    tile<W, R, kMaxActRows>(x + m * K, w, K, y + m * ldy, ldy, prefetch && m == 0);
-  if (M - m == 2) tile<W, R, 2>(x + m * K, w, K, y + m * ldy, ldy, prefetch && m == 0);
-  else if (M - m == 1) tile<W, R, 1>(x + m * K, w, K, y + m * ldy, ldy, prefetch && m == 0);
+  switch (M) {
+    case 1: return tile<W, R, 1>(x, w, K, y, ldy, prefetch);
+    case 2: return tile<W, R, 2>(x, w, K, y, ldy, prefetch);
+    case 3: return tile<W, R, 3>(x, w, K, y, ldy, prefetch);
+    default: break;
+  }
+  if (M > kHeldMaxRows) {
+    int64_t m = 0;
+    for (; m + 3 <= M; m += 3) tile<W, R, 3>(x + m * K, w, K, y + m * ldy, ldy, prefetch && m == 0);
+    if (M - m == 2) tile<W, R, 2>(x + m * K, w, K, y + m * ldy, ldy, false);
+    else if (M - m == 1) tile<W, R, 1>(x + m * K, w, K, y + m * ldy, ldy, false);
+    return;
+  }
+  for (int64_t m = 0; m < M; m += kHeldRows) {
+    const float* xm = x + m * K;
+    float* ym = y + m * ldy;
+    const bool first = prefetch && m == 0;
+    switch (std::min<int64_t>(kHeldRows, M - m)) {
+      case 6: rows_in_one_pass<W, R, 6>(xm, w, K, ym, ldy, first); break;
+      case 5: rows_in_one_pass<W, R, 5>(xm, w, K, ym, ldy, first); break;
+      case 4: rows_in_one_pass<W, R, 4>(xm, w, K, ym, ldy, first); break;
+      case 3: rows_in_one_pass<W, R, 3>(xm, w, K, ym, ldy, first); break;
+      case 2: rows_in_one_pass<W, R, 2>(xm, w, K, ym, ldy, first); break;
+      default: rows_in_one_pass<W, R, 1>(xm, w, K, ym, ldy, first); break;
+    }
+  }
 }
 
 template <typename W>
