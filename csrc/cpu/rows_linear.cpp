@@ -24,7 +24,7 @@
 namespace {
 
 constexpr int kTileRows = 4;        // weight rows per tile
-constexpr int kHeldRows = 6;        // tile_held_weights' rows: 2 x 6 sums + 2 weights + 1 input in 16 registers
+constexpr int kHeldRows = 6;        // rows per pass with the weights held (see tile)
 constexpr int64_t kHeldMaxRows = 18;   // up to here, passes of kHeldRows (see rows)
 constexpr int kPrefetchTiles = 3;   // how far ahead the first pass prefetches (measured: 1-4 alike, 0 slower)
 // Activation rows per sweep over the weights: every tile re-reads them, so they must stay in L2 (2048
@@ -55,8 +55,12 @@ inline float lane_sum(__m256 v) {
 }
 
 // y[m * ldy + r] = dot(x[m * K ...], w[r * K ...]) for r < R, m < MC; with prefetch, the R rows
-// kPrefetchTiles tiles further on exist and are prefetched.
-template <typename W, int R, int MC>
+// kPrefetchTiles tiles further on exist and are prefetched. Two loop orders, one order of sums per
+// element: HoldInputs keeps the MC input vectors in registers and loads each weight vector once per
+// step (4 x 3 sums + 3 inputs + 1 weight fill the 16 registers); otherwise the R weight vectors are held
+// and the inputs stream past them (2 x 6 sums + 2 weights + 1 input), so 4-6 rows take one pass where
+// the other order needs two (5 rows of gate_up: 1.15x a row's time against 1.28x).
+template <typename W, int R, int MC, bool HoldInputs>
 void tile(const float* x, const W* w, int64_t K, float* y, int64_t ldy, bool prefetch) {
   __m256 acc[R][MC];
   for (int r = 0; r < R; ++r)
@@ -64,42 +68,22 @@ void tile(const float* x, const W* w, int64_t K, float* y, int64_t ldy, bool pre
   const W* ahead = prefetch ? w + static_cast<int64_t>(kPrefetchTiles) * kTileRows * K : w;
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    __m256 xv[MC];
-    for (int m = 0; m < MC; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
     if (prefetch && (k & 15) == 0)   // one 64-byte line per weight row every other step
       for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K + k), _MM_HINT_T0);
-    for (int r = 0; r < R; ++r) {
-      const __m256 wv = load8(w + r * K + k);
-      for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MC; ++m) {
-      float s = lane_sum(acc[r][m]);
-      for (int64_t t = k; t < K; ++t) s += widen(w[r * K + t]) * x[m * K + t];
-      y[m * ldy + r] = s;
-    }
-}
-
-// As tile, with the R weight vectors held and the MC activation rows streamed past them: 2 x 6 sums
-// + 2 weights + 1 input fit the 16 registers, so 4-6 rows take one pass (one prefetched sweep) where
-// tile needs two (5 rows of gate_up: 1.01x a row's time against 1.28x). The same order of sums per
-// output element as tile.
-template <typename W, int R, int MC>
-void tile_held_weights(const float* x, const W* w, int64_t K, float* y, int64_t ldy, bool prefetch) {
-  __m256 acc[R][MC];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_setzero_ps();
-  const W* ahead = prefetch ? w + static_cast<int64_t>(kPrefetchTiles) * kTileRows * K : w;
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = load8(w + r * K + k);
-    if (prefetch && (k & 15) == 0)
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K + k), _MM_HINT_T0);
-    for (int m = 0; m < MC; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+    if constexpr (HoldInputs) {
+      __m256 xv[MC];
+      for (int m = 0; m < MC; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const __m256 wv = load8(w + r * K + k);
+        for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+      }
+    } else {
+      __m256 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = load8(w + r * K + k);
+      for (int m = 0; m < MC; ++m) {
+        const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+        for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -115,9 +99,9 @@ template <typename W, int R, int MC>
 void rows_in_one_pass(const float* x, const W* w, int64_t K, float* y, int64_t ldy, bool prefetch) {
   static_assert(R % 2 == 0 || R == 1, "pairs of weight rows");
   if constexpr (R == 1) {
-    tile_held_weights<W, 1, MC>(x, w, K, y, ldy, prefetch);
+    tile<W, 1, MC, false>(x, w, K, y, ldy, prefetch);
   } else {
-    for (int r = 0; r < R; r += 2) tile_held_weights<W, 2, MC>(x, w + r * K, K, y + r, ldy, prefetch);
+    for (int r = 0; r < R; r += 2) tile<W, 2, MC, false>(x, w + r * K, K, y + r, ldy, prefetch);
   }
 }
 
@@ -128,16 +112,16 @@ void rows_in_one_pass(const float* x, const W* w, int64_t K, float* y, int64_t l
 template <typename W, int R>
 void rows(const float* x, int64_t M, const W* w, int64_t K, float* y, int64_t ldy, bool prefetch) {
   switch (M) {
-    case 1: return tile<W, R, 1>(x, w, K, y, ldy, prefetch);
-    case 2: return tile<W, R, 2>(x, w, K, y, ldy, prefetch);
-    case 3: return tile<W, R, 3>(x, w, K, y, ldy, prefetch);
+    case 1: return tile<W, R, 1, true>(x, w, K, y, ldy, prefetch);
+    case 2: return tile<W, R, 2, true>(x, w, K, y, ldy, prefetch);
+    case 3: return tile<W, R, 3, true>(x, w, K, y, ldy, prefetch);
     default: break;
   }
   if (M > kHeldMaxRows) {
     int64_t m = 0;
-    for (; m + 3 <= M; m += 3) tile<W, R, 3>(x + m * K, w, K, y + m * ldy, ldy, prefetch && m == 0);
-    if (M - m == 2) tile<W, R, 2>(x + m * K, w, K, y + m * ldy, ldy, false);
-    else if (M - m == 1) tile<W, R, 1>(x + m * K, w, K, y + m * ldy, ldy, false);
+    for (; m + 3 <= M; m += 3) tile<W, R, 3, true>(x + m * K, w, K, y + m * ldy, ldy, prefetch && m == 0);
+    if (M - m == 2) tile<W, R, 2, true>(x + m * K, w, K, y + m * ldy, ldy, false);
+    else if (M - m == 1) tile<W, R, 1, true>(x + m * K, w, K, y + m * ldy, ldy, false);
     return;
   }
   for (int64_t m = 0; m < M; m += kHeldRows) {
