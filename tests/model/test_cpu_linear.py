@@ -130,3 +130,14 @@ def test_engine_keeps_plain_weights_and_its_outputs(tiny_llama, monkeypatch):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             (ta, va), = [(t, v) for t, v in la.items() if v.rank == 1]
             assert abs(va.logprob - lb[ta].logprob) < 1e-4
+
+
+def test_other_devices_never_ask_for_the_kernel(monkeypatch):
+    """A GPU model's linear layers (here: tensors on the meta device) must not build the CPU kernel."""
+    def no_build():
+        raise AssertionError("the CPU kernel was asked for")
+
+    monkeypatch.setattr(cpu_linear, "dtypes", no_build)
+    x, weight = torch.empty(2, 4, device="meta"), torch.empty(3, 4, device="meta")
+    assert not cpu_linear.handles(x, weight)
+    assert pack_for_cpu(weight) is weight

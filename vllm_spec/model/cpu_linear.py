@@ -45,8 +45,9 @@ STALE_LOCK_S = 600.0
 
 def handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether linear(x, weight) runs on the kernel (CPU tensors of a dtype it takes, a plain 2-D weight)."""
-    return (x.dtype == weight.dtype and x.dtype in dtypes() and x.device.type == "cpu"
-            and weight.device.type == "cpu" and weight.dim() == 2 and not weight.is_mkldnn
+    # (The device first: a GPU's linear layers must not build the CPU kernel.)
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
+            and x.dtype in dtypes() and weight.dim() == 2 and not weight.is_mkldnn
             and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))   # (no backward)
 
