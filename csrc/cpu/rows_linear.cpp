@@ -10,8 +10,9 @@
 // rows, 13 at 1).
 //
 // Every output element is summed in the same order (8 lanes over k, the lanes added pairwise, then
-// the k tail) whatever the number of rows and tiles: a row gets bit-for-bit the same result in a
-// 1-row decode step and in a (k+1)-row verification.
+// the k tail, each product rounded before its add: built with -ffp-contract=off, so no compiler choice
+// of fusing differs between instantiations) whatever the number of rows and tiles: a row gets
+// bit-for-bit the same result in a 1-row decode step and in a (k+1)-row verification.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -68,7 +69,7 @@ void tile(const float* x, const W* w, int64_t K, float* y, int64_t ldy, bool pre
   const W* ahead = prefetch ? w + static_cast<int64_t>(kPrefetchTiles) * kTileRows * K : w;
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    if (prefetch && (k & 15) == 0)   // one 64-byte line per weight row every other step
+    if (prefetch && k % (64 / sizeof(W)) == 0)   // one 64-byte line per weight row as the loads reach it
       for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K + k), _MM_HINT_T0);
     if constexpr (HoldInputs) {
       __m256 xv[MC];

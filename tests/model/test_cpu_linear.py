@@ -13,7 +13,7 @@ needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX2 CP
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 17, 64, 300])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 15, 16, 17, 18, 19, 20, 21, 64, 300])
 @pytest.mark.parametrize("n, k", [(1, 8), (3, 13), (37, 100), (256, 576), (130, 1536)])
 def test_kernel_matches_float64(rows, n, k):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -67,10 +67,11 @@ def test_a_row_gets_the_same_bits_in_any_batch(k):
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(203, k, generator=gen)
     x = torch.randn(11, k, generator=gen)
+    x = torch.cat([x, torch.randn(251, k, generator=gen)])   # 262 rows: past the 256-row sweep
     for w in (weight, weight.bfloat16()):
-        alone = torch.cat([cpu_linear.kernel().rows_linear(x[i:i + 1], w) for i in range(11)])
-        for rows in (2, 3, 5, 11):
-            assert torch.equal(cpu_linear.kernel().rows_linear(x[:rows], w), alone[:rows])
+        alone = torch.cat([cpu_linear.kernel().rows_linear(x[i:i + 1], w) for i in range(len(x))])
+        for rows in [*range(2, 25), *range(255, 263)]:
+            assert torch.equal(cpu_linear.kernel().rows_linear(x[:rows], w), alone[:rows]), rows
         assert torch.equal(cpu_linear.kernel().rows_linear(x[4:9].contiguous(), w), alone[4:9])
 
 
@@ -141,3 +142,16 @@ def test_other_devices_never_ask_for_the_kernel(monkeypatch):
     x, weight = torch.empty(2, 4, device="meta"), torch.empty(3, 4, device="meta")
     assert not cpu_linear.handles(x, weight)
     assert pack_for_cpu(weight) is weight
+    # Nor do CPU dtypes it never takes.
+    for dtype in (torch.float16, torch.float64):
+        assert not cpu_linear.handles(torch.ones(2, 4, dtype=dtype), torch.ones(3, 4, dtype=dtype))
+
+
+@needs_kernel
+def test_weights_the_kernel_cannot_take_are_still_packed():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    strided = torch.randn(8, 12)[:, ::2]   # (not contiguous)
+    assert pack_for_cpu(strided).is_mkldnn
+    plain = torch.randn(8, 6)
+    assert pack_for_cpu(plain) is plain

@@ -38,18 +38,26 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "rows_linear.cpp"
 ENV_SWITCH = "VLLM_SPEC_CPU_KERNELS"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# (-ffp-contract=off: the k tail's products and adds stay as written in every instantiation, one order of
+# rounding for every row count.)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 # A build lock older than this was left by a build that died (torch's lock would wait for it forever).
 STALE_LOCK_S = 600.0
 
 
 def handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether linear(x, weight) runs on the kernel (CPU tensors of a dtype it takes, a plain 2-D weight)."""
-    # (The device first: a GPU's linear layers must not build the CPU kernel.)
+    # (The device and a dtype it could take first: other models' linear layers must not build it.)
     return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
-            and x.dtype in dtypes() and weight.dim() == 2 and not weight.is_mkldnn
+            and x.dtype in (torch.float32, torch.bfloat16) and x.dtype in dtypes() and weight.dim() == 2
+            and not weight.is_mkldnn
             and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))   # (no backward)
+
+
+def keeps_plain(weight: torch.Tensor) -> bool:
+    """Whether a CPU weight is best left in its plain layout: the kernel takes it as it is."""
+    return weight.dtype in dtypes() and weight.dim() == 2 and weight.is_contiguous()
 
 
 def available() -> bool:

@@ -54,7 +54,7 @@ def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor:
     """
     if (weight.is_mkldnn or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
             or weight.dtype in _UNPACKABLE or not torch.backends.mkldnn.is_available()
-            or weight.dtype in cpu_linear.dtypes()):
+            or cpu_linear.keeps_plain(weight)):
         return weight
     try:
         return _reorder_linear_weight(weight.detach())
