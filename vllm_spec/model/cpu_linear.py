@@ -46,18 +46,18 @@ STALE_LOCK_S = 600.0
 
 
 def handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether linear(x, weight) runs on the kernel (CPU tensors of a dtype it takes, a plain 2-D weight)."""
-    # (The device and a dtype it could take first: other models' linear layers must not build it.)
-    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
-            and x.dtype in (torch.float32, torch.bfloat16) and x.dtype in dtypes() and weight.dim() == 2
-            and not weight.is_mkldnn
-            and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
+    """Whether linear(x, weight) runs on the kernel: CPU rows of the weight's dtype, a weight it takes."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and keeps_plain(weight)
+            and x.shape[-1] == weight.shape[1]
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))   # (no backward)
 
 
 def keeps_plain(weight: torch.Tensor) -> bool:
-    """Whether a CPU weight is best left in its plain layout: the kernel takes it as it is."""
-    return weight.dtype in dtypes() and weight.dim() == 2 and weight.is_contiguous()
+    """Whether the kernel takes this weight as it is (a plain, contiguous 2-D CPU weight of a dtype it
+    serves here), so it is best left in that layout."""
+    # (The device and a dtype it could take first: other models' weights must not build the kernel.)
+    return (weight.device.type == "cpu" and not weight.is_mkldnn and weight.dtype in (torch.float32, torch.bfloat16)
+            and weight.dtype in dtypes() and weight.dim() == 2 and weight.is_contiguous())
 
 
 def available() -> bool:
