@@ -1,6 +1,7 @@
 // y = x W^T for x86-64 CPUs with AVX2 and FMA: the CPU decode path's matmul (vllm_spec/model/cpu_linear.py
-// builds this file on first use and falls back to torch without it). x and y are float32; W is float32 or
-// bfloat16 (widened in registers: half the memory traffic, where the CPU has no bf16 arithmetic of its own).
+// builds this file on first use and falls back to torch without it). x and y are float32; W is float32,
+// bfloat16 or float16 (widened in registers, exactly: half the memory traffic; a float32 model's weights
+// that a half type holds exactly are stored in it, and a bf16 model's where the CPU has no bf16 arithmetic).
 //
 // Decoding multiplies a few rows of activations by every weight once per step, so the weights'
 // memory traffic sets the time. A tile of 4 weight rows keeps its sums in registers (4 x up to 3
@@ -32,7 +33,16 @@ constexpr int kPrefetchTiles = 3;   // how far ahead the first pass prefetches (
 // rows at once took 1.5-2x torch's time; the weights' extra sweeps cost little where rows are many).
 constexpr int64_t kRowsPerSweep = 256;
 
+// IEEE float16 bits (bfloat16 are plain uint16_t): a type of their own picks their widening.
+struct Half {
+  uint16_t bits;
+};
+
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const Half* p) {   // 8 float16 -> float32 (F16C)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 inline __m256 load8(const uint16_t* p) {   // 8 bfloat16 -> float32: the bits move to the high half
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -40,6 +50,8 @@ inline __m256 load8(const uint16_t* p) {   // 8 bfloat16 -> float32: the bits mo
 }
 
 inline float widen(float v) { return v; }
+
+inline float widen(Half v) { return _cvtsh_ss(v.bits); }
 
 inline float widen(uint16_t v) {
   const uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -163,14 +175,17 @@ void matmul(const float* xp, const W* wp, float* yp, int64_t M, int64_t K, int64
 
 torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rows_linear: x [M, K] and w [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "rows_linear: x float32, w float32 or bfloat16");
+  const auto wt = w.scalar_type();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf),
+              "rows_linear: x float32, w float32, bfloat16 or float16");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.device().is_cpu() && w.device().is_cpu(),
               "rows_linear: contiguous CPU tensors");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
-  if (w.scalar_type() == at::kFloat) {
+  if (wt == at::kFloat) {
     matmul(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
+  } else if (wt == at::kHalf) {
+    matmul(x.data_ptr<float>(), reinterpret_cast<const Half*>(w.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
   } else {
     matmul(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), y.data_ptr<float>(),
            M, K, N);
@@ -183,5 +198,5 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released: the engine's thread multiplies while the server's threads run Python.
   m.def("rows_linear", &rows_linear, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "x [M, K] (float32) @ w [N, K]^T (float32 or bfloat16) in float32 (AVX2/FMA)");
+        "x [M, K] (float32) @ w [N, K]^T (float32, bfloat16 or float16) in float32 (AVX2/FMA/F16C)");
 }

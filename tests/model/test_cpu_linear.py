@@ -86,7 +86,10 @@ def test_layers_use_it_for_float32_on_plain_weights():
     assert torch.allclose(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     assert cpu_linear.handles(x, weight)
     assert cpu_linear.handles(x.bfloat16(), weight.bfloat16()) == (torch.bfloat16 in cpu_linear.dtypes())
-    assert not cpu_linear.handles(x.half(), weight.half()) and not cpu_linear.handles(x, weight.bfloat16())
+    assert not cpu_linear.handles(x.half(), weight.half())
+    # float32 rows against a half-precision weight: a float32 weight stored narrowed (see below).
+    assert cpu_linear.handles(x, weight.bfloat16()) == (torch.bfloat16 in cpu_linear.narrow_dtypes())
+    assert cpu_linear.handles(x, weight.half()) == (torch.float16 in cpu_linear.narrow_dtypes())
     assert not cpu_linear.handles(x, weight.T)   # (not contiguous)
     trained = weight.clone().requires_grad_()   # (no backward: autograd's path)
     assert not cpu_linear.handles(x, trained)
@@ -96,18 +99,21 @@ def test_layers_use_it_for_float32_on_plain_weights():
 
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")
-    cpu_linear._module.cache_clear()
-    cpu_linear.dtypes.cache_clear()
+    caches = (cpu_linear._module, cpu_linear.dtypes, cpu_linear.narrow_dtypes)
+    for cache in caches:
+        cache.cache_clear()
     try:
         assert not cpu_linear.available()
         weight = torch.randn(8, 4)
         assert not cpu_linear.handles(torch.randn(2, 4), weight)
         if torch.backends.mkldnn.is_available():
             assert pack_for_cpu(weight).is_mkldnn   # the oneDNN path as before
+        exact = weight.bfloat16().float()
+        assert not cpu_linear.handles(torch.randn(2, 4), exact.bfloat16()) and pack_for_cpu(exact).dtype == torch.float32
     finally:
         monkeypatch.undo()
-        cpu_linear._module.cache_clear()
-        cpu_linear.dtypes.cache_clear()
+        for cache in caches:
+            cache.cache_clear()
 
 
 @needs_kernel
@@ -155,3 +161,88 @@ def test_weights_the_kernel_cannot_take_are_still_packed():
     assert pack_for_cpu(strided).is_mkldnn
     plain = torch.randn(8, 6)
     assert pack_for_cpu(plain) is plain
+
+
+@needs_kernel
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_exact_half_weights_are_stored_narrow_with_the_same_products(half):
+    """A float32 weight that a half type holds exactly (a half-precision checkpoint run in float32) is
+    stored in it: half the bytes read, the float32 products bit for bit, at any row count."""
+    if half not in cpu_linear.narrow_dtypes():
+        pytest.skip(f"{half} storage needs F16C")
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(67, 579, generator=gen).to(half).float()   # (579: the sums' scalar tail)
+    if half == torch.float16:
+        weight[0, 0] = 1 + 2 ** -10   # float16 holds it, bfloat16 does not
+    stored = pack_for_cpu(weight)
+    assert stored.dtype == half and torch.equal(stored.float(), weight)
+    x = torch.randn(262, 579, generator=gen)
+    for rows in (1, 2, 3, 5, 9, 17, 20, 262):
+        assert torch.equal(linear(x[:rows], stored), linear(x[:rows], weight)), rows
+    bias = torch.randn(67, generator=gen)
+    assert torch.equal(linear(x[:5], stored, bias), linear(x[:5], weight, bias))
+
+
+@needs_kernel
+def test_weights_no_half_type_holds_stay_float32():
+    gen = torch.Generator().manual_seed(6)
+    full = torch.randn(8, 16, generator=gen)   # 24-bit mantissas
+    assert pack_for_cpu(full) is full
+    with_nan = torch.randn(8, 16, generator=gen).bfloat16().float()
+    with_nan[3, 3] = float("nan")   # (NaN never equals itself: kept as it is)
+    assert pack_for_cpu(with_nan) is with_nan
+    tiny = torch.full((8, 16), 2.0 ** -30)   # bfloat16 holds it, float16 underflows
+    assert pack_for_cpu(tiny).dtype == torch.bfloat16
+    neither = torch.full((8, 16), 1 + 2 ** -10)
+    neither[0, 0] = 2.0 ** -30
+    assert pack_for_cpu(neither) is neither
+    on_disk = torch.randn(8, 16, generator=gen).bfloat16()   # a bf16 model's own weight: not a copy
+    assert cpu_linear.narrowed(on_disk) is on_disk
+
+
+def test_float16_storage_needs_f16c(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "available", lambda: True)
+    try:
+        for flags, expected in ((frozenset({"avx2", "fma", "f16c"}), {torch.bfloat16, torch.float16}),
+                                (frozenset({"avx2", "fma"}), {torch.bfloat16})):
+            monkeypatch.setattr(cpu_linear, "cpu_flags", lambda flags=flags: flags)
+            cpu_linear.narrow_dtypes.cache_clear()
+            assert cpu_linear.narrow_dtypes() == expected
+    finally:
+        monkeypatch.undo()
+        cpu_linear.narrow_dtypes.cache_clear()
+
+
+@needs_kernel
+def test_engine_runs_a_half_precision_checkpoint_in_float32_from_narrow_weights(tiny_llama, tmp_path, monkeypatch):
+    """A float16 checkpoint loaded as float32: every linear layer reads a float16 copy, and the greedy
+    tokens and logprobs are bit for bit those of the float32 weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from vllm_spec import LLM, SamplingParams
+
+    if torch.float16 not in cpu_linear.narrow_dtypes():
+        pytest.skip("float16 storage needs F16C")
+    folder = tmp_path / "fp16"
+    shutil.copytree(tiny_llama, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({k: v.half().contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = ["hello world", "the quick brown fox jumps"]
+
+    def run():
+        llm = LLM(model=str(folder), dtype="float32", kv_cache_memory_bytes=1 << 22, device="cpu")
+        model = llm.llm_engine.executor.worker.runner.model
+        stored = {m.packed.dtype if m.packed is not None else m.weight.dtype
+                  for m in model.modules() if isinstance(m, LinearBase)}
+        return stored, [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                        for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    stored, ours = run()
+    assert stored == {torch.float16}
+    monkeypatch.setattr(cpu_linear, "narrowed", lambda weight: weight)
+    stored, ref = run()
+    assert stored == {torch.float32}
+    assert ours == ref

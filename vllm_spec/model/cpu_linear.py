@@ -2,11 +2,15 @@
 and bfloat16 on CPUs without bf16 arithmetic (weights widened in registers, sums in float32, the result
 rounded once, as torch's), where torch's own bf16 matmul was 6x slower than float32 at 16 rows.
 
+A float32 model's weights that bfloat16 or float16 holds exactly (a half-precision checkpoint run in
+float32, as most HF checkpoints and the shipped draft are) are stored in that type (`narrowed`): the
+kernel widens them exactly, so the products are bit-for-bit the float32 ones, from half the bytes.
+
 Decoding reads every weight once per step for a few rows of activations. oneDNN (even with its packed
 weights) did not overlap those reads with the arithmetic: on a 2-core AMD EPYC a (k+1)-row verification
 cost 11-46% more than a 1-row step. This kernel reads each weight row once for all rows and prefetches
 ahead; it runs 1-row steps faster than oneDNN too, and stays on par up to prefill sizes, so on such CPUs
-it serves every float32 linear layer and the weights stay in their plain layout (no packed copy).
+it serves every float32 linear layer and the weights stay in their plain layout (no blocked copy).
 
 It also sums each output element in the same order whatever the number of rows: a token's logits in a
 (k+1)-token verification are bit-for-bit those of a 1-token step.
@@ -32,7 +36,7 @@ from types import ModuleType
 
 import torch
 
-from vllm_spec.platform import cpu_has_native_bf16
+from vllm_spec.platform import cpu_flags, cpu_has_native_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -40,24 +44,46 @@ SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "rows_linear.cpp
 ENV_SWITCH = "VLLM_SPEC_CPU_KERNELS"
 # (-ffp-contract=off: the k tail's products and adds stay as written in every instantiation, one order of
 # rounding for every row count.)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 # A build lock older than this was left by a build that died (torch's lock would wait for it forever).
 STALE_LOCK_S = 600.0
 
 
 def handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether linear(x, weight) runs on the kernel: CPU rows of the weight's dtype, a weight it takes."""
-    return (x.device.type == "cpu" and x.dtype == weight.dtype and keeps_plain(weight)
-            and x.shape[-1] == weight.shape[1]
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))   # (no backward)
+    """Whether linear(x, weight) runs on the kernel: CPU rows of the weight's dtype (or float32 rows and a
+    `narrowed` weight), a weight it takes."""
+    if (x.device.type != "cpu" or x.shape[-1] != weight.shape[-1]
+            or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):   # (no backward)
+        return False
+    if x.dtype == weight.dtype:
+        return keeps_plain(weight)
+    return x.dtype == torch.float32 and weight.dtype in narrow_dtypes() and _plain(weight)
 
 
 def keeps_plain(weight: torch.Tensor) -> bool:
     """Whether the kernel takes this weight as it is (a plain, contiguous 2-D CPU weight of a dtype it
     serves here), so it is best left in that layout."""
     # (The device and a dtype it could take first: other models' weights must not build the kernel.)
-    return (weight.device.type == "cpu" and not weight.is_mkldnn and weight.dtype in (torch.float32, torch.bfloat16)
-            and weight.dtype in dtypes() and weight.dim() == 2 and weight.is_contiguous())
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and _plain(weight)
+            and weight.dtype in dtypes())
+
+
+def narrowed(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight the kernel takes, as a bfloat16 or float16 copy where that type holds every element
+    exactly (products bit-for-bit the float32 ones, half the bytes read); else the weight itself."""
+    if weight.dtype != torch.float32 or not keeps_plain(weight):
+        return weight
+    for dtype in (torch.bfloat16, torch.float16):   # bfloat16 first: the cheaper widening
+        if dtype not in narrow_dtypes():
+            continue
+        copy = weight.detach().to(dtype)
+        if torch.equal(copy.to(torch.float32), weight):
+            return copy
+    return weight
+
+
+def _plain(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and not weight.is_mkldnn and weight.dim() == 2 and weight.is_contiguous()
 
 
 def available() -> bool:
@@ -74,8 +100,17 @@ def dtypes() -> frozenset[torch.dtype]:
     return frozenset({torch.float32} if cpu_has_native_bf16() else {torch.float32, torch.bfloat16})
 
 
+@functools.cache
+def narrow_dtypes() -> frozenset[torch.dtype]:
+    """The half types a float32 model's exact weights may be stored in here (float16 needs F16C)."""
+    if not available():
+        return frozenset()
+    return frozenset({torch.bfloat16, torch.float16} if "f16c" in cpu_flags() else {torch.bfloat16})
+
+
 def kernel() -> ModuleType:
-    """The built extension: rows_linear(x [M, K] float32, w [N, K] float32 or bfloat16) -> [M, N] float32."""
+    """The built extension: rows_linear(x [M, K] float32, w [N, K] float32, bfloat16 or float16) -> [M, N]
+    float32."""
     module = _module()
     if module is None:
         raise RuntimeError("the CPU linear kernel is not available here")
