@@ -16,14 +16,19 @@
 // bit-for-bit the same result in a 1-row decode step and in a (k+1)-row verification.
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <torch/extension.h>
+
+#include "ops.h"
+#include "simd.h"
 
 namespace {
+
+using vllm_spec_cpu::Half;
+using vllm_spec_cpu::lane_sum;
+using vllm_spec_cpu::load8;
+using vllm_spec_cpu::widen;
 
 constexpr int kTileRows = 4;        // weight rows per tile
 constexpr int kHeldRows = 6;        // rows per pass with the weights held (see tile)
@@ -32,40 +37,6 @@ constexpr int kPrefetchTiles = 3;   // how far ahead the first pass prefetches (
 // Activation rows per sweep over the weights: every tile re-reads them, so they must stay in L2 (2048
 // rows at once took 1.5-2x torch's time; the weights' extra sweeps cost little where rows are many).
 constexpr int64_t kRowsPerSweep = 256;
-
-// IEEE float16 bits (bfloat16 are plain uint16_t): a type of their own picks their widening.
-struct Half {
-  uint16_t bits;
-};
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const Half* p) {   // 8 float16 -> float32 (F16C)
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline __m256 load8(const uint16_t* p) {   // 8 bfloat16 -> float32: the bits move to the high half
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float widen(float v) { return v; }
-
-inline float widen(Half v) { return _cvtsh_ss(v.bits); }
-
-inline float widen(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline float lane_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // y[m * ldy + r] = dot(x[m * K ...], w[r * K ...]) for r < R, m < MC; with prefetch, the R rows
 // kPrefetchTiles tiles further on exist and are prefetched. Two loop orders, one order of sums per
@@ -173,6 +144,8 @@ void matmul(const float* xp, const W* wp, float* yp, int64_t M, int64_t K, int64
   }
 }
 
+}  // namespace
+
 torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rows_linear: x [M, K] and w [N, K]");
   const auto wt = w.scalar_type();
@@ -193,10 +166,3 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The GIL is released: the engine's thread multiplies while the server's threads run Python.
-  m.def("rows_linear", &rows_linear, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "x [M, K] (float32) @ w [N, K]^T (float32, bfloat16 or float16) in float32 (AVX2/FMA/F16C)");
-}

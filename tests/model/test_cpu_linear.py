@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_spec import cpu_ops
 from vllm_spec.model import cpu_linear
 from vllm_spec.model.layers import LinearBase, linear, pack_for_cpu
 
@@ -98,8 +99,8 @@ def test_layers_use_it_for_float32_on_plain_weights():
 
 
 def test_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")
-    caches = (cpu_linear._module, cpu_linear.dtypes, cpu_linear.narrow_dtypes)
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
+    caches = (cpu_ops, cpu_linear.dtypes, cpu_linear.narrow_dtypes)
     for cache in caches:
         cache.cache_clear()
     try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_spec.attention import torch_backend
+from vllm_spec import cpu_ops
+from vllm_spec.attention import cpu_backend, torch_backend
 from vllm_spec.attention.metadata import AttentionMetadata
 
 _triton_backend = None   # the module once imported, False if triton is unusable here
@@ -28,9 +29,12 @@ _MAX_FP32_TRITON_HEAD = 128
 
 
 def select_backend(device: torch.device, head_dim: int, dtype: torch.dtype):
-    """Triton kernels for CUDA tensors when triton imports; the torch reference else."""
+    """Triton kernels for CUDA tensors when triton imports; on the CPU the C++ kernel for short queries
+    where it is built; the torch reference else."""
     if device.type == "cuda" and not (dtype == torch.float32 and head_dim > _MAX_FP32_TRITON_HEAD):
         return triton_backend_or_none() or torch_backend
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_ops.available():
+        return cpu_backend
     return torch_backend
 
 

@@ -15,38 +15,19 @@ it serves every float32 linear layer and the weights stay in their plain layout 
 It also sums each output element in the same order whatever the number of rows: a token's logits in a
 (k+1)-token verification are bit-for-bit those of a 1-token step.
 
-The kernel is compiled with torch.utils.cpp_extension (a C++ compiler and ninja) into torch's extension
-directory ($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions; one folder per source, flags, torch and
-Python version) the first time a process needs it (about 30 s, once per machine). Where that is not possible (no compiler, not x86-64 with AVX2, no csrc/
-folder beside the package as in a wheel install, or VLLM_SPEC_CPU_KERNELS=0) `available()` is False and
-linear layers use oneDNN / torch as before.
+The kernel is part of the CPU extension that vllm_spec.cpu_ops builds on first use; where it cannot be
+built `available()` is False and linear layers use oneDNN / torch as before.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
-import platform
-import sys
-import time
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from vllm_spec import cpu_ops
 from vllm_spec.platform import cpu_flags, cpu_has_native_bf16
-
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "rows_linear.cpp"
-ENV_SWITCH = "VLLM_SPEC_CPU_KERNELS"
-# (-ffp-contract=off: the k tail's products and adds stay as written in every instantiation, one order of
-# rounding for every row count.)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
-# A build lock older than this was left by a build that died (torch's lock would wait for it forever).
-STALE_LOCK_S = 600.0
 
 
 def handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -88,7 +69,7 @@ def _plain(weight: torch.Tensor) -> bool:
 
 def available() -> bool:
     """The kernel is built (or was built before) and this CPU runs it."""
-    return _module() is not None
+    return cpu_ops.available()
 
 
 @functools.cache
@@ -111,10 +92,7 @@ def narrow_dtypes() -> frozenset[torch.dtype]:
 def kernel() -> ModuleType:
     """The built extension: rows_linear(x [M, K] float32, w [N, K] float32, bfloat16 or float16) -> [M, N]
     float32."""
-    module = _module()
-    if module is None:
-        raise RuntimeError("the CPU linear kernel is not available here")
-    return module
+    return cpu_ops.module()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,37 +102,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         y.add_(bias)
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
-
-
-@functools.cache
-def _module() -> ModuleType | None:
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
-    if platform.machine().lower() not in ("x86_64", "amd64") or \
-            torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None   # (torch's AVX2 level implies FMA)
-    if not SOURCE.is_file():
-        logger.debug("CPU linear kernel: no source at %s (an installed wheel): torch's linear", SOURCE)
-        return None
-    stamp = f"{' '.join(FLAGS)} {torch.__version__} {sys.version_info[:2]}".encode()
-    version = hashlib.sha256(SOURCE.read_bytes() + stamp).hexdigest()[:12]
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    build = root / f"vllm_spec_rows_linear_{version}"
-    try:
-        from torch.utils.cpp_extension import load
-
-        build.mkdir(parents=True, exist_ok=True)
-        lock = build / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink(missing_ok=True)
-        if not any(build.glob("*.so")):
-            logger.info("building the CPU linear kernel (once, about 30 s) in %s", build)
-        return load(f"vllm_spec_rows_linear_{version}", [str(SOURCE)], extra_cflags=FLAGS,
-                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
-    except Exception as e:  # noqa: BLE001 - any build failure means the fallback
-        lines = str(e).strip().splitlines()
-        reason = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "")
-        logger.warning("CPU linear kernel not built (%s: %s); using torch's linear (%s=0 skips the attempt).",
-                       type(e).__name__, reason, ENV_SWITCH)
-        logger.debug("CPU linear kernel build failure", exc_info=True)
-        return None

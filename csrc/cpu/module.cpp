@@ -1,0 +1,12 @@
+// Python bindings of the CPU extension. The GIL is released in every op: the engine's thread computes
+// while the server's threads run Python.
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("rows_linear", &rows_linear, release(),
+        "x [M, K] (float32) @ w [N, K]^T (float32, bfloat16 or float16) in float32 (AVX2/FMA/F16C)");
+  m.def("paged_attention", &paged_attention, release(),
+        "short-query causal attention of q [T, H, D] (float32) over a paged float32/bfloat16 KV cache -> "
+        "[T, H, D] float32");
+}

@@ -1,0 +1,88 @@
+"""The CPU attention kernel (csrc/cpu/paged_attention.cpp through attention/cpu_backend.py): against a
+float64 loop and the torch backend, a token's output the same bits in any batch or query block, its
+checks, and where it is chosen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_spec import cpu_ops
+from vllm_spec.attention import cpu_backend, torch_backend
+from vllm_spec.attention.layer import select_backend
+
+from .test_torch_backend import _case, _loop
+
+needs_kernel = pytest.mark.skipif(not cpu_ops.available(), reason="no AVX2 CPU kernels here (or not buildable)")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("H, KVH, D", [(6, 2, 16), (9, 3, 64), (4, 4, 24), (8, 1, 128)])   # (24: a d tail)
+@pytest.mark.parametrize("q_lens, seq_lens", [
+    ([1, 1, 1], [5, 17, 40]),                  # decode
+    ([5, 5, 3], [9, 30, 3]),                   # verification of drafts (ragged)
+    ([2, 1, 16, 0], [70, 1, 16, 9]),           # catch-up, a first token, a 16-token block, a sequence without queries
+])
+def test_matches_a_per_sequence_loop(q_lens, seq_lens, H, KVH, D, dtype, tol):
+    q, k_cache, v_cache, tables, md = _case(q_lens, seq_lens, H, KVH, D, 4, dtype, seed=sum(seq_lens) + D)
+    assert cpu_backend.handles(q, k_cache, md)
+    out = cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3)
+    ref = _loop(q, k_cache, v_cache, tables, q_lens, seq_lens, 0.3)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert (out.double() - ref).abs().max() / ref.abs().max() < tol
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [3, 8, 21])
+def test_sliding_window_as_the_torch_backend(window):
+    q, k_cache, v_cache, _, md = _case([1, 5, 3], [40, 33, 9], 6, 2, 16, 4, torch.float32, seed=window)
+    ours = cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3, window)
+    theirs = torch_backend.paged_attention(q, k_cache, v_cache, md, 0.3, window)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 11])
+def test_a_token_gets_the_same_bits_in_any_block(dtype, window):
+    """A draft verified in a (k+1)-token block gets exactly what a 1-token step gives it (and what the same
+    token gets next to other sequences): lossless speculation in bfloat16 as in float32."""
+    q, k_cache, v_cache, tables, md = _case([7, 3], [60, 21], 9, 3, 64, 4, dtype, seed=5)
+    block = cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.125, window)
+    for i in range(7):   # the first sequence's tokens one at a time, each with its own length
+        _, _, _, _, one = _case([1], [60 - 6 + i], 9, 3, 64, 4, dtype, seed=5)
+        one.block_tables = md.block_tables[:1].contiguous()
+        alone = cpu_backend.paged_attention(q[i:i + 1].contiguous(), k_cache, v_cache, one, 0.125, window)
+        assert torch.equal(alone, block[i:i + 1]), i
+
+
+@needs_kernel
+def test_a_block_table_outside_the_cache_is_an_error():
+    q, k_cache, v_cache, _, md = _case([1], [9], 4, 2, 8, 4, torch.float32, seed=0)
+    md.block_tables = md.block_tables.clone()
+    md.block_tables[0, 1] = k_cache.shape[0] + 5
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3)
+    md.seq_lens = torch.tensor([md.block_tables.shape[1] * 4 + 1])   # longer than its table
+    with pytest.raises(RuntimeError, match="block table of"):
+        cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3)
+
+
+def test_long_queries_and_other_dtypes_take_the_torch_backend(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch_backend, "paged_attention", lambda *a, **k: calls.append(a) or "torch")
+    q, k_cache, v_cache, _, md = _case([20, 1], [20, 33], 4, 2, 8, 4, torch.float32, seed=2)   # a prefill chunk
+    assert cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3) == "torch"
+    q, k_cache, v_cache, _, md = _case([1], [9], 4, 2, 8, 4, torch.float16, seed=2)
+    assert not cpu_backend.handles(q, k_cache, md)
+    assert cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3) == "torch" and len(calls) == 2
+
+
+def test_chosen_on_the_cpu_where_built(monkeypatch):
+    for built in (True, False):
+        monkeypatch.setattr(cpu_ops, "available", lambda built=built: built)
+        for dtype in (torch.float32, torch.bfloat16):
+            expected = cpu_backend if built else torch_backend
+            assert select_backend(torch.device("cpu"), 64, dtype) is expected
+        assert select_backend(torch.device("cpu"), 64, torch.float16) is torch_backend

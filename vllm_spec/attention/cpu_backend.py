@@ -1,0 +1,37 @@
+"""Attention over the paged KV cache on x86-64 CPUs: short query blocks (decode, verification of drafts,
+the draft's catch-up) on the C++ kernel of csrc/cpu/paged_attention.cpp, everything else as torch_backend
+(same functions, same meaning).
+
+torch_backend gathers each sequence's keys into a padded copy and runs a dozen small ops per layer; the
+kernel reads the cache through the block table, once per KV head for the query heads sharing it. It
+computes every query row alone, so a token's output does not depend on the rest of its batch or query
+block (a verified draft gets the bits a 1-token step gives it, in bfloat16 too).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_spec import cpu_ops
+from vllm_spec.attention import torch_backend
+from vllm_spec.attention.metadata import AttentionMetadata
+
+write_kv_cache = torch_backend.write_kv_cache
+
+
+def handles(q: torch.Tensor, k_cache: torch.Tensor, md: AttentionMetadata) -> bool:
+    """Short query blocks of a float32/bfloat16 model on the CPU, where the extension is built."""
+    return (q.device.type == "cpu" and md.max_query_len <= torch_backend.SHORT_QUERY
+            and q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype
+            and k_cache.is_contiguous() and cpu_ops.available())
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """q: [T, H, D] -> [T, H, D], attending to keys already written into the cache."""
+    if not handles(q, k_cache, md):
+        return torch_backend.paged_attention(q, k_cache, v_cache, md, scale, sliding_window)
+    out = cpu_ops.module().paged_attention(
+        q.float().contiguous(), k_cache, v_cache, md.block_tables.contiguous(), md.seq_lens, md.query_start_loc,
+        scale, sliding_window or 0)
+    return out.to(q.dtype)

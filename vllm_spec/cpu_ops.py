@@ -1,0 +1,88 @@
+"""The CPU extension: csrc/cpu/*.cpp (x86-64, AVX2/FMA) built on first use, for the CPU path's matmuls
+(vllm_spec.model.cpu_linear) and its short-query paged attention (vllm_spec.attention.cpu_backend).
+
+It is compiled with torch.utils.cpp_extension (a C++ compiler and ninja) into torch's extension directory
+($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions; one folder per sources, flags, torch and Python
+version) the first time a process needs it (about 40 s, once per machine). Where that is not possible
+(no compiler, not x86-64 with AVX2, no csrc/ folder beside the package as in a wheel install, or
+VLLM_SPEC_CPU_KERNELS=0) `available()` is False and the callers use torch's ops as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
+ENV_SWITCH = "VLLM_SPEC_CPU_KERNELS"
+# (-ffp-contract=off: the sums' scalar tails keep their products and adds as written in every
+# instantiation, one order of rounding for every row count.)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+# A build lock older than this was left by a build that died (torch's lock would wait for it forever).
+STALE_LOCK_S = 600.0
+
+
+def available() -> bool:
+    """The extension is built (or was built before) and this CPU runs it."""
+    return _build() is not None
+
+
+def module() -> ModuleType:
+    """The built extension (rows_linear, paged_attention; csrc/cpu/module.cpp)."""
+    built = _build()
+    if built is None:
+        raise RuntimeError("the CPU kernels are not available here")
+    return built
+
+
+def cache_clear() -> None:
+    """Forget the build's outcome (tests that switch the environment)."""
+    _build.cache_clear()
+
+
+@functools.cache
+def _build() -> ModuleType | None:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64") or \
+            torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None   # (torch's AVX2 level implies FMA)
+    sources = sorted(SOURCE_DIR.glob("*.cpp")) if SOURCE_DIR.is_dir() else []
+    if not sources:
+        logger.debug("CPU kernels: no sources in %s (an installed wheel): torch's ops", SOURCE_DIR)
+        return None
+    stamp = f"{' '.join(FLAGS)} {torch.__version__} {sys.version_info[:2]}".encode()
+    digest = hashlib.sha256(stamp)
+    for path in [*sources, *sorted(SOURCE_DIR.glob("*.h"))]:
+        digest.update(path.name.encode() + path.read_bytes())
+    name = f"vllm_spec_cpu_{digest.hexdigest()[:12]}"
+    build = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions") / name
+    try:
+        from torch.utils.cpp_extension import load
+
+        build.mkdir(parents=True, exist_ok=True)
+        lock = build / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+        if not any(build.glob("*.so")):
+            logger.info("building the CPU kernels (once, about 40 s) in %s", build)
+        return load(name, [str(s) for s in sources], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                    build_directory=str(build), verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure means the fallback
+        lines = str(e).strip().splitlines()
+        reason = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "")
+        logger.warning("CPU kernels not built (%s: %s); using torch's ops (%s=0 skips the attempt).",
+                       type(e).__name__, reason, ENV_SWITCH)
+        logger.debug("CPU kernel build failure", exc_info=True)
+        return None
