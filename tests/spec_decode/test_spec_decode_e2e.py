@@ -17,7 +17,8 @@ from scipy import stats
 from conftest import FIXED, GREEDY, make_prompts, metric_values, output_ids
 from conftest import SPEC_KV as KV
 
-from vllm_spec import LLM, EngineArgs, SamplingParams
+from vllm_spec import LLM, EngineArgs, SamplingParams, cpu_ops
+from vllm_spec.model import cpu_linear
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
@@ -30,6 +31,27 @@ def test_greedy_equality_draft_model(spec_pair, greedy_reference, k):
     assert m["vllm:spec_decode_num_draft_tokens"] > 0
     assert len(m["vllm:spec_decode_num_accepted_tokens_per_pos"]) == k
     assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_usable_blocks
+
+
+@pytest.mark.skipif(not (cpu_ops.available() and torch.bfloat16 in cpu_linear.dtypes()),
+                    reason="bfloat16 on the CPU kernels (an AVX2 CPU without bf16 arithmetic)")
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_equality_in_bfloat16_on_the_cpu_kernels(spec_pair, k):
+    """The CPU kernels give a position the same logits in a (k+1)-token verification as in a 1-token step,
+    in bfloat16 too (tests/model/test_cpu_linear.py, tests/attention/test_cpu_backend.py): there greedy
+    speculation equals plain decoding, logprobs and all (on GPUs rounding may differ: README)."""
+    target, draft = spec_pair
+    bf16 = dict(dtype="bfloat16", device="cpu", **KV)
+    prompts = make_prompts(16, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+
+    def run(llm: LLM) -> list:   # ids, and the logprobs: the logits' very bits show there
+        return [(c.token_ids, c.logprobs) for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+
+    plain = run(LLM(target, **bf16))
+    llm = LLM(target, speculative_model=draft, num_speculative_tokens=k, **FIXED, **bf16)
+    assert run(llm) == plain
+    assert metric_values(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
 def test_greedy_equality_with_preemption(spec_pair, greedy_reference):
