@@ -31,7 +31,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, H, D] -> [T, H, D], attending to keys already written into the cache."""
     if not handles(q, k_cache, md):
         return torch_backend.paged_attention(q, k_cache, v_cache, md, scale, sliding_window)
-    out = cpu_ops.module().paged_attention(
-        q.float().contiguous(), k_cache, v_cache, md.block_tables.contiguous(), md.seq_lens, md.query_start_loc,
-        scale, sliding_window or 0)
+    meta = [t.to(torch.long).contiguous() for t in (md.block_tables, md.seq_lens, md.query_start_loc)]   # (no-ops)
+    out = cpu_ops.module().paged_attention(q.float().contiguous(), k_cache, v_cache, *meta, scale, sliding_window or 0)
     return out.to(q.dtype)
