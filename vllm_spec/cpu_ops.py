@@ -58,7 +58,7 @@ def _build() -> ModuleType | None:
     if platform.machine().lower() not in ("x86_64", "amd64") or \
             torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None   # (torch's AVX2 level implies FMA)
-    sources = sorted(SOURCE_DIR.glob("*.cpp")) if SOURCE_DIR.is_dir() else []
+    sources = sorted(SOURCE_DIR.glob("*.cpp")) if (SOURCE_DIR / "module.cpp").is_file() else []
     if not sources:
         logger.debug("CPU kernels: no sources in %s (an installed wheel): torch's ops", SOURCE_DIR)
         return None

@@ -8,5 +8,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] (float32) @ w [N, K]^T (float32, bfloat16 or float16) in float32 (AVX2/FMA/F16C)");
   m.def("paged_attention", &paged_attention, release(),
         "short-query causal attention of q [T, H, D] (float32) over a paged float32/bfloat16 KV cache -> "
-        "[T, H, D] float32");
+        "[T, H, D] float32 (the rows of sequences of more than max_q_len queries: 0)");
+  m.def("add_rms_norm", &add_rms_norm, release(),
+        "(RMSNorm(x + residual) * weight, x + residual) for rows of float32/bfloat16, rounded as torch's ops");
+  m.def("silu_mul", &silu_mul, release(), "silu(gate) * up for rows [gate | up] of float32/bfloat16");
+  m.def("rotary", &rotary, release(), "q, k [T, heads, D] rotated (rotate-half layout) by cos/sin [T, D]");
 }

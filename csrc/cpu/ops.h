@@ -3,8 +3,19 @@
 
 #include <torch/extension.h>
 
+#include <tuple>
+
 torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w);
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                              const torch::Tensor& query_start_loc, double scale, int64_t window);
+                              const torch::Tensor& query_start_loc, double scale, int64_t window,
+                              int64_t max_q_len);
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
+                                                      const torch::Tensor& weight, double eps);
+
+torch::Tensor silu_mul(const torch::Tensor& x);
+
+std::tuple<torch::Tensor, torch::Tensor> rotary(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& cos,
+                                                const torch::Tensor& sin);

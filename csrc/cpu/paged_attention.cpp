@@ -21,6 +21,7 @@
 
 namespace {
 
+using vllm_spec_cpu::exp8;
 using vllm_spec_cpu::lane_sum;
 using vllm_spec_cpu::load8;
 using vllm_spec_cpu::widen;
@@ -81,27 +82,6 @@ void weighted_values(const float* p, const C* const* values, int64_t S, int64_t 
   }
 }
 
-// exp(x) for 8 lanes (Cephes' float polynomial, within 2 ulp; std::exp one lane at a time was most of
-// the kernel's time); -inf and anything below float's smallest normal result give 0.
-inline __m256 exp8(__m256 x) {
-  const __m256 lowest = _mm256_set1_ps(-87.33654475f);   // exp() of it: FLT_MIN
-  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lowest);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);   // x - n ln2, ln2 in two parts
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(scale)));
-}
-
 struct Shape {
   int64_t H, KVH, D, block_size, width, num_slots;
 };
@@ -143,7 +123,8 @@ void attend(const float* q, const C* k_cache, const C* v_cache, const int64_t* t
         const bool seen = s < S && key_pos <= pos && (window <= 0 || pos - key_pos < window);
         p[s] = seen ? scores[s * R + r] * scale : kNegInf;
       }
-      const __m256 top = _mm256_set1_ps(*std::max_element(p, p + S8));   // finite: every token sees itself
+      // Every token sees itself: top is finite unless the scores hold NaN or +inf (then the row is NaN, as torch's).
+      const __m256 top = _mm256_set1_ps(*std::max_element(p, p + S8));
       __m256 sums = _mm256_setzero_ps();
       for (int64_t s = 0; s < S8; s += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s), top));
@@ -160,7 +141,7 @@ void attend(const float* q, const C* k_cache, const C* v_cache, const int64_t* t
 template <typename C>
 void run(const torch::Tensor& q, const C* k_cache, const C* v_cache, const torch::Tensor& block_tables,
          const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, const Shape& sh, float scale,
-         int64_t window, torch::Tensor& out) {
+         int64_t window, int64_t max_q_len, torch::Tensor& out) {
   const int64_t B = seq_lens.size(0);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -177,7 +158,7 @@ void run(const torch::Tensor& q, const C* k_cache, const C* v_cache, const torch
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / sh.KVH, kvh = i % sh.KVH;
       const int64_t q_len = starts[b + 1] - starts[b];
-      if (q_len > 0)
+      if (q_len > 0 && q_len <= max_q_len)
         attend(qp, k_cache, v_cache, tables + b * sh.width, lens[b], starts[b], q_len, kvh, sh, scale, window, op);
     }
   });
@@ -187,7 +168,8 @@ void run(const torch::Tensor& q, const C* k_cache, const C* v_cache, const torch
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                              const torch::Tensor& query_start_loc, double scale, int64_t window) {
+                              const torch::Tensor& query_start_loc, double scale, int64_t window,
+                              int64_t max_q_len) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(),
               "paged_attention: q [T, H, D] contiguous float32 on the CPU");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type()
@@ -202,17 +184,17 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
                 "paged_attention: int64 contiguous CPU metadata");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && query_start_loc.numel() == B + 1,
               "paged_attention: block_tables [B, W], seq_lens [B], query_start_loc [B + 1]");
-  TORCH_CHECK(B == 0 || query_start_loc[B].item<int64_t>() == q.size(0),
-              "paged_attention: query_start_loc must end at q's token count");
+  TORCH_CHECK(query_start_loc[0].item<int64_t>() == 0 && query_start_loc[B].item<int64_t>() == q.size(0),
+              "paged_attention: query_start_loc must run from 0 to q's token count");
   const Shape sh{H, KVH, D, k_cache.size(1), block_tables.size(1), k_cache.size(0) * k_cache.size(1)};
   auto out = torch::zeros_like(q);
   if (k_cache.scalar_type() == at::kFloat) {
     run(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_tables, seq_lens, query_start_loc, sh,
-        static_cast<float>(scale), window, out);
+        static_cast<float>(scale), window, max_q_len, out);
   } else {
     run(q, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
         reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), block_tables, seq_lens, query_start_loc,
-        sh, static_cast<float>(scale), window, out);
+        sh, static_cast<float>(scale), window, max_q_len, out);
   }
   return out;
 }

@@ -18,15 +18,16 @@ needs_kernel = pytest.mark.skipif(not cpu_ops.available(), reason="no AVX2 CPU k
 
 @needs_kernel
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("H, KVH, D", [(6, 2, 16), (9, 3, 64), (4, 4, 24), (8, 1, 128)])   # (24: a d tail)
+@pytest.mark.parametrize("H, KVH, D, block_size", [(6, 2, 16, 4), (9, 3, 64, 16), (4, 4, 24, 1), (8, 1, 128, 4),
+                                                   (10, 2, 72, 4)])   # (24, 72: tails of d past 8 and 64 lanes)
 @pytest.mark.parametrize("q_lens, seq_lens", [
     ([1, 1, 1], [5, 17, 40]),                  # decode
     ([5, 5, 3], [9, 30, 3]),                   # verification of drafts (ragged)
     ([2, 1, 16, 0], [70, 1, 16, 9]),           # catch-up, a first token, a 16-token block, a sequence without queries
 ])
-def test_matches_a_per_sequence_loop(q_lens, seq_lens, H, KVH, D, dtype, tol):
-    q, k_cache, v_cache, tables, md = _case(q_lens, seq_lens, H, KVH, D, 4, dtype, seed=sum(seq_lens) + D)
-    assert cpu_backend.handles(q, k_cache, md)
+def test_matches_a_per_sequence_loop(q_lens, seq_lens, H, KVH, D, block_size, dtype, tol):
+    q, k_cache, v_cache, tables, md = _case(q_lens, seq_lens, H, KVH, D, block_size, dtype, seed=sum(seq_lens) + D)
+    assert cpu_backend.handles(q, k_cache, v_cache)
     out = cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3)
     ref = _loop(q, k_cache, v_cache, tables, q_lens, seq_lens, 0.3)
     assert out.dtype == dtype and out.shape == q.shape
@@ -34,12 +35,13 @@ def test_matches_a_per_sequence_loop(q_lens, seq_lens, H, KVH, D, dtype, tol):
 
 
 @needs_kernel
-@pytest.mark.parametrize("window", [3, 8, 21])
-def test_sliding_window_as_the_torch_backend(window):
-    q, k_cache, v_cache, _, md = _case([1, 5, 3], [40, 33, 9], 6, 2, 16, 4, torch.float32, seed=window)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [3, 8, 21, 50])   # (50: past every sequence)
+def test_sliding_window_as_the_torch_backend(window, dtype, tol):
+    q, k_cache, v_cache, _, md = _case([1, 5, 3], [40, 33, 9], 6, 2, 16, 4, dtype, seed=window)
     ours = cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3, window)
-    theirs = torch_backend.paged_attention(q, k_cache, v_cache, md, 0.3, window)
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    theirs = torch_backend.paged_attention(q.double(), k_cache.double(), v_cache.double(), md, 0.3, window)
+    assert (ours.double() - theirs).abs().max() / theirs.abs().max() < tol
 
 
 @needs_kernel
@@ -67,16 +69,44 @@ def test_a_block_table_outside_the_cache_is_an_error():
     md.seq_lens = torch.tensor([md.block_tables.shape[1] * 4 + 1])   # longer than its table
     with pytest.raises(RuntimeError, match="block table of"):
         cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3)
+    q, k_cache, v_cache, _, md = _case([1], [9], 4, 2, 8, 4, torch.float32, seed=0)
+    md.query_start_loc = torch.tensor([-3, 1])   # (its rows would sit before the output)
+    with pytest.raises(RuntimeError, match="from 0"):
+        cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3)
 
 
-def test_long_queries_and_other_dtypes_take_the_torch_backend(monkeypatch):
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_chunk_in_the_step_changes_no_other_row(dtype):
+    """A step holding a prompt chunk longer than SHORT_QUERY takes that chunk's rows from torch_backend and
+    gives the decode / verification rows beside it the bits they get without it."""
+    q, k_cache, v_cache, tables, md = _case([1, 20, 5], [40, 20, 30], 9, 3, 64, 4, dtype, seed=4)
+    mixed = cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.125)
+    ref = _loop(q, k_cache, v_cache, tables, [1, 20, 5], [40, 20, 30], 0.125)
+    assert (mixed.double() - ref).abs().max() / ref.abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+    torch.testing.assert_close(mixed[1:21], torch_backend.paged_attention(q, k_cache, v_cache, md, 0.125)[1:21],
+                               rtol=0, atol=0)
+    for rows, b in ((slice(0, 1), 0), (slice(21, 26), 2)):   # the same sequences without the chunk
+        _, _, _, _, alone = _case([rows.stop - rows.start], [[40, 20, 30][b]], 9, 3, 64, 4, dtype, seed=4)
+        alone.block_tables = md.block_tables[b: b + 1].contiguous()
+        assert torch.equal(cpu_backend.paged_attention(q[rows].contiguous(), k_cache, v_cache, alone, 0.125), mixed[rows])
+
+
+@needs_kernel
+def test_nan_stays_in_its_row():
+    q, k_cache, v_cache, _, md = _case([1, 3], [9, 12], 4, 2, 8, 4, torch.float32, seed=3)
+    q[1, 0, 0] = float("nan")   # the second sequence's first query, head 0 (KV head 0)
+    out = cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3)
+    assert out[1, 0].isnan().all()
+    assert not out[0].isnan().any() and not out[2:].isnan().any() and not out[1, 1:].isnan().any()
+
+
+def test_other_dtypes_take_the_torch_backend(monkeypatch):
     calls = []
     monkeypatch.setattr(torch_backend, "paged_attention", lambda *a, **k: calls.append(a) or "torch")
-    q, k_cache, v_cache, _, md = _case([20, 1], [20, 33], 4, 2, 8, 4, torch.float32, seed=2)   # a prefill chunk
-    assert cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3) == "torch"
     q, k_cache, v_cache, _, md = _case([1], [9], 4, 2, 8, 4, torch.float16, seed=2)
-    assert not cpu_backend.handles(q, k_cache, md)
-    assert cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3) == "torch" and len(calls) == 2
+    assert not cpu_backend.handles(q, k_cache, v_cache)
+    assert cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3) == "torch" and len(calls) == 1
 
 
 def test_chosen_on_the_cpu_where_built(monkeypatch):

@@ -182,6 +182,10 @@ def test_exact_half_weights_are_stored_narrow_with_the_same_products(half):
         assert torch.equal(linear(x[:rows], stored), linear(x[:rows], weight)), rows
     bias = torch.randn(67, generator=gen)
     assert torch.equal(linear(x[:5], stored, bias), linear(x[:5], weight, bias))
+    assert pack_for_cpu(weight) is stored   # one copy per weight: layers that share it share the copy
+    rows = x[:3].clone().requires_grad_()   # (autograd: not the kernel's; the copy widened, exactly)
+    linear(rows, stored).sum().backward()
+    torch.testing.assert_close(rows.grad, weight.sum(0).expand(3, -1))
 
 
 @needs_kernel

@@ -49,7 +49,8 @@ def test_greedy_equality_in_bfloat16_on_the_cpu_kernels(spec_pair, k):
         return [(c.token_ids, c.logprobs) for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
 
     plain = run(LLM(target, **bf16))
-    llm = LLM(target, speculative_model=draft, num_speculative_tokens=k, **FIXED, **bf16)
+    # 4 sequences at a time: prompts are prefilled in steps beside other sequences' verifications.
+    llm = LLM(target, speculative_model=draft, num_speculative_tokens=k, max_num_seqs=4, **FIXED, **bf16)
     assert run(llm) == plain
     assert metric_values(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
 

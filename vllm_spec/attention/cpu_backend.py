@@ -5,7 +5,9 @@ the draft's catch-up) on the C++ kernel of csrc/cpu/paged_attention.cpp, everyth
 torch_backend gathers each sequence's keys into a padded copy and runs a dozen small ops per layer; the
 kernel reads the cache through the block table, once per KV head for the query heads sharing it. It
 computes every query row alone, so a token's output does not depend on the rest of its batch or query
-block (a verified draft gets the bits a 1-token step gives it, in bfloat16 too).
+block (a verified draft gets the bits a 1-token step gives it, in bfloat16 too). A step that also holds a
+prompt chunk longer than SHORT_QUERY takes that chunk's rows from torch_backend and the others from the
+kernel, as in a step without it.
 """
 
 from __future__ import annotations
@@ -19,18 +21,23 @@ from vllm_spec.attention.metadata import AttentionMetadata
 write_kv_cache = torch_backend.write_kv_cache
 
 
-def handles(q: torch.Tensor, k_cache: torch.Tensor, md: AttentionMetadata) -> bool:
-    """Short query blocks of a float32/bfloat16 model on the CPU, where the extension is built."""
-    return (q.device.type == "cpu" and md.max_query_len <= torch_backend.SHORT_QUERY
-            and q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype
-            and k_cache.is_contiguous() and cpu_ops.available())
+def handles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """A float32/bfloat16 model's queries and caches on the CPU, where the extension is built."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype
+            and v_cache.dtype == q.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and cpu_ops.available())
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """q: [T, H, D] -> [T, H, D], attending to keys already written into the cache."""
-    if not handles(q, k_cache, md):
+    if not handles(q, k_cache, v_cache):
         return torch_backend.paged_attention(q, k_cache, v_cache, md, scale, sliding_window)
     meta = [t.to(torch.long).contiguous() for t in (md.block_tables, md.seq_lens, md.query_start_loc)]   # (no-ops)
-    out = cpu_ops.module().paged_attention(q.float().contiguous(), k_cache, v_cache, *meta, scale, sliding_window or 0)
-    return out.to(q.dtype)
+    out = cpu_ops.module().paged_attention(q.float().contiguous(), k_cache, v_cache, *meta, scale,
+                                           sliding_window or 0, torch_backend.SHORT_QUERY).to(q.dtype)
+    if md.max_query_len > torch_backend.SHORT_QUERY:   # the long blocks' rows (left 0 by the kernel)
+        lengths = md.query_lens
+        long_rows = torch.repeat_interleave(lengths > torch_backend.SHORT_QUERY, lengths, output_size=q.shape[0])
+        out[long_rows] = torch_backend.paged_attention(q, k_cache, v_cache, md, scale, sliding_window)[long_rows]
+    return out

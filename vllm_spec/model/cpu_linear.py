@@ -51,16 +51,28 @@ def keeps_plain(weight: torch.Tensor) -> bool:
 
 def narrowed(weight: torch.Tensor) -> torch.Tensor:
     """A float32 weight the kernel takes, as a bfloat16 or float16 copy where that type holds every element
-    exactly (products bit-for-bit the float32 ones, half the bytes read); else the weight itself."""
+    exactly (products bit-for-bit the float32 ones, half the bytes read); else the weight itself. One copy
+    per weight: layers sharing it (a tied LM head, a draft's borrowed one) share the copy too."""
     if weight.dtype != torch.float32 or not keeps_plain(weight):
         return weight
+    if not hasattr(weight, _NARROWED):   # (kept on the weight: it lives as long)
+        setattr(weight, _NARROWED, _exact_half(weight))
+    copy = getattr(weight, _NARROWED)
+    return weight if copy is None else copy
+
+
+def _exact_half(weight: torch.Tensor) -> torch.Tensor | None:
     for dtype in (torch.bfloat16, torch.float16):   # bfloat16 first: the cheaper widening
         if dtype not in narrow_dtypes():
             continue
         copy = weight.detach().to(dtype)
         if torch.equal(copy.to(torch.float32), weight):
             return copy
-    return weight
+    return None
+
+
+# The attribute of a float32 weight that holds its narrowed copy (None: no half type holds it).
+_NARROWED = "_vllm_spec_narrowed"
 
 
 def _plain(weight: torch.Tensor) -> bool:

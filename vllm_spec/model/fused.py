@@ -2,9 +2,10 @@
 
 A decode step is memory-bound on the weights; unfused, these small ops cost one
 kernel launch each (about a thousand per step for an 8B model). On CUDA each is
-one Triton kernel; elsewhere the torch code below is the implementation (and the
-reference the GPU tests compare against). The torch versions round like HF's
-Llama code, which CPU tests check token for token.
+one Triton kernel; on x86-64 CPUs with AVX2 one C++ call (csrc/cpu/elementwise.cpp,
+rounding as the torch code); elsewhere the torch code below is the implementation
+(and the reference the kernels' tests compare against). The torch versions round
+like HF's Llama code, which CPU tests check token for token.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_spec import cpu_ops
 from vllm_spec.platform import import_triton
 
 triton, tl = import_triton()
@@ -19,6 +21,13 @@ triton, tl = import_triton()
 
 def _triton_ok(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
+
+
+def _cpu_ok(*tensors: torch.Tensor) -> bool:
+    """CPU float32/bfloat16 tensors of one dtype, elements contiguous, no autograd: the C++ ops take them."""
+    dtype = tensors[0].dtype
+    return (all(t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1 and not t.requires_grad
+                for t in tensors) and dtype in (torch.float32, torch.bfloat16) and cpu_ops.available())
 
 
 # Residual add + RMSNorm ----------------------------------------------------------------
@@ -35,6 +44,8 @@ def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: t
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual); residual None means just x."""
+    if x.dim() == 2 and _cpu_ok(x, weight, *([] if residual is None else [residual])):
+        return cpu_ops.module().add_rms_norm(x, residual, weight.contiguous(), eps)
     if not _triton_ok(x) or x.dim() != 2 or x.stride(-1) != 1:
         return add_rms_norm_torch(x, residual, weight, eps)
     T, N = x.shape
@@ -57,6 +68,8 @@ def _norm_warps(n: int) -> int:
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate then up) -> silu(gate) * up, [T, I]."""
+    if x.dim() == 2 and _cpu_ok(x):
+        return cpu_ops.module().silu_mul(x)
     if not _triton_ok(x) or x.dim() != 2 or x.stride(-1) != 1:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -95,6 +108,9 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, H, D] and k [T, KVH, D]; on CUDA in place, one kernel for both."""
     T, H, D = q.shape
+    if (_cpu_ok(q, k, cos, sin) and q.stride(1) == D and k.stride(1) == D and cos.dim() == 2 and D % 2 == 0
+            and cos.stride() == sin.stride()):
+        return cpu_ops.module().rotary(q, k, cos, sin)
     if not _triton_ok(q) or q.stride(-1) != 1 or k.stride(-1) != 1 or D & (D - 1) or cos.stride(-1) != 1:
         return rotary_torch(q, k, cos, sin)
     heads = H + k.shape[1]

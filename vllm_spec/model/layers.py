@@ -41,7 +41,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return gemv.linear(x, weight, bias)
     if cpu_linear.handles(x, weight):
         return cpu_linear.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    # (A narrowed copy the kernel does not take here, e.g. under autograd: widened, exactly.)
+    return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype), bias)
 
 
 def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor:
