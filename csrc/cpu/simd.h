@@ -45,12 +45,12 @@ inline float lane_sum(__m256 v) {
 
 // exp(x) for 8 lanes (Cephes' float polynomial, within 2 ulp; std::exp one lane at a time was most of
 // the attention kernel's time). Anything below float's smallest normal result (-inf included) gives 0;
-// above 88.37 the result saturates at about 2.4e38; NaN stays NaN.
+// above log(FLT_MAX) it is inf; NaN stays NaN.
 inline __m256 exp8(__m256 x) {
   const __m256 lowest = _mm256_set1_ps(-87.33654475f);   // exp() of it: FLT_MIN
   const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
   // (NaN passes: max/min return their second operand when either is NaN.)
-  x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(lowest, x));
+  x = _mm256_min_ps(_mm256_set1_ps(88.72283935546875f), _mm256_max_ps(lowest, x));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);   // x - n ln2, ln2 in two parts
@@ -62,8 +62,8 @@ inline __m256 exp8(__m256 x) {
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  // 2^n as float bits: n + 127 in the exponent (n <= 127 after the clamp; 2^128 would overflow, so
-  // the top of the range takes 2^127 twice).
+  // 2^n as two float factors 2^(n/2) 2^(n - n/2): n reaches 128 at the top of the range, past a single
+  // float exponent (the product is then FLT_MAX's neighbourhood or inf).
   const __m256i e = _mm256_cvtps_epi32(n);
   const __m256i half = _mm256_srai_epi32(e, 1);
   const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));

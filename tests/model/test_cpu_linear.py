@@ -186,6 +186,10 @@ def test_exact_half_weights_are_stored_narrow_with_the_same_products(half):
     rows = x[:3].clone().requires_grad_()   # (autograd: not the kernel's; the copy widened, exactly)
     linear(rows, stored).sum().backward()
     torch.testing.assert_close(rows.grad, weight.sum(0).expand(3, -1))
+    with pytest.raises(RuntimeError):   # (only float32 rows widen a half weight, as F.linear would not)
+        linear(x[:3].double(), stored)
+    weight.mul_(1 + 2 ** -9)   # written since: a new copy (float16 holds it; bfloat16 not)
+    assert pack_for_cpu(weight) is not stored and torch.equal(pack_for_cpu(weight).float(), weight)
 
 
 @needs_kernel

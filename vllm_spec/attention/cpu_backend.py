@@ -33,11 +33,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, H, D] -> [T, H, D], attending to keys already written into the cache."""
     if not handles(q, k_cache, v_cache):
         return torch_backend.paged_attention(q, k_cache, v_cache, md, scale, sliding_window)
+    long_rows = None
+    if md.max_query_len > torch_backend.SHORT_QUERY:   # a prompt chunk: its rows are torch_backend's
+        lengths = md.query_lens
+        is_long = lengths > torch_backend.SHORT_QUERY
+        if is_long.all():
+            return torch_backend.paged_attention(q, k_cache, v_cache, md, scale, sliding_window)
+        long_rows = torch.repeat_interleave(is_long, lengths, output_size=q.shape[0])
     meta = [t.to(torch.long).contiguous() for t in (md.block_tables, md.seq_lens, md.query_start_loc)]   # (no-ops)
     out = cpu_ops.module().paged_attention(q.float().contiguous(), k_cache, v_cache, *meta, scale,
                                            sliding_window or 0, torch_backend.SHORT_QUERY).to(q.dtype)
-    if md.max_query_len > torch_backend.SHORT_QUERY:   # the long blocks' rows (left 0 by the kernel)
-        lengths = md.query_lens
-        long_rows = torch.repeat_interleave(lengths > torch_backend.SHORT_QUERY, lengths, output_size=q.shape[0])
+    if long_rows is not None:   # (the kernel left them 0)
         out[long_rows] = torch_backend.paged_attention(q, k_cache, v_cache, md, scale, sliding_window)[long_rows]
     return out

@@ -55,9 +55,10 @@ def narrowed(weight: torch.Tensor) -> torch.Tensor:
     per weight: layers sharing it (a tied LM head, a draft's borrowed one) share the copy too."""
     if weight.dtype != torch.float32 or not keeps_plain(weight):
         return weight
-    if not hasattr(weight, _NARROWED):   # (kept on the weight: it lives as long)
-        setattr(weight, _NARROWED, _exact_half(weight))
-    copy = getattr(weight, _NARROWED)
+    version, copy = getattr(weight, _NARROWED, (None, None))   # (kept on the weight: it lives as long)
+    if version != weight._version:   # first asked, or the weight was written since
+        copy = _exact_half(weight)
+        setattr(weight, _NARROWED, (weight._version, copy))
     return weight if copy is None else copy
 
 
@@ -71,7 +72,7 @@ def _exact_half(weight: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-# The attribute of a float32 weight that holds its narrowed copy (None: no half type holds it).
+# The attribute of a float32 weight that holds (its version, its narrowed copy or None: no half type holds it).
 _NARROWED = "_vllm_spec_narrowed"
 
 

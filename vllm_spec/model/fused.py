@@ -44,7 +44,8 @@ def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: t
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual); residual None means just x."""
-    if x.dim() == 2 and _cpu_ok(x, weight, *([] if residual is None else [residual])):
+    if (x.dim() == 2 and weight.shape == x.shape[1:] and (residual is None or residual.shape == x.shape)
+            and _cpu_ok(x, weight, *([] if residual is None else [residual]))):
         return cpu_ops.module().add_rms_norm(x, residual, weight.contiguous(), eps)
     if not _triton_ok(x) or x.dim() != 2 or x.stride(-1) != 1:
         return add_rms_norm_torch(x, residual, weight, eps)
@@ -108,8 +109,8 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, H, D] and k [T, KVH, D]; on CUDA in place, one kernel for both."""
     T, H, D = q.shape
-    if (_cpu_ok(q, k, cos, sin) and q.stride(1) == D and k.stride(1) == D and cos.dim() == 2 and D % 2 == 0
-            and cos.stride() == sin.stride()):
+    if (cos.shape == sin.shape == (T, D) and cos.stride() == sin.stride() and q.stride(1) == D and k.stride(1) == D
+            and D % 2 == 0 and _cpu_ok(q, k, cos, sin)):
         return cpu_ops.module().rotary(q, k, cos, sin)
     if not _triton_ok(q) or q.stride(-1) != 1 or k.stride(-1) != 1 or D & (D - 1) or cos.stride(-1) != 1:
         return rotary_torch(q, k, cos, sin)

@@ -41,8 +41,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return gemv.linear(x, weight, bias)
     if cpu_linear.handles(x, weight):
         return cpu_linear.linear(x, weight, bias)
-    # (A narrowed copy the kernel does not take here, e.g. under autograd: widened, exactly.)
-    return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype), bias)
+    if x.dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16):
+        weight = weight.float()   # a narrowed copy the kernel does not take here (autograd): widened, exactly
+    return F.linear(x, weight, bias)
 
 
 def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor:
