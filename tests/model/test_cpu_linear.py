@@ -47,18 +47,22 @@ def test_bfloat16_rounds_the_float32_sum_once():
     assert ((got.double() - theirs.double()).abs() <= exact.abs() * 2 ** -7 + 1e-6).all()
 
 
-def test_bfloat16_is_left_to_onednn_on_cpus_with_bf16_arithmetic(monkeypatch):
-    from vllm_spec.model import cpu_linear as module
-
-    monkeypatch.setattr(module, "available", lambda: True)
+@pytest.mark.parametrize("served, cpu_property, cases", [
+    ("dtypes", "cpu_has_native_bf16", [(True, {torch.float32}), (False, {torch.float32, torch.bfloat16})]),
+    ("narrow_dtypes", "cpu_flags", [(frozenset({"avx2", "fma", "f16c"}), {torch.bfloat16, torch.float16}),
+                                    (frozenset({"avx2", "fma"}), {torch.bfloat16})]),
+], ids=["bfloat16_left_to_onednn_on_cpus_with_bf16_arithmetic", "float16_storage_needs_f16c"])
+def test_served_dtypes_follow_the_cpu(monkeypatch, served, cpu_property, cases):
+    cached = getattr(cpu_linear, served)
+    monkeypatch.setattr(cpu_linear, "available", lambda: True)
     try:
-        for native, expected in ((True, {torch.float32}), (False, {torch.float32, torch.bfloat16})):
-            monkeypatch.setattr(module, "cpu_has_native_bf16", lambda native=native: native)
-            module.dtypes.cache_clear()
-            assert module.dtypes() == expected
+        for value, expected in cases:
+            monkeypatch.setattr(cpu_linear, cpu_property, lambda value=value: value)
+            cached.cache_clear()
+            assert cached() == expected
     finally:
         monkeypatch.undo()
-        module.dtypes.cache_clear()
+        cached.cache_clear()
 
 
 @needs_kernel
@@ -207,19 +211,6 @@ def test_weights_no_half_type_holds_stay_float32():
     assert pack_for_cpu(neither) is neither
     on_disk = torch.randn(8, 16, generator=gen).bfloat16()   # a bf16 model's own weight: not a copy
     assert cpu_linear.narrowed(on_disk) is on_disk
-
-
-def test_float16_storage_needs_f16c(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "available", lambda: True)
-    try:
-        for flags, expected in ((frozenset({"avx2", "fma", "f16c"}), {torch.bfloat16, torch.float16}),
-                                (frozenset({"avx2", "fma"}), {torch.bfloat16})):
-            monkeypatch.setattr(cpu_linear, "cpu_flags", lambda flags=flags: flags)
-            cpu_linear.narrow_dtypes.cache_clear()
-            assert cpu_linear.narrow_dtypes() == expected
-    finally:
-        monkeypatch.undo()
-        cpu_linear.narrow_dtypes.cache_clear()
 
 
 @needs_kernel
