@@ -6,6 +6,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("rows_linear", &rows_linear, release(),
         "x [M, K] (float32) @ w [N, K]^T (float32, bfloat16 or float16) in float32 (AVX2/FMA/F16C)");
+  m.def("rows_linear_blocks", &rows_linear_blocks, release(),
+        "x [M, K] (float32) @ w^T, w [N, K] held as 32-column blocks (uint8 [N, bytes], format q4_1 or q8_0)");
   m.def("paged_attention", &paged_attention, release(),
         "short-query causal attention of q [T, H, D] (float32) over a paged float32/bfloat16 KV cache -> "
         "[T, H, D] float32 (the rows of sequences of more than max_q_len queries: 0)");

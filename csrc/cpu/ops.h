@@ -3,9 +3,12 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <tuple>
 
 torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w);
+
+torch::Tensor rows_linear_blocks(const torch::Tensor& x, const torch::Tensor& blocks, const std::string& format);
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& seq_lens,

@@ -1,7 +1,8 @@
 // y = x W^T for x86-64 CPUs with AVX2 and FMA: the CPU decode path's matmul (vllm_spec/model/cpu_linear.py
 // builds this file on first use and falls back to torch without it). x and y are float32; W is float32,
-// bfloat16 or float16 (widened in registers, exactly: half the memory traffic; a float32 model's weights
-// that a half type holds exactly are stored in it, and a bf16 model's where the CPU has no bf16 arithmetic).
+// bfloat16 or float16, or 32-column Q4_1 / Q8_0 blocks (all widened in registers, exactly: a float32 model's
+// weights that a half type or such blocks hold exactly are stored so, vllm_spec/model/cpu_linear.py; a
+// bf16 model's where the CPU has no bf16 arithmetic).
 //
 // Decoding multiplies a few rows of activations by every weight once per step, so the weights'
 // memory traffic sets the time. A tile of 4 weight rows keeps its sums in registers (4 x up to 3
@@ -19,6 +20,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
 
 #include "ops.h"
 #include "simd.h"
@@ -27,7 +31,6 @@ namespace {
 
 using vllm_spec_cpu::Half;
 using vllm_spec_cpu::lane_sum;
-using vllm_spec_cpu::load8;
 using vllm_spec_cpu::widen;
 
 constexpr int kTileRows = 4;        // weight rows per tile
@@ -38,32 +41,124 @@ constexpr int kPrefetchTiles = 3;   // how far ahead the first pass prefetches (
 // rows at once took 1.5-2x torch's time; the weights' extra sweeps cost little where rows are many).
 constexpr int64_t kRowsPerSweep = 256;
 
+// A weight matrix as the kernel reads it: 8 float32 lanes of row r from column k (a multiple of 8), one
+// column, the rows from r on, and an address to prefetch every kLineElems columns (one 64-byte line).
+template <typename W>
+struct Dense {   // float32, bfloat16 or float16 elements, ld per row
+  static constexpr int64_t kLineElems = 64 / sizeof(W);
+  static constexpr bool kWidenOnce = false;
+  const W* p;
+  int64_t ld;
+  Dense rows_from(int64_t r) const { return {p + r * ld, ld}; }
+  __m256 load8(int64_t r, int64_t k) const { return vllm_spec_cpu::load8(p + r * ld + k); }
+  float at(int64_t r, int64_t k) const { return widen(p[r * ld + k]); }
+  const void* addr(int64_t r, int64_t k) const { return p + r * ld + k; }
+};
+
+// 32-column blocks (vllm_spec/model/block_quant.py writes them), ld bytes per row: w = d q + m (Q4_1) or
+// d q (Q8_0), float32 d and m, small integers q. d q is exact (block_quant checks it), so one rounding,
+// fused or not, gives the float32 weight the blocks were made from, bit for bit.
+// Many rows are read best widened once (see rows_widened): kWidenOnce.
+template <typename Self, int64_t Bytes>
+struct Blocks {
+  static constexpr int64_t kBytes = Bytes;
+  static constexpr bool kWidenOnce = true;
+  const uint8_t* p;
+  int64_t ld;
+  Self rows_from(int64_t r) const { return Self{{p + r * ld, ld}}; }
+  const uint8_t* block(int64_t r, int64_t k) const { return p + r * ld + (k >> 5) * kBytes; }
+  const void* addr(int64_t r, int64_t k) const { return block(r, k); }
+  static float scalar(const uint8_t* b, int at) {
+    float v;
+    std::memcpy(&v, b + at, sizeof v);
+    return v;
+  }
+};
+
+struct Q4_1Blocks : Blocks<Q4_1Blocks, 24> {   // d, m, then q[j] in byte j's low nibble, q[j + 16] in its high one
+  static constexpr int64_t kLineElems = 64;
+  __m256 load8(int64_t r, int64_t k) const {
+    const uint8_t* b = block(r, k);
+    // Columns k..k+7 of the block: bytes (k & 15).., their low nibbles, or their high ones past column 16.
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 + (k & 8)));
+    const __m128i nibbles = _mm_and_si128(_mm_srl_epi16(bytes, _mm_cvtsi32_si128(static_cast<int>((k & 16) >> 2))),
+                                          _mm_set1_epi8(0x0F));
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles));
+    return _mm256_fmadd_ps(_mm256_set1_ps(scalar(b, 0)), q, _mm256_set1_ps(scalar(b, 4)));
+  }
+  // Row r's K columns into out, a block (four vectors) at a time; prefetching the row in `ahead` if given.
+  void widen_row(int64_t r, int64_t K, float* out, const Q4_1Blocks* ahead) const {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t k = 0; k < K; k += 32) {
+      const uint8_t* b = block(r, k);
+      if (ahead && k % kLineElems == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead->block(r, k)), _MM_HINT_T0);
+      const __m256 d = _mm256_set1_ps(scalar(b, 0)), m = _mm256_set1_ps(scalar(b, 4));
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8));
+      const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+      const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+      for (int c = 0; c < 4; ++c)
+        _mm256_storeu_ps(out + k + 8 * c, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[c])), m));
+    }
+  }
+  float at(int64_t r, int64_t k) const {
+    const uint8_t* b = block(r, k);
+    const int c = static_cast<int>(k & 31);
+    const int byte = b[8 + (c & 15)];
+    return scalar(b, 0) * static_cast<float>(c < 16 ? byte & 15 : byte >> 4) + scalar(b, 4);
+  }
+};
+
+struct Q8_0Blocks : Blocks<Q8_0Blocks, 36> {   // d, then q[0..31] as int8
+  static constexpr int64_t kLineElems = 32;
+  __m256 load8(int64_t r, int64_t k) const {
+    const uint8_t* b = block(r, k);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 4 + (k & 31)));
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    return _mm256_mul_ps(_mm256_set1_ps(scalar(b, 0)), q);
+  }
+  void widen_row(int64_t r, int64_t K, float* out, const Q8_0Blocks* ahead) const {   // as Q4_1Blocks'
+    for (int64_t k = 0; k < K; k += 32) {
+      const uint8_t* b = block(r, k);
+      if (ahead && k % kLineElems == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead->block(r, k)), _MM_HINT_T0);
+      const __m256 d = _mm256_set1_ps(scalar(b, 0));
+      for (int c = 0; c < 4; ++c) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 4 + 8 * c));
+        _mm256_storeu_ps(out + k + 8 * c, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))));
+      }
+    }
+  }
+  float at(int64_t r, int64_t k) const {
+    const uint8_t* b = block(r, k);
+    return scalar(b, 0) * static_cast<float>(static_cast<int8_t>(b[4 + (k & 31)]));
+  }
+};
+
 // y[m * ldy + r] = dot(x[m * K ...], w[r * K ...]) for r < R, m < MC; with prefetch, the R rows
 // kPrefetchTiles tiles further on exist and are prefetched. Two loop orders, one order of sums per
 // element: HoldInputs keeps the MC input vectors in registers and loads each weight vector once per
 // step (4 x 3 sums + 3 inputs + 1 weight fill the 16 registers); otherwise the R weight vectors are held
 // and the inputs stream past them (2 x 6 sums + 2 weights + 1 input), so 4-6 rows take one pass where
 // the other order needs two (5 rows of gate_up: 1.15x a row's time against 1.28x).
-template <typename W, int R, int MC, bool HoldInputs>
-void tile(const float* x, const W* w, int64_t K, float* y, int64_t ldy, bool prefetch) {
+template <typename Wt, int R, int MC, bool HoldInputs>
+void tile(const float* x, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch) {
   __m256 acc[R][MC];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_setzero_ps();
-  const W* ahead = prefetch ? w + static_cast<int64_t>(kPrefetchTiles) * kTileRows * K : w;
+  const Wt ahead = prefetch ? w.rows_from(static_cast<int64_t>(kPrefetchTiles) * kTileRows) : w;
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    if (prefetch && k % (64 / sizeof(W)) == 0)   // one 64-byte line per weight row as the loads reach it
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K + k), _MM_HINT_T0);
+    if (prefetch && k % Wt::kLineElems == 0)   // one 64-byte line per weight row as the loads reach it
+      for (int r = 0; r < R; ++r) _mm_prefetch(static_cast<const char*>(ahead.addr(r, k)), _MM_HINT_T0);
     if constexpr (HoldInputs) {
       __m256 xv[MC];
       for (int m = 0; m < MC; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
       for (int r = 0; r < R; ++r) {
-        const __m256 wv = load8(w + r * K + k);
+        const __m256 wv = w.load8(r, k);
         for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
       }
     } else {
       __m256 wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = load8(w + r * K + k);
+      for (int r = 0; r < R; ++r) wv[r] = w.load8(r, k);
       for (int m = 0; m < MC; ++m) {
         const __m256 xv = _mm256_loadu_ps(x + m * K + k);
         for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
@@ -73,19 +168,19 @@ void tile(const float* x, const W* w, int64_t K, float* y, int64_t ldy, bool pre
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MC; ++m) {
       float s = lane_sum(acc[r][m]);
-      for (int64_t t = k; t < K; ++t) s += widen(w[r * K + t]) * x[m * K + t];
+      for (int64_t t = k; t < K; ++t) s += w.at(r, t) * x[m * K + t];
       y[m * ldy + r] = s;
     }
 }
 
 // Up to kHeldRows activation rows in one pass: the tile's weight rows two at a time.
-template <typename W, int R, int MC>
-void rows_in_one_pass(const float* x, const W* w, int64_t K, float* y, int64_t ldy, bool prefetch) {
+template <typename Wt, int R, int MC>
+void rows_in_one_pass(const float* x, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch) {
   static_assert(R % 2 == 0 || R == 1, "pairs of weight rows");
   if constexpr (R == 1) {
-    tile<W, 1, MC, false>(x, w, K, y, ldy, prefetch);
+    tile<Wt, 1, MC, false>(x, w, K, y, ldy, prefetch);
   } else {
-    for (int r = 0; r < R; r += 2) tile<W, 2, MC, false>(x, w + r * K, K, y + r, ldy, prefetch);
+    for (int r = 0; r < R; r += 2) tile<Wt, 2, MC, false>(x, w.rows_from(r), K, y + r, ldy, prefetch);
   }
 }
 
@@ -93,19 +188,19 @@ void rows_in_one_pass(const float* x, const W* w, int64_t K, float* y, int64_t l
 // of up to 6 with the weights held (fewer passes over the tile); more in passes of 3 (the arithmetic
 // bounds many rows, and tile's does more per load: 64 rows of gate_up took 95 ms that way, 106 held).
 // Only the first pass prefetches (the later ones read the tile's weights from cache).
-template <typename W, int R>
-void rows(const float* x, int64_t M, const W* w, int64_t K, float* y, int64_t ldy, bool prefetch) {
+template <typename Wt, int R>
+void rows(const float* x, int64_t M, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch) {
   switch (M) {
-    case 1: return tile<W, R, 1, true>(x, w, K, y, ldy, prefetch);
-    case 2: return tile<W, R, 2, true>(x, w, K, y, ldy, prefetch);
-    case 3: return tile<W, R, 3, true>(x, w, K, y, ldy, prefetch);
+    case 1: return tile<Wt, R, 1, true>(x, w, K, y, ldy, prefetch);
+    case 2: return tile<Wt, R, 2, true>(x, w, K, y, ldy, prefetch);
+    case 3: return tile<Wt, R, 3, true>(x, w, K, y, ldy, prefetch);
     default: break;
   }
   if (M > kHeldMaxRows) {
     int64_t m = 0;
-    for (; m + 3 <= M; m += 3) tile<W, R, 3, true>(x + m * K, w, K, y + m * ldy, ldy, prefetch && m == 0);
-    if (M - m == 2) tile<W, R, 2, true>(x + m * K, w, K, y + m * ldy, ldy, false);
-    else if (M - m == 1) tile<W, R, 1, true>(x + m * K, w, K, y + m * ldy, ldy, false);
+    for (; m + 3 <= M; m += 3) tile<Wt, R, 3, true>(x + m * K, w, K, y + m * ldy, ldy, prefetch && m == 0);
+    if (M - m == 2) tile<Wt, R, 2, true>(x + m * K, w, K, y + m * ldy, ldy, false);
+    else if (M - m == 1) tile<Wt, R, 1, true>(x + m * K, w, K, y + m * ldy, ldy, false);
     return;
   }
   for (int64_t m = 0; m < M; m += kHeldRows) {
@@ -113,18 +208,30 @@ void rows(const float* x, int64_t M, const W* w, int64_t K, float* y, int64_t ld
     float* ym = y + m * ldy;
     const bool first = prefetch && m == 0;
     switch (std::min<int64_t>(kHeldRows, M - m)) {
-      case 6: rows_in_one_pass<W, R, 6>(xm, w, K, ym, ldy, first); break;
-      case 5: rows_in_one_pass<W, R, 5>(xm, w, K, ym, ldy, first); break;
-      case 4: rows_in_one_pass<W, R, 4>(xm, w, K, ym, ldy, first); break;
-      case 3: rows_in_one_pass<W, R, 3>(xm, w, K, ym, ldy, first); break;
-      case 2: rows_in_one_pass<W, R, 2>(xm, w, K, ym, ldy, first); break;
-      default: rows_in_one_pass<W, R, 1>(xm, w, K, ym, ldy, first); break;
+      case 6: rows_in_one_pass<Wt, R, 6>(xm, w, K, ym, ldy, first); break;
+      case 5: rows_in_one_pass<Wt, R, 5>(xm, w, K, ym, ldy, first); break;
+      case 4: rows_in_one_pass<Wt, R, 4>(xm, w, K, ym, ldy, first); break;
+      case 3: rows_in_one_pass<Wt, R, 3>(xm, w, K, ym, ldy, first); break;
+      case 2: rows_in_one_pass<Wt, R, 2>(xm, w, K, ym, ldy, first); break;
+      default: rows_in_one_pass<Wt, R, 1>(xm, w, K, ym, ldy, first); break;
     }
   }
 }
 
-template <typename W>
-void matmul(const float* xp, const W* wp, float* yp, int64_t M, int64_t K, int64_t N) {
+// Many activation rows against a tile of blocks: its weights widened once into a float32 buffer that the
+// passes then read from L1/L2 (widening in every pass made 16 rows 1.3x float32 weights' time; the
+// values are the same, and so are the sums).
+template <typename Wt, int R>
+void rows_widened(const float* x, int64_t M, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(R * K));
+  const Wt ahead = w.rows_from(prefetch ? static_cast<int64_t>(kPrefetchTiles) * kTileRows : 0);
+  for (int r = 0; r < R; ++r) w.widen_row(r, K, buffer.data() + r * K, prefetch ? &ahead : nullptr);
+  rows<Dense<float>, R>(x, M, Dense<float>{buffer.data(), K}, K, y, ldy, false);
+}
+
+template <typename Wt>
+void matmul(const float* xp, Wt w, float* yp, int64_t M, int64_t K, int64_t N) {
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   constexpr int64_t kAhead = static_cast<int64_t>(kPrefetchTiles + 1) * kTileRows;   // rows a prefetch reaches
   for (int64_t m0 = 0; m0 < M; m0 += kRowsPerSweep) {
@@ -135,9 +242,16 @@ void matmul(const float* xp, const W* wp, float* yp, int64_t M, int64_t K, int64
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n0 = t * kTileRows;
         if (n0 + kTileRows <= N) {
-          rows<W, kTileRows>(xs, mc, wp + n0 * K, K, ys + n0, N, n0 + kAhead <= N);
+          const bool ahead = n0 + kAhead <= N;
+          if constexpr (Wt::kWidenOnce) {
+            if (mc > kHeldRows) {   // (up to there one pass: widened as they are read, 5% faster)
+              rows_widened<Wt, kTileRows>(xs, mc, w.rows_from(n0), K, ys + n0, N, ahead);
+              continue;
+            }
+          }
+          rows<Wt, kTileRows>(xs, mc, w.rows_from(n0), K, ys + n0, N, ahead);
         } else {
-          for (int64_t n = n0; n < N; ++n) rows<W, 1>(xs, mc, wp + n * K, K, ys + n, N, false);
+          for (int64_t n = n0; n < N; ++n) rows<Wt, 1>(xs, mc, w.rows_from(n), K, ys + n, N, false);
         }
       }
     });
@@ -156,13 +270,33 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (wt == at::kFloat) {
-    matmul(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
+    matmul(x.data_ptr<float>(), Dense<float>{w.data_ptr<float>(), K}, y.data_ptr<float>(), M, K, N);
   } else if (wt == at::kHalf) {
-    matmul(x.data_ptr<float>(), reinterpret_cast<const Half*>(w.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
+    matmul(x.data_ptr<float>(), Dense<Half>{reinterpret_cast<const Half*>(w.data_ptr<at::Half>()), K},
+           y.data_ptr<float>(), M, K, N);
   } else {
-    matmul(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), y.data_ptr<float>(),
-           M, K, N);
+    matmul(x.data_ptr<float>(), Dense<uint16_t>{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), K},
+           y.data_ptr<float>(), M, K, N);
   }
   return y;
 }
 
+
+torch::Tensor rows_linear_blocks(const torch::Tensor& x, const torch::Tensor& blocks, const std::string& format) {
+  TORCH_CHECK(format == "q4_1" || format == "q8_0", "rows_linear_blocks: format q4_1 or q8_0, not ", format);
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && x.size(1) % 32 == 0, "rows_linear_blocks: x [M, K], K % 32 == 0");
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  const int64_t ld = K / 32 * (format == "q4_1" ? Q4_1Blocks::kBytes : Q8_0Blocks::kBytes);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && blocks.scalar_type() == at::kByte && blocks.size(1) == ld,
+              "rows_linear_blocks: x float32, blocks uint8 [N, ", ld, "] for K = ", K);
+  TORCH_CHECK(x.is_contiguous() && blocks.is_contiguous() && x.device().is_cpu() && blocks.device().is_cpu(),
+              "rows_linear_blocks: contiguous CPU tensors");
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* p = blocks.data_ptr<uint8_t>();
+  if (format == "q4_1") {
+    matmul(x.data_ptr<float>(), Q4_1Blocks{{p, ld}}, y.data_ptr<float>(), M, K, N);
+  } else {
+    matmul(x.data_ptr<float>(), Q8_0Blocks{{p, ld}}, y.data_ptr<float>(), M, K, N);
+  }
+  return y;
+}

@@ -3,8 +3,10 @@ and bfloat16 on CPUs without bf16 arithmetic (weights widened in registers, sums
 rounded once, as torch's), where torch's own bf16 matmul was 6x slower than float32 at 16 rows.
 
 A float32 model's weights that bfloat16 or float16 holds exactly (a half-precision checkpoint run in
-float32, as most HF checkpoints and the shipped draft are) are stored in that type (`narrowed`): the
-kernel widens them exactly, so the products are bit-for-bit the float32 ones, from half the bytes.
+float32, as most HF checkpoints and the shipped draft are) are stored in that type, and those that are
+exactly Q4_1 or Q8_0 blocks (a GGUF checkpoint's quantized tensors, dequantized) as those blocks
+(`narrowed`, block_quant): the kernel widens them exactly, so the products are bit-for-bit the float32
+ones, from a half to a fifth of the bytes.
 
 Decoding reads every weight once per step for a few rows of activations. oneDNN (even with its packed
 weights) did not overlap those reads with the arithmetic: on a 2-core AMD EPYC a (k+1)-row verification
@@ -27,15 +29,19 @@ from types import ModuleType
 import torch
 
 from vllm_spec import cpu_ops
+from vllm_spec.model import block_quant
+from vllm_spec.model.block_quant import BlockWeight
 from vllm_spec.platform import cpu_flags, cpu_has_native_bf16
 
 
-def handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def handles(x: torch.Tensor, weight: torch.Tensor | BlockWeight) -> bool:
     """Whether linear(x, weight) runs on the kernel: CPU rows of the weight's dtype (or float32 rows and a
     `narrowed` weight), a weight it takes."""
     if (x.device.type != "cpu" or x.shape[-1] != weight.shape[-1]
             or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):   # (no backward)
         return False
+    if isinstance(weight, BlockWeight):
+        return x.dtype == torch.float32
     if x.dtype == weight.dtype:
         return keeps_plain(weight)
     return x.dtype == torch.float32 and weight.dtype in narrow_dtypes() and _plain(weight)
@@ -49,15 +55,16 @@ def keeps_plain(weight: torch.Tensor) -> bool:
             and weight.dtype in dtypes())
 
 
-def narrowed(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 weight the kernel takes, as a bfloat16 or float16 copy where that type holds every element
-    exactly (products bit-for-bit the float32 ones, half the bytes read); else the weight itself. One copy
-    per weight: layers sharing it (a tied LM head, a draft's borrowed one) share the copy too."""
+def narrowed(weight: torch.Tensor) -> torch.Tensor | BlockWeight:
+    """A float32 weight the kernel takes, as Q4_1 / Q8_0 blocks or a bfloat16 / float16 copy where they hold
+    every element exactly (products bit-for-bit the float32 ones, a fifth to a half of the bytes read);
+    else the weight itself. One copy per weight: layers sharing it (a tied LM head, a draft's borrowed
+    one) share the copy too."""
     if weight.dtype != torch.float32 or not keeps_plain(weight):
         return weight
     version, copy = getattr(weight, _NARROWED, (None, None))   # (kept on the weight: it lives as long)
     if version != weight._version:   # first asked, or the weight was written since
-        copy = _exact_half(weight)
+        copy = block_quant.find(weight) or _exact_half(weight)
         setattr(weight, _NARROWED, (weight._version, copy))
     return weight if copy is None else copy
 
@@ -72,7 +79,7 @@ def _exact_half(weight: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-# The attribute of a float32 weight that holds (its version, its narrowed copy or None: no half type holds it).
+# The attribute of a float32 weight that holds (its version, its narrowed copy or None: nothing narrower holds it).
 _NARROWED = "_vllm_spec_narrowed"
 
 
@@ -104,14 +111,17 @@ def narrow_dtypes() -> frozenset[torch.dtype]:
 
 def kernel() -> ModuleType:
     """The built extension: rows_linear(x [M, K] float32, w [N, K] float32, bfloat16 or float16) -> [M, N]
-    float32."""
+    float32, and rows_linear_blocks(x, blocks, format) for a BlockWeight's."""
     return cpu_ops.module()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) for x [..., K], W [N, K]; only where handles(x, weight)."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-    y = kernel().rows_linear(rows, weight)
+    if isinstance(weight, BlockWeight):
+        y = kernel().rows_linear_blocks(rows, weight.blocks, weight.format)
+    else:
+        y = kernel().rows_linear(rows, weight)
     if bias is not None:
         y.add_(bias)
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])

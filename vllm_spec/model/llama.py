@@ -23,6 +23,7 @@ from vllm_spec.model.layers import (
     linear,
     pack_for_cpu,
 )
+from vllm_spec.model.block_quant import BlockWeight
 from vllm_spec.model.rotary import RotaryEmbedding
 
 # Checkpoint sub-name -> (our fused parameter, shard id).
@@ -114,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.output_ids: torch.Tensor | None = None     # see restrict_output_vocab
-        self.output_weight: torch.Tensor | None = None
+        self.output_weight: torch.Tensor | BlockWeight | None = None
         self.rope = RotaryEmbedding(cfg.head_dim, max(max_positions, cfg.max_position_embeddings),
                                     cfg.rope_theta, cfg.rope_scaling)
 

@@ -1,0 +1,142 @@
+"""Float32 weights that are exactly Q4_1 / Q8_0 blocks (a GGUF checkpoint's, dequantized) held as the blocks:
+found bit for bit or not at all, multiplied by the CPU kernel to the float32 products bit for bit."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from vllm_spec.model import block_quant, cpu_linear
+from vllm_spec.model.block_quant import BlockWeight
+from vllm_spec.model.layers import LinearBase, linear, pack_for_cpu
+
+needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX2 CPU kernel here (or not buildable)")
+FORMATS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+
+def gguf_values(n: int, k: int, fmt: str, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    """What gguf_loader yields for a tensor llama.cpp stored in this format: its dequantized float32 values."""
+    data = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * scale
+    qtype = FORMATS[fmt]
+    return torch.from_numpy(np.asarray(gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype),
+                                       dtype=np.float32).reshape(n, k).copy())
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n, k, chunk", [(1, 32, 4096), (37, 96, 4096), (10, 64, 3), (3, 4096, 4096)])
+def test_gguf_blocks_are_found_and_give_back_every_bit(monkeypatch, fmt, n, k, chunk):
+    monkeypatch.setattr(block_quant, "_CHUNK_ROWS", chunk)   # (several chunks of rows)
+    weight = gguf_values(n, k, fmt, seed=n + k, scale=0.05)
+    found = block_quant.find(weight)
+    assert found is not None and found.format == fmt and found.shape == weight.shape
+    assert found.blocks.dtype == torch.uint8 and found.blocks.shape == (n, k // 32 * block_quant.BLOCK_BYTES[fmt])
+    assert same_bits(found.dequantize(), weight)
+
+
+def test_constant_and_zero_blocks_are_exact_too():
+    weight = torch.zeros(4, 64)
+    weight[1] = 0.5
+    weight[2, 32:] = -3.0
+    found = block_quant.find(weight)
+    assert found is not None and same_bits(found.dequantize(), weight)
+
+
+@pytest.mark.parametrize("case", ["random", "k_not_blocks", "nan", "inf", "negative_zero", "later_row",
+                                  "float64", "bfloat16", "vector", "empty", "meta"])
+def test_weights_that_are_not_blocks_are_left_alone(monkeypatch, case):
+    monkeypatch.setattr(block_quant, "_CHUNK_ROWS", 2)
+    weight = gguf_values(7, 64, "q4_1")
+    if case == "random":
+        weight = torch.randn(7, 64)
+    elif case == "k_not_blocks":
+        weight = weight[:, :48].contiguous()
+    elif case in ("nan", "inf"):
+        weight[5, 40] = float(case)
+    elif case == "negative_zero":
+        weight = gguf_values(7, 64, "q8_0")
+        weight[0, 3] = -0.0   # (the blocks would give +0.0: not the same bits)
+    elif case == "later_row":   # the first chunks are blocks, the last is not
+        weight[6, 7] += 2 ** -20
+    elif case in ("float64", "bfloat16"):
+        weight = weight.to(getattr(torch, case))
+    elif case == "vector":
+        weight = weight[0]
+    elif case == "empty":
+        weight = weight[:0]
+    else:
+        weight = weight.to("meta")
+    assert block_quant.find(weight) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n, k", [(1, 32), (5, 96), (37, 608), (130, 1536)])
+def test_kernel_gives_the_float32_products_bit_for_bit(fmt, n, k):
+    """At every row count (one pass widening as it reads, or a tile widened once for many rows) and for
+    rows of weights past the last full tile of 4, the products and sums are the float32 weight's."""
+    weight = gguf_values(n, k, fmt, seed=k, scale=0.1)
+    stored = pack_for_cpu(weight)
+    assert isinstance(stored, BlockWeight) and stored.format == fmt
+    assert pack_for_cpu(weight) is stored   # one copy per weight: layers that share it share the copy
+    gen = torch.Generator().manual_seed(n)
+    x, bias = torch.randn(300, k, generator=gen), torch.randn(n, generator=gen)
+    for rows in (0, 1, 2, 3, 4, 5, 6, 7, 12, 17, 20, 300):
+        assert same_bits(linear(x[:rows], stored), linear(x[:rows], weight)), rows
+    assert same_bits(linear(x[:5], stored, bias), linear(x[:5], weight, bias))
+    assert same_bits(linear(x[:2].view(2, 1, k), stored), linear(x[:2], weight).view(2, 1, n))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_autograd_and_other_dtypes_multiply_the_exact_weight(fmt):
+    weight = gguf_values(9, 64, fmt, seed=3)
+    stored = block_quant.find(weight)
+    rows = torch.randn(3, 64, requires_grad=True)
+    linear(rows, stored).sum().backward()
+    torch.testing.assert_close(rows.grad, weight.sum(0).expand(3, -1), rtol=0, atol=0)
+    x = torch.randn(4, 64, dtype=torch.float64)
+    assert torch.equal(linear(x, stored), torch.nn.functional.linear(x, weight.double()))
+
+
+@needs_kernel
+def test_engine_runs_a_gguf_quantized_checkpoint_from_blocks(tiny_llama, tmp_path, monkeypatch):
+    """Weights that are Q4_1 (linear layers) and Q8_0 (embedding, LM head) values, loaded as float32: every
+    linear layer reads its blocks, the plain copies are freed, and the greedy tokens and logprobs are bit
+    for bit those of the float32 weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from vllm_spec import LLM, SamplingParams
+
+    folder = tmp_path / "blocks"
+    shutil.copytree(tiny_llama, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    for i, (name, w) in enumerate(sorted(weights.items())):
+        if w.dim() == 2:
+            fmt = "q8_0" if "embed" in name or "lm_head" in name else "q4_1"
+            weights[name] = gguf_values(*w.shape, fmt, seed=i, scale=0.1)
+    save_file(weights, str(folder / "model.safetensors"))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = ["hello world", "the quick brown fox jumps"]
+
+    def run():
+        llm = LLM(model=str(folder), dtype="float32", kv_cache_memory_bytes=1 << 22, device="cpu")
+        model = llm.llm_engine.executor.worker.runner.model
+        # (format, plain weight kept): freed unless another module may share it (the LM head)
+        stored = {(m.packed.format if isinstance(m.packed, BlockWeight) else str(m.weight.dtype),
+                   m.weight.is_contiguous()) for m in model.modules() if isinstance(m, LinearBase)}
+        return stored, [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                        for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    stored, ours = run()
+    assert stored == {("q4_1", False), ("q8_0", True)}   # (a freed weight: one NaN, expanded)
+    monkeypatch.setattr(block_quant, "find", lambda weight: None)
+    stored, ref = run()
+    assert stored == {("torch.float32", True)}
+    assert ours == ref

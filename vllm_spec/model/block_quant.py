@@ -1,0 +1,113 @@
+"""Float32 weights that are exactly the values of llama.cpp's Q4_1 or Q8_0 blocks, held as those blocks.
+
+A GGUF checkpoint's quantized tensors are dequantized on load (gguf_loader), and a float32 model keeps
+the float32 values: 4 bytes a weight, where the file spent 0.625 (Q4_1) or 1.06 (Q8_0). CPU decoding
+reads every weight once per step, so on the CPU kernel (cpu_linear) such a weight is held as 32-column
+blocks again: `find` recovers each block's scale d (and minimum m) and integers q from the float32
+values and keeps them only where d q (+ m) gives back every value bit for bit. The kernel widens the
+blocks in registers to those same float32 values, so the products are exactly the float32 model's,
+from a fifth (Q4_1) or a third (Q8_0) of the bytes. Nothing here depends on where the values came from:
+weights that are not such blocks are left as they are.
+
+Block layouts (little-endian, rows of K // 32 blocks, what csrc/cpu/rows_linear.cpp reads):
+Q4_1: float32 d, float32 m, 16 bytes with q[j] in byte j's low nibble and q[j + 16] in its high nibble,
+w = d q + m, q in 0..15. Q8_0: float32 d, 32 int8 q, w = d q. d is always a float16 value (as in the
+file), so d q is exact and the kernel's one rounding of d q + m equals torch's two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+BLOCK = 32
+BLOCK_BYTES = {"q4_1": 24, "q8_0": 36}
+# Rows encoded at a time: bounds the temporaries of a large embedding; the first chunk is one row,
+# so a weight that is not blocks is turned down after a row's work.
+_CHUNK_ROWS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWeight:
+    """A float32 [N, K] weight held as 32-column Q4_1 or Q8_0 blocks (uint8 [N, K // 32 * bytes])."""
+
+    format: str
+    blocks: torch.Tensor
+    shape: torch.Size
+    dtype = torch.float32
+    requires_grad = False   # (a detached copy, as every packed weight)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight, bit for bit."""
+        n, k = self.shape
+        b = self.blocks.view(n, k // BLOCK, BLOCK_BYTES[self.format])
+        d = b[..., 0:4].contiguous().view(torch.float32)
+        if self.format == "q8_0":
+            return (d * b[..., 4:].view(torch.int8).float()).view(n, k)
+        m = b[..., 4:8].contiguous().view(torch.float32)
+        nibbles = b[..., 8:]
+        q = torch.cat([nibbles & 15, nibbles >> 4], -1).float()
+        return (d * q + m).view(n, k)
+
+
+def find(weight: torch.Tensor) -> BlockWeight | None:
+    """The weight as Q4_1 blocks, else Q8_0 blocks, where they hold every value exactly; else None."""
+    if (weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK
+            or weight.shape[0] == 0 or weight.device.type != "cpu"):
+        return None
+    w = weight.detach()
+    n = w.shape[0]
+    chunks = [(0, 1), *((s, min(s + _CHUNK_ROWS, n)) for s in range(1, n, _CHUNK_ROWS))]
+    for fmt, encode in _ENCODERS.items():
+        parts = []
+        for start, stop in chunks:
+            part = encode(w[start:stop].reshape(stop - start, -1, BLOCK))
+            if part is None:
+                break
+            parts.append(part)
+        else:
+            return BlockWeight(fmt, torch.cat(parts).reshape(n, -1), w.shape)
+    return None
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # (== would take -0.0 for 0.0, and the kernel's sums start from the blocks' bits.)
+    return a.view(torch.int32) == b.view(torch.int32)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _encode_q4_1(b: torch.Tensor) -> torch.Tensor | None:
+    """b [rows, blocks, 32] -> uint8 [rows, blocks, 24], or None where some block is not Q4_1."""
+    m = b.amin(-1, keepdim=True)
+    # d is a float16 value; (max - m) / 15 rounds to it or a neighbour (the maximum is q = 15).
+    d0 = ((b.amax(-1, keepdim=True) - m) / 15).half()
+    found = torch.zeros(b.shape[:-1], dtype=torch.bool)
+    d_of, q_of = torch.zeros_like(m), torch.zeros(b.shape, dtype=torch.uint8)
+    for d in (d0, d0.nextafter(torch.tensor(float("inf"), dtype=torch.half)), d0.nextafter(torch.zeros((), dtype=torch.half))):
+        d = d.float()
+        q = torch.where(d > 0, (b - m) / torch.where(d > 0, d, 1), 0).round().clamp(0, 15).to(torch.uint8)
+        ok = _same_bits(d * q.float() + m, b).all(-1) & ~found & torch.isfinite(d).squeeze(-1)
+        d_of[ok], q_of[ok] = d[ok], q[ok]
+        found |= ok
+        if found.all():
+            return torch.cat([_bytes(d_of), _bytes(m), q_of[..., :16] | (q_of[..., 16:] << 4)], -1)
+    return None
+
+
+def _encode_q8_0(b: torch.Tensor) -> torch.Tensor | None:
+    """b [rows, blocks, 32] -> uint8 [rows, blocks, 36], or None where some block is not Q8_0."""
+    d = b.abs().amax(-1, keepdim=True) / 127   # the largest |q| is 127: d = max / 127, exactly
+    if not (torch.isfinite(d).all() and torch.equal(d.half().float(), d)):
+        return None
+    q = torch.where(d > 0, b / torch.where(d > 0, d, 1), 0).round().clamp(-127, 127).to(torch.int8)
+    if not _same_bits(d * q.float(), b).all():   # (the integers' products: -0.0 is not among them)
+        return None
+    return torch.cat([_bytes(d), _bytes(q)], -1)
+
+
+_ENCODERS: dict[str, Callable[[torch.Tensor], torch.Tensor | None]] = {"q4_1": _encode_q4_1, "q8_0": _encode_q8_0}
