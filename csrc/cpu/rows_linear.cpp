@@ -41,16 +41,18 @@ constexpr int kPrefetchTiles = 3;   // how far ahead the first pass prefetches (
 // rows at once took 1.5-2x torch's time; the weights' extra sweeps cost little where rows are many).
 constexpr int64_t kRowsPerSweep = 256;
 
-// A weight matrix as the kernel reads it: 8 float32 lanes of row r from column k (a multiple of 8), one
-// column, the rows from r on, and an address to prefetch every kLineElems columns (one 64-byte line).
+// A weight matrix as the kernel reads it: kVectors x 8 float32 lanes of row r from column k (a multiple of
+// 8 kVectors), one column, the rows from r on, and an address to prefetch every kLineElems columns (one
+// 64-byte line).
 template <typename W>
 struct Dense {   // float32, bfloat16 or float16 elements, ld per row
   static constexpr int64_t kLineElems = 64 / sizeof(W);
   static constexpr bool kWidenOnce = false;
+  static constexpr int kVectors = 1;
   const W* p;
   int64_t ld;
   Dense rows_from(int64_t r) const { return {p + r * ld, ld}; }
-  __m256 load8(int64_t r, int64_t k) const { return vllm_spec_cpu::load8(p + r * ld + k); }
+  void load(int64_t r, int64_t k, __m256* out) const { out[0] = vllm_spec_cpu::load8(p + r * ld + k); }
   float at(int64_t r, int64_t k) const { return widen(p[r * ld + k]); }
   const void* addr(int64_t r, int64_t k) const { return p + r * ld + k; }
 };
@@ -63,6 +65,7 @@ template <typename Self, int64_t Bytes>
 struct Blocks {
   static constexpr int64_t kBytes = Bytes;
   static constexpr bool kWidenOnce = true;
+  static constexpr int kVectors = 2;   // half a block: one load of its bytes for two vectors
   const uint8_t* p;
   int64_t ld;
   Self rows_from(int64_t r) const { return Self{{p + r * ld, ld}}; }
@@ -77,14 +80,15 @@ struct Blocks {
 
 struct Q4_1Blocks : Blocks<Q4_1Blocks, 24> {   // d, m, then q[j] in byte j's low nibble, q[j + 16] in its high one
   static constexpr int64_t kLineElems = 64;
-  __m256 load8(int64_t r, int64_t k) const {
+  void load(int64_t r, int64_t k, __m256* out) const {
     const uint8_t* b = block(r, k);
-    // Columns k..k+7 of the block: bytes (k & 15).., their low nibbles, or their high ones past column 16.
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 + (k & 8)));
-    const __m128i nibbles = _mm_and_si128(_mm_srl_epi16(bytes, _mm_cvtsi32_si128(static_cast<int>((k & 16) >> 2))),
-                                          _mm_set1_epi8(0x0F));
-    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles));
-    return _mm256_fmadd_ps(_mm256_set1_ps(scalar(b, 0)), q, _mm256_set1_ps(scalar(b, 4)));
+    // Columns k..k+15 of the block: the low nibbles of its 16 bytes, or past column 16 the high ones.
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8));
+    const __m128i q = _mm_and_si128(_mm_srl_epi16(bytes, _mm_cvtsi32_si128(static_cast<int>((k & 16) >> 2))),
+                                    _mm_set1_epi8(0x0F));
+    const __m256 d = _mm256_set1_ps(scalar(b, 0)), m = _mm256_set1_ps(scalar(b, 4));
+    out[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), m);
+    out[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), m);
   }
   // Row r's K columns into out, a block (four vectors) at a time; prefetching the row in `ahead` if given.
   void widen_row(int64_t r, int64_t K, float* out, const Q4_1Blocks* ahead) const {
@@ -110,11 +114,12 @@ struct Q4_1Blocks : Blocks<Q4_1Blocks, 24> {   // d, m, then q[j] in byte j's lo
 
 struct Q8_0Blocks : Blocks<Q8_0Blocks, 36> {   // d, then q[0..31] as int8
   static constexpr int64_t kLineElems = 32;
-  __m256 load8(int64_t r, int64_t k) const {
+  void load(int64_t r, int64_t k, __m256* out) const {   // columns k..k+15
     const uint8_t* b = block(r, k);
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 4 + (k & 31)));
-    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-    return _mm256_mul_ps(_mm256_set1_ps(scalar(b, 0)), q);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4 + (k & 16)));
+    const __m256 d = _mm256_set1_ps(scalar(b, 0));
+    out[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    out[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))));
   }
   void widen_row(int64_t r, int64_t K, float* out, const Q8_0Blocks* ahead) const {   // as Q4_1Blocks'
     for (int64_t k = 0; k < K; k += 32) {
@@ -146,23 +151,33 @@ void tile(const float* x, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch)
     for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_setzero_ps();
   const Wt ahead = prefetch ? w.rows_from(static_cast<int64_t>(kPrefetchTiles) * kTileRows) : w;
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
+  constexpr int V = Wt::kVectors;
+  for (; k + 8 * V <= K; k += 8 * V) {
     if (prefetch && k % Wt::kLineElems == 0)   // one 64-byte line per weight row as the loads reach it
       for (int r = 0; r < R; ++r) _mm_prefetch(static_cast<const char*>(ahead.addr(r, k)), _MM_HINT_T0);
-    if constexpr (HoldInputs) {
+    if constexpr (HoldInputs && V == 1) {
       __m256 xv[MC];
       for (int m = 0; m < MC; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
       for (int r = 0; r < R; ++r) {
-        const __m256 wv = w.load8(r, k);
+        __m256 wv;
+        w.load(r, k, &wv);
         for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
       }
-    } else {
-      __m256 wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = w.load8(r, k);
-      for (int m = 0; m < MC; ++m) {
-        const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-        for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+    } else if constexpr (HoldInputs) {   // (the inputs of V vectors would not fit: read from L1 instead)
+      for (int r = 0; r < R; ++r) {
+        __m256 wv[V];
+        w.load(r, k, wv);
+        for (int v = 0; v < V; ++v)
+          for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_fmadd_ps(wv[v], _mm256_loadu_ps(x + m * K + k + 8 * v), acc[r][m]);
       }
+    } else {
+      __m256 wv[R][V];
+      for (int r = 0; r < R; ++r) w.load(r, k, wv[r]);
+      for (int v = 0; v < V; ++v)
+        for (int m = 0; m < MC; ++m) {
+          const __m256 xv = _mm256_loadu_ps(x + m * K + k + 8 * v);
+          for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r][v], xv, acc[r][m]);
+        }
     }
   }
   for (int r = 0; r < R; ++r)
