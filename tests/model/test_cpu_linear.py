@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_spec import cpu_ops
-from vllm_spec.model import cpu_linear
+from vllm_spec.model import cpu_linear, fused
 from vllm_spec.model.layers import LinearBase, linear, pack_for_cpu
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX2 CPU kernel here (or not buildable)")
@@ -150,9 +150,11 @@ def test_other_devices_never_ask_for_the_kernel(monkeypatch):
         raise AssertionError("the CPU kernel was asked for")
 
     monkeypatch.setattr(cpu_linear, "dtypes", no_build)
+    monkeypatch.setattr(cpu_ops, "available", no_build)
     x, weight = torch.empty(2, 4, device="meta"), torch.empty(3, 4, device="meta")
     assert not cpu_linear.handles(x, weight)
     assert pack_for_cpu(weight) is weight
+    assert not fused._cpu_ok(x, torch.empty(4, device="meta"))   # (the elementwise ops' check too)
     # Nor do CPU dtypes it never takes.
     for dtype in (torch.float16, torch.float64):
         assert not cpu_linear.handles(torch.ones(2, 4, dtype=dtype), torch.ones(3, 4, dtype=dtype))

@@ -117,11 +117,17 @@ def kernel() -> ModuleType:
 
 def linear(x: torch.Tensor, weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) for x [..., K], W [N, K]; only where handles(x, weight)."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    rows = x.reshape(-1, x.shape[-1])
+    if x.dtype != torch.float32:   # (the checks here cost less than a no-op .to(): ~130 calls a step)
+        rows = rows.float()
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
     if isinstance(weight, BlockWeight):
         y = kernel().rows_linear_blocks(rows, weight.blocks, weight.format)
     else:
         y = kernel().rows_linear(rows, weight)
     if bias is not None:
         y.add_(bias)
-    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0])

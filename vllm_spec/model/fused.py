@@ -26,8 +26,15 @@ def _triton_ok(x: torch.Tensor) -> bool:
 def _cpu_ok(*tensors: torch.Tensor) -> bool:
     """CPU float32/bfloat16 tensors of one dtype, elements contiguous, no autograd: the C++ ops take them."""
     dtype = tensors[0].dtype
-    return (all(t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1 and not t.requires_grad
-                for t in tensors) and dtype in (torch.float32, torch.bfloat16) and cpu_ops.available())
+    if dtype not in _CPU_DTYPES:
+        return False
+    for t in tensors:   # (a loop, not all(genexpr): this runs a few hundred times a decode step)
+        if t.device.type != "cpu" or t.dtype != dtype or t.stride(-1) != 1 or t.requires_grad:
+            return False
+    return cpu_ops.available()   # (last: tensors on other devices must not build the CPU kernels)
+
+
+_CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # Residual add + RMSNorm ----------------------------------------------------------------
