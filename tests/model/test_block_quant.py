@@ -93,14 +93,67 @@ def test_kernel_gives_the_float32_products_bit_for_bit(fmt, n, k):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_autograd_and_other_dtypes_multiply_the_exact_weight(fmt):
+def test_autograd_multiplies_the_exact_weight_and_other_dtypes_fail_as_with_it(fmt):
     weight = gguf_values(9, 64, fmt, seed=3)
     stored = block_quant.find(weight)
     rows = torch.randn(3, 64, requires_grad=True)
     linear(rows, stored).sum().backward()
     torch.testing.assert_close(rows.grad, weight.sum(0).expand(3, -1), rtol=0, atol=0)
-    x = torch.randn(4, 64, dtype=torch.float64)
-    assert torch.equal(linear(x, stored), torch.nn.functional.linear(x, weight.double()))
+    for dtype in (torch.float64, torch.bfloat16):
+        x = torch.randn(4, 64, dtype=dtype)
+        assert not cpu_linear.handles(x, stored)
+        with pytest.raises(RuntimeError):
+            torch.nn.functional.linear(x, weight)
+        with pytest.raises(RuntimeError):
+            linear(x, stored)
+
+
+def test_only_cpu_float32_rows_on_a_built_kernel_take_the_blocks(monkeypatch):
+    weight = gguf_values(4, 32, "q8_0")
+    stored = block_quant.find(weight)
+    assert not cpu_linear.handles(torch.empty(2, 32, device="meta"), stored)
+    monkeypatch.setattr(cpu_linear, "available", lambda: False)
+    assert not cpu_linear.handles(torch.randn(2, 32), stored)
+    x = torch.randn(2, 32)
+    assert same_bits(linear(x, stored), linear(x, weight))   # (multiplied as the plain weight is)
+
+
+def q4_1_values(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Blocks [rows, blocks] of float16-valued d and m and q [rows, blocks, 32] in 0..15 as llama.cpp
+    dequantizes them: d * q + m in float32, one rounding."""
+    return (d.half().float()[..., None] * q.float() + m.half().float()[..., None]).reshape(q.shape[0], -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["scale_far_from_the_nearest_guess", "subnormal_scale", "zero_scale",
+                                  "tiny_q8_0_with_negative_zeros"])
+def test_hard_blocks_are_found_and_multiplied_bit_for_bit(case):
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randint(0, 16, (9, 3, 32), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15   # (the block's minimum and maximum)
+    if case == "scale_far_from_the_nearest_guess":   # |m| >> d: the maximum's rounding moves (max - m) / 15
+        weight, fmt = q4_1_values(torch.full((9, 3), 715 * 2.0 ** -24), torch.full((9, 3), -49.40625), q), "q4_1"
+    elif case == "subnormal_scale":
+        weight, fmt = q4_1_values(torch.full((9, 3), 3 * 2.0 ** -24), torch.randn(9, 3, generator=gen) * 1e-3, q), "q4_1"
+    elif case == "zero_scale":   # constant blocks
+        weight, fmt = q4_1_values(torch.zeros(9, 3), torch.randn(9, 3, generator=gen), q), "q4_1"
+    else:   # values too small for a float16 scale: 0 * q, -0.0 where q < 0
+        weight, fmt = gguf_values(9, 96, "q8_0", scale=1e-9), "q8_0"
+        assert (weight.view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).any()
+    stored = block_quant.find(weight)
+    assert stored is not None and stored.format == fmt and same_bits(stored.dequantize(), weight)
+    x = torch.randn(20, weight.shape[1], generator=gen)
+    for rows in (1, 2, 5, 7, 20):
+        assert same_bits(cpu_linear.linear(x[:rows], stored), cpu_linear.linear(x[:rows], weight)), rows
+
+
+@needs_kernel
+def test_a_weight_written_since_gets_new_blocks():
+    weight = gguf_values(8, 64, "q4_1", scale=0.1)
+    stored = pack_for_cpu(weight)
+    weight.mul_(2)   # (still Q4_1 values: d and m doubled)
+    again = pack_for_cpu(weight)
+    assert again is not stored and isinstance(again, BlockWeight) and same_bits(again.dequantize(), weight)
 
 
 @needs_kernel

@@ -27,6 +27,8 @@ BLOCK_BYTES = {"q4_1": 24, "q8_0": 36}
 # Rows encoded at a time: bounds the temporaries of a large embedding; the first chunk is one row,
 # so a weight that is not blocks is turned down after a row's work.
 _CHUNK_ROWS = 4096
+_D_STEPS = 8   # float16 steps either side of the nearest Q4_1 scale tried
+_HALF_MAX_BITS = 0x7BFF   # the largest finite float16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,14 +86,15 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def _encode_q4_1(b: torch.Tensor) -> torch.Tensor | None:
     """b [rows, blocks, 32] -> uint8 [rows, blocks, 24], or None where some block is not Q4_1."""
     m = b.amin(-1, keepdim=True)
-    # d is a float16 value; (max - m) / 15 rounds to it or a neighbour (the maximum is q = 15).
-    d0 = ((b.amax(-1, keepdim=True) - m) / 15).half()
+    # d is a float16 value near (max - m) / 15 (the maximum is q = 15): within a few float16 steps where
+    # |m| >> d, as max = 15 d + m was rounded to float32. Candidates from the nearest outwards.
+    nearest = ((b.amax(-1, keepdim=True) - m) / 15).half().view(torch.int16).int()
     found = torch.zeros(b.shape[:-1], dtype=torch.bool)
     d_of, q_of = torch.zeros_like(m), torch.zeros(b.shape, dtype=torch.uint8)
-    for d in (d0, d0.nextafter(torch.tensor(float("inf"), dtype=torch.half)), d0.nextafter(torch.zeros((), dtype=torch.half))):
-        d = d.float()
+    for step in (0, *(s for i in range(1, _D_STEPS + 1) for s in (i, -i))):
+        d = (nearest + step).clamp(0, _HALF_MAX_BITS).short().view(torch.half).float()
         q = torch.where(d > 0, (b - m) / torch.where(d > 0, d, 1), 0).round().clamp(0, 15).to(torch.uint8)
-        ok = _same_bits(d * q.float() + m, b).all(-1) & ~found & torch.isfinite(d).squeeze(-1)
+        ok = _same_bits(d * q.float() + m, b).all(-1) & ~found
         d_of[ok], q_of[ok] = d[ok], q[ok]
         found |= ok
         if found.all():
@@ -104,8 +107,10 @@ def _encode_q8_0(b: torch.Tensor) -> torch.Tensor | None:
     d = b.abs().amax(-1, keepdim=True) / 127   # the largest |q| is 127: d = max / 127, exactly
     if not (torch.isfinite(d).all() and torch.equal(d.half().float(), d)):
         return None
-    q = torch.where(d > 0, b / torch.where(d > 0, d, 1), 0).round().clamp(-127, 127).to(torch.int8)
-    if not _same_bits(d * q.float(), b).all():   # (the integers' products: -0.0 is not among them)
+    # (d = 0: llama.cpp's blocks of values too small for a float16 scale hold 0 * q, -0.0 for q < 0.)
+    zero_q = torch.where(b.signbit(), -1.0, 0.0)
+    q = torch.where(d > 0, b / torch.where(d > 0, d, 1), zero_q).round().clamp(-127, 127).to(torch.int8)
+    if not _same_bits(d * q.float(), b).all():
         return None
     return torch.cat([_bytes(d), _bytes(q)], -1)
 

@@ -41,7 +41,7 @@ def handles(x: torch.Tensor, weight: torch.Tensor | BlockWeight) -> bool:
             or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):   # (no backward)
         return False
     if isinstance(weight, BlockWeight):
-        return x.dtype == torch.float32
+        return x.dtype == torch.float32 and available()
     if x.dtype == weight.dtype:
         return keeps_plain(weight)
     return x.dtype == torch.float32 and weight.dtype in narrow_dtypes() and _plain(weight)

@@ -39,7 +39,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | BlockWeight, bias: torch.Tens
     if isinstance(weight, BlockWeight):
         if cpu_linear.handles(x, weight):
             return cpu_linear.linear(x, weight, bias)
-        weight = weight.dequantize().to(x.dtype)   # exactly the float32 weight (autograd, other dtypes)
+        weight = weight.dequantize()   # exactly the float32 weight (autograd; other dtypes fail as they would)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if gemv.eligible(x, weight):
