@@ -49,8 +49,10 @@ def _layout(md: AttentionMetadata, sliding_window: int | None) -> _Layout:
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V ([T, KVH, D]) at their slots of the [blocks, block_size, KVH, D] caches."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k.dtype != k_cache.dtype:   # (a cache in another dtype; the check costs less than a no-op .to())
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
 # On CPU, query lengths up to this (decode, verification of drafts, the draft's catch-up) use
