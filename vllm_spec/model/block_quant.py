@@ -1,24 +1,25 @@
-"""Float32 weights that are exactly the values of llama.cpp's Q4_1 or Q8_0 blocks, held as those blocks.
+"""Float32 weights that are exactly the values of llama.cpp's Q4_0, Q4_1 or Q8_0 blocks, held as blocks.
 
 A GGUF checkpoint's quantized tensors are dequantized on load (gguf_loader), and a float32 model keeps
-the float32 values: 4 bytes a weight, where the file spent 0.625 (Q4_1) or 1.06 (Q8_0). CPU decoding
+the float32 values: 4 bytes a weight, where the file spent 0.56-0.63 (Q4_0, Q4_1) or 1.06 (Q8_0). CPU decoding
 reads every weight once per step, so on the CPU kernel (cpu_linear) such a weight is held as 32-column
 blocks again: `find` recovers each block's scale d (and minimum m) and integers q from the float32
-values and keeps them only where d q (+ m) gives back every value bit for bit. The kernel widens the
+values and keeps them only where d q (+ m) gives back every value exactly. The kernel widens the
 blocks in registers to those same float32 values, so the products are exactly the float32 model's,
 from a fifth (Q4_1) or a third (Q8_0) of the bytes. Nothing here depends on where the values came from:
 weights that are not such blocks are left as they are.
 
 Block layouts (little-endian, rows of K // 32 blocks, what csrc/cpu/rows_linear.cpp reads):
 Q4_1: float32 d, float32 m, 16 bytes with q[j] in byte j's low nibble and q[j + 16] in its high nibble,
-w = d q + m, q in 0..15. Q8_0: float32 d, 32 int8 q, w = d q. d is always a float16 value (as in the
-file), so d q is exact and the kernel's one rounding of d q + m equals torch's two.
+w = d q + m, q in 0..15 (Q4_0's w = d (q - 8) too, as m = -8 d: its blocks are held in this layout,
+block by block alongside Q4_1's). Q8_0: float32 d, 32 int8 q, w = d q. d is always a float16 value (as
+in the file), so d q is exact and the kernel's one rounding of d q + m equals torch's two.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -42,7 +43,7 @@ class BlockWeight:
     requires_grad = False   # (a detached copy, as every packed weight)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight, bit for bit."""
+        """The float32 weight (a zero may come back as -0.0 or 0.0: see _same_values)."""
         n, k = self.shape
         b = self.blocks.view(n, k // BLOCK, BLOCK_BYTES[self.format])
         d = b[..., 0:4].contiguous().view(torch.float32)
@@ -74,9 +75,11 @@ def find(weight: torch.Tensor) -> BlockWeight | None:
     return None
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # (== would take -0.0 for 0.0, and the kernel's sums start from the blocks' bits.)
-    return a.view(torch.int32) == b.view(torch.int32)
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # Equal values, NaN never: a zero's sign cannot reach the products' sums (they start from +0.0, and
+    # s + (-0.0) = s + 0.0 for every s), and Q4_0's d (q - 8) gives -0.0 where d < 0 that the Q4_1
+    # layout's d q + m gives as 0.0.
+    return a == b
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -84,22 +87,32 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_q4_1(b: torch.Tensor) -> torch.Tensor | None:
-    """b [rows, blocks, 32] -> uint8 [rows, blocks, 24], or None where some block is not Q4_1."""
-    m = b.amin(-1, keepdim=True)
-    # d is a float16 value near (max - m) / 15 (the maximum is q = 15): within a few float16 steps where
-    # |m| >> d, as max = 15 d + m was rounded to float32. Candidates from the nearest outwards.
-    nearest = ((b.amax(-1, keepdim=True) - m) / 15).half().view(torch.int16).int()
+    """b [rows, blocks, 32] -> uint8 [rows, blocks, 24], or None where some block is not Q4_1 (or Q4_0)."""
     found = torch.zeros(b.shape[:-1], dtype=torch.bool)
-    d_of, q_of = torch.zeros_like(m), torch.zeros(b.shape, dtype=torch.uint8)
-    for step in (0, *(s for i in range(1, _D_STEPS + 1) for s in (i, -i))):
-        d = (nearest + step).clamp(0, _HALF_MAX_BITS).short().view(torch.half).float()
-        q = torch.where(d > 0, (b - m) / torch.where(d > 0, d, 1), 0).round().clamp(0, 15).to(torch.uint8)
-        ok = _same_bits(d * q.float() + m, b).all(-1) & ~found
-        d_of[ok], q_of[ok] = d[ok], q[ok]
+    d_of, m_of = torch.zeros(*b.shape[:-1], 1), torch.zeros(*b.shape[:-1], 1)
+    q_of = torch.zeros(b.shape, dtype=torch.uint8)
+    for d, m in _q4_scales(b):
+        q = torch.where(d != 0, (b - m) / torch.where(d != 0, d, 1), 0).round().clamp(0, 15).to(torch.uint8)
+        # (d a float16 value: d q is exact, so the kernel's fused d q + m rounds as this one does)
+        ok = _same_values(d * q.float() + m, b).all(-1) & (d.half().float() == d).squeeze(-1) & ~found
+        d_of[ok], m_of[ok], q_of[ok] = d[ok], m[ok], q[ok]
         found |= ok
         if found.all():
-            return torch.cat([_bytes(d_of), _bytes(m), q_of[..., :16] | (q_of[..., 16:] << 4)], -1)
+            return torch.cat([_bytes(d_of), _bytes(m_of), q_of[..., :16] | (q_of[..., 16:] << 4)], -1)
     return None
+
+
+def _q4_scales(b: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Candidate (d, m) per block, the likeliest first."""
+    # Q4_0: w = d (q - 8), the element of largest magnitude at q = 0 (d = -it / 8, of either sign).
+    extreme = b.gather(-1, b.abs().argmax(-1, keepdim=True))
+    yield -extreme / 8, extreme
+    # Q4_1: m the minimum (q = 0), d a float16 value near (max - m) / 15 (the maximum is q = 15): within a
+    # few float16 steps where |m| >> d, as max = 15 d + m was rounded to float32. The nearest first.
+    m = b.amin(-1, keepdim=True)
+    nearest = ((b.amax(-1, keepdim=True) - m) / 15).half().view(torch.int16).int()
+    for step in (0, *(s for i in range(1, _D_STEPS + 1) for s in (i, -i))):
+        yield (nearest + step).clamp(0, _HALF_MAX_BITS).short().view(torch.half).float(), m
 
 
 def _encode_q8_0(b: torch.Tensor) -> torch.Tensor | None:
@@ -107,10 +120,8 @@ def _encode_q8_0(b: torch.Tensor) -> torch.Tensor | None:
     d = b.abs().amax(-1, keepdim=True) / 127   # the largest |q| is 127: d = max / 127, exactly
     if not (torch.isfinite(d).all() and torch.equal(d.half().float(), d)):
         return None
-    # (d = 0: llama.cpp's blocks of values too small for a float16 scale hold 0 * q, -0.0 for q < 0.)
-    zero_q = torch.where(b.signbit(), -1.0, 0.0)
-    q = torch.where(d > 0, b / torch.where(d > 0, d, 1), zero_q).round().clamp(-127, 127).to(torch.int8)
-    if not _same_bits(d * q.float(), b).all():
+    q = torch.where(d > 0, b / torch.where(d > 0, d, 1), 0).round().clamp(-127, 127).to(torch.int8)
+    if not _same_values(d * q.float(), b).all():
         return None
     return torch.cat([_bytes(d), _bytes(q)], -1)
 
