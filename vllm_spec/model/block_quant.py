@@ -104,15 +104,21 @@ def _encode_q4_1(b: torch.Tensor) -> torch.Tensor | None:
 
 def _q4_scales(b: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Candidate (d, m) per block, the likeliest first."""
+    # Q4_1: m the minimum (q = 0), d a float16 value near (max - m) / 15 (the maximum is q = 15): within a
+    # few float16 steps where |m| >> d, as max = 15 d + m was rounded to float32.
+    m = b.amin(-1, keepdim=True)
+    nearest = ((b.amax(-1, keepdim=True) - m) / 15).half().view(torch.int16).int()
+
+    def q4_1(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (nearest + step).clamp(0, _HALF_MAX_BITS).short().view(torch.half).float(), m
+
+    yield q4_1(0)
     # Q4_0: w = d (q - 8), the element of largest magnitude at q = 0 (d = -it / 8, of either sign).
     extreme = b.gather(-1, b.abs().argmax(-1, keepdim=True))
     yield -extreme / 8, extreme
-    # Q4_1: m the minimum (q = 0), d a float16 value near (max - m) / 15 (the maximum is q = 15): within a
-    # few float16 steps where |m| >> d, as max = 15 d + m was rounded to float32. The nearest first.
-    m = b.amin(-1, keepdim=True)
-    nearest = ((b.amax(-1, keepdim=True) - m) / 15).half().view(torch.int16).int()
-    for step in (0, *(s for i in range(1, _D_STEPS + 1) for s in (i, -i))):
-        yield (nearest + step).clamp(0, _HALF_MAX_BITS).short().view(torch.half).float(), m
+    for i in range(1, _D_STEPS + 1):
+        yield q4_1(i)
+        yield q4_1(-i)
 
 
 def _encode_q8_0(b: torch.Tensor) -> torch.Tensor | None:
