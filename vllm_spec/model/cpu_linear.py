@@ -4,7 +4,7 @@ rounded once, as torch's), where torch's own bf16 matmul was 6x slower than floa
 
 A float32 model's weights that bfloat16 or float16 holds exactly (a half-precision checkpoint run in
 float32, as most HF checkpoints and the shipped draft are) are stored in that type, and those that are
-exactly Q4_1 or Q8_0 blocks (a GGUF checkpoint's quantized tensors, dequantized) as those blocks
+exactly Q4_0, Q4_1 or Q8_0 values (a GGUF checkpoint's quantized tensors, dequantized) as blocks
 (`narrowed`, block_quant): the kernel widens them exactly, so the products are bit-for-bit the float32
 ones, from a half to a fifth of the bytes.
 
