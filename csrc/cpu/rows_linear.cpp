@@ -42,8 +42,8 @@ constexpr int kPrefetchTiles = 3;   // how far ahead the first pass prefetches (
 constexpr int64_t kRowsPerSweep = 256;
 
 // A weight matrix as the kernel reads it: kVectors x 8 float32 lanes of row r from column k (a multiple of
-// 8 kVectors), one column, the rows from r on, and an address to prefetch every kLineElems columns (one
-// 64-byte line).
+// 8 kVectors), the rows from r on, an address to prefetch every kLineElems columns (one 64-byte line),
+// and for dense weights one column (the k tail).
 template <typename W>
 struct Dense {   // float32, bfloat16 or float16 elements, ld per row
   static constexpr int64_t kLineElems = 64 / sizeof(W);
@@ -76,6 +76,15 @@ struct Blocks {
     std::memcpy(&v, b + at, sizeof v);
     return v;
   }
+  // Row r's K columns into out, a block at a time (the format's widen_block: one load of its bytes for
+  // four vectors); prefetching the row in `ahead` if given.
+  void widen_row(int64_t r, int64_t K, float* out, const Self* ahead) const {
+    for (int64_t k = 0; k < K; k += 32) {
+      if (ahead && k % Self::kLineElems == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead->block(r, k)), _MM_HINT_T0);
+      Self::widen_block(block(r, k), out + k);
+    }
+  }
 };
 
 struct Q4_1Blocks : Blocks<Q4_1Blocks, 24> {   // d, m, then q[j] in byte j's low nibble, q[j + 16] in its high one
@@ -90,25 +99,14 @@ struct Q4_1Blocks : Blocks<Q4_1Blocks, 24> {   // d, m, then q[j] in byte j's lo
     out[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), m);
     out[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), m);
   }
-  // Row r's K columns into out, a block (four vectors) at a time; prefetching the row in `ahead` if given.
-  void widen_row(int64_t r, int64_t K, float* out, const Q4_1Blocks* ahead) const {
+  static void widen_block(const uint8_t* b, float* out) {
     const __m128i low4 = _mm_set1_epi8(0x0F);
-    for (int64_t k = 0; k < K; k += 32) {
-      const uint8_t* b = block(r, k);
-      if (ahead && k % kLineElems == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead->block(r, k)), _MM_HINT_T0);
-      const __m256 d = _mm256_set1_ps(scalar(b, 0)), m = _mm256_set1_ps(scalar(b, 4));
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8));
-      const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-      const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-      for (int c = 0; c < 4; ++c)
-        _mm256_storeu_ps(out + k + 8 * c, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[c])), m));
-    }
-  }
-  float at(int64_t r, int64_t k) const {
-    const uint8_t* b = block(r, k);
-    const int c = static_cast<int>(k & 31);
-    const int byte = b[8 + (c & 15)];
-    return scalar(b, 0) * static_cast<float>(c < 16 ? byte & 15 : byte >> 4) + scalar(b, 4);
+    const __m256 d = _mm256_set1_ps(scalar(b, 0)), m = _mm256_set1_ps(scalar(b, 4));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8));
+    const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int c = 0; c < 4; ++c)
+      _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[c])), m));
   }
 };
 
@@ -121,20 +119,12 @@ struct Q8_0Blocks : Blocks<Q8_0Blocks, 36> {   // d, then q[0..31] as int8
     out[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
     out[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))));
   }
-  void widen_row(int64_t r, int64_t K, float* out, const Q8_0Blocks* ahead) const {   // as Q4_1Blocks'
-    for (int64_t k = 0; k < K; k += 32) {
-      const uint8_t* b = block(r, k);
-      if (ahead && k % kLineElems == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead->block(r, k)), _MM_HINT_T0);
-      const __m256 d = _mm256_set1_ps(scalar(b, 0));
-      for (int c = 0; c < 4; ++c) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 4 + 8 * c));
-        _mm256_storeu_ps(out + k + 8 * c, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))));
-      }
+  static void widen_block(const uint8_t* b, float* out) {
+    const __m256 d = _mm256_set1_ps(scalar(b, 0));
+    for (int c = 0; c < 4; ++c) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 4 + 8 * c));
+      _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))));
     }
-  }
-  float at(int64_t r, int64_t k) const {
-    const uint8_t* b = block(r, k);
-    return scalar(b, 0) * static_cast<float>(static_cast<int8_t>(b[4 + (k & 31)]));
   }
 };
 
@@ -168,7 +158,8 @@ void tile(const float* x, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch)
         __m256 wv[V];
         w.load(r, k, wv);
         for (int v = 0; v < V; ++v)
-          for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_fmadd_ps(wv[v], _mm256_loadu_ps(x + m * K + k + 8 * v), acc[r][m]);
+          for (int m = 0; m < MC; ++m)
+            acc[r][m] = _mm256_fmadd_ps(wv[v], _mm256_loadu_ps(x + m * K + k + 8 * v), acc[r][m]);
       }
     } else {
       __m256 wv[R][V];
@@ -183,7 +174,8 @@ void tile(const float* x, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch)
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MC; ++m) {
       float s = lane_sum(acc[r][m]);
-      for (int64_t t = k; t < K; ++t) s += w.at(r, t) * x[m * K + t];
+      if constexpr (Wt::kVectors == 1)   // (blocks: K is a multiple of 32, no tail)
+        for (int64_t t = k; t < K; ++t) s += w.at(r, t) * x[m * K + t];
       y[m * ldy + r] = s;
     }
 }
