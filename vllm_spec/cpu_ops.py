@@ -39,11 +39,19 @@ def available() -> bool:
 
 
 def module() -> ModuleType:
-    """The built extension (rows_linear, paged_attention; csrc/cpu/module.cpp)."""
+    """The built extension (its ops: csrc/cpu/module.cpp)."""
     built = _build()
     if built is None:
         raise RuntimeError("the CPU kernels are not available here")
     return built
+
+
+def contiguous_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous tensor of dtype for the ops: t itself where it is one (a no-op .to() or
+    .contiguous() costs more than these checks, and the CPU path makes a few hundred such calls a step)."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def cache_clear() -> None:

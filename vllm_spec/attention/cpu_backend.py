@@ -40,12 +40,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if is_long.all():
             return torch_backend.paged_attention(q, k_cache, v_cache, md, scale, sliding_window)
         long_rows = torch.repeat_interleave(is_long, lengths, output_size=q.shape[0])
-    # (Checks before converting: each no-op .to() costs more than the check, 30 layers a step.)
-    meta = [t if t.dtype == torch.long and t.is_contiguous() else t.long().contiguous()
-            for t in (md.block_tables, md.seq_lens, md.query_start_loc)]
-    rows = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
-    out = cpu_ops.module().paged_attention(rows, k_cache, v_cache, *meta, scale, sliding_window or 0,
-                                           torch_backend.SHORT_QUERY)
+    meta = [cpu_ops.contiguous_as(t, torch.long) for t in (md.block_tables, md.seq_lens, md.query_start_loc)]
+    out = cpu_ops.module().paged_attention(cpu_ops.contiguous_as(q, torch.float32), k_cache, v_cache, *meta, scale,
+                                           sliding_window or 0, torch_backend.SHORT_QUERY)
     if q.dtype != torch.float32:
         out = out.to(q.dtype)
     if long_rows is not None:   # (the kernel left them 0)

@@ -56,7 +56,8 @@ class BlockWeight:
 
 
 def find(weight: torch.Tensor) -> BlockWeight | None:
-    """The weight as Q4_1 blocks, else Q8_0 blocks, where they hold every value exactly; else None."""
+    """The weight in the Q4_1 layout (Q4_1 / Q4_0 values), else as Q8_0 blocks, where they hold every value
+    exactly; else None."""
     if (weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK
             or weight.shape[0] == 0 or weight.device.type != "cpu"):
         return None

@@ -117,11 +117,7 @@ def kernel() -> ModuleType:
 
 def linear(x: torch.Tensor, weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) for x [..., K], W [N, K]; only where handles(x, weight)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if x.dtype != torch.float32:   # (the checks here cost less than a no-op .to(): ~130 calls a step)
-        rows = rows.float()
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
+    rows = cpu_ops.contiguous_as(x.reshape(-1, x.shape[-1]), torch.float32)
     if isinstance(weight, BlockWeight):
         y = kernel().rows_linear_blocks(rows, weight.blocks, weight.format)
     else:
