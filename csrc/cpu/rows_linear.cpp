@@ -35,7 +35,6 @@ using vllm_spec_cpu::widen;
 
 constexpr int kTileRows = 4;        // weight rows per tile
 constexpr int kHeldRows = 6;        // rows per pass with the weights held (see tile)
-constexpr int64_t kHeldMaxRows = 18;   // up to here, passes of kHeldRows (see rows)
 constexpr int kPrefetchTiles = 3;   // how far ahead the first pass prefetches (measured: 1-4 alike, 0 slower)
 // Activation rows per sweep over the weights: every tile re-reads them, so they must stay in L2 (2048
 // rows at once took 1.5-2x torch's time; the weights' extra sweeps cost little where rows are many).
@@ -191,37 +190,30 @@ void rows_in_one_pass(const float* x, Wt w, int64_t K, float* y, int64_t ldy, bo
   }
 }
 
-// All M activation rows against R weight rows: up to 3 in one pass of tile; up to kHeldMaxRows in passes
-// of up to 6 with the weights held (fewer passes over the tile); more in passes of 3 (the arithmetic
-// bounds many rows, and tile's does more per load: 64 rows of gate_up took 95 ms that way, 106 held).
-// Only the first pass prefetches (the later ones read the tile's weights from cache).
+// Passes of 3 rows with the inputs held (tile's 4 x 3 sums read each x vector from L2 once per 4 weight
+// rows, where 2 x 6 with the weights held reads it once per 2: 16 rows of gate_up took 1.45x the time
+// that way); a remainder of one row is taken as 2 + 2 (a 1-row pass keeps 4 sums in flight, too few for
+// the FMA units: 83% of a 3-row pass's time). Only the first pass prefetches.
+template <typename Wt, int R>
+void passes_of_three(const float* x, int64_t M, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch) {
+  const int64_t threes = M % 3 == 1 ? (M - 4) / 3 : M / 3;
+  int64_t m = 0;
+  for (; m < 3 * threes; m += 3) tile<Wt, R, 3, true>(x + m * K, w, K, y + m * ldy, ldy, prefetch && m == 0);
+  for (; m < M; m += 2) tile<Wt, R, 2, true>(x + m * K, w, K, y + m * ldy, ldy, prefetch && m == 0);
+}
+
+// All M activation rows against R weight rows: up to 3 in one pass of tile; up to kHeldRows in one pass
+// with the weights held (one read of the weights from memory); more in passes of 3 (passes_of_three).
 template <typename Wt, int R>
 void rows(const float* x, int64_t M, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch) {
   switch (M) {
     case 1: return tile<Wt, R, 1, true>(x, w, K, y, ldy, prefetch);
     case 2: return tile<Wt, R, 2, true>(x, w, K, y, ldy, prefetch);
     case 3: return tile<Wt, R, 3, true>(x, w, K, y, ldy, prefetch);
-    default: break;
-  }
-  if (M > kHeldMaxRows) {
-    int64_t m = 0;
-    for (; m + 3 <= M; m += 3) tile<Wt, R, 3, true>(x + m * K, w, K, y + m * ldy, ldy, prefetch && m == 0);
-    if (M - m == 2) tile<Wt, R, 2, true>(x + m * K, w, K, y + m * ldy, ldy, false);
-    else if (M - m == 1) tile<Wt, R, 1, true>(x + m * K, w, K, y + m * ldy, ldy, false);
-    return;
-  }
-  for (int64_t m = 0; m < M; m += kHeldRows) {
-    const float* xm = x + m * K;
-    float* ym = y + m * ldy;
-    const bool first = prefetch && m == 0;
-    switch (std::min<int64_t>(kHeldRows, M - m)) {
-      case 6: rows_in_one_pass<Wt, R, 6>(xm, w, K, ym, ldy, first); break;
-      case 5: rows_in_one_pass<Wt, R, 5>(xm, w, K, ym, ldy, first); break;
-      case 4: rows_in_one_pass<Wt, R, 4>(xm, w, K, ym, ldy, first); break;
-      case 3: rows_in_one_pass<Wt, R, 3>(xm, w, K, ym, ldy, first); break;
-      case 2: rows_in_one_pass<Wt, R, 2>(xm, w, K, ym, ldy, first); break;
-      default: rows_in_one_pass<Wt, R, 1>(xm, w, K, ym, ldy, first); break;
-    }
+    case 4: return rows_in_one_pass<Wt, R, 4>(x, w, K, y, ldy, prefetch);
+    case 5: return rows_in_one_pass<Wt, R, 5>(x, w, K, y, ldy, prefetch);
+    case 6: return rows_in_one_pass<Wt, R, 6>(x, w, K, y, ldy, prefetch);
+    default: return passes_of_three<Wt, R>(x, M, w, K, y, ldy, prefetch);
   }
 }
 
