@@ -15,4 +15,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(RMSNorm(x + residual) * weight, x + residual) for rows of float32/bfloat16, rounded as torch's ops");
   m.def("silu_mul", &silu_mul, release(), "silu(gate) * up for rows [gate | up] of float32/bfloat16");
   m.def("rotary", &rotary, release(), "q, k [T, heads, D] rotated (rotate-half layout) by cos/sin [T, D]");
+  bind_decoder(m);
 }

@@ -24,6 +24,7 @@ from vllm_spec.model.layers import (
     pack_for_cpu,
 )
 from vllm_spec.model.block_quant import BlockWeight
+from vllm_spec.model.cpu_decoder import CpuDecoder
 from vllm_spec.model.rotary import RotaryEmbedding
 
 # Checkpoint sub-name -> (our fused parameter, shard id).
@@ -116,6 +117,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.output_ids: torch.Tensor | None = None     # see restrict_output_vocab
         self.output_weight: torch.Tensor | BlockWeight | None = None
+        self.cpu_decoder: CpuDecoder | None = None   # see pack_for_cpu
         self.rope = RotaryEmbedding(cfg.head_dim, max(max_positions, cfg.max_position_embeddings),
                                     cfg.rope_theta, cfg.rope_scaling)
 
@@ -125,9 +127,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, md)
+        done = self.cpu_decoder.forward(x, cos, sin, md) if self.cpu_decoder is not None else None
+        if done is not None:
+            x, residual = done
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, cos, sin, md)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -148,12 +154,14 @@ class LlamaForCausalLM(nn.Module):
         self.output_weight = self.lm_head.weight.detach()[self.output_ids].clone()
 
     def pack_for_cpu(self) -> None:
-        """Keep every matmul weight packed for the CPU's oneDNN (see layers.pack_for_cpu)."""
+        """Keep every matmul weight packed for the CPU (see layers.pack_for_cpu); short query blocks then
+        run the layers in one C++ call where they can (cpu_decoder)."""
         for module in self.modules():
             if isinstance(module, LinearBase):
                 module.pack_for_cpu()
         if self.output_weight is not None:
             self.output_weight = pack_for_cpu(self.output_weight)
+        self.cpu_decoder = CpuDecoder.build(list(self.layers))
 
     def token_ids_of(self, columns: torch.Tensor) -> torch.Tensor:
         """Token ids of logit columns (the identity without a restricted vocabulary)."""

@@ -1,0 +1,117 @@
+// The decoder layers of a short-query step (decode, verification of drafts, the draft's catch-up) in one
+// call: vllm_spec/model/cpu_decoder.py builds a Decoder from a model's layers and runs it in place of the
+// Python loop over them. Each layer is the ops the Python layers call, in their order and with their
+// rounding (the same functions: add_rms_norm, rows_linear, rotary, paged_attention, silu_mul), so the
+// bits are those of the Python path; what goes is the Python between the ops (at batch 1 on 2 cores,
+// 6.6 ms of a 17 ms step for the default model's 30 layers against about 1 ms in the ops).
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+// One projection as vllm_spec.model.layers.linear runs it on the CPU kernel: float32 rows times a dense
+// (float32 / bfloat16 / float16) weight or a BlockWeight's blocks, then the bias. A column-parallel
+// layer adds its bias to the float32 product (cpu_linear.linear), a row-parallel one after the product
+// is in the model's dtype (RowParallelLinear._reduce): bias_after.
+struct Projection {
+  torch::Tensor weight;   // [N, K], or uint8 blocks [N, bytes] with format
+  std::string format;     // "" (dense), "q4_1" or "q8_0"
+  std::optional<torch::Tensor> bias;
+  bool bias_after = false;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    const torch::Tensor rows = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+    torch::Tensor y = format.empty() ? rows_linear(rows, weight) : rows_linear_blocks(rows, weight, format);
+    if (bias && !bias_after) y.add_(*bias);
+    if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+    return bias && bias_after ? y + *bias : y;
+  }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;
+  double eps;
+  Projection qkv, o, gate_up, down;
+  int64_t heads, kv_heads, head_dim;
+  double scale;
+  int64_t window;   // 0: none
+};
+
+// Layer by layer: (x, residual) in, (x, residual) out, the K/V of the step's tokens written into each
+// layer's cache at slot_mapping first (attention/torch_backend.write_kv_cache's copy).
+class Decoder {
+ public:
+  void add_layer(Layer layer) { layers_.push_back(std::move(layer)); }
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+  std::pair<torch::Tensor, torch::Tensor> forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                                  const std::vector<torch::Tensor>& k_caches,
+                                                  const std::vector<torch::Tensor>& v_caches,
+                                                  const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                                                  const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
+                                                  int64_t max_q_len) const {
+    TORCH_CHECK(size() > 0 && static_cast<int64_t>(k_caches.size()) == size()
+                    && static_cast<int64_t>(v_caches.size()) == size(),
+                "Decoder.forward: layers, and one K and one V cache per layer");
+    const int64_t T = x.size(0);
+    std::optional<torch::Tensor> residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& L = layers_[i];
+      const int64_t q_size = L.heads * L.head_dim, kv_size = L.kv_heads * L.head_dim;
+      auto [h, res] = add_rms_norm(x, residual, L.input_norm, L.eps);
+      const torch::Tensor qkv = L.qkv(h);
+      auto [q, k] = rotary(qkv.narrow(1, 0, q_size).view({T, L.heads, L.head_dim}),
+                           qkv.narrow(1, q_size, kv_size).view({T, L.kv_heads, L.head_dim}), cos, sin);
+      const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, L.kv_heads, L.head_dim});
+      write_kv(k, v, k_caches[i], v_caches[i], slot_mapping);
+      const torch::Tensor q32 = q.scalar_type() == at::kFloat ? q : q.to(at::kFloat);
+      torch::Tensor attn = paged_attention(q32, k_caches[i], v_caches[i], block_tables, seq_lens, query_start_loc,
+                                           L.scale, L.window, max_q_len);
+      if (attn.scalar_type() != x.scalar_type()) attn = attn.to(x.scalar_type());
+      x = L.o(attn.view({T, q_size}));
+      auto [h2, res2] = add_rms_norm(x, res, L.post_norm, L.eps);
+      x = L.down(silu_mul(L.gate_up(h2)));
+      residual = res2;
+    }
+    return {x, *residual};
+  }
+
+ private:
+  static void write_kv(torch::Tensor k, torch::Tensor v, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& slots) {
+    if (k.scalar_type() != k_cache.scalar_type()) {
+      k = k.to(k_cache.scalar_type());
+      v = v.to(v_cache.scalar_type());
+    }
+    k_cache.view({-1, k.size(1), k.size(2)}).index_copy_(0, slots, k);
+    v_cache.view({-1, v.size(1), v.size(2)}).index_copy_(0, slots, v);
+  }
+
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void bind_decoder(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<Projection>(m, "Projection", "one projection's weight (dense, or blocks of a format) and bias")
+      .def(py::init<torch::Tensor, std::string, std::optional<torch::Tensor>, bool>(), py::arg("weight"),
+           py::arg("format"), py::arg("bias"), py::arg("bias_after"));
+  py::class_<Layer>(m, "Layer", "one decoder layer's norms, projections and attention shape")
+      .def(py::init<torch::Tensor, torch::Tensor, double, Projection, Projection, Projection, Projection, int64_t,
+                    int64_t, int64_t, double, int64_t>(),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("scale"), py::arg("window"));
+  py::class_<Decoder>(m, "Decoder", "decoder layers run in one call for short query blocks")
+      .def(py::init<>())
+      .def("add_layer", &Decoder::add_layer)
+      .def("__len__", &Decoder::size)
+      .def("forward", &Decoder::forward, py::call_guard<py::gil_scoped_release>(),
+           "(x, residual) after every layer, for x [T, hidden] and the step's metadata");
+}

@@ -1,0 +1,97 @@
+"""A model's decoder layers in one C++ call for short query blocks on the CPU (csrc/cpu/decoder.cpp).
+
+A decode step of a small model on the CPU spent more time in Python between the ops than in most of the
+ops (the default model at batch 1: 6.6 ms of a 17 ms step outside the matmuls). Steps whose query blocks
+are all short (decode, verification of drafts, the draft's catch-up: the C++ attention's) run the layers
+in C++ instead. Its layers call the ops the Python layers call, in their order, so the bits are the same;
+prompt chunks (torch's attention), tensor parallelism, a forced attention backend and weights the CPU
+kernel does not take keep the Python layers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_spec import cpu_ops
+from vllm_spec.attention import cpu_backend, torch_backend
+from vllm_spec.attention.metadata import AttentionMetadata
+from vllm_spec.model import cpu_linear
+from vllm_spec.model.block_quant import BlockWeight
+from vllm_spec.model.layers import LinearBase
+
+if TYPE_CHECKING:
+    from vllm_spec.attention import Attention
+    from vllm_spec.model.llama import LlamaDecoderLayer
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class CpuDecoder:
+    """A model's layers as a C++ Decoder (made after pack_for_cpu: it holds the weights the layers multiply
+    by) and their attention modules (whose caches the worker binds later)."""
+
+    def __init__(self, decoder, attentions: list[Attention], head_dim: int):
+        self.decoder, self.attentions, self.head_dim = decoder, attentions, head_dim
+
+    @classmethod
+    def build(cls, layers: list[LlamaDecoderLayer]) -> CpuDecoder | None:
+        """None where one of the layers cannot run there."""
+        if not layers or not cpu_ops.available():
+            return None
+        dtype = layers[0].input_layernorm.weight.dtype
+        if dtype not in _DTYPES:
+            return None
+        ext = cpu_ops.module()
+        decoder = ext.Decoder()
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if (attn.head_dim != layers[0].self_attn.head_dim or attn.head_dim % 2
+                    or any(m.tp.world_size > 1 for m in linears)
+                    or any(n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms)
+                    or norms[0].eps != norms[1].eps):
+                return None
+            projections = [_projection(ext, m, dtype, bias_after=m in (attn.o_proj, mlp.down_proj)) for m in linears]
+            if None in projections:
+                return None
+            decoder.add_layer(ext.Layer(norms[0].weight, norms[1].weight, norms[0].eps, *projections,
+                                        attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale,
+                                        attn.attn.sliding_window or 0))
+        return cls(decoder, [layer.self_attn.attn for layer in layers], layers[0].self_attn.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x, residual) after every layer, or None where this step is not the decoder's (the caller runs
+        the Python layers)."""
+        if (md.max_query_len > torch_backend.SHORT_QUERY or x.dim() != 2 or x.device.type != "cpu"
+                or x.dtype not in _DTYPES or cos.dtype != x.dtype or cos.shape != (x.shape[0], self.head_dim)
+                or not (cos.is_contiguous() and sin.is_contiguous()) or x.requires_grad and torch.is_grad_enabled()):
+            return None
+        k_caches, v_caches = [], []
+        for attn in self.attentions:
+            k, v = attn.k_cache, attn.v_cache
+            # (the caches cpu_backend takes; in another dtype than the queries', torch_backend's)
+            if (attn.backend is not None and attn.backend is not cpu_backend or k.dtype != x.dtype
+                    or v.dtype != x.dtype or k.dim() != 4 or not (k.is_contiguous() and v.is_contiguous())):
+                return None
+            k_caches.append(k)
+            v_caches.append(v)
+        meta = [cpu_ops.contiguous_as(t, torch.long) for t in (md.slot_mapping, md.block_tables, md.seq_lens,
+                                                                md.query_start_loc)]
+        return self.decoder.forward(cpu_ops.contiguous_as(x, x.dtype), cos, sin, k_caches, v_caches, *meta,
+                                    torch_backend.SHORT_QUERY)
+
+
+def _projection(ext, module: LinearBase, dtype: torch.dtype, bias_after: bool):
+    weight = module.weight if module.packed is None else module.packed
+    if not cpu_linear.handles(torch.empty(0, weight.shape[-1], dtype=dtype), weight):
+        return None
+    bias = module.bias
+    if bias is not None and bias.dtype != dtype:
+        return None
+    if isinstance(weight, BlockWeight):
+        return ext.Projection(weight.blocks, weight.format, bias, bias_after)
+    return ext.Projection(weight, "", bias, bias_after)
