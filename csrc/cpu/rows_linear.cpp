@@ -34,6 +34,7 @@ using vllm_spec_cpu::lane_sum;
 using vllm_spec_cpu::widen;
 
 constexpr int kTileRows = 4;        // weight rows per tile
+constexpr int kPanelRows = 12;      // widened weight rows per panel (see panel_widened)
 constexpr int kHeldRows = 6;        // rows per pass with the weights held (see tile)
 constexpr int kPrefetchTiles = 3;   // how far ahead the first pass prefetches (measured: 1-4 alike, 0 slower)
 // Activation rows per sweep over the weights: every tile re-reads them, so they must stay in L2 (2048
@@ -217,9 +218,9 @@ void rows(const float* x, int64_t M, Wt w, int64_t K, float* y, int64_t ldy, boo
   }
 }
 
-// Many activation rows against a tile of blocks: its weights widened once into a float32 buffer that the
-// passes then read from L1/L2 (widening in every pass made 16 rows 1.3x float32 weights' time; the
-// values are the same, and so are the sums).
+// Many activation rows against a tile of blocks (a panel's last rows): its weights widened once into a
+// float32 buffer that the passes then read from L1/L2 (widening in every pass made 16 rows 1.3x float32
+// weights' time; the values are the same, and so are the sums).
 template <typename Wt, int R>
 void rows_widened(const float* x, int64_t M, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch) {
   thread_local std::vector<float> buffer;
@@ -227,6 +228,43 @@ void rows_widened(const float* x, int64_t M, Wt w, int64_t K, float* y, int64_t 
   const Wt ahead = w.rows_from(prefetch ? static_cast<int64_t>(kPrefetchTiles) * kTileRows : 0);
   for (int r = 0; r < R; ++r) w.widen_row(r, K, buffer.data() + r * K, prefetch ? &ahead : nullptr);
   rows<Dense<float>, R>(x, M, Dense<float>{buffer.data(), K}, K, y, ldy, false);
+}
+
+// Blocks against more than kHeldRows rows: kPanelRows weight rows widened once into a float32 buffer,
+// then every group of its rows against every pass of activation rows in tiles of 12 sums, 4 weight rows x 3
+// activation rows (inputs held) or 3 x 4 (weights held), M = 3 t + 4 f: no pass of fewer rows, whose
+// few sums in flight leave the FMA units idle (16 rows as 3, 3, 3, 3, 2, 2 over 4-row tiles: 36.4 ms a
+// step of the default model's products, as 3, 3, 3, 3, 4 over 12-row panels 32.0-32.4; 8 rows 22.3 ->
+// 19.5). Passes outside, groups inside: a pass's rows stay in L1 for the panel's groups.
+template <typename Wt>
+void panel_widened(const float* x, int64_t M, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(kPanelRows * K));
+  const Wt ahead = w.rows_from(prefetch ? kPanelRows : 0);
+  for (int r = 0; r < kPanelRows; ++r) w.widen_row(r, K, buffer.data() + r * K, prefetch ? &ahead : nullptr);
+  const Dense<float> b{buffer.data(), K};
+  const int64_t threes_end = M - 4 * (M % 3);   // (M > 6: f = M % 3 passes of 4 fit)
+  int64_t m = 0;
+  for (; m < threes_end; m += 3)
+    for (int g = 0; g < kPanelRows; g += 4)
+      tile<Dense<float>, 4, 3, true>(x + m * K, b.rows_from(g), K, y + m * ldy + g, ldy, false);
+  for (; m < M; m += 4)
+    for (int g = 0; g < kPanelRows; g += 3)
+      tile<Dense<float>, 3, 4, false>(x + m * K, b.rows_from(g), K, y + m * ldy + g, ldy, false);
+}
+
+// All of N in panels (the next one prefetched as a panel widens), the rows past the last whole panel in
+// tiles of 4, then one by one.
+template <typename Wt>
+void widened_sweep(const float* xs, int64_t mc, Wt w, int64_t K, float* ys, int64_t N) {
+  const int64_t panels = N / kPanelRows;
+  at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      panel_widened(xs, mc, w.rows_from(p * kPanelRows), K, ys + p * kPanelRows, N, p + 1 < panels);
+  });
+  int64_t n = panels * kPanelRows;
+  for (; n + kTileRows <= N; n += kTileRows) rows_widened<Wt, kTileRows>(xs, mc, w.rows_from(n), K, ys + n, N, false);
+  for (; n < N; ++n) rows<Wt, 1>(xs, mc, w.rows_from(n), K, ys + n, N, false);
 }
 
 template <typename Wt>
@@ -237,18 +275,17 @@ void matmul(const float* xp, Wt w, float* yp, int64_t M, int64_t K, int64_t N) {
     const int64_t mc = std::min(kRowsPerSweep, M - m0);
     const float* xs = xp + m0 * K;
     float* ys = yp + m0 * N;
+    if constexpr (Wt::kWidenOnce) {
+      if (mc > kHeldRows) {   // (up to there one pass: widened as they are read, 5% faster)
+        widened_sweep(xs, mc, w, K, ys, N);
+        continue;
+      }
+    }
     at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n0 = t * kTileRows;
         if (n0 + kTileRows <= N) {
-          const bool ahead = n0 + kAhead <= N;
-          if constexpr (Wt::kWidenOnce) {
-            if (mc > kHeldRows) {   // (up to there one pass: widened as they are read, 5% faster)
-              rows_widened<Wt, kTileRows>(xs, mc, w.rows_from(n0), K, ys + n0, N, ahead);
-              continue;
-            }
-          }
-          rows<Wt, kTileRows>(xs, mc, w.rows_from(n0), K, ys + n0, N, ahead);
+          rows<Wt, kTileRows>(xs, mc, w.rows_from(n0), K, ys + n0, N, n0 + kAhead <= N);
         } else {
           for (int64_t n = n0; n < N; ++n) rows<Wt, 1>(xs, mc, w.rows_from(n), K, ys + n, N, false);
         }

@@ -87,17 +87,18 @@ def test_weights_that_are_not_blocks_are_left_alone(monkeypatch, case):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", QTYPES)
-@pytest.mark.parametrize("n, k", [(1, 32), (5, 96), (37, 608), (130, 1536)])
+@pytest.mark.parametrize("n, k", [(1, 32), (5, 96), (37, 608), (52, 64), (130, 1536)])
 def test_kernel_gives_the_float32_products_bit_for_bit(fmt, n, k):
-    """At every row count (one pass widening as it reads, or a tile widened once for many rows) and for
-    rows of weights past the last full tile of 4, the products and sums are the float32 weight's."""
+    """At every row count (one pass widening as it reads, or panels of 12 weight rows widened once for
+    many rows, in passes of 3 and 4) and for rows of weights past the last panel (tiles of 4, single rows),
+    the products and sums are the float32 weight's."""
     weight = gguf_values(n, k, fmt, seed=k, scale=0.1)
     stored = pack_for_cpu(weight)
     assert isinstance(stored, BlockWeight) and stored.format == HELD_AS[fmt]
     assert pack_for_cpu(weight) is stored   # one copy per weight: layers that share it share the copy
     gen = torch.Generator().manual_seed(n)
     x, bias = torch.randn(300, k, generator=gen), torch.randn(n, generator=gen)
-    for rows in (0, 1, 2, 3, 4, 5, 6, 7, 12, 17, 20, 300):
+    for rows in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 17, 20, 300):
         assert same_bits(linear(x[:rows], stored), linear(x[:rows], weight)), rows
     assert same_bits(linear(x[:5], stored, bias), linear(x[:5], weight, bias))
     assert same_bits(linear(x[:2].view(2, 1, k), stored), linear(x[:2], weight).view(2, 1, n))
