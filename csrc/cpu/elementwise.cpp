@@ -76,7 +76,8 @@ void add_rms_norm_rows(const T* x, const T* res, int64_t sx, int64_t sr, const T
 
 template <typename T>
 void silu_mul_rows(const T* x, int64_t sx, T* out, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  // (8 rows a thread: 16 rows of 1536 on one thread took 21 µs, an exp per element)
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* g = x + r * sx;
       const T* u = g + I;

@@ -159,8 +159,13 @@ def test_steps_it_does_not_take_are_handed_back(tiny_llama):
 
 @needs_kernel
 def test_the_extension_names_what_it_was_given_wrong(tiny_llama):
+    """Caches that do not match the layers, a slot past the cache: errors that say so."""
     model = _model(LLM(model=str(tiny_llama), kv_cache_memory_bytes=1 << 22, device="cpu"))
     meta = [torch.tensor([16]), torch.tensor([[1]]), torch.tensor([1]), torch.tensor([0, 1])]
     x, cos = torch.randn(1, model.config.hidden_size), torch.ones(1, model.config.head_dim)
     with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
         model.cpu_decoder.decoder.forward(x, cos, cos, [], [], *meta, 16)
+    caches = [a.k_cache for a in model.cpu_decoder.attentions], [a.v_cache for a in model.cpu_decoder.attentions]
+    meta[0] = torch.tensor([caches[0][0].numel()])   # past the last slot
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        model.cpu_decoder.decoder.forward(x, cos, cos, *caches, *meta, 16)
