@@ -87,19 +87,25 @@ class Decoder {
   // per-call dispatch: 60 of them a step). The caches are the queries' dtype (CpuDecoder checks it).
   static void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_cache,
                        const torch::Tensor& v_cache, const torch::Tensor& slots) {
+    const int64_t T = k.size(0), row = k.size(1) * k.size(2);
     TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() && k.is_contiguous()
                     && v.stride(2) == 1 && v.stride(1) == v.size(2) && slots.scalar_type() == at::kLong
-                    && slots.is_contiguous() && slots.numel() == k.size(0),
+                    && slots.is_contiguous() && slots.numel() == T,
                 "Decoder.write_kv: K/V rows of the caches' dtype, one int64 slot per token");
-    const int64_t T = k.size(0), row = k.size(1) * k.size(2), num_slots = k_cache.numel() / row;
-    const size_t bytes = static_cast<size_t>(row) * k.element_size();
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous()
+                    && v_cache.is_contiguous() && k_cache.device().is_cpu() && v_cache.device().is_cpu()
+                    && k_cache.size(2) * k_cache.size(3) == row,
+                "Decoder.write_kv: K/V caches [blocks, block_size, KVH, D], contiguous, on the CPU");
+    const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
     const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t)   // (all checked before the first copy: an error writes nothing)
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "Decoder.write_kv: slot ", slot[t], " outside the cache");
+    const size_t bytes = static_cast<size_t>(row) * k.element_size();
     auto* kc = static_cast<char*>(k_cache.data_ptr());
     auto* vc = static_cast<char*>(v_cache.data_ptr());
     const auto* kp = static_cast<const char*>(k.data_ptr());
     const auto* vp = static_cast<const char*>(v.data_ptr());
     for (int64_t t = 0; t < T; ++t) {
-      TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "Decoder.write_kv: slot ", slot[t], " outside the cache");
       std::memcpy(kc + slot[t] * bytes, kp + t * bytes, bytes);
       std::memcpy(vc + slot[t] * bytes, vp + t * v.stride(0) * v.element_size(), bytes);
     }

@@ -60,7 +60,7 @@ struct Dense {   // float32, bfloat16 or float16 elements, ld per row
 // 32-column blocks (vllm_spec/model/block_quant.py writes them), ld bytes per row: w = d q + m (Q4_1) or
 // d q (Q8_0), float32 d and m, small integers q. d q is exact (block_quant checks it), so one rounding,
 // fused or not, gives the float32 weight the blocks were made from, bit for bit.
-// Many rows are read best widened once (see rows_widened): kWidenOnce.
+// Many rows are read best widened once (see panel_widened): kWidenOnce.
 template <typename Self, int64_t Bytes>
 struct Blocks {
   static constexpr int64_t kBytes = Bytes;
@@ -194,7 +194,7 @@ void rows_in_one_pass(const float* x, Wt w, int64_t K, float* y, int64_t ldy, bo
 // Passes of 3 rows with the inputs held (tile's 4 x 3 sums read each x vector from L2 once per 4 weight
 // rows, where 2 x 6 with the weights held reads it once per 2: 16 rows of gate_up took 1.45x the time
 // that way); a remainder of one row is taken as 2 + 2 (a 1-row pass keeps 4 sums in flight, too few for
-// the FMA units: 83% of a 3-row pass's time). Only the first pass prefetches.
+// the FMA units: 83% of a 3-row pass's time). Only the first pass prefetches. M > 3 (rows' switch).
 template <typename Wt, int R>
 void passes_of_three(const float* x, int64_t M, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch) {
   const int64_t threes = M % 3 == 1 ? (M - 4) / 3 : M / 3;
@@ -222,11 +222,10 @@ void rows(const float* x, int64_t M, Wt w, int64_t K, float* y, int64_t ldy, boo
 // float32 buffer that the passes then read from L1/L2 (widening in every pass made 16 rows 1.3x float32
 // weights' time; the values are the same, and so are the sums).
 template <typename Wt, int R>
-void rows_widened(const float* x, int64_t M, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch) {
+void rows_widened(const float* x, int64_t M, Wt w, int64_t K, float* y, int64_t ldy) {
   thread_local std::vector<float> buffer;
   buffer.resize(static_cast<size_t>(R * K));
-  const Wt ahead = w.rows_from(prefetch ? static_cast<int64_t>(kPrefetchTiles) * kTileRows : 0);
-  for (int r = 0; r < R; ++r) w.widen_row(r, K, buffer.data() + r * K, prefetch ? &ahead : nullptr);
+  for (int r = 0; r < R; ++r) w.widen_row(r, K, buffer.data() + r * K, nullptr);
   rows<Dense<float>, R>(x, M, Dense<float>{buffer.data(), K}, K, y, ldy, false);
 }
 
@@ -235,7 +234,8 @@ void rows_widened(const float* x, int64_t M, Wt w, int64_t K, float* y, int64_t 
 // activation rows (inputs held) or 3 x 4 (weights held), M = 3 t + 4 f: no pass of fewer rows, whose
 // few sums in flight leave the FMA units idle (16 rows as 3, 3, 3, 3, 2, 2 over 4-row tiles: 36.4 ms a
 // step of the default model's products, as 3, 3, 3, 3, 4 over 12-row panels 32.0-32.4; 8 rows 22.3 ->
-// 19.5). Passes outside, groups inside: a pass's rows stay in L1 for the panel's groups.
+// 19.5). Passes outside, groups inside: a pass's rows stay in L1 for the panel's groups. M > 5 (matmul
+// takes this path past kHeldRows).
 template <typename Wt>
 void panel_widened(const float* x, int64_t M, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch) {
   thread_local std::vector<float> buffer;
@@ -263,7 +263,7 @@ void widened_sweep(const float* xs, int64_t mc, Wt w, int64_t K, float* ys, int6
       panel_widened(xs, mc, w.rows_from(p * kPanelRows), K, ys + p * kPanelRows, N, p + 1 < panels);
   });
   int64_t n = panels * kPanelRows;
-  for (; n + kTileRows <= N; n += kTileRows) rows_widened<Wt, kTileRows>(xs, mc, w.rows_from(n), K, ys + n, N, false);
+  for (; n + kTileRows <= N; n += kTileRows) rows_widened<Wt, kTileRows>(xs, mc, w.rows_from(n), K, ys + n, N);
   for (; n < N; ++n) rows<Wt, 1>(xs, mc, w.rows_from(n), K, ys + n, N, false);
 }
 

@@ -98,8 +98,10 @@ def test_kernel_gives_the_float32_products_bit_for_bit(fmt, n, k):
     assert pack_for_cpu(weight) is stored   # one copy per weight: layers that share it share the copy
     gen = torch.Generator().manual_seed(n)
     x, bias = torch.randn(300, k, generator=gen), torch.randn(n, generator=gen)
-    for rows in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 17, 20, 300):
+    alone = torch.cat([linear(x[i:i + 1], stored) for i in range(300)])
+    for rows in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 17, 20, 257, 262, 300):
         assert same_bits(linear(x[:rows], stored), linear(x[:rows], weight)), rows
+        assert same_bits(linear(x[:rows], stored), alone[:rows]), rows   # a row's bits whatever the batch
     assert same_bits(linear(x[:5], stored, bias), linear(x[:5], weight, bias))
     assert same_bits(linear(x[:2].view(2, 1, k), stored), linear(x[:2], weight).view(2, 1, n))
 

@@ -97,6 +97,74 @@ def test_verification_and_the_drafts_steps_give_the_same_bits(tiny_llama, draft,
     assert run() == ours
 
 
+def _q8_0_values(w: torch.Tensor) -> torch.Tensor:
+    """w rounded to GGUF Q8_0 values (float16 scale per 32 columns, q in -127..127): blocks hold it exactly."""
+    blocks = w.view(w.shape[0], -1, 32)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float().clamp_min(2 ** -14)
+    return (d * (blocks / d).round().clamp(-127, 127)).view_as(w)
+
+
+def _biased_llama(dtype: torch.dtype, weights: str):
+    """A 3-layer Llama with every bias (q/k/v, o, MLP) and random norm weights, packed for the CPU."""
+    from vllm_spec.distributed.parallel_state import GroupCoordinator
+    from vllm_spec.model.arch_config import ArchConfig
+    from vllm_spec.model.llama import LlamaForCausalLM
+
+    cfg = ArchConfig.from_hf_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=96,
+                                       intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
+                                       num_key_value_heads=2, attention_bias=True, mlp_bias=True, rms_norm_eps=1e-5))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, GroupCoordinator(), dtype, 256)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.3 if p.dim() > 1 else 0.8)
+            if p.dim() > 1 and "embed" not in name and "lm_head" not in name:
+                p.copy_({"plain": p, "bf16_exact": p.bfloat16().float(), "q8_0": _q8_0_values(p)}[weights])
+    model.pack_for_cpu()
+    return model
+
+
+def _forward_steps(model, dtype, decoder: bool) -> list[torch.Tensor]:
+    """Hidden states of one sequence's steps of 5, 1, 9, 16, 0 and 2 tokens over fresh caches."""
+    from vllm_spec.attention.metadata import AttentionMetadata
+
+    for attn in model.attention_layers():
+        attn.k_cache = torch.zeros(8, 16, attn.num_kv_heads, attn.head_dim, dtype=dtype)
+        attn.v_cache = torch.zeros_like(attn.k_cache)
+    built, model.cpu_decoder = model.cpu_decoder, model.cpu_decoder if decoder else None
+    gen, seq, outs = torch.Generator().manual_seed(1), 0, []
+    table = torch.tensor([[1, 2, 3, 4]])
+    for T in (5, 1, 9, 16, 0, 2):
+        positions = torch.arange(seq, seq + T)
+        seq += T
+        md = AttentionMetadata(torch.tensor([0, T]), torch.tensor([seq]), table,
+                               table[0, positions // 16] * 16 + positions % 16, T, seq, 16)
+        with torch.inference_mode():
+            outs.append(model(torch.randint(0, 100, (T,), generator=gen), positions, md))
+    model.cpu_decoder = built
+    return outs
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype, weights", [(torch.float32, "plain"), (torch.float32, "bf16_exact"),
+                                            (torch.float32, "q8_0"), (torch.bfloat16, "plain")])
+def test_every_bias_norm_and_weight_storage_gives_the_python_layers_bits(dtype, weights, monkeypatch):
+    """The model's forward with and without the decoder, step by step (0 to 16 tokens): column- and
+    row-parallel biases, random norm weights, weights stored as float32, exact bf16 or Q8_0 blocks."""
+    if dtype == torch.bfloat16 and torch.bfloat16 not in cpu_linear.dtypes():
+        pytest.skip("this CPU multiplies bfloat16 in oneDNN (native bf16): the Python layers run it")
+    model = _biased_llama(dtype, weights)
+    assert model.cpu_decoder is not None
+    if weights != "plain":
+        assert {type(layer.mlp.down_proj.packed).__name__ for layer in model.layers} == \
+            {"BlockWeight" if weights == "q8_0" else "Tensor"}
+    used = _count_steps(monkeypatch)
+    ours = _forward_steps(model, dtype, decoder=True)
+    assert used == [True] * 6
+    for a, b in zip(ours, _forward_steps(model, dtype, decoder=False)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 @needs_kernel
 def test_a_forced_attention_backend_keeps_the_python_layers(tiny_llama, monkeypatch):
     used = _count_steps(monkeypatch)
@@ -127,6 +195,10 @@ def test_layers_it_cannot_run_are_not_built(tiny_llama):
     proj.weight = torch.nn.Parameter(proj.weight.to(torch.float64), requires_grad=False)   # not the kernel's
     assert CpuDecoder.build(layers) is None
     proj.weight = saved
+    norm = layers[1].post_attention_layernorm.weight
+    norm.requires_grad_()   # (the Python path's ops then are torch's)
+    assert CpuDecoder.build(layers) is None
+    norm.requires_grad_(False)
 
 
 @needs_kernel

@@ -32,12 +32,13 @@ class CpuDecoder:
     """A model's layers as a C++ Decoder (made after pack_for_cpu: it holds the weights the layers multiply
     by) and their attention modules (whose caches the worker binds later)."""
 
-    def __init__(self, decoder, attentions: list[Attention], head_dim: int):
-        self.decoder, self.attentions, self.head_dim = decoder, attentions, head_dim
+    def __init__(self, decoder, attentions: list[Attention], head_dim: int, dtype: torch.dtype):
+        self.decoder, self.attentions, self.head_dim, self.dtype = decoder, attentions, head_dim, dtype
 
     @classmethod
     def build(cls, layers: list[LlamaDecoderLayer]) -> CpuDecoder | None:
-        """None where one of the layers cannot run there."""
+        """None where one of the layers cannot run there. (It holds the tensors the layers hold now: weights
+        loaded in place later are seen, parameters or attention settings rebound are not.)"""
         if not layers or not cpu_ops.available():
             return None
         dtype = layers[0].input_layernorm.weight.dtype
@@ -51,7 +52,8 @@ class CpuDecoder:
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if (attn.head_dim != layers[0].self_attn.head_dim or attn.head_dim % 2
                     or any(m.tp.world_size > 1 for m in linears)
-                    or any(n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms)
+                    or any(n.weight.dtype != dtype or not n.weight.is_contiguous() or n.weight.requires_grad
+                           for n in norms)
                     or norms[0].eps != norms[1].eps):
                 return None
             projections = [_projection(ext, m, dtype, bias_after=m in (attn.o_proj, mlp.down_proj)) for m in linears]
@@ -60,15 +62,16 @@ class CpuDecoder:
             decoder.add_layer(ext.Layer(norms[0].weight, norms[1].weight, norms[0].eps, *projections,
                                         attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale,
                                         attn.attn.sliding_window or 0))
-        return cls(decoder, [layer.self_attn.attn for layer in layers], layers[0].self_attn.head_dim)
+        return cls(decoder, [layer.self_attn.attn for layer in layers], layers[0].self_attn.head_dim, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(x, residual) after every layer, or None where this step is not the decoder's (the caller runs
         the Python layers)."""
         if (md.max_query_len > torch_backend.SHORT_QUERY or x.dim() != 2 or x.device.type != "cpu"
-                or x.dtype not in _DTYPES or cos.dtype != x.dtype or cos.shape != (x.shape[0], self.head_dim)
-                or not (cos.is_contiguous() and sin.is_contiguous()) or x.requires_grad and torch.is_grad_enabled()):
+                or x.dtype != self.dtype or cos.dtype != x.dtype or sin.dtype != x.dtype
+                or cos.shape != (x.shape[0], self.head_dim) or sin.shape != cos.shape
+                or not (cos.is_contiguous() and sin.is_contiguous()) or x.requires_grad):
             return None
         k_caches, v_caches = [], []
         for attn in self.attentions:
@@ -87,10 +90,10 @@ class CpuDecoder:
 
 def _projection(ext, module: LinearBase, dtype: torch.dtype, bias_after: bool):
     weight = module.weight if module.packed is None else module.packed
-    if not cpu_linear.handles(torch.empty(0, weight.shape[-1], dtype=dtype), weight):
-        return None
     bias = module.bias
-    if bias is not None and bias.dtype != dtype:
+    # (the Python path takes the C++ ops for these only without autograd on them)
+    if (not cpu_linear.handles(torch.empty(0, weight.shape[-1], dtype=dtype), weight)
+            or getattr(weight, "requires_grad", False) or bias is not None and (bias.dtype != dtype or bias.requires_grad)):
         return None
     if isinstance(weight, BlockWeight):
         return ext.Projection(weight.blocks, weight.format, bias, bias_after)
