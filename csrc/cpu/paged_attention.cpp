@@ -59,6 +59,42 @@ void dot_rows(const float* const* q, int64_t R, const C* key, int64_t D, float* 
   }
 }
 
+// scores[j * R + r] = dot(q rows r, keys j) for NK keys and NR rows at once (dots' order for each): NK x NR
+// sums in flight, each key and row vector loaded once per 8 columns (one key at a time kept 3 chains of
+// dependent FMAs for a GQA group of 3: latency-bound).
+template <typename C, int NK, int NR>
+void dots_block(const float* const* q, const C* const* keys, int64_t D, float* scores, int64_t R) {
+  __m256 acc[NK][NR];
+  for (int j = 0; j < NK; ++j)
+    for (int r = 0; r < NR; ++r) acc[j][r] = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    __m256 qv[NR];
+    for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_ps(q[r] + d);
+    for (int j = 0; j < NK; ++j) {
+      const __m256 kv = load8(keys[j] + d);
+      for (int r = 0; r < NR; ++r) acc[j][r] = _mm256_fmadd_ps(qv[r], kv, acc[j][r]);
+    }
+  }
+  for (int j = 0; j < NK; ++j)
+    for (int r = 0; r < NR; ++r) {
+      float s = lane_sum(acc[j][r]);
+      for (int64_t t = d; t < D; ++t) s += q[r][t] * widen(keys[j][t]);
+      scores[j * R + r] = s;
+    }
+}
+
+// The scores of kKeysAtOnce keys for all R rows, 3 rows at a time.
+constexpr int kKeysAtOnce = 4;
+
+template <typename C>
+void key_block_rows(const float* const* q, int64_t R, const C* const* keys, int64_t D, float* scores) {
+  int64_t r = 0;
+  for (; r + 3 <= R; r += 3) dots_block<C, kKeysAtOnce, 3>(q + r, keys, D, scores + r, R);
+  if (R - r == 2) dots_block<C, kKeysAtOnce, 2>(q + r, keys, D, scores + r, R);
+  else if (R - r == 1) dots_block<C, kKeysAtOnce, 1>(q + r, keys, D, scores + r, R);
+}
+
 // out[0, D) = sum over s of p[s] * v_s[0, D), in key order, 64 columns at a time held in registers.
 template <typename C>
 void weighted_values(const float* p, const C* const* values, int64_t S, int64_t D, float* out) {
@@ -110,7 +146,9 @@ void attend(const float* q, const C* k_cache, const C* v_cache, const int64_t* t
     keys[s] = k_cache + (slot * sh.KVH + kvh) * D;
     values[s] = v_cache + (slot * sh.KVH + kvh) * D;
   }
-  for (int64_t s = 0; s < S; ++s) dot_rows(rows.data(), R, keys[s], D, scores.data() + s * R);
+  int64_t s0 = 0;
+  for (; s0 + kKeysAtOnce <= S; s0 += kKeysAtOnce) key_block_rows(rows.data(), R, keys.data() + s0, D, scores.data() + s0 * R);
+  for (; s0 < S; ++s0) dot_rows(rows.data(), R, keys[s0], D, scores.data() + s0 * R);
   std::vector<float> probs(S8);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < q_len; ++j) {
