@@ -15,5 +15,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(RMSNorm(x + residual) * weight, x + residual) for rows of float32/bfloat16, rounded as torch's ops");
   m.def("silu_mul", &silu_mul, release(), "silu(gate) * up for rows [gate | up] of float32/bfloat16");
   m.def("rotary", &rotary, release(), "q, k [T, heads, D] rotated (rotate-half layout) by cos/sin [T, D]");
+  m.def("argmax_rows", &argmax_rows, release(), "first maximal index of each float32 row (NaN first), as torch.argmax");
   bind_decoder(m);
 }

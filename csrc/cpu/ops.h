@@ -23,5 +23,7 @@ torch::Tensor silu_mul(const torch::Tensor& x);
 std::tuple<torch::Tensor, torch::Tensor> rotary(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& cos,
                                                 const torch::Tensor& sin);
 
+torch::Tensor argmax_rows(const torch::Tensor& x);
+
 // Decoder, Layer and Projection (decoder.cpp): a model's layers run in one call for short query blocks.
 void bind_decoder(pybind11::module& m);
