@@ -26,44 +26,12 @@ using vllm_spec_cpu::lane_sum;
 using vllm_spec_cpu::load8;
 using vllm_spec_cpu::widen;
 
-// scores[r] = dot(q rows r, key) for R rows of D (up to kRowsAtOnce at a time, their sums interleaved:
-// one load of the key for them, and chains of FMAs that do not wait on each other). Every row sums in
-// the same order (8 lanes over d, the lanes added pairwise, then the tail) however the rows are grouped.
-constexpr int64_t kRowsAtOnce = 4;
-
-template <typename C, int N>
-void dots(const float* const* q, const C* key, int64_t D, float* scores) {
-  __m256 acc[N];
-  for (int r = 0; r < N; ++r) acc[r] = _mm256_setzero_ps();
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8) {
-    const __m256 kv = load8(key + d);
-    for (int r = 0; r < N; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), kv, acc[r]);
-  }
-  for (int r = 0; r < N; ++r) {
-    float s = lane_sum(acc[r]);
-    for (int64_t t = d; t < D; ++t) s += q[r][t] * widen(key[t]);
-    scores[r] = s;
-  }
-}
-
-template <typename C>
-void dot_rows(const float* const* q, int64_t R, const C* key, int64_t D, float* scores) {
-  int64_t r = 0;
-  for (; r + kRowsAtOnce <= R; r += kRowsAtOnce) dots<C, kRowsAtOnce>(q + r, key, D, scores + r);
-  switch (R - r) {
-    case 3: return dots<C, 3>(q + r, key, D, scores + r);
-    case 2: return dots<C, 2>(q + r, key, D, scores + r);
-    case 1: return dots<C, 1>(q + r, key, D, scores + r);
-    default: return;
-  }
-}
-
-// scores[j * R + r] = dot(q rows r, keys j) for NK keys and NR rows at once (dots' order for each): NK x NR
-// sums in flight, each key and row vector loaded once per 8 columns (one key at a time kept 3 chains of
-// dependent FMAs for a GQA group of 3: latency-bound).
+// scores[j * R + r] = dot(q rows r, keys j) for NK keys and NR rows at once: NK x NR sums in flight (chains
+// of FMAs that do not wait on each other), each key and row vector loaded once per 8 columns. Every sum
+// in the same order (8 lanes over d, the lanes added pairwise, then the tail) however rows and keys are
+// grouped.
 template <typename C, int NK, int NR>
-void dots_block(const float* const* q, const C* const* keys, int64_t D, float* scores, int64_t R) {
+void dots(const float* const* q, const C* const* keys, int64_t D, float* scores, int64_t R) {
   __m256 acc[NK][NR];
   for (int j = 0; j < NK; ++j)
     for (int r = 0; r < NR; ++r) acc[j][r] = _mm256_setzero_ps();
@@ -84,15 +52,20 @@ void dots_block(const float* const* q, const C* const* keys, int64_t D, float* s
     }
 }
 
-// The scores of kKeysAtOnce keys for all R rows, 3 rows at a time.
+// The scores of NK keys for all R rows, Group rows at a time, then the rest. Keys go kKeysAtOnce at a
+// time with 3 rows (12 sums: one key at a time left a GQA group of 3 with 3 chains, latency-bound), the
+// last keys one at a time with kRowsAtOnce rows.
 constexpr int kKeysAtOnce = 4;
+constexpr int kRowsAtOnce = 4;
 
-template <typename C>
-void key_block_rows(const float* const* q, int64_t R, const C* const* keys, int64_t D, float* scores) {
+template <typename C, int NK, int Group>
+void key_rows(const float* const* q, int64_t R, const C* const* keys, int64_t D, float* scores) {
   int64_t r = 0;
-  for (; r + 3 <= R; r += 3) dots_block<C, kKeysAtOnce, 3>(q + r, keys, D, scores + r, R);
-  if (R - r == 2) dots_block<C, kKeysAtOnce, 2>(q + r, keys, D, scores + r, R);
-  else if (R - r == 1) dots_block<C, kKeysAtOnce, 1>(q + r, keys, D, scores + r, R);
+  for (; r + Group <= R; r += Group) dots<C, NK, Group>(q + r, keys, D, scores + r, R);
+  const int64_t rest = R - r;   // (below Group)
+  if (rest == 3) dots<C, NK, 3>(q + r, keys, D, scores + r, R);
+  else if (rest == 2) dots<C, NK, 2>(q + r, keys, D, scores + r, R);
+  else if (rest == 1) dots<C, NK, 1>(q + r, keys, D, scores + r, R);
 }
 
 // out[0, D) = sum over s of p[s] * v_s[0, D), in key order, 64 columns at a time held in registers.
@@ -147,8 +120,9 @@ void attend(const float* q, const C* k_cache, const C* v_cache, const int64_t* t
     values[s] = v_cache + (slot * sh.KVH + kvh) * D;
   }
   int64_t s0 = 0;
-  for (; s0 + kKeysAtOnce <= S; s0 += kKeysAtOnce) key_block_rows(rows.data(), R, keys.data() + s0, D, scores.data() + s0 * R);
-  for (; s0 < S; ++s0) dot_rows(rows.data(), R, keys[s0], D, scores.data() + s0 * R);
+  for (; s0 + kKeysAtOnce <= S; s0 += kKeysAtOnce)
+    key_rows<C, kKeysAtOnce, 3>(rows.data(), R, keys.data() + s0, D, scores.data() + s0 * R);
+  for (; s0 < S; ++s0) key_rows<C, 1, kRowsAtOnce>(rows.data(), R, keys.data() + s0, D, scores.data() + s0 * R);
   std::vector<float> probs(S8);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < q_len; ++j) {
