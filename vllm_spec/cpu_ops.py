@@ -1,5 +1,5 @@
 """The CPU extension: csrc/cpu/*.cpp (x86-64, AVX2/FMA) built on first use, for the CPU path's matmuls
-(vllm_spec.model.cpu_linear) and its short-query paged attention (vllm_spec.attention.cpu_backend).
+(vllm_spec.model.cpu_linear) and its paged attention (vllm_spec.attention.cpu_backend).
 
 It is compiled with torch.utils.cpp_extension (a C++ compiler and ninja) into torch's extension directory
 ($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions; one folder per sources, flags, torch and Python

@@ -54,8 +54,7 @@ class Decoder {
                                                   const std::vector<torch::Tensor>& k_caches,
                                                   const std::vector<torch::Tensor>& v_caches,
                                                   const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                                                  const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
-                                                  int64_t max_q_len) const {
+                                                  const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc) const {
     TORCH_CHECK(size() > 0 && static_cast<int64_t>(k_caches.size()) == size()
                     && static_cast<int64_t>(v_caches.size()) == size(),
                 "Decoder.forward: layers, and one K and one V cache per layer");
@@ -72,7 +71,7 @@ class Decoder {
       write_kv(k, v, k_caches[i], v_caches[i], slot_mapping);
       const torch::Tensor q32 = q.scalar_type() == at::kFloat ? q : q.to(at::kFloat);
       torch::Tensor attn = paged_attention(q32, k_caches[i], v_caches[i], block_tables, seq_lens, query_start_loc,
-                                           L.scale, L.window, max_q_len);
+                                           L.scale, L.window);
       if (attn.scalar_type() != x.scalar_type()) attn = attn.to(x.scalar_type());
       x = L.o(attn.view({T, q_size}));
       auto [h2, res2] = add_rms_norm(x, res, L.post_norm, L.eps);

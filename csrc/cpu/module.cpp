@@ -9,8 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear_blocks", &rows_linear_blocks, release(),
         "x [M, K] (float32) @ w^T, w [N, K] held as 32-column blocks (uint8 [N, bytes], format q4_1 or q8_0)");
   m.def("paged_attention", &paged_attention, release(),
-        "short-query causal attention of q [T, H, D] (float32) over a paged float32/bfloat16 KV cache -> "
-        "[T, H, D] float32 (the rows of sequences of more than max_q_len queries: 0)");
+        "causal attention of q [T, H, D] (float32) over a paged float32/bfloat16 KV cache -> [T, H, D] float32");
   m.def("add_rms_norm", &add_rms_norm, release(),
         "(RMSNorm(x + residual) * weight, x + residual) for rows of float32/bfloat16, rounded as torch's ops");
   m.def("silu_mul", &silu_mul, release(), "silu(gate) * up for rows [gate | up] of float32/bfloat16");

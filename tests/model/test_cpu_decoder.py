@@ -236,8 +236,8 @@ def test_the_extension_names_what_it_was_given_wrong(tiny_llama):
     meta = [torch.tensor([16]), torch.tensor([[1]]), torch.tensor([1]), torch.tensor([0, 1])]
     x, cos = torch.randn(1, model.config.hidden_size), torch.ones(1, model.config.head_dim)
     with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
-        model.cpu_decoder.decoder.forward(x, cos, cos, [], [], *meta, 16)
+        model.cpu_decoder.decoder.forward(x, cos, cos, [], [], *meta)
     caches = [a.k_cache for a in model.cpu_decoder.attentions], [a.v_cache for a in model.cpu_decoder.attentions]
     meta[0] = torch.tensor([caches[0][0].numel()])   # past the last slot
     with pytest.raises(RuntimeError, match="outside the cache"):
-        model.cpu_decoder.decoder.forward(x, cos, cos, *caches, *meta, 16)
+        model.cpu_decoder.decoder.forward(x, cos, cos, *caches, *meta)

@@ -1,13 +1,13 @@
-"""Attention over the paged KV cache on x86-64 CPUs: short query blocks (decode, verification of drafts,
-the draft's catch-up) on the C++ kernel of csrc/cpu/paged_attention.cpp, everything else as torch_backend
-(same functions, same meaning).
+"""Attention over the paged KV cache on x86-64 CPUs: every query block (decode, verification of drafts,
+the draft's catch-up, prompt chunks) on the C++ kernel of csrc/cpu/paged_attention.cpp, where it is built;
+else torch_backend (same functions, same meaning).
 
 torch_backend gathers each sequence's keys into a padded copy and runs a dozen small ops per layer; the
 kernel reads the cache through the block table, once per KV head for the query heads sharing it. It
 computes every query row alone, so a token's output does not depend on the rest of its batch or query
-block (a verified draft gets the bits a 1-token step gives it, in bfloat16 too). A step that also holds a
-prompt chunk longer than SHORT_QUERY takes that chunk's rows from torch_backend and the others from the
-kernel, as in a step without it.
+block: a verified draft gets the bits a 1-token step gives it, and a prompt token the bits of any other
+chunking of its prompt (a token budget that speculation shares, a prefix-cache hit), in bfloat16 too.
+(torch's SDPA for long chunks rounded differently from the kernel: greedy ties broke either way.)
 """
 
 from __future__ import annotations
@@ -33,18 +33,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, H, D] -> [T, H, D], attending to keys already written into the cache."""
     if not handles(q, k_cache, v_cache):
         return torch_backend.paged_attention(q, k_cache, v_cache, md, scale, sliding_window)
-    long_rows = None
-    if md.max_query_len > torch_backend.SHORT_QUERY:   # a prompt chunk: its rows are torch_backend's
-        lengths = md.query_lens
-        is_long = lengths > torch_backend.SHORT_QUERY
-        if is_long.all():
-            return torch_backend.paged_attention(q, k_cache, v_cache, md, scale, sliding_window)
-        long_rows = torch.repeat_interleave(is_long, lengths, output_size=q.shape[0])
     meta = [cpu_ops.contiguous_as(t, torch.long) for t in (md.block_tables, md.seq_lens, md.query_start_loc)]
     out = cpu_ops.module().paged_attention(cpu_ops.contiguous_as(q, torch.float32), k_cache, v_cache, *meta, scale,
-                                           sliding_window or 0, torch_backend.SHORT_QUERY)
-    if q.dtype != torch.float32:
-        out = out.to(q.dtype)
-    if long_rows is not None:   # (the kernel left them 0)
-        out[long_rows] = torch_backend.paged_attention(q, k_cache, v_cache, md, scale, sliding_window)[long_rows]
-    return out
+                                           sliding_window or 0)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -29,8 +29,8 @@ _MAX_FP32_TRITON_HEAD = 128
 
 
 def select_backend(device: torch.device, head_dim: int, dtype: torch.dtype):
-    """Triton kernels for CUDA tensors when triton imports; on the CPU the C++ kernel for short queries
-    where it is built; the torch reference else."""
+    """Triton kernels for CUDA tensors when triton imports; on the CPU the C++ kernel where it is built;
+    the torch reference else."""
     if device.type == "cuda" and not (dtype == torch.float32 and head_dim > _MAX_FP32_TRITON_HEAD):
         return triton_backend_or_none() or torch_backend
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_ops.available():

@@ -84,8 +84,7 @@ class CpuDecoder:
             v_caches.append(v)
         meta = [cpu_ops.contiguous_as(t, torch.long) for t in (md.slot_mapping, md.block_tables, md.seq_lens,
                                                                 md.query_start_loc)]
-        return self.decoder.forward(cpu_ops.contiguous_as(x, x.dtype), cos, sin, k_caches, v_caches, *meta,
-                                    torch_backend.SHORT_QUERY)
+        return self.decoder.forward(cpu_ops.contiguous_as(x, x.dtype), cos, sin, k_caches, v_caches, *meta)
 
 
 def _projection(ext, module: LinearBase, dtype: torch.dtype, bias_after: bool):
