@@ -50,6 +50,8 @@ def test_config_without_architectures_loads_by_model_type(base, tmp_path):
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config: 'fp8'"),
     ({"architectures": ["GPTNeoXForCausalLM"]}, "GPTNeoXForCausalLM"),
+    ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a positive multiple of num_key_value_heads \(3\)"),
+    ({"num_key_value_heads": 8}, r"num_attention_heads \(4\) .* num_key_value_heads \(8\)"),
 ])
 def test_unsupported_config_is_named(base, tmp_path, config, match):
     with pytest.raises(ValueError, match=match):

@@ -76,6 +76,11 @@ class ArchConfig:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         layers = cfg["num_hidden_layers"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if not (isinstance(heads, int) and isinstance(kv_heads, int) and 0 < kv_heads <= heads
+                and heads % kv_heads == 0):
+            raise ValueError(f"num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads "
+                             f"({kv_heads}): each KV head serves the same number of query heads.")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         sliding, windowed = cfg.get("sliding_window"), None
@@ -112,7 +117,7 @@ class ArchConfig:
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            num_key_value_heads=kv_heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
