@@ -29,6 +29,8 @@ ENV_SWITCH = "VLLM_SPEC_CPU_KERNELS"
 # (-ffp-contract=off: the sums' scalar tails keep their products and adds as written in every
 # instantiation, one order of rounding for every row count.)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+# The element types of the ops' activations and caches (csrc/cpu: float32, and bfloat16 widened in registers).
+DTYPES = (torch.float32, torch.bfloat16)
 # A build lock older than this was left by a build that died (torch's lock would wait for it forever).
 STALE_LOCK_S = 600.0
 

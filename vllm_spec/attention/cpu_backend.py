@@ -23,7 +23,7 @@ write_kv_cache = torch_backend.write_kv_cache
 
 def handles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """A float32/bfloat16 model's queries and caches on the CPU, where the extension is built."""
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype
+    return (q.device.type == "cpu" and q.dtype in cpu_ops.DTYPES and k_cache.dtype == q.dtype
             and v_cache.dtype == q.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
             and cpu_ops.available())
 

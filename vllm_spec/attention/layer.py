@@ -33,7 +33,7 @@ def select_backend(device: torch.device, head_dim: int, dtype: torch.dtype):
     the torch reference else."""
     if device.type == "cuda" and not (dtype == torch.float32 and head_dim > _MAX_FP32_TRITON_HEAD):
         return triton_backend_or_none() or torch_backend
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_ops.available():
+    if device.type == "cpu" and dtype in cpu_ops.DTYPES and cpu_ops.available():
         return cpu_backend
     return torch_backend
 

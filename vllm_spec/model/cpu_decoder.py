@@ -25,8 +25,6 @@ if TYPE_CHECKING:
     from vllm_spec.attention import Attention
     from vllm_spec.model.llama import LlamaDecoderLayer
 
-_DTYPES = (torch.float32, torch.bfloat16)
-
 
 class CpuDecoder:
     """A model's layers as a C++ Decoder (made after pack_for_cpu: it holds the weights the layers multiply
@@ -42,7 +40,7 @@ class CpuDecoder:
         if not layers or not cpu_ops.available():
             return None
         dtype = layers[0].input_layernorm.weight.dtype
-        if dtype not in _DTYPES:
+        if dtype not in cpu_ops.DTYPES:
             return None
         ext = cpu_ops.module()
         decoder = ext.Decoder()

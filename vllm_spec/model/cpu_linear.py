@@ -51,7 +51,7 @@ def keeps_plain(weight: torch.Tensor) -> bool:
     """Whether the kernel takes this weight as it is (a plain, contiguous 2-D CPU weight of a dtype it
     serves here), so it is best left in that layout."""
     # (The device and a dtype it could take first: other models' weights must not build the kernel.)
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and _plain(weight)
+    return (weight.device.type == "cpu" and weight.dtype in cpu_ops.DTYPES and _plain(weight)
             and weight.dtype in dtypes())
 
 

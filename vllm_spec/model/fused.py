@@ -26,15 +26,13 @@ def _triton_ok(x: torch.Tensor) -> bool:
 def _cpu_ok(*tensors: torch.Tensor) -> bool:
     """CPU float32/bfloat16 tensors of one dtype, elements contiguous, no autograd: the C++ ops take them."""
     dtype = tensors[0].dtype
-    if dtype not in _CPU_DTYPES:
+    if dtype not in cpu_ops.DTYPES:
         return False
     for t in tensors:   # (a loop, not all(genexpr): this runs a few hundred times a decode step)
         if t.device.type != "cpu" or t.dtype != dtype or t.stride(-1) != 1 or t.requires_grad:
             return False
     return cpu_ops.available()   # (last: tensors on other devices must not build the CPU kernels)
 
-
-_CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # Residual add + RMSNorm ----------------------------------------------------------------
