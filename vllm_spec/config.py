@@ -254,8 +254,12 @@ class SpeculativeConfig:
             cfg.prompt_lookup_max, cfg.prompt_lookup_min = hi, lo
             return cfg
         # The draft's sampling defaults are never used: requests sample from the target's distribution.
-        draft = ModelConfig.create(model, None, target.dtype, target.device.type, None, "auto"
-                                   if target.load_format != "dummy" else "dummy", target.seed, generation_config="vllm")
+        try:
+            draft = ModelConfig.create(model, None, target.dtype, target.device.type, None, "auto"
+                                       if target.load_format != "dummy" else "dummy", target.seed,
+                                       generation_config="vllm")
+        except (ValueError, FileNotFoundError) as e:   # (which of the two models it was about)
+            raise type(e)(f"speculative_model: {e}") from e
         if draft.arch.vocab_size != target.arch.vocab_size:
             raise ValueError(
                 f"The draft model's vocabulary ({draft.arch.vocab_size} tokens) differs from the target's "

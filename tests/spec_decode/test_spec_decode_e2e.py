@@ -374,6 +374,14 @@ def test_invalid_speculative_settings(spec_pair, kwargs, match):
         LLM(spec_pair[0], **kwargs, **KV)
 
 
+def test_a_draft_that_cannot_be_loaded_is_named(spec_pair, tmp_path):
+    with pytest.raises(FileNotFoundError, match="speculative_model: model .*nowhere.* not found"):
+        LLM(spec_pair[0], speculative_model=str(tmp_path / "nowhere"), num_speculative_tokens=2, **KV)
+    (tmp_path / "config.json").write_text('{"architectures": ["GPTNeoXForCausalLM"]}')
+    with pytest.raises(ValueError, match="speculative_model: Unsupported model architecture"):
+        LLM(spec_pair[0], speculative_model=str(tmp_path), num_speculative_tokens=2, **KV)
+
+
 @pytest.mark.parametrize("kwargs, named", [
     ({"num_speculative_tokens": 2}, "num_speculative_tokens"),
     ({"speculative_policy": "fixed"}, "speculative_policy"),
