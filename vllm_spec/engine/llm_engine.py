@@ -69,7 +69,7 @@ class LLMEngine:
         self._last_read: float | None = None   # when the last step's outputs were applied (sequences' token times)
         self.stats = EngineStats(config.model.max_model_len, config.scheduler.max_num_batched_tokens)
         self.spec_metrics = SpecDecodeMetrics(config.speculative.num_speculative_tokens) if config.speculative else None
-        tune_gc_for_serving(config.scheduler.max_num_seqs)
+        tune_gc_for_serving(self, config.scheduler.max_num_seqs)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, usage_context: object = None,
