@@ -119,7 +119,6 @@ void weighted_values(const float* const* p, const int64_t* lo, const int64_t* hi
         for (int i = 0; i < Regs; ++i) acc[r][i] = _mm256_loadu_ps(out[r] + d0 + 8 * i);
       multiply_in<C, 2, Regs>(p, values, both_lo, both_hi, d0, acc);
       for (int r = 0; r < 2; ++r) {
-        for (int i = 0; i < Regs; ++i) _mm256_storeu_ps(out[r] + d0 + 8 * i, acc[r][i]);
         __m256 one[1][Regs];
         for (int i = 0; i < Regs; ++i) one[0][i] = acc[r][i];
         multiply_in<C, 1, Regs>(p + r, values, std::max(lo[r], both_hi), hi[r], d0, one);
