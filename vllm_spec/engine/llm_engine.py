@@ -38,9 +38,9 @@ class LLMEngine:
     """Continuous-batching engine over one executor. Not thread-safe: drive it from one thread.
 
     Building one tunes Python's garbage collector for the whole process, as vLLM does: what exists
-    then is frozen out of collections (gc.freeze), and the young generation's threshold is raised to
-    about what a full batch's step allocates (never lowered), so cyclic garbage of the host
-    application is also collected less often."""
+    then is frozen out of collections (gc.freeze) until the engine is collected, and the young
+    generation's threshold is raised to about what a full batch's step allocates (never lowered), so
+    cyclic garbage of the host application is also collected less often."""
 
     def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False):
         self.config = config
