@@ -2,8 +2,8 @@
 (vllm_spec.model.cpu_linear) and its paged attention (vllm_spec.attention.cpu_backend).
 
 It is compiled with torch.utils.cpp_extension (a C++ compiler and ninja) into torch's extension directory
-($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions; one folder per sources, flags, torch and Python
-version) the first time a process needs it (about 40 s, once per machine). Where that is not possible
+($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions; one folder per sources and their place, flags, torch
+and Python version) the first time a process needs it (about 40 s, once per checkout). Where that is not possible
 (no compiler, not x86-64 with AVX2, no csrc/ folder beside the package as in a wheel install, or
 VLLM_SPEC_CPU_KERNELS=0) `available()` is False and the callers use torch's ops as before.
 """
@@ -61,6 +61,17 @@ def cache_clear() -> None:
     _build.cache_clear()
 
 
+def build_name(source_dir: Path) -> str:
+    """The build's folder: one per sources (their content and where they are), flags, torch and Python.
+    (The place counts: ninja's build file names the sources, so two checkouts of one version sharing a
+    folder rebuilt it, about a minute, each time the other had loaded it.)"""
+    stamp = f"{' '.join(FLAGS)} {torch.__version__} {sys.version_info[:2]} {source_dir.resolve()}".encode()
+    digest = hashlib.sha256(stamp)
+    for path in [*sorted(source_dir.glob("*.cpp")), *sorted(source_dir.glob("*.h"))]:
+        digest.update(path.name.encode() + path.read_bytes())
+    return f"vllm_spec_cpu_{digest.hexdigest()[:12]}"
+
+
 @functools.cache
 def _build() -> ModuleType | None:
     if os.environ.get(ENV_SWITCH, "1") == "0":
@@ -72,11 +83,7 @@ def _build() -> ModuleType | None:
     if not sources:
         logger.debug("CPU kernels: no sources in %s (an installed wheel): torch's ops", SOURCE_DIR)
         return None
-    stamp = f"{' '.join(FLAGS)} {torch.__version__} {sys.version_info[:2]}".encode()
-    digest = hashlib.sha256(stamp)
-    for path in [*sources, *sorted(SOURCE_DIR.glob("*.h"))]:
-        digest.update(path.name.encode() + path.read_bytes())
-    name = f"vllm_spec_cpu_{digest.hexdigest()[:12]}"
+    name = build_name(SOURCE_DIR)
     build = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions") / name
     try:
         from torch.utils.cpp_extension import load
