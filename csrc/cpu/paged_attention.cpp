@@ -101,28 +101,25 @@ void weighted_values(const float* const* p, const int64_t* lo, const int64_t* hi
   static_assert(NR == 1 || NR == 2, "one row or a pair");
   int64_t d0 = 0;
   for (; d0 + 8 * Regs <= D; d0 += 8 * Regs) {
+    // Row r's sums over keys [begin, end), from and back to its output.
+    auto alone = [&](int r, int64_t begin, int64_t end) {
+      __m256 one[1][Regs];
+      for (int i = 0; i < Regs; ++i) one[0][i] = _mm256_loadu_ps(out[r] + d0 + 8 * i);
+      multiply_in<C, 1, Regs>(p + r, values, begin, end, d0, one);
+      for (int i = 0; i < Regs; ++i) _mm256_storeu_ps(out[r] + d0 + 8 * i, one[0][i]);
+    };
     if constexpr (NR == 1) {
-      __m256 acc[1][Regs];
-      for (int i = 0; i < Regs; ++i) acc[0][i] = _mm256_loadu_ps(out[0] + d0 + 8 * i);
-      multiply_in<C, 1, Regs>(p, values, lo[0], hi[0], d0, acc);
-      for (int i = 0; i < Regs; ++i) _mm256_storeu_ps(out[0] + d0 + 8 * i, acc[0][i]);
+      alone(0, lo[0], hi[0]);
     } else {   // the keys only one row sees (at either end), one row at a time; those both see, both at once
       const int64_t both_lo = std::max(lo[0], lo[1]), both_hi = std::max(both_lo, std::min(hi[0], hi[1]));
-      for (int r = 0; r < 2; ++r) {
-        __m256 one[1][Regs];
-        for (int i = 0; i < Regs; ++i) one[0][i] = _mm256_loadu_ps(out[r] + d0 + 8 * i);
-        multiply_in<C, 1, Regs>(p + r, values, lo[r], std::min(hi[r], both_lo), d0, one);
-        for (int i = 0; i < Regs; ++i) _mm256_storeu_ps(out[r] + d0 + 8 * i, one[0][i]);
-      }
+      for (int r = 0; r < 2; ++r) alone(r, lo[r], std::min(hi[r], both_lo));
       __m256 acc[2][Regs];
       for (int r = 0; r < 2; ++r)
         for (int i = 0; i < Regs; ++i) acc[r][i] = _mm256_loadu_ps(out[r] + d0 + 8 * i);
       multiply_in<C, 2, Regs>(p, values, both_lo, both_hi, d0, acc);
       for (int r = 0; r < 2; ++r) {
-        __m256 one[1][Regs];
-        for (int i = 0; i < Regs; ++i) one[0][i] = acc[r][i];
-        multiply_in<C, 1, Regs>(p + r, values, std::max(lo[r], both_hi), hi[r], d0, one);
-        for (int i = 0; i < Regs; ++i) _mm256_storeu_ps(out[r] + d0 + 8 * i, one[0][i]);
+        for (int i = 0; i < Regs; ++i) _mm256_storeu_ps(out[r] + d0 + 8 * i, acc[r][i]);
+        alone(r, std::max(lo[r], both_hi), hi[r]);
       }
     }
   }

@@ -34,7 +34,6 @@ def _cpu_ok(*tensors: torch.Tensor) -> bool:
     return cpu_ops.available()   # (last: tensors on other devices must not build the CPU kernels)
 
 
-
 # Residual add + RMSNorm ----------------------------------------------------------------
 
 def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
