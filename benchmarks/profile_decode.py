@@ -243,7 +243,8 @@ def main() -> None:
         from vllm_spec.sampling_params import RequestOutputKind
 
         # FINAL_ONLY, as LLM.generate and the benchmarks: no per-step outputs in the host's time.
-        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+        # Long enough that no request finishes in the measured steps, speculative or not.
+        params = SamplingParams(temperature=0, max_tokens=320, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
         for i in range(args.batch):
             engine.add_request(f"s{i}", [2 + i] * 128, params)
         while any(s.num_output_tokens < 2 for s in engine.scheduler.running) or engine.scheduler.waiting:

@@ -216,9 +216,9 @@ def test_verification_time_stops_where_the_host_starts_reading(spec_pair, monkey
     runner = worker.target.runner
     prepare = runner.prepare
 
-    def slow_prepare(*args):
+    def slow_prepare(*args, **kwargs):
         time.sleep(slow)
-        return prepare(*args)
+        return prepare(*args, **kwargs)
 
     monkeypatch.setattr(runner, "prepare", slow_prepare)
     llm.generate(make_prompts(2), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)

@@ -69,6 +69,9 @@ class SamplingMetadata:
     # None: no row has one.
     grammar_rows: torch.Tensor | None = None
     grammar_mask: torch.Tensor | None = None
+    # Every row greedy with nothing applied to its logits (no penalties, biases, bad words, grammar or
+    # min_tokens): each row's token is its raw logits' argmax.
+    plain_greedy: bool = False
     # Benchmarks only: [N] per-row probability of accepting each draft token (extra_args
     # "synthetic_acceptance_rate"), NaN on rows without one (they keep the engine-wide rate, if any).
     synthetic_acceptance: torch.Tensor | None = None
@@ -121,6 +124,8 @@ class SamplingMetadata:
             follows_tokens=with_penalties or with_bad_words or with_grammar or bool(banned_r),
             needs_host_tokens=with_bad_words or with_grammar,
             **(_grammar_masks(rows, vocab_size, device) if with_grammar else {}),
+            plain_greedy=all(greedy) and not any(penalized) and not any(biased) and not any(bad_words)
+            and not any(structured) and not any(min_tokens),
             synthetic_acceptance=(to_device([float("nan") if r is None else r for r in rates], **f32)
                                   if rates.count(None) < len(rates) else None),
         )

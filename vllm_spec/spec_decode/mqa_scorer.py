@@ -50,40 +50,32 @@ class MQAScorer:
         and its reading of the tokens after it are host time, as around a plain step.
         `while_device_runs`: host work that needs none of this step's outputs, done before the wait."""
         dev = self.device
-        found = dict(zip(spec_idx, proposals.num_drafts))            # seq index -> drafts proposed
-        spec_row = {i: r for r, i in enumerate(spec_idx)}             # seq index -> row in proposals
+        drafted = np.asarray(proposals.num_drafts, dtype=np.int64)
+        found_np = np.zeros(len(req.seqs), dtype=np.int64)            # seq index -> drafts proposed
+        found_np[spec_idx] = drafted
         # Score: each speculating sequence feeds [last token, draft_1..draft_n] in one target pass.
         # When every sequence is decoding, all may be padded to the longest draft (placeholder tokens in
         # reserved slots, ignored by the verifier) so the pass has one query length and replays a graph.
-        k = max(found.values(), default=0)
+        k = int(drafted.max(initial=0))
         max_len = self.config.model.max_model_len
-        real = len(req.seqs) + sum(found.values())
+        real = len(req.seqs) + int(drafted.sum())
         uniform = pads_verification(len(req.seqs), k, real) and all(
             s.sample and len(s.token_ids) == 1 and s.seq_len + k <= max_len for s in req.seqs)
-        verify = [SeqInput(s.seq_id, s.token_ids + [0] * (k if uniform else found.get(i, 0)), s.start_pos,
-                           s.block_table, s.sample, s.sampling_params, s.prompt_token_ids, s.output_token_ids)
-                  for i, s in enumerate(req.seqs)]
-        batch = self.target.runner.prepare(verify)
+        pads = np.full(len(req.seqs), k, dtype=np.int64) if uniform else found_np
+        batch = self.target.runner.prepare(req.seqs, placeholders=pads)
         starts = batch.token_starts
-        starts_np = np.asarray(starts, dtype=np.int64)
+        fed_ends = batch.last_rows + 1 - pads   # each sequence's row after the tokens it feeds
         sampled = [i for i, s in enumerate(req.seqs) if s.sample]
         # Index arrays, built in numpy and sent in one copy: the j-th draft of speculating row r goes
         # right after its sequence's last token (a decode feeds one; a seeded row's recompute after
         # preemption, its whole last chunk); sampled row r is scored at its last token and at each
         # of its drafts (grid: row r, position j).
-        drafted = np.asarray(proposals.num_drafts, dtype=np.int64)
         src_row, src_pos = ragged_grid(drafted)
         spec_np = np.asarray(spec_idx, dtype=np.int64)
-        fed_ends = starts_np[spec_np] + np.fromiter((len(req.seqs[i].token_ids) for i in spec_idx), dtype=np.int64,
-                                                    count=len(spec_idx))
-        dst = fed_ends[src_row] + src_pos
-        found_np = np.zeros(len(req.seqs), dtype=np.int64)
-        found_np[spec_idx] = drafted
+        dst = fed_ends[spec_np][src_row] + src_pos
         sampled_np = np.asarray(sampled, dtype=np.int64)
         grid_r, grid_j = ragged_grid(found_np[sampled_np] + 1)
-        last = starts_np[sampled_np] + np.fromiter((len(req.seqs[i].token_ids) for i in sampled), dtype=np.int64,
-                                                   count=len(sampled)) - 1
-        logit_rows = last[grid_r] + grid_j
+        logit_rows = fed_ends[sampled_np][grid_r] - 1 + grid_j
         prompt_rows = PromptLogprobRows.of(req.seqs, starts)
         row_of = {i: r for r, i in enumerate(sampled)}
         # The verifier's per-row metadata is the draft's when every sampled sequence speculated.
@@ -102,16 +94,12 @@ class MQAScorer:
         if len(dst):
             batch.input_ids[dst_t] = proposals.token_ids[src_row_t, src_pos_t]
 
-        drafts_host = proposals.token_ids.tolist() if any(
-            _reads_drafts(req.seqs[i].sampling_params.batch_fields) for i in spec_idx) else None
         # Plain greedy rows (no penalties or logit biases, min_tokens met) verify against argmax of the raw
         # logits: no per-position sampling metadata, no softmax over [rows, V]. (batch_fields: cached.)
-        plain_greedy = all(f.greedy and not _reads_drafts(f) and not f.biases_logits
-                           and f.min_tokens <= len(s.output_token_ids)
-                           for s, f in ((req.seqs[i], req.seqs[i].sampling_params.batch_fields) for i in sampled))
-        exp_rows = [] if plain_greedy else [
-            row for i in sampled for row in self._position_rows(
-                req.seqs[i], found.get(i, 0), drafts_host[spec_row[i]] if drafts_host and i in spec_row else None)]
+        plain_greedy = row_md.plain_greedy or all(
+            f.greedy and not _reads_drafts(f) and not f.biases_logits and f.min_tokens <= len(s.output_token_ids)
+            for s, f in ((req.seqs[i], req.seqs[i].sampling_params.batch_fields) for i in sampled))
+        exp_rows = [] if plain_greedy else self._verified_rows(req.seqs, sampled, spec_idx, found_np, proposals)
         mark()
         all_logits = self.target.runner.run(batch, rows_t)
         raw = all_logits[: len(logit_rows)]
@@ -156,7 +144,8 @@ class MQAScorer:
         rows, wait = copy.values(), copy.wait_time
         emitted = [row[: row.index(-1)] if row[-1] < 0 else row for row in rows]   # -1 past each row's end
 
-        logprobs = self._logprobs(scored, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
+        logprobs = None if row_md.max_num_logprobs is None else \
+            self._logprobs(scored, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
         accepted = [len(emitted[row_of[i]]) - 1 for i in spec_idx]
         self.proposer.on_verified([req.seqs[i].seq_id for i in spec_idx], proposals.num_drafts, accepted)
         per_pos = (np.asarray(accepted, dtype=np.int64)[:, None] > np.arange(k)).sum(axis=0).tolist()
@@ -176,6 +165,15 @@ class MQAScorer:
             keys.append(key)
         first = [s.start_pos + len(s.token_ids) for s in seqs]
         return SyntheticDraws(np.asarray(keys, dtype=np.int64), np.asarray(first, dtype=np.int64))
+
+    def _verified_rows(self, seqs: list[SeqInput], sampled: list[int], spec_idx: list[int], found: np.ndarray,
+                       proposals: Proposals) -> list[SamplingRow]:
+        """Sampling rows of every verified position of the sampled sequences, in the grid's order."""
+        spec_row = {i: r for r, i in enumerate(spec_idx)}   # seq index -> row in proposals
+        drafts_host = proposals.token_ids.tolist() if any(
+            _reads_drafts(seqs[i].sampling_params.batch_fields) for i in spec_idx) else None
+        return [row for i in sampled for row in self._position_rows(
+            seqs[i], int(found[i]), drafts_host[spec_row[i]] if drafts_host and i in spec_row else None)]
 
     def _position_rows(self, seq: SeqInput, n: int, drafts: list[int] | None) -> list[SamplingRow]:
         """Sampling rows for the n+1 verified positions: position j follows the first j drafts."""

@@ -110,16 +110,20 @@ class ModelRunner:
         if gemv.gate_up_eligible(rows, gate_up.weight):
             gemv.warm_up_gate_up(gate_up.weight, gate_up.bias)
 
-    def prepare(self, seqs: list[SeqInput], use_graph: bool = True) -> PreparedBatch:
+    def prepare(self, seqs: list[SeqInput], use_graph: bool = True,
+                placeholders: np.ndarray | None = None) -> PreparedBatch:
         """Flatten the sequences' new tokens and build the attention metadata.
 
         Everything is assembled on the host and sent in ONE copy; the device tensors are views into
         it. A batch a CUDA graph will replay is written straight into that graph's static buffers
         (valid until that graph's buffers are next written: the next prepare of the same query
         length, a capture, or a call with device inputs); use_graph=False keeps it off graphs.
+        `placeholders` (int64 [B]): that many token 0s after each sequence's new tokens, for the
+        caller to fill on the device (a verification's drafts).
         """
         B = len(seqs)
-        q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B)
+        fed = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B)
+        q_lens = fed if placeholders is None else fed + placeholders
         starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=B)
         T = int(q_lens.sum())
         qsl = np.zeros(B + 1, dtype=np.int64)
@@ -129,7 +133,13 @@ class ModelRunner:
         req_idx, offsets = ragged_grid(q_lens)
         positions = starts[req_idx] + offsets
         slots = compute_slot_mapping(tables, req_idx, positions, self.block_size)
-        tokens = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=T)
+        new_tokens = itertools.chain.from_iterable(s.token_ids for s in seqs)
+        if placeholders is None:
+            tokens = np.fromiter(new_tokens, dtype=np.int64, count=T)
+        else:
+            tokens = np.zeros(T, dtype=np.int64)
+            rows, cols = ragged_grid(fed)
+            tokens[qsl[rows] + cols] = np.fromiter(new_tokens, dtype=np.int64, count=len(rows))
         seq_lens = starts + q_lens
         uniform = int(q_lens[0]) if (q_lens == q_lens[0]).all() else None
         graph = self.graph_for(uniform, B) if uniform and use_graph else None
