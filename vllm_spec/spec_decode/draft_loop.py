@@ -116,7 +116,8 @@ class GreedyDraftLoop:
     def __call__(self, tokens: np.ndarray, first_pos: np.ndarray, limits: np.ndarray, block_tables: np.ndarray,
                  k: int, max_seq_len: int) -> torch.Tensor:
         """tokens [B, 2] at positions first_pos, first_pos + 1 (host arrays, sent in one copy);
-        drafts [B, k] (greedy) on the device."""
+        drafts [B, k] (greedy) on the device: a graph's output, valid until the next call (readers
+        queued on the device before it read them in order; no copy, a launch costs the host)."""
         batch, n = len(first_pos), self._rows
         bucket = bucket_for(batch)
         graphed = self.use_graphs and (bucket, k) in self.graphs
@@ -129,4 +130,4 @@ class GreedyDraftLoop:
             return self._run(batch, k, max_seq_len)
         graph, drafts = self.graphs[(bucket, k)]
         graph.replay()
-        return drafts[:batch].clone()
+        return drafts[:batch]

@@ -91,7 +91,14 @@ class MQAScorer:
                 [dst, src_row, src_pos, np.concatenate([logit_rows, np.asarray(prompt_rows.rows, dtype=np.int64)]),
                  grid_r, grid_j, np.asarray([row_of[i] for i in spec_idx], dtype=np.int64), found_np[sampled_np],
                  uniforms.view(np.int64).ravel()], dev)
-        if len(dst):
+        # Every sampled row verifies k drafts (the padded, graphed case): its rows of logits are the
+        # [R, k+1] grid in order, and its drafts are the proposals' rows, with no scatter into either.
+        full = all_drafted and bool((found_np[sampled_np] == k).all())
+        # ...and where every sequence is such a row, the pass's tokens are that grid too: [B, k+1].
+        dense = full and len(sampled) == len(req.seqs) and batch.uniform_q == k + 1 and not prompt_rows.rows
+        if dense:
+            batch.input_ids.view(len(req.seqs), k + 1)[:, 1:] = proposals.token_ids[:, :k]
+        elif len(dst):
             batch.input_ids[dst_t] = proposals.token_ids[src_row_t, src_pos_t]
 
         # Plain greedy rows (no penalties or logit biases, min_tokens met) verify against argmax of the raw
@@ -101,14 +108,11 @@ class MQAScorer:
             for s, f in ((req.seqs[i], req.seqs[i].sampling_params.batch_fields) for i in sampled))
         exp_rows = [] if plain_greedy else self._verified_rows(req.seqs, sampled, spec_idx, found_np, proposals)
         mark()
-        all_logits = self.target.runner.run(batch, rows_t)
+        all_logits = self.target.runner.run(batch, None if dense else rows_t)
         raw = all_logits[: len(logit_rows)]
         prompt_logprobs = prompt_rows.results(all_logits[len(logit_rows):], req.seqs)
         R = len(sampled)
         grid = (grid_r_t, grid_j_t)
-        # Every sampled row verifies k drafts (the padded, graphed case): its rows of logits are the
-        # [R, k+1] grid in order, and its drafts are the proposals' rows, with no scatter into either.
-        full = all_drafted and bool((found_np[sampled_np] == k).all())
         target_probs = target_argmax = None
         scored = raw   # the logits logprobs are of: with the grammars' masks, as the distribution sampled
         if plain_greedy:   # the greedy tokens are all the verifier needs: no [R, k+1, V] tensor

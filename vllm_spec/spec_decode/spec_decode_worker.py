@@ -177,7 +177,7 @@ class SpecDecodeWorker:
         start = time.perf_counter()
         timer = StepTimer(self.device)
         caught_up = self.proposer.catch_up(req.seqs, asked)
-        timer.mark()
+        timer.mark(queued=caught_up)
         draft_md = self._draft_metadata([req.seqs[i] for i in spec_idx])
         proposals = self.proposer.propose(req.seqs, asked, draft_md)
         timer.mark()
