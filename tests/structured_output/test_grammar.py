@@ -110,6 +110,16 @@ def test_messages_carry_no_source_locations(compiler):
     {"type": "string", "pattern": "^(?!ab)[a-z]{2}$"},
     {"type": "string", "pattern": "^a^b$"},
     {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
+    {"type": "string", "format": "email", "maxLength": 20},            # xgrammar drops the bounds
+    {"type": "string", "enum": ["abcd"], "maxLength": 3},
+    {"type": "object", "properties": {"a": {"pattern": "^x$"}}},      # no type: xgrammar allows any value
+    {"oneOf": [{"type": "integer"}, {"type": "number"}]},             # 3 is both: xgrammar would allow it
+    {"oneOf": [{"const": 1}, {"enum": [2, 1.0]}]},
+    {"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},   # {"a": 1, "b": 2}
+               {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"],
+                "additionalProperties": True}]},
+    {"$defs": {"A": {"type": "object"}},
+     "oneOf": [{"$ref": "#/$defs/A"}, {"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]}]},
 ])
 def test_schemas_xgrammar_would_not_enforce_are_refused(compiler, schema):
     with pytest.raises(ValueError, match="cannot be enforced by the xgrammar backend"):
@@ -165,3 +175,51 @@ def test_stop_tokens_are_never_text(tok, compiler):
 def test_a_grammar_no_output_matches_is_refused(compiler):
     with pytest.raises(ValueError, match="structured_outputs.grammar is not valid: it allows no first token"):
         compiler.compile(StructuredOutputsParams(grammar="root ::= root"))
+
+
+def test_one_of_with_disjoint_branches_compiles(tok, compiler):
+    pet = {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
+           "required": ["kind"]}
+    schema = {"$defs": {"Cat": pet, "Dog": {**pet, "properties": {"kind": {"enum": ["dog"]}}}},
+              "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}
+    state = compiler.matcher(StructuredOutputsParams(json=schema))
+    assert all(state.matcher.accept_token(t) for t in _ids(tok, '{"kind": "dog"}'))
+    a = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    b = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    for schema in ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, {"oneOf": [{"const": True}, {"const": 1}]},
+                   {"oneOf": [a, b]}):
+        compiler.compile(StructuredOutputsParams(json=schema))
+
+
+def _assert_no_control_characters(tok, state, prefix):
+    vocab = len(tok)
+    control = [t for t in range(vocab) if (text := tok.decode([t])) and all(ord(c) < 0x20 for c in text)]
+    assert control
+    inside = _allowed(state, _ids(tok, prefix), [], vocab)[0]
+    assert inside[_ids(tok, "a")[0]] and not inside[control].any()
+
+
+@pytest.mark.parametrize("schema, prefix, refused", [
+    ({"type": "string", "maxLength": 3}, '"', '"abcd"'),
+    ({"type": "string", "minLength": 1}, '"', '""'),
+    ({"type": ["string", "null"], "minLength": 1, "maxLength": 4}, '"', '"abcde"'),
+    ({"type": "object", "propertyNames": {"maxLength": 2}}, '{"', '{"abc"'),
+    ({"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 2}}, '["', '["a", ""'),
+])
+def test_length_bounded_strings_are_json(tok, compiler, schema, prefix, refused):
+    """xgrammar's own rule for a length-bounded string lets raw control characters in (no JSON parses
+    that): the bounds are enforced as a pattern instead, and still bound the length."""
+    state = compiler.matcher(StructuredOutputsParams(json=schema))
+    _assert_no_control_characters(tok, state, prefix)
+    state = compiler.matcher(StructuredOutputsParams(json=schema))
+    assert not all(state.matcher.accept_token(t) for t in _ids(tok, refused))
+
+
+def test_structural_tag_schemas_get_the_same_bounds(tok, compiler):
+    tag = {"type": "structural_tag", "triggers": ["<a"],
+           "structures": [{"begin": "<a>", "schema": {"type": "string", "maxLength": 2}, "end": "</a>"}]}
+    _assert_no_control_characters(tok, compiler.matcher(StructuredOutputsParams(structural_tag=tag)), '<a>"')
+    state = compiler.matcher(StructuredOutputsParams(structural_tag=tag))
+    assert all(state.matcher.accept_token(t) for t in _ids(tok, '<a>"ab"</a>'))
+    state = compiler.matcher(StructuredOutputsParams(structural_tag=tag))
+    assert not all(state.matcher.accept_token(t) for t in _ids(tok, '<a>"abc"'))

@@ -5,11 +5,13 @@ unsupported features)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # Keywords xgrammar accepts but does not enforce.
 _UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "allOf", "not", "if", "then", "else",
                         "dependentRequired", "dependentSchemas")
+_STRING_BOUNDS = ("minLength", "maxLength")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties", "contains", "not", "if", "then", "else", "propertyNames",
@@ -57,14 +59,24 @@ def _inline_single_all_of(node: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
-def _node_problem(node: dict[str, Any]) -> str | None:
+def _node_problem(node: dict[str, Any], root: Any, key: bool) -> str | None:
+    """What xgrammar would not enforce at this node (None: nothing). `key`: the node constrains property
+    names (strings without saying so)."""
     unenforced = [k for k in _UNENFORCED_KEYWORDS if k in node]
     if unenforced:
         return f"it uses {unenforced}"
     if "multipleOf" in node and node.get("type") != "integer":
         return "it uses multipleOf on non-integers"
+    bounds = [k for k in _STRING_BOUNDS if k in node]
+    if bounds and "format" in node:
+        return f"it bounds the length of a string with a format ({bounds}; xgrammar ignores them there)"
+    if bounds and ("enum" in node or "const" in node):
+        return f"it bounds the length of an enum or const ({bounds}; list only the values that fit)"
+    if (not key and "type" not in node and ("pattern" in node or bounds)
+            and not any(k in node for k in ("enum", "const", "$ref", "anyOf", "oneOf"))):
+        return 'it constrains strings (pattern, minLength, maxLength) without "type": "string" (xgrammar then ignores them)'
     if isinstance(node.get("pattern"), str):
-        if "minLength" in node or "maxLength" in node:
+        if bounds:
             return "it bounds the length of a string that has a pattern (put the bounds in the pattern)"
         problem = regex_problem(node["pattern"])
         if problem:
@@ -75,38 +87,127 @@ def _node_problem(node: dict[str, Any]) -> str | None:
         missing = [r for r in required if r not in properties]
         if missing:
             return f"it requires {missing}, which are not among its properties (no other property is allowed)"
+    branches = node.get("oneOf")
+    if isinstance(branches, list) and not all(
+            _disjoint(a, b, root) for i, a in enumerate(branches) for b in branches[i + 1:]):
+        return ("it uses oneOf with branches that may overlap (xgrammar enforces them as anyOf): use anyOf, or "
+                "branches that differ in type, const / enum, or a required property's const / enum")
     return None
 
 
-def enforceable_schema(node: Any) -> Any:
-    """The schema with one-part allOfs inlined; ValueError saying what xgrammar would not enforce."""
-    if not isinstance(node, dict):
+def _length_as_pattern(node: dict[str, Any], key: bool) -> dict[str, Any]:
+    """A string's length bounds as its pattern: xgrammar's rule for bounded strings lets raw control
+    characters through (an output that is no JSON), its pattern rule escapes them as JSON needs."""
+    lo, hi = node.get("minLength", 0), node.get("maxLength")
+    types = node.get("type")
+    is_string = key or types == "string" or (isinstance(types, list) and "string" in types)
+    if (not is_string or "pattern" in node or not any(k in node for k in _STRING_BOUNDS)
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in (lo, 0 if hi is None else hi))):
         return node
-    node = _inline_single_all_of(node)
-    problem = _node_problem(node)
-    if problem:
-        raise ValueError(f"the schema cannot be enforced by the xgrammar backend: {problem}.")
-    out = dict(node)
-    for key in _SCHEMA_MAPS:
-        if isinstance(node.get(key), dict):
-            out[key] = {name: enforceable_schema(sub) for name, sub in node[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(node.get(key), list):
-            out[key] = [enforceable_schema(sub) for sub in node[key]]
-    for key in _SCHEMA_VALUES:
-        if key in node:
-            out[key] = enforceable_schema(node[key])
+    out = {k: v for k, v in node.items() if k not in _STRING_BOUNDS}
+    out["pattern"] = f"^[\\s\\S]{{{lo},{'' if hi is None else hi}}}$"
     return out
 
 
-def check_structural_tag(tag: Any) -> None:
-    """The JSON schemas a structural tag holds (in either of its forms) must be enforceable too."""
+def _resolve(node: Any, root: Any) -> Any:
+    """A local $ref's target ("#/$defs/X", "#/definitions/X"); the node itself otherwise."""
+    for _ in range(32):   # a chain of refs, not a cycle
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            return node
+        target = root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                return node
+            target = target[part]
+        node = target
+    return node
+
+
+def _values(node: dict[str, Any]) -> list | None:
+    """The values a const / enum allows (None: not limited so)."""
+    if "const" in node:
+        return [node["const"]]
+    return node["enum"] if isinstance(node.get("enum"), list) else None
+
+
+def _json_key(value: Any) -> str:
+    """Equal JSON values, equal keys (1 and 1.0 are one number; true is not 1)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"n{float(value)!r}"
+    return json.dumps(value, sort_keys=True)
+
+
+def _types(node: dict[str, Any]) -> set[str] | None:
+    types = node.get("type")
+    if isinstance(types, str):
+        return {types}
+    return set(types) if isinstance(types, list) else None
+
+
+def _disjoint(a: Any, b: Any, root: Any, depth: int = 0) -> bool:
+    """Provably no output xgrammar lets one schema produce matches the other: their types differ
+    (integers are numbers), their const / enum values differ, each requires a property the other's
+    objects never have, or a property both require has disjoint schemas (a discriminator)."""
+    a, b = _resolve(a, root), _resolve(b, root)
+    if not isinstance(a, dict) or not isinstance(b, dict) or depth > 8:
+        return False
+    ta, tb = _types(a), _types(b)
+    if ta is not None and tb is not None:
+        ta = ta | {"integer"} if "number" in ta else ta
+        tb = tb | {"integer"} if "number" in tb else tb
+        if not ta & tb:
+            return True
+    va, vb = _values(a), _values(b)
+    if va is not None and vb is not None and not {_json_key(v) for v in va} & {_json_key(v) for v in vb}:
+        return True
+    pa, pb = a.get("properties") or {}, b.get("properties") or {}
+    ra, rb = set(a.get("required") or []), set(b.get("required") or [])
+    if _lacks(a, rb) and _lacks(b, ra):   # each output lacks a property the other branch requires
+        return True
+    return any(name in pa and name in pb and _disjoint(pa[name], pb[name], root, depth + 1) for name in sorted(ra & rb))
+
+
+def _lacks(node: dict[str, Any], required: set[str]) -> bool:
+    """Every object xgrammar lets this node produce lacks one of `required`: one is not among its
+    properties, and it allows no others (xgrammar's strict mode, unless additional or pattern
+    properties say otherwise)."""
+    closed = node.get("additionalProperties", False) is False and not node.get("patternProperties")
+    return closed and bool(required - set(node.get("properties") or {}))
+
+
+def enforceable_schema(schema: Any) -> Any:
+    """The schema as xgrammar should compile it (one-part allOfs inlined, string length bounds as
+    patterns); ValueError saying what xgrammar would not enforce."""
+
+    def walk(node: Any, key: bool = False) -> Any:
+        if not isinstance(node, dict):
+            return node
+        node = _inline_single_all_of(node)
+        problem = _node_problem(node, schema, key)
+        if problem:
+            raise ValueError(f"the schema cannot be enforced by the xgrammar backend: {problem}.")
+        out = _length_as_pattern(node, key)
+        for name in _SCHEMA_MAPS:
+            if isinstance(node.get(name), dict):
+                out[name] = {k: walk(sub) for k, sub in node[name].items()}
+        for name in _SCHEMA_LISTS:
+            if isinstance(node.get(name), list):
+                out[name] = [walk(sub) for sub in node[name]]
+        for name in _SCHEMA_VALUES:
+            if name in node:
+                out[name] = walk(node[name], key=name == "propertyNames")
+        return out
+
+    return walk(schema)
+
+
+def enforceable_structural_tag(tag: Any) -> Any:
+    """The structural tag (either form) with each JSON schema it holds as enforceable_schema gives it."""
     if isinstance(tag, dict):
-        for key, value in tag.items():
-            if key in ("schema", "json_schema") and isinstance(value, dict):
-                enforceable_schema(value)
-            else:
-                check_structural_tag(value)
-    elif isinstance(tag, list):
-        for item in tag:
-            check_structural_tag(item)
+        return {key: enforceable_schema(value) if key in ("schema", "json_schema") and isinstance(value, dict)
+                else enforceable_structural_tag(value) for key, value in tag.items()}
+    if isinstance(tag, list):
+        return [enforceable_structural_tag(item) for item in tag]
+    return tag

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_spec.structured_output.enforceable import check_structural_tag, enforceable_schema, regex_problem
+from vllm_spec.structured_output.enforceable import enforceable_schema, enforceable_structural_tag, regex_problem
 from vllm_spec.structured_output.lark import is_lark, lark_to_ebnf
 from vllm_spec.structured_output.params import StructuredOutputsParams
 
@@ -111,11 +111,10 @@ class GrammarCompiler:
             return c.compile_grammar(choice_grammar(params.choice))
         if params.grammar is not None:
             return c.compile_grammar(lark_to_ebnf(params.grammar) if is_lark(params.grammar) else params.grammar)
-        tag = json.loads(params.structural_tag)
-        check_structural_tag(tag)
+        tag = enforceable_structural_tag(json.loads(params.structural_tag))
         if "structures" in tag:
             return c.compile_structural_tag(*_legacy_structural_tag(tag))
-        return c.compile_structural_tag(params.structural_tag)
+        return c.compile_structural_tag(json.dumps(tag, ensure_ascii=False))
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarState:
         return GrammarState(_xgrammar().GrammarMatcher(self.compile(params, check_start=False)), self.vocab_size)
