@@ -36,10 +36,18 @@ class MQAScorer:
         self.proposer = proposer   # told what was accepted of its proposals
         self.tp, self.device, self.vocab_size = target.tp, target.device, target.vocab_size
         self._synthetic_keys: dict[int, int] = {}   # seq_id -> key of its synthetic acceptance draws
+        self._k_columns: dict[int, torch.Tensor] = {}   # k -> a device column of k (see _all_k)
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
             self._synthetic_keys.pop(sid, None)
+
+    def _all_k(self, rows: int, k: int) -> torch.Tensor:
+        """[rows] long, every entry k, on the device: kept per k and grown as batches grow, not sent each step."""
+        kept = self._k_columns.get(k)
+        if kept is None or len(kept) < rows:
+            kept = self._k_columns[k] = torch.full((max(rows, 64),), k, dtype=torch.long, device=self.device)
+        return kept[:rows]
 
     def score_and_verify(self, req: ExecuteModelRequest, spec_idx: list[int], proposals: Proposals,
                          draft_md: SamplingMetadata, mark: Callable[[], None],
@@ -86,33 +94,37 @@ class MQAScorer:
         synthetic = rate is not None or row_md.synthetic_acceptance is not None
         uniforms = self._synthetic_draws([req.seqs[i] for i in sampled]).uniforms(k) if synthetic \
             else np.zeros((0, k))
-        dst_t, src_row_t, src_pos_t, rows_t, grid_r_t, grid_j_t, spec_rows_t, num_drafts_t, uniforms_t = \
-            to_device_aligned(
-                [dst, src_row, src_pos, np.concatenate([logit_rows, np.asarray(prompt_rows.rows, dtype=np.int64)]),
-                 grid_r, grid_j, np.asarray([row_of[i] for i in spec_idx], dtype=np.int64), found_np[sampled_np],
-                 uniforms.view(np.int64).ravel()], dev)
         # Every sampled row verifies k drafts (the padded, graphed case): its rows of logits are the
         # [R, k+1] grid in order, and its drafts are the proposals' rows, with no scatter into either.
         full = all_drafted and bool((found_np[sampled_np] == k).all())
         # ...and where every sequence is such a row, the pass's tokens are that grid too: [B, k+1].
         dense = full and len(sampled) == len(req.seqs) and batch.uniform_q == k + 1 and not prompt_rows.rows
-        if dense:
-            batch.input_ids.view(len(req.seqs), k + 1)[:, 1:] = proposals.token_ids[:, :k]
-        elif len(dst):
-            batch.input_ids[dst_t] = proposals.token_ids[src_row_t, src_pos_t]
-
         # Plain greedy rows (no penalties or logit biases, min_tokens met) verify against argmax of the raw
         # logits: no per-position sampling metadata, no softmax over [rows, V]. (batch_fields: cached.)
         plain_greedy = row_md.plain_greedy or all(
             f.greedy and not _reads_drafts(f) and not f.biases_logits and f.min_tokens <= len(s.output_token_ids)
             for s, f in ((req.seqs[i], req.seqs[i].sampling_params.batch_fields) for i in sampled))
+        if dense and plain_greedy and not synthetic:
+            # Nothing to index on the device: no host->device copy (each call queueing work costs the host).
+            rows_t = grid = spec_rows_t = uniforms_t = None
+            num_drafts_t = self._all_k(len(sampled), k)
+        else:
+            dst_t, src_row_t, src_pos_t, rows_t, grid_r_t, grid_j_t, spec_rows_t, num_drafts_t, uniforms_t = \
+                to_device_aligned(
+                    [dst, src_row, src_pos, np.concatenate([logit_rows, np.asarray(prompt_rows.rows, dtype=np.int64)]),
+                     grid_r, grid_j, np.asarray([row_of[i] for i in spec_idx], dtype=np.int64), found_np[sampled_np],
+                     uniforms.view(np.int64).ravel()], dev)
+            grid = (grid_r_t, grid_j_t)
+            if not dense and len(dst):
+                batch.input_ids[dst_t] = proposals.token_ids[src_row_t, src_pos_t]
+        if dense:
+            batch.input_ids.view(len(req.seqs), k + 1)[:, 1:] = proposals.token_ids[:, :k]
         exp_rows = [] if plain_greedy else self._verified_rows(req.seqs, sampled, spec_idx, found_np, proposals)
         mark()
         all_logits = self.target.runner.run(batch, None if dense else rows_t)
         raw = all_logits[: len(logit_rows)]
         prompt_logprobs = prompt_rows.results(all_logits[len(logit_rows):], req.seqs)
         R = len(sampled)
-        grid = (grid_r_t, grid_j_t)
         target_probs = target_argmax = None
         scored = raw   # the logits logprobs are of: with the grammars' masks, as the distribution sampled
         if plain_greedy:   # the greedy tokens are all the verifier needs: no [R, k+1, V] tensor
