@@ -7,6 +7,7 @@ Greedy output must equal tp=1 token for token, and with k fixed the draft counts
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import random
@@ -18,7 +19,7 @@ import pytest
 import torch
 from conftest import metric_values, output_ids
 
-from vllm_spec import LLM, SamplingParams
+from vllm_spec import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
 from vllm_spec.config import ParallelConfig
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.executor.base import WorkerError
@@ -221,6 +222,59 @@ def _kill_mid_request(llm: LLM, kill) -> None:
     # The executor stays failed: later steps fail at once, they do not wait on the dead rank.
     result = _bounded(lambda: llm.generate(_prompts(1, seed=6), GREEDY, use_tqdm=False), timeout=10)
     assert isinstance(result.get("error"), WorkerError), result
+
+
+def test_a_step_the_driver_stopped_waiting_for_is_answered_and_dropped(spec_pair, reference):
+    """Ctrl-C while the driver waits for a step (generate interrupted): the ranks still run it and rank 0
+    answers it; that late reply must not be read as the next step's (outputs one step behind for good,
+    and a scheduler that never settles: the engine spun forever)."""
+    llm = LLM(spec_pair[0], tensor_parallel_size=2, speculative_model=spec_pair[1], **SPEC, **OPTS)
+    executor = llm.llm_engine.executor
+    collect, steps = executor._collect, []
+
+    def interrupted(waiting, method, timeout):
+        steps.append(method)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return collect(waiting, method, timeout)
+
+    executor._collect = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(_prompts(2, seed=3), GREEDY, use_tqdm=False)
+        result = _bounded(lambda: llm.generate(_prompts(), GREEDY, use_tqdm=False))
+        assert output_ids(result["value"]) == reference[0]
+        engine = llm.llm_engine
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    finally:
+        _shutdown(llm)
+
+
+def test_unpicklable_extra_args_fail_their_request_alone(spec_pair, reference):
+    llm = LLM(spec_pair[0], tensor_parallel_size=2, **OPTS)
+    try:
+        bad = SamplingParams(max_tokens=4, extra_args={"callback": lambda x: x})
+        with pytest.raises(ValueError, match="extra_args must be picklable with tensor_parallel_size > 1"):
+            llm.llm_engine.add_request("bad", {"prompt_token_ids": [5, 6]}, bad)
+        assert not llm.llm_engine.has_unfinished_requests()
+        fine = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, extra_args={"tag": [1, 2]})
+        assert output_ids(llm.generate(_prompts(), fine, use_tqdm=False)) == reference[0]
+    finally:
+        _shutdown(llm)
+
+
+def test_async_engine_shutdown_stops_the_ranks(spec_pair):
+    """AsyncLLMEngine.shutdown() frees what the engine holds, its ranks' processes (and their memory) too."""
+    async def serve_and_stop():
+        engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
+            model=spec_pair[0], tensor_parallel_size=2, speculative_model=spec_pair[1], **SPEC, **OPTS))
+        async for _ in engine.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=4), "a"):
+            pass
+        procs = engine.engine.executor.procs
+        await engine.shutdown()
+        return [p.is_alive() for p in procs]   # the engine object still alive: its own doing, not its drop
+
+    assert asyncio.run(serve_and_stop()) == [False, False]
 
 
 def test_killed_worker_fails_requests_multiproc(spec_pair):

@@ -4,7 +4,11 @@ of collections while the engine lives, and collectable again once it is dropped.
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 from conftest import SPEC_KV
 from vllm_spec import LLM, SamplingParams
@@ -28,3 +32,42 @@ def test_a_dropped_speculative_engine_is_collected(spec_pair):
     del llm
     gc.collect()
     assert worker() is None and kv() is None
+
+
+
+# An application object in a reference cycle (a bound method of itself) builds an engine: the build's
+# freeze takes the cycle in, so it (and the engine it holds) is never collected unless the engine's
+# shutdown gives the frozen objects back. A process of its own: other engines' finalizers unfreeze too.
+_OWNER_SCRIPT = """
+import gc, sys, weakref
+from vllm_spec import LLM
+
+class Owner:
+    def __init__(self):
+        self.callback = self.report
+        self.llm = LLM(sys.argv[1], kv_cache_memory_bytes=1 << 22)
+
+    def report(self):
+        pass
+
+def dropped(shut_down):
+    owner = Owner()
+    engine = weakref.ref(owner.llm.llm_engine)
+    if shut_down:
+        owner.llm.llm_engine.shutdown()
+        owner.llm.llm_engine.shutdown()   # idempotent
+    del owner
+    gc.collect()
+    return engine() is None
+
+print(dropped(False), dropped(True))
+"""
+
+
+def test_a_shut_down_engine_is_collected_even_from_a_frozen_cycle(tiny_llama):
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, "-c", _OWNER_SCRIPT, str(tiny_llama)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-2:] == ["False", "True"], run.stdout

@@ -367,6 +367,7 @@ class AsyncLLMEngine(EngineOperations):
         stop, and release the engine thread. Idempotent."""
         if self._closing and not self.is_running:
             self._executor.shutdown(wait=False)
+            self.engine.shutdown()
             return
         self._closing = True
         for p in self._pending_adds:
@@ -384,6 +385,7 @@ class AsyncLLMEngine(EngineOperations):
             except Exception:
                 logger.debug("engine loop ended with an error (logged when it died)")
         self._executor.shutdown(wait=True)
+        self.engine.shutdown()   # its workers (tensor-parallel ranks) and their memory
 
     def shutdown_background_loop(self) -> None:
         """Synchronous variant for non-async callers (after the event loop has stopped)."""
@@ -391,6 +393,7 @@ class AsyncLLMEngine(EngineOperations):
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._executor.shutdown(wait=True)
+        self.engine.shutdown()
 
 
 def _settle(fut: asyncio.Future, error: BaseException | None) -> None:

@@ -10,7 +10,7 @@ import weakref
 _YOUNG_OBJECTS_PER_SEQ = 20
 
 
-def tune_gc_for_serving(engine: object, max_num_seqs: int) -> None:
+def tune_gc_for_serving(engine: object, max_num_seqs: int) -> weakref.finalize:
     """Everything built so far (models, graphs, compiled kernels) lives as long as the engine: frozen
     out of the collector's sight, a full collection mid-serving no longer walks it (an H200 trace
     showed a 60 ms pause in a 9 ms decode step at batch 128). When the engine is collected, the frozen
@@ -21,10 +21,14 @@ def tune_gc_for_serving(engine: object, max_num_seqs: int) -> None:
     Python collects its young generation every 700 net container allocations, which a batch of 256
     passes within every step (~one collection per step, 35-60 us, and more with drafts), though nearly
     all of those objects die at the step's end anyway: the threshold is raised (never lowered) to what
-    a full batch's step allocates; cycles are still collected, a few steps later."""
+    a full batch's step allocates; cycles are still collected, a few steps later.
+
+    Returns the unfreezing finalizer: an engine shut down explicitly calls it at once (an engine
+    held by a reference cycle that was frozen with it would otherwise never be collected)."""
     gc.collect()
     gc.freeze()
-    weakref.finalize(engine, gc.unfreeze)
+    unfreeze = weakref.finalize(engine, gc.unfreeze)
     gen0, gen1, gen2 = gc.get_threshold()
     if gen0:   # 0: automatic collection turned off by the application, left so
         gc.set_threshold(max(gen0, _YOUNG_OBJECTS_PER_SEQ * max_num_seqs), gen1, gen2)
+    return unfreeze

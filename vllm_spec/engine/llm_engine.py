@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import pickle
 import time
 from dataclasses import dataclass
 
@@ -69,7 +70,7 @@ class LLMEngine:
         self._last_read: float | None = None   # when the last step's outputs were applied (sequences' token times)
         self.stats = EngineStats(config.model.max_model_len, config.scheduler.max_num_batched_tokens)
         self.spec_metrics = SpecDecodeMetrics(config.speculative.num_speculative_tokens) if config.speculative else None
-        tune_gc_for_serving(self, config.scheduler.max_num_seqs)
+        self._unfreeze_gc = tune_gc_for_serving(self, config.scheduler.max_num_seqs)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, usage_context: object = None,
@@ -141,6 +142,13 @@ class LLMEngine:
             if getattr(params, name) and self.tokenizer is None:
                 raise ValueError(f"{name} ({getattr(params, name)!r}) need a tokenizer (an engine without "
                                  "skip_tokenizer_init).")
+        if params.extra_args and self.config.parallel.tensor_parallel_size > 1:
+            # Steps travel to the ranks pickled: an unpicklable value would fail the whole batch's step.
+            try:
+                pickle.dumps(params.extra_args)
+            except Exception as e:
+                raise ValueError(f"extra_args must be picklable with tensor_parallel_size > 1 (each step goes to "
+                                 f"the ranks' processes): {type(e).__name__}: {e}") from None
         if params.structured_outputs is not None:   # compiled now: a bad schema fails this request alone
             compiler_for(self.config.model, self.tokenizer).compile(params.structured_outputs)
         text, ids = self.tokenize_prompt(prompt)
@@ -372,6 +380,13 @@ class LLMEngine:
     def stop_profile(self) -> None:
         """Stop the trace and write it to $VLLM_TORCH_PROFILER_DIR."""
         self.profiler.stop()
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (tensor-parallel ranks and their memory) and give what was frozen
+        at build back to the collector; no step runs afterwards. Idempotent; dropping the engine does the
+        same, once it is collected."""
+        self.executor.shutdown()
+        self._unfreeze_gc()
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's registrations: later prompts compute every token again (blocks

@@ -36,6 +36,9 @@ class MultiprocExecutor(RankExecutor):
         ctx = multiprocessing.get_context("spawn")
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self.conns: list[Connection] = []
+        # Replies each rank owes: a call the driver stopped waiting for (an interrupt, e.g. Ctrl-C in
+        # generate) is still answered, first; its reply is then read and dropped, not taken for the next.
+        self._owed = [0] * self.world_size
         try:
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe(duplex=True)
@@ -61,6 +64,13 @@ class MultiprocExecutor(RankExecutor):
                 conn.send_bytes(payload)
             except OSError:   # its end of the pipe closed: the rank died (the same report as in _collect)
                 raise self._fail(self._death_message(rank, method)) from None
+            except BaseException:
+                # Interrupted mid-send: a rank may hold part of a call, or a call the others lack.
+                self._fail(f"sending {method} to the tensor-parallel workers was interrupted; the ranks can no "
+                           "longer agree on what to run.")
+                raise
+            if method != "shutdown" and (method != "execute_model" or rank == 0):   # (the others: errors only)
+                self._owed[rank] += 1
 
     def _call_all(self, method: str, args: tuple, timeout: float | None) -> list:
         """Every rank runs method(*args); their results, by rank."""
@@ -87,10 +97,12 @@ class MultiprocExecutor(RankExecutor):
                         status, value = obj.recv()
                     except (EOFError, OSError):
                         raise self._fail(self._death_message(rank, method)) from None
+                    self._owed[rank] -= 1
                     if status == "error":
                         raise self._fail(self._error_message(rank, method, value))
-                    results[rank] = value
-                    waiting.discard(rank)
+                    if self._owed[rank] == 0:   # else the answer to a call nobody waits for any more
+                        results[rank] = value
+                        waiting.discard(rank)
             for obj in ready:
                 if obj in by_sentinel:
                     rank = by_sentinel[obj]
