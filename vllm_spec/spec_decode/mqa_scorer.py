@@ -50,11 +50,11 @@ class MQAScorer:
         return kept[:rows]
 
     def score_and_verify(self, req: ExecuteModelRequest, spec_idx: list[int], proposals: Proposals,
-                         draft_md: SamplingMetadata, mark: Callable[[], None],
+                         draft_md: SamplingMetadata, mark: Callable[..., None],
                          while_device_runs: Callable[[], None]) -> StepOutput:
         """Score the drafts in one target pass and verify them. `mark` is called as the target pass
-        starts and once the verification is queued, before the host waits for its tokens: the
-        verification's device span lies between the two; the host's input preparation before it
+        starts and once the verification is queued (with `last=` the event recorded after its copy to
+        the host), before the host waits for its tokens: the verification's device span lies between the two; the host's input preparation before it
         and its reading of the tokens after it are host time, as around a plain step.
         `while_device_runs`: host work that needs none of this step's outputs, done before the wait."""
         dev = self.device
@@ -154,8 +154,8 @@ class MQAScorer:
                                   self.target.sampler.generator, rate, target_argmax, found_np[sampled_np].tolist(),
                                   uniforms_t.view(torch.float64).view(len(sampled), k) if synthetic else None)
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
-        copy = HostCopy(tokens)   # the step's one device->host copy
-        mark()
+        copy = HostCopy(tokens, timed=True)   # the step's one device->host copy; its event ends the verification
+        mark(last=copy.event)
         while_device_runs()
         rows, wait = copy.values(), copy.wait_time
         emitted = [row[: row.index(-1)] if row[-1] < 0 else row for row in rows]   # -1 past each row's end
