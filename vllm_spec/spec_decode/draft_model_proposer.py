@@ -20,7 +20,7 @@ from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.sample.metadata import SamplingMetadata
 from vllm_spec.sample.sampler import apply_top_k_top_p_min_p, exponential_noise
 from vllm_spec.spec_decode.draft_loop import GreedyDraftLoop
-from vllm_spec.spec_decode.proposer import Proposals, tokens_from
+from vllm_spec.spec_decode.proposer import Proposals, token_at, tokens_from
 from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import SeqInput
 from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for
@@ -170,8 +170,9 @@ class DraftModelProposer:
         seq_lens = [s.seq_len for s in seqs]   # read once: a property, per sequence per step
         lens = np.asarray(seq_lens, dtype=np.int64)
         limits = lens + np.asarray(num_drafts, dtype=np.int64) - 1
-        tokens = np.fromiter((t for s, n in zip(seqs, seq_lens) for t in tokens_from(s, n - 2)), dtype=np.int64,
-                             count=2 * B)
+        tokens = np.empty((B, 2), dtype=np.int64)
+        tokens[:, 0] = np.fromiter(map(token_at, seqs, (n - 2 for n in seq_lens)), dtype=np.int64, count=B)
+        tokens[:, 1] = np.fromiter(map(token_at, seqs, (n - 1 for n in seq_lens)), dtype=np.int64, count=B)
         drafts = self.loop(tokens, lens - 2, limits, tables, k, max_seq_len=int(limits.max()) + 1)
         for s, length, n in zip(seqs, seq_lens, num_drafts):
             self._computed[s.seq_id] = length + n - 1

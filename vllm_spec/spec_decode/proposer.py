@@ -52,6 +52,14 @@ class Proposer(Protocol):
         ...
 
 
+def token_at(seq: SeqInput, pos: int) -> int:
+    """The sequence's token at position `pos` (< seq_len): of this step's chunk, else of its prompt and output."""
+    if pos >= seq.start_pos:
+        return seq.token_ids[pos - seq.start_pos]
+    prompt = seq.prompt_token_ids
+    return prompt[pos] if pos < len(prompt) else seq.output_token_ids[pos - len(prompt)]
+
+
 def tokens_from(seq: SeqInput, start: int) -> list[int]:
     """The sequence's tokens from `start` up to the end of this step's chunk."""
     return concat_slice(seq.prompt_token_ids, seq.output_token_ids, start, seq.start_pos) + seq.token_ids
