@@ -119,6 +119,20 @@ def test_qwen2_windows_follow_transformers_defaults():
     assert windows({**base, "use_sliding_window": True, "layer_types": layer_types}) == [8, None, 8, None]
 
 
+def test_windows_of_llama_and_mistral_follow_transformers():
+    from vllm_spec.model.arch_config import ArchConfig
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    windows = lambda cfg: [ArchConfig.from_hf_dict(cfg).sliding_window_for(i) for i in range(2)]  # noqa: E731
+    llama, mistral = dict(base, architectures=["LlamaForCausalLM"]), dict(base, architectures=["MistralForCausalLM"])
+    assert windows({**llama, "sliding_window": 8}) == [None, None]           # Llama never windows
+    assert windows({**mistral, "sliding_window": 8}) == [8, 8]
+    assert windows(mistral) == [4096, 4096]                                   # MistralConfig's default
+    assert windows({**mistral, "sliding_window": None}) == [None, None]
+    layer_types = ["full_attention", "sliding_attention"]
+    assert windows({**mistral, "sliding_window": 8, "layer_types": layer_types}) == [None, 8]   # Ministral
+
+
 def test_malformed_config_json_is_named(base, tmp_path):
     bad = _variant(base, tmp_path / "bad")
     (bad / "config.json").write_text('{"architectures": ')

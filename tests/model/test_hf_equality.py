@@ -31,7 +31,8 @@ PROMPTS = [
     "Reformat the single paragraph in 'text' so it fits in lines of no more than 'width' columns.",
     "x = 1",
 ]
-ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwen2_window", "qwen2_yarn"]
+ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwen2_window", "qwen2_yarn",
+         "llama_window_key", "mistral_layer_types"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -73,9 +74,24 @@ def tiny_qwen2_yarn(tmp_path_factory) -> Path:
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_window_key(tmp_path_factory) -> Path:
+    # A Llama config carrying sliding_window (Mistral weights converted to Llama often do): transformers'
+    # Llama never windows.
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama_window_key"), "llama", seed=8, sliding_window=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_mistral_layer_types(tmp_path_factory) -> Path:
+    # Mistral with layer_types (Ministral): only the layers called sliding attend within the window.
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_mistral_layer_types"), "mistral", seed=9, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"])
+
+
 _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mistral",
              "llama3_tied": "tiny_llama3_tied", "gqa": "tiny_gqa", "llama_biases": "tiny_llama_biases",
-             "qwen2_window": "tiny_qwen2_window", "qwen2_yarn": "tiny_qwen2_yarn"}
+             "qwen2_window": "tiny_qwen2_window", "qwen2_yarn": "tiny_qwen2_yarn",
+             "llama_window_key": "tiny_llama_window_key", "mistral_layer_types": "tiny_mistral_layer_types"}
 
 
 class Case:
@@ -94,7 +110,10 @@ class Case:
     @torch.no_grad()
     def hf_greedy(self, ids: list[int]) -> list[int]:
         x = torch.tensor([ids])
+        # Without a cache: transformers 5 builds a sliding-window cache from any config with sliding_window,
+        # a Llama's too, whose forward never windows (the logits tests compare with that forward).
         out = self.hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               use_cache=False,
                                eos_token_id=None, min_new_tokens=NEW_TOKENS, pad_token_id=0)
         return out[0, len(ids):].tolist()
 

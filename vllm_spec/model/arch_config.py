@@ -14,6 +14,8 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
 }
+# transformers' sliding_window for a config.json without one: Mistral's, and Qwen2's with use_sliding_window.
+_SLIDING_WINDOW_DEFAULT = 4096
 # A config without "architectures" names its model_type (transformers loads it from that).
 _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -83,14 +85,7 @@ class ArchConfig:
                              f"({kv_heads}): each KV head serves the same number of query heads.")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        sliding, windowed = cfg.get("sliding_window"), None
-        if arch == "Qwen2ForCausalLM":
-            if not cfg.get("use_sliding_window", False):
-                sliding = None
-            elif isinstance(cfg.get("layer_types"), list):
-                windowed = tuple(i for i, t in enumerate(cfg["layer_types"]) if t == "sliding_attention")
-            else:
-                windowed = tuple(range(cfg.get("max_window_layers", 28), layers))   # transformers' default
+        sliding, windowed = _sliding_window(arch, cfg, layers)
         rope_scaling = cfg.get("rope_scaling")
         rope_params = cfg.get("rope_parameters")  # transformers >= 5 layout
         rope_theta = cfg.get("rope_theta")
@@ -124,7 +119,8 @@ class ArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", SUPPORTED_ARCHITECTURES[arch]),
+            # (transformers' Qwen2 always has q/k/v biases and Mistral never: their attention_bias is ignored)
+            attention_bias=cfg.get("attention_bias", False) if arch == "LlamaForCausalLM" else SUPPORTED_ARCHITECTURES[arch],
             o_proj_bias=bool(cfg.get("vllm_spec_o_proj_bias",
                                      arch == "LlamaForCausalLM" and cfg.get("attention_bias", False))),
             mlp_bias=cfg.get("mlp_bias", False),
@@ -152,3 +148,22 @@ def _draft_vocab(value: Any, vocab_size: int) -> tuple[int, ...] | None:
     if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
         raise ValueError(f"vllm_spec_draft_vocab must name token ids in [0, {vocab_size}) (at least one).")
     return ids
+
+
+def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """(window, the layers it applies to: None for all), as transformers reads the config: Llama has none
+    (its sliding_window key is ignored); Mistral windows every layer (4096 unless the key says otherwise, null:
+    none), or those its layer_types call sliding (Ministral); Qwen2 only with use_sliding_window, on the
+    layers layer_types call sliding, else from max_window_layers on."""
+    if arch == "LlamaForCausalLM":
+        return None, None
+    types = cfg.get("layer_types")
+    sliding = cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULT)
+    if arch == "Qwen2ForCausalLM":
+        if not cfg.get("use_sliding_window", False):
+            return None, None
+        if not isinstance(types, list):
+            return sliding, tuple(range(cfg.get("max_window_layers", 28), layers))   # transformers' default
+    elif not isinstance(types, list):
+        return sliding, None
+    return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
