@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import pickle
 import time
 from dataclasses import dataclass
 
@@ -14,6 +13,7 @@ from vllm_spec.core.scheduler import Scheduler, SchedulerOutput
 from vllm_spec.core.sequence import Request, Sequence, SequenceStatus
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.gc_tuning import tune_gc_for_serving
+from vllm_spec.executor.base import check_sendable_to_ranks
 from vllm_spec.engine.output_processor import OutputProcessor
 from vllm_spec.engine.request_input import (PromptType, as_token_ids, check_neutral, check_prompt_keys,
                                              check_request_id, check_request_options)
@@ -143,12 +143,7 @@ class LLMEngine:
                 raise ValueError(f"{name} ({getattr(params, name)!r}) need a tokenizer (an engine without "
                                  "skip_tokenizer_init).")
         if params.extra_args and self.config.parallel.tensor_parallel_size > 1:
-            # Steps travel to the ranks pickled: an unpicklable value would fail the whole batch's step.
-            try:
-                pickle.dumps(params.extra_args)
-            except Exception as e:
-                raise ValueError(f"extra_args must be picklable with tensor_parallel_size > 1 (each step goes to "
-                                 f"the ranks' processes): {type(e).__name__}: {e}") from None
+            check_sendable_to_ranks(params.extra_args, "extra_args")
         if params.structured_outputs is not None:   # compiled now: a bad schema fails this request alone
             compiler_for(self.config.model, self.tokenizer).compile(params.structured_outputs)
         text, ids = self.tokenize_prompt(prompt)
@@ -382,9 +377,10 @@ class LLMEngine:
         self.profiler.stop()
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (tensor-parallel ranks and their memory) and give what was frozen
-        at build back to the collector; no step runs afterwards. Idempotent; dropping the engine does the
-        same, once it is collected."""
+        """Stop the executor's worker processes (tensor-parallel ranks, and their memory; steps fail
+        afterwards) and give what was frozen at build back to the collector. Idempotent; dropping the
+        engine does the same, once it is collected. (Without worker processes the engine's model lives in
+        this process, freed when the engine is.)"""
         self.executor.shutdown()
         self._unfreeze_gc()
 

@@ -2,14 +2,47 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import pickle
+import sys
 
 from vllm_spec.config import EngineConfig
 from vllm_spec.worker.batch import ExecuteModelRequest, StepOutput
 from vllm_spec.worker.step_handle import DoneStep, StepHandle
 
 logger = logging.getLogger(__name__)
+
+
+class _MainModuleFinder(pickle.Pickler):
+    """Pickles to nowhere, noting an object whose class or function is defined in __main__."""
+
+    def __init__(self):
+        super().__init__(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.found: object | None = None
+
+    def reducer_override(self, obj):
+        if self.found is None and getattr(obj, "__module__", None) == "__main__":
+            self.found = obj
+        return NotImplemented
+
+
+def check_sendable_to_ranks(value: object, field: str) -> None:
+    """ValueError naming `field` unless the ranks' processes can unpickle `value`: it must pickle, and
+    hold nothing defined in a __main__ they cannot import (code run with -c, a REPL or a notebook: a
+    spawned rank re-imports the main module from its file, when it has one). Checked per request: a
+    step the ranks could not read would stop them all."""
+    finder = _MainModuleFinder()
+    try:
+        finder.dump(value)
+    except Exception as e:
+        raise ValueError(f"{field} must be picklable with tensor_parallel_size > 1 (each step goes to the "
+                         f"ranks' processes): {type(e).__name__}: {e}") from None
+    main = sys.modules.get("__main__")
+    if finder.found is not None and getattr(main, "__file__", None) is None:
+        raise ValueError(f"{field} holds {finder.found!r}, defined in __main__, which the tensor-parallel ranks' "
+                         "processes cannot import: define it in a module of its own.")
 
 
 class WorkerError(RuntimeError):

@@ -59,18 +59,19 @@ class MultiprocExecutor(RankExecutor):
     # Calls ----------------------------------------------------------------------------------
     def _send(self, method: str, args: tuple) -> None:
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self.conns):
-            try:
+        rank = 0
+        try:
+            for rank, conn in enumerate(self.conns):
+                if method != "shutdown" and (method != "execute_model" or rank == 0):   # (others: errors only)
+                    self._owed[rank] += 1
                 conn.send_bytes(payload)
-            except OSError:   # its end of the pipe closed: the rank died (the same report as in _collect)
-                raise self._fail(self._death_message(rank, method)) from None
-            except BaseException:
-                # Interrupted mid-send: a rank may hold part of a call, or a call the others lack.
-                self._fail(f"sending {method} to the tensor-parallel workers was interrupted; the ranks can no "
-                           "longer agree on what to run.")
-                raise
-            if method != "shutdown" and (method != "execute_model" or rank == 0):   # (the others: errors only)
-                self._owed[rank] += 1
+        except OSError:   # its end of the pipe closed: the rank died (the same report as in _collect)
+            raise self._fail(self._death_message(rank, method)) from None
+        except BaseException:
+            # Interrupted mid-send: a rank may hold part of a call, or a call the others lack.
+            self._fail(f"sending {method} to the tensor-parallel workers was interrupted; the ranks can no "
+                       "longer agree on what to run.")
+            raise
 
     def _call_all(self, method: str, args: tuple, timeout: float | None) -> list:
         """Every rank runs method(*args); their results, by rank."""
@@ -95,9 +96,13 @@ class MultiprocExecutor(RankExecutor):
                     rank = by_conn[obj]
                     try:
                         status, value = obj.recv()
+                        self._owed[rank] -= 1
                     except (EOFError, OSError):
                         raise self._fail(self._death_message(rank, method)) from None
-                    self._owed[rank] -= 1
+                    except BaseException:   # a reply read in part, or read and not counted
+                        self._fail(f"reading {method}'s reply from tensor-parallel worker rank {rank} was "
+                                   "interrupted; the engine cannot continue.")
+                        raise
                     if status == "error":
                         raise self._fail(self._error_message(rank, method, value))
                     if self._owed[rank] == 0:   # else the answer to a call nobody waits for any more

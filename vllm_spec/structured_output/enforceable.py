@@ -95,20 +95,6 @@ def _node_problem(node: dict[str, Any], root: Any, key: bool) -> str | None:
     return None
 
 
-def _length_as_pattern(node: dict[str, Any], key: bool) -> dict[str, Any]:
-    """A string's length bounds as its pattern: xgrammar's rule for bounded strings lets raw control
-    characters through (an output that is no JSON), its pattern rule escapes them as JSON needs."""
-    lo, hi = node.get("minLength", 0), node.get("maxLength")
-    types = node.get("type")
-    is_string = key or types == "string" or (isinstance(types, list) and "string" in types)
-    if (not is_string or "pattern" in node or not any(k in node for k in _STRING_BOUNDS)
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in (lo, 0 if hi is None else hi))):
-        return node
-    out = {k: v for k, v in node.items() if k not in _STRING_BOUNDS}
-    out["pattern"] = f"^[\\s\\S]{{{lo},{'' if hi is None else hi}}}$"
-    return out
-
-
 def _resolve(node: Any, root: Any) -> Any:
     """A local $ref's target ("#/$defs/X", "#/definitions/X"); the node itself otherwise."""
     for _ in range(32):   # a chain of refs, not a cycle
@@ -133,10 +119,20 @@ def _values(node: dict[str, Any]) -> list | None:
 
 
 def _json_key(value: Any) -> str:
-    """Equal JSON values, equal keys (1 and 1.0 are one number; true is not 1)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return f"n{float(value)!r}"
-    return json.dumps(value, sort_keys=True)
+    """Equal JSON values, equal keys (1, 1.0 and -0.0 vs 0 are one number, at any depth; true is not 1)."""
+    return json.dumps(_canonical(value), sort_keys=True)
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return ["n", float(value) + 0.0]   # (+ 0.0: -0.0 is 0; tagged: "1" the string is not 1)
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    return repr(value)
 
 
 def _types(node: dict[str, Any]) -> set[str] | None:
@@ -162,6 +158,8 @@ def _disjoint(a: Any, b: Any, root: Any, depth: int = 0) -> bool:
     va, vb = _values(a), _values(b)
     if va is not None and vb is not None and not {_json_key(v) for v in va} & {_json_key(v) for v in vb}:
         return True
+    if ta != {"object"} or tb != {"object"}:   # (required and properties say nothing of other values)
+        return False
     pa, pb = a.get("properties") or {}, b.get("properties") or {}
     ra, rb = set(a.get("required") or []), set(b.get("required") or [])
     if _lacks(a, rb) and _lacks(b, ra):   # each output lacks a property the other branch requires
@@ -173,13 +171,14 @@ def _lacks(node: dict[str, Any], required: set[str]) -> bool:
     """Every object xgrammar lets this node produce lacks one of `required`: one is not among its
     properties, and it allows no others (xgrammar's strict mode, unless additional or pattern
     properties say otherwise)."""
-    closed = node.get("additionalProperties", False) is False and not node.get("patternProperties")
+    closed = (node.get("additionalProperties", False) is False and node.get("unevaluatedProperties", False) is False
+              and not node.get("patternProperties"))
     return closed and bool(required - set(node.get("properties") or {}))
 
 
 def enforceable_schema(schema: Any) -> Any:
-    """The schema as xgrammar should compile it (one-part allOfs inlined, string length bounds as
-    patterns); ValueError saying what xgrammar would not enforce."""
+    """The schema as xgrammar should compile it (one-part allOfs inlined); ValueError saying what
+    xgrammar would not enforce."""
 
     def walk(node: Any, key: bool = False) -> Any:
         if not isinstance(node, dict):
@@ -188,7 +187,7 @@ def enforceable_schema(schema: Any) -> Any:
         problem = _node_problem(node, schema, key)
         if problem:
             raise ValueError(f"the schema cannot be enforced by the xgrammar backend: {problem}.")
-        out = _length_as_pattern(node, key)
+        out = dict(node)
         for name in _SCHEMA_MAPS:
             if isinstance(node.get(name), dict):
                 out[name] = {k: walk(sub) for k, sub in node[name].items()}

@@ -46,6 +46,21 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# The characters xgrammar allows in a length-bounded JSON string (its other strings' rule excludes the
+# control characters U+0000-U+001F, as JSON does): raw control characters, in output that no JSON parser
+# takes. Swapped in the grammar's text for the JSON rule, xgrammar's own (fast) length bounds stay.
+_BOUNDED_STRING_CHARS = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHARS = '[^\\"\\\\\\0-\\x1f]'
+
+
+def _json_strings(grammar: xgrammar.Grammar) -> xgrammar.Grammar:
+    """The grammar with its length-bounded JSON strings' characters as JSON allows them."""
+    text = str(grammar)
+    if _BOUNDED_STRING_CHARS not in text:
+        return grammar
+    return _xgrammar().Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS))
+
+
 def _legacy_structural_tag(tag: dict[str, Any]) -> tuple[list, list[str]]:
     """vLLM's first structural-tag form: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}."""
     structures, triggers = tag.get("structures"), tag.get("triggers")
@@ -97,9 +112,10 @@ class GrammarCompiler:
 
     def _compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         c, any_ws = self._compiler, not params.disable_any_whitespace
+        xgr = _xgrammar()
         if params.json is not None:
             schema = json.dumps(enforceable_schema(json.loads(params.json)), ensure_ascii=False)
-            return c.compile_json_schema(schema, any_whitespace=any_ws)
+            return c.compile_grammar(_json_strings(xgr.Grammar.from_json_schema(schema, any_whitespace=any_ws)))
         if params.json_object:   # as vLLM: an object, not any JSON value
             return c.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
         if params.regex is not None:
@@ -113,8 +129,10 @@ class GrammarCompiler:
             return c.compile_grammar(lark_to_ebnf(params.grammar) if is_lark(params.grammar) else params.grammar)
         tag = enforceable_structural_tag(json.loads(params.structural_tag))
         if "structures" in tag:
-            return c.compile_structural_tag(*_legacy_structural_tag(tag))
-        return c.compile_structural_tag(json.dumps(tag, ensure_ascii=False))
+            grammar = xgr.Grammar.from_structural_tag(*_legacy_structural_tag(tag))
+        else:
+            grammar = xgr.Grammar.from_structural_tag(json.dumps(tag, ensure_ascii=False))
+        return c.compile_grammar(_json_strings(grammar))
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarState:
         return GrammarState(_xgrammar().GrammarMatcher(self.compile(params, check_start=False)), self.vocab_size)
