@@ -63,6 +63,7 @@ def test_aborting_or_shutting_down_while_a_request_is_added_raises_the_engines_e
         await engine.shutdown()
         with pytest.raises(EngineDeadError, match="shutting down"):
             await task
+        await engine.shutdown()   # idempotent
 
     asyncio.run(asyncio.wait_for(main(), 120.0))
 

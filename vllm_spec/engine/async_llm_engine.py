@@ -366,7 +366,9 @@ class AsyncLLMEngine(EngineOperations):
         """Refuse new requests, abort the in-flight ones, let the loop apply the aborts and
         stop, and release the engine thread. Idempotent."""
         if self._closing and not self.is_running:
-            self._executor.shutdown(wait=False)
+            # The loop is over, but a step it left (a cancelled loop) may still run in the engine thread:
+            # the engine is shut down once that thread is done, without blocking the event loop.
+            await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
             self.engine.shutdown()
             return
         self._closing = True
