@@ -62,6 +62,10 @@ class SpecDecodeWorker:
                 if spec.draft.arch.embeddings_from_target:
                     draft.share_embeddings(self.target.runner.model)
                 if spec.draft.arch.draft_vocab is not None:
+                    if draft_tp.world_size > 1 and draft_tp.rank == 0:
+                        logger.warning("The draft's restricted output vocabulary (vllm_spec_draft_vocab) is not used "
+                                       "with its LM head sharded (speculative_draft_tensor_parallel_size %d): it "
+                                       "drafts over the whole vocabulary.", draft_tp.world_size)
                     draft.restrict_output_vocab(torch.tensor(spec.draft.arch.draft_vocab, dtype=torch.long))
                 self.draft_runner = ModelRunner(draft, self.device, config.cache.block_size,
                                                 config.model.max_model_len, cuda_graphs=not config.enforce_eager)
