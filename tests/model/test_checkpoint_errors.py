@@ -133,6 +133,17 @@ def test_windows_of_llama_and_mistral_follow_transformers():
     assert windows({**mistral, "sliding_window": 8, "layer_types": layer_types}) == [None, 8]   # Ministral
 
 
+def test_attention_bias_field_is_read_as_transformers_does():
+    """Qwen2 always has q/k/v biases and Mistral never: transformers ignores their configs' attention_bias."""
+    from vllm_spec.model.arch_config import ArchConfig
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    bias = lambda arch, value: ArchConfig.from_hf_dict(  # noqa: E731
+        {**base, "architectures": [arch], "attention_bias": value}).attention_bias
+    assert bias("Qwen2ForCausalLM", False) and not bias("MistralForCausalLM", True)
+    assert bias("LlamaForCausalLM", True) and not bias("LlamaForCausalLM", False)
+
+
 def test_malformed_config_json_is_named(base, tmp_path):
     bad = _variant(base, tmp_path / "bad")
     (bad / "config.json").write_text('{"architectures": ')
