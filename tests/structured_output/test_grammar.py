@@ -238,3 +238,26 @@ def test_long_length_bounds_compile_at_once(compiler):
     start = time.monotonic()
     compiler.compile(StructuredOutputsParams(json={"type": "string", "minLength": 10, "maxLength": 8000}))
     assert time.monotonic() - start < 5.0
+
+
+def test_structural_tags_name_tokens_and_keep_their_grammars_text(tok, compiler):
+    """Tags compile with the tokenizer (tokens named by their text), and only their JSON strings' rules change:
+    a grammar element's own character class keeps control characters (a TAB here)."""
+    compiler.compile(StructuredOutputsParams(structural_tag={
+        "type": "structural_tag", "format": {"type": "token", "token": "<|im_start|>"}}))
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "grammar", "grammar": 'root ::= "<" [^"\\\\\\r\\n]* ">"'},
+        {"type": "json_schema", "json_schema": {"type": "string", "maxLength": 3}}]}}
+    state = compiler.matcher(StructuredOutputsParams(structural_tag=tag))
+    assert all(state.matcher.accept_token(t) for t in _ids(tok, '<a\tb>"ab"'))
+    _assert_no_control_characters(tok, compiler.matcher(StructuredOutputsParams(structural_tag=tag)), '<a>"')
+
+
+def test_huge_bounds_in_a_structural_tag_are_refused_and_huge_consts_compared(compiler):
+    tag = {"type": "structural_tag", "triggers": ["<a"],
+           "structures": [{"begin": "<a>", "schema": {"type": "string", "maxLength": 5000}, "end": "</a>"}]}
+    with pytest.raises(ValueError, match="in a structural tag, string length bounds above 1024"):
+        compiler.compile(StructuredOutputsParams(structural_tag=tag))
+    from vllm_spec.structured_output.enforceable import enforceable_schema
+
+    enforceable_schema({"oneOf": [{"const": 10 ** 400}, {"const": 2}]})   # (no float of it: no OverflowError)

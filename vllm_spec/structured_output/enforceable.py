@@ -95,6 +95,28 @@ def _node_problem(node: dict[str, Any], root: Any, key: bool) -> str | None:
     return None
 
 
+# A structural tag's schemas compile inside xgrammar with the tokenizer (no grammar text to mend): their
+# strings' length bounds go in as a pattern there, whose compile time grows with the square of the bound.
+_PATTERN_BOUND_MAX = 1024
+
+
+def _length_as_pattern(node: dict[str, Any], key: bool) -> dict[str, Any]:
+    """A string's length bounds as its pattern (in a structural tag: see grammar._json_schema_grammar for
+    what xgrammar's own bounded strings let through), whose rule keeps JSON's characters."""
+    lo, hi = node.get("minLength", 0), node.get("maxLength")
+    types = node.get("type")
+    is_string = key or types == "string" or (isinstance(types, list) and "string" in types)
+    if (not is_string or "pattern" in node or not any(k in node for k in _STRING_BOUNDS)
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in (lo, 0 if hi is None else hi))):
+        return node
+    if max(lo, hi or 0) > _PATTERN_BOUND_MAX:
+        raise ValueError(f"the schema cannot be enforced by the xgrammar backend: in a structural tag, string length "
+                         f"bounds above {_PATTERN_BOUND_MAX} are not supported (minLength {lo}, maxLength {hi}).")
+    out = {k: v for k, v in node.items() if k not in _STRING_BOUNDS}
+    out["pattern"] = f"^[\\s\\S]{{{lo},{'' if hi is None else hi}}}$"
+    return out
+
+
 def _resolve(node: Any, root: Any) -> Any:
     """A local $ref's target ("#/$defs/X", "#/definitions/X"); the node itself otherwise."""
     for _ in range(32):   # a chain of refs, not a cycle
@@ -126,8 +148,10 @@ def _json_key(value: Any) -> str:
 def _canonical(value: Any) -> Any:
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return value
-    if isinstance(value, (int, float)):
-        return ["n", float(value) + 0.0]   # (+ 0.0: -0.0 is 0; tagged: "1" the string is not 1)
+    if isinstance(value, int):   # (tagged: "1" the string is not 1)
+        return ["n", value]
+    if isinstance(value, float):
+        return ["n", int(value) if value.is_integer() else value]   # 1.0 is 1, -0.0 is 0
     if isinstance(value, list):
         return [_canonical(v) for v in value]
     if isinstance(value, dict):
@@ -176,9 +200,9 @@ def _lacks(node: dict[str, Any], required: set[str]) -> bool:
     return closed and bool(required - set(node.get("properties") or {}))
 
 
-def enforceable_schema(schema: Any) -> Any:
-    """The schema as xgrammar should compile it (one-part allOfs inlined); ValueError saying what
-    xgrammar would not enforce."""
+def enforceable_schema(schema: Any, bounds_as_pattern: bool = False) -> Any:
+    """The schema as xgrammar should compile it (one-part allOfs inlined; with bounds_as_pattern, string
+    length bounds as patterns); ValueError saying what xgrammar would not enforce."""
 
     def walk(node: Any, key: bool = False) -> Any:
         if not isinstance(node, dict):
@@ -187,7 +211,7 @@ def enforceable_schema(schema: Any) -> Any:
         problem = _node_problem(node, schema, key)
         if problem:
             raise ValueError(f"the schema cannot be enforced by the xgrammar backend: {problem}.")
-        out = dict(node)
+        out = _length_as_pattern(node, key) if bounds_as_pattern else dict(node)
         for name in _SCHEMA_MAPS:
             if isinstance(node.get(name), dict):
                 out[name] = {k: walk(sub) for k, sub in node[name].items()}
@@ -205,7 +229,8 @@ def enforceable_schema(schema: Any) -> Any:
 def enforceable_structural_tag(tag: Any) -> Any:
     """The structural tag (either form) with each JSON schema it holds as enforceable_schema gives it."""
     if isinstance(tag, dict):
-        return {key: enforceable_schema(value) if key in ("schema", "json_schema") and isinstance(value, dict)
+        return {key: enforceable_schema(value, bounds_as_pattern=True)
+                if key in ("schema", "json_schema") and isinstance(value, dict)
                 else enforceable_structural_tag(value) for key, value in tag.items()}
     if isinstance(tag, list):
         return [enforceable_structural_tag(item) for item in tag]

@@ -8,6 +8,7 @@ rejected, so speculation stays lossless under a grammar.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -46,19 +47,21 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-# The characters xgrammar allows in a length-bounded JSON string (its other strings' rule excludes the
-# control characters U+0000-U+001F, as JSON does): raw control characters, in output that no JSON parser
-# takes. Swapped in the grammar's text for the JSON rule, xgrammar's own (fast) length bounds stay.
-_BOUNDED_STRING_CHARS = '[^\\"\\\\\\r\\n]'
-_JSON_STRING_CHARS = '[^\\"\\\\\\0-\\x1f]'
+# xgrammar writes a length-bounded JSON string as `"` X{lo, hi} `"`, with X a rule of its own whose
+# characters exclude only `"`, backslash, CR and LF: raw control characters pass, in output no JSON parser
+# takes (its unbounded strings' rule excludes U+0000-U+001F, as JSON does). Swapped for JSON's class in the
+# grammar's text, xgrammar's own (fast) length bounds stay.
+_BOUNDED_STRING_RULE = re.compile(r'^(\S+ ::= \(\()\[\^\\"\\\\\\r\\n\](\)\))$', re.MULTILINE)
+_JSON_STRING_CHARS = r'[^\"\\\0-\x1f]'
 
 
-def _json_strings(grammar: xgrammar.Grammar) -> xgrammar.Grammar:
-    """The grammar with its length-bounded JSON strings' characters as JSON allows them."""
-    text = str(grammar)
-    if _BOUNDED_STRING_CHARS not in text:
-        return grammar
-    return _xgrammar().Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS))
+@functools.lru_cache(maxsize=64)
+def _json_schema_grammar(schema: str, any_whitespace: bool) -> xgrammar.Grammar:
+    """The schema's grammar with its length-bounded strings' characters as JSON allows them (cached: each
+    request compiles its constraint at least twice, and the text round trip is not free)."""
+    xgr = _xgrammar()
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
+    return xgr.Grammar.from_ebnf(_BOUNDED_STRING_RULE.sub(lambda m: m[1] + _JSON_STRING_CHARS + m[2], text))
 
 
 def _legacy_structural_tag(tag: dict[str, Any]) -> tuple[list, list[str]]:
@@ -112,10 +115,11 @@ class GrammarCompiler:
 
     def _compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         c, any_ws = self._compiler, not params.disable_any_whitespace
-        xgr = _xgrammar()
         if params.json is not None:
             schema = json.dumps(enforceable_schema(json.loads(params.json)), ensure_ascii=False)
-            return c.compile_grammar(_json_strings(xgr.Grammar.from_json_schema(schema, any_whitespace=any_ws)))
+            if '"minLength"' in schema or '"maxLength"' in schema:
+                return c.compile_grammar(_json_schema_grammar(schema, any_ws))
+            return c.compile_json_schema(schema, any_whitespace=any_ws)
         if params.json_object:   # as vLLM: an object, not any JSON value
             return c.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
         if params.regex is not None:
@@ -129,10 +133,8 @@ class GrammarCompiler:
             return c.compile_grammar(lark_to_ebnf(params.grammar) if is_lark(params.grammar) else params.grammar)
         tag = enforceable_structural_tag(json.loads(params.structural_tag))
         if "structures" in tag:
-            grammar = xgr.Grammar.from_structural_tag(*_legacy_structural_tag(tag))
-        else:
-            grammar = xgr.Grammar.from_structural_tag(json.dumps(tag, ensure_ascii=False))
-        return c.compile_grammar(_json_strings(grammar))
+            return c.compile_structural_tag(*_legacy_structural_tag(tag))
+        return c.compile_structural_tag(json.dumps(tag, ensure_ascii=False))
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarState:
         return GrammarState(_xgrammar().GrammarMatcher(self.compile(params, check_start=False)), self.vocab_size)
