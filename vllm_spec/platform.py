@@ -62,6 +62,6 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device
             return torch.float32
         return _DTYPES.get(str(checkpoint_dtype), torch.bfloat16) if checkpoint_dtype in ("float16", "bfloat16") \
             else torch.bfloat16
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}.")
     return _DTYPES[dtype]

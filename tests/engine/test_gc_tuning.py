@@ -71,3 +71,20 @@ def test_a_shut_down_engine_is_collected_even_from_a_frozen_cycle(tiny_llama):
                          env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-2:] == ["False", "True"], run.stdout
+
+
+def test_a_huge_batch_limit_keeps_the_threshold_a_c_int():
+    """20 young objects per sequence of max_num_seqs=2e8 is past gc.set_threshold's C int."""
+    from vllm_spec.engine.gc_tuning import tune_gc_for_serving
+
+    class Owner:
+        pass
+
+    threshold = gc.get_threshold()
+    owner = Owner()
+    unfreeze = tune_gc_for_serving(owner, 2 * 10**8)
+    try:
+        assert gc.get_threshold()[0] == 2**31 - 1
+    finally:
+        unfreeze()
+        gc.set_threshold(*threshold)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.entrypoints.llm import LLM
 from vllm_spec.metrics import Counter, Gauge, Histogram, Vector
 from vllm_spec.sampling_params import SamplingParams
@@ -561,3 +562,15 @@ def test_prompt_dict_keys_as_vllm(llm, reference):
     with pytest.raises(ValueError, match=r"unknown prompt key 'promt'; allowed: prompt, prompt_token_ids"):
         llm.generate({"promt": PROMPT}, params, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0}, 5, [SamplingParams(), {"temperature": 0}]])
+def test_sampling_params_of_another_type_are_named(llm, params):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams, a list of them"):
+        llm.generate(["a", "b"], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("dtype", [[], {"a": 1}, 16])
+def test_a_dtype_of_another_type_is_named(tiny_llama, dtype):
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+        EngineArgs(model=str(tiny_llama), dtype=dtype).create_engine_config()

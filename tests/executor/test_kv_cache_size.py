@@ -37,3 +37,8 @@ def test_a_too_small_block_override_names_the_blocks_that_fit(tiny_llama):
 def test_a_budget_below_one_block_reports_no_tokens(tiny_llama):
     with pytest.raises(ValueError, match=r"holds 0 tokens \(0 blocks"):
         LLM(str(tiny_llama), max_model_len=128, kv_cache_memory_bytes=1)
+
+
+def test_a_block_override_too_large_to_allocate_is_named(tiny_llama):
+    with pytest.raises(ValueError, match=r"num_gpu_blocks_override=100000000000: a KV cache of \d+ bytes cannot be"):
+        LLM(str(tiny_llama), num_gpu_blocks_override=10**11)

@@ -133,6 +133,17 @@ def test_windows_of_llama_and_mistral_follow_transformers():
     assert windows({**mistral, "sliding_window": 8, "layer_types": layer_types}) == [None, 8]   # Ministral
 
 
+@pytest.mark.parametrize("key", ["hidden_size", "num_attention_heads", "vocab_size", "intermediate_size"])
+def test_a_config_without_a_required_field_names_it(key):
+    from vllm_spec.model.arch_config import ArchConfig
+
+    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=4)
+    del cfg[key]
+    with pytest.raises(ValueError, match=f"config.json\\) has no '{key}'"):
+        ArchConfig.from_hf_dict(cfg)
+
+
 def test_attention_bias_field_is_read_as_transformers_does():
     """Qwen2 always has q/k/v biases and Mistral never: transformers ignores their configs' attention_bias."""
     from vllm_spec.model.arch_config import ArchConfig

@@ -8,6 +8,7 @@ import weakref
 # Container objects a step allocates per sequence and frees by its end (step inputs, outputs,
 # index lists), with room to spare: a young generation this large is not collected mid-step.
 _YOUNG_OBJECTS_PER_SEQ = 20
+_MAX_THRESHOLD = 2**31 - 1   # gc.set_threshold takes a C int
 
 
 def tune_gc_for_serving(engine: object, max_num_seqs: int) -> weakref.finalize:
@@ -30,5 +31,5 @@ def tune_gc_for_serving(engine: object, max_num_seqs: int) -> weakref.finalize:
     unfreeze = weakref.finalize(engine, gc.unfreeze)
     gen0, gen1, gen2 = gc.get_threshold()
     if gen0:   # 0: automatic collection turned off by the application, left so
-        gc.set_threshold(max(gen0, _YOUNG_OBJECTS_PER_SEQ * max_num_seqs), gen1, gen2)
+        gc.set_threshold(min(max(gen0, _YOUNG_OBJECTS_PER_SEQ * max_num_seqs), _MAX_THRESHOLD), gen1, gen2)
     return unfreeze

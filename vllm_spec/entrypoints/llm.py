@@ -136,6 +136,10 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
         else:
+            if not isinstance(sampling_params, (list, tuple)) or not all(
+                    isinstance(p, SamplingParams) for p in sampling_params):
+                raise TypeError(f"sampling_params must be a SamplingParams, a list of them (one per prompt) or None, "
+                                f"got {type(sampling_params).__name__}.")
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(

@@ -43,7 +43,14 @@ class UniProcExecutor:
         self.worker = SpecDecodeWorker(config) if config.speculative else Worker(config)
         self.num_blocks = num_kv_blocks(config, self.worker.available_kv_bytes(),
                                         self.worker.kv_bytes_per_block(), config.num_lookahead_slots)
-        self.worker.init_kv_cache(self.num_blocks)
+        try:
+            self.worker.init_kv_cache(self.num_blocks)
+        except (RuntimeError, MemoryError) as e:   # (torch.OutOfMemoryError is a RuntimeError)
+            if config.cache.num_gpu_blocks_override is None:
+                raise
+            raise ValueError(f"num_gpu_blocks_override={self.num_blocks}: a KV cache of "
+                             f"{self.num_blocks * self.worker.kv_bytes_per_block()} bytes cannot be allocated "
+                             f"({type(e).__name__}); give fewer blocks.") from None
 
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
         return self.worker.execute_model(req)

@@ -75,9 +75,9 @@ class ArchConfig:
             method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
             raise ValueError(f"Quantized checkpoints are not supported (quantization_config: {method!r}); "
                              "give unquantized weights or a GGUF file (dequantized on load).")
-        heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
-        layers = cfg["num_hidden_layers"]
+        heads = _required(cfg, "num_attention_heads")
+        hidden = _required(cfg, "hidden_size")
+        layers = _required(cfg, "num_hidden_layers")
         kv_heads = cfg.get("num_key_value_heads") or heads
         if not (isinstance(heads, int) and isinstance(kv_heads, int) and 0 < kv_heads <= heads
                 and heads % kv_heads == 0):
@@ -107,9 +107,9 @@ class ArchConfig:
                 raise ValueError(f"rope_scaling of type {kind!r} needs a positive number 'factor', got {rope_scaling!r}.")
         return cls(
             architecture=arch,
-            vocab_size=cfg["vocab_size"],
+            vocab_size=_required(cfg, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=_required(cfg, "intermediate_size"),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
@@ -130,7 +130,7 @@ class ArchConfig:
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             embeddings_from_target=bool(cfg.get("vllm_spec_embeddings_from_target", False)),
-            draft_vocab=_draft_vocab(cfg.get("vllm_spec_draft_vocab"), cfg["vocab_size"]),
+            draft_vocab=_draft_vocab(cfg.get("vllm_spec_draft_vocab"), _required(cfg, "vocab_size")),
         )
 
 
@@ -167,3 +167,9 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
     elif not isinstance(types, list):
         return sliding, None
     return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+
+
+def _required(cfg: dict[str, Any], key: str) -> Any:
+    if key not in cfg:
+        raise ValueError(f"The model config (config.json) has no {key!r}: it is required for {cfg.get('architectures')}.")
+    return cfg[key]
