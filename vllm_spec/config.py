@@ -204,6 +204,9 @@ class SpeculativeConfig:
         sequence speculates only while its drafts stay inside it (as vLLM's), so a draft of a shorter
         context never shortens the target's."""
         if model in NGRAM_NAMES or method in NGRAM_NAMES:   # (vLLM's spellings)
+            if model not in (None, *NGRAM_NAMES):   # (a draft that would be ignored)
+                raise ValueError(f"speculative method 'ngram' takes no draft model, got model {model!r}: give "
+                                 "method 'draft_model' for a draft, or no model for prompt lookup.")
             method = "ngram"
         elif method in (None, "draft_model"):
             method = "draft_model"

@@ -366,6 +366,8 @@ def test_ngram_lookup_bounds_default_as_vllm(spec_pair, lookup, bounds):
       "ngram_prompt_lookup_max": 3}, "ngram_prompt_lookup_min"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": "1"}},
      "ngram_prompt_lookup_min"),
+    ({"speculative_config": {"method": "ngram", "model": "draft-dir", "num_speculative_tokens": 3}},
+     r"method 'ngram' takes no draft model, got model 'draft-dir'"),
 ])
 def test_invalid_speculative_settings(spec_pair, kwargs, match):
     if not {"model", "method"} & set(kwargs.get("speculative_config", {})):
