@@ -574,3 +574,9 @@ def test_sampling_params_of_another_type_are_named(llm, params):
 def test_a_dtype_of_another_type_is_named(tiny_llama, dtype):
     with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
         EngineArgs(model=str(tiny_llama), dtype=dtype).create_engine_config()
+
+
+@pytest.mark.parametrize("prompts", [b"hello", bytearray(b"hi"), {5, 6, 7}])
+def test_bytes_and_sets_are_no_prompts(llm, prompts):
+    with pytest.raises(TypeError, match="prompts must be a string, a dict, token ids or a list of them"):
+        llm.generate(prompts, greedy(), use_tqdm=False)

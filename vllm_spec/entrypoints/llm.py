@@ -229,7 +229,9 @@ class LLM:
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if not (hasattr(prompts, "tolist") or isinstance(prompts, Iterable)):
+    # (bytes iterate as ints, a set in no fixed order: neither is a prompt's token ids)
+    if isinstance(prompts, (bytes, bytearray, set, frozenset)) or not (
+            hasattr(prompts, "tolist") or isinstance(prompts, Iterable)):
         raise TypeError(f"prompts must be a string, a dict, token ids or a list of them, got {prompts!r}.")
     # numpy and torch arrays: a 1-D one is one prompt of token ids, a 2-D one a prompt per row.
     prompts = prompts.tolist() if hasattr(prompts, "tolist") else list(prompts)
