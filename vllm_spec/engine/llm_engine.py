@@ -13,13 +13,13 @@ from vllm_spec.core.scheduler import Scheduler, SchedulerOutput
 from vllm_spec.core.sequence import Request, Sequence, SequenceStatus
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.gc_tuning import tune_gc_for_serving
-from vllm_spec.executor.base import check_sendable_to_ranks
 from vllm_spec.engine.output_processor import OutputProcessor
 from vllm_spec.engine.request_input import (PromptType, as_token_ids, check_neutral, check_prompt_keys,
                                              check_request_id, check_request_options)
 from vllm_spec.engine.request_output import make_request_output
 from vllm_spec.engine.stats import EngineStats
 from vllm_spec.executor import create_executor
+from vllm_spec.executor.base import check_sendable_to_ranks
 from vllm_spec.generation_config import model_eos_token_ids
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput

@@ -78,6 +78,7 @@ class ArchConfig:
         heads = _required(cfg, "num_attention_heads")
         hidden = _required(cfg, "hidden_size")
         layers = _required(cfg, "num_hidden_layers")
+        vocab = _required(cfg, "vocab_size")
         kv_heads = cfg.get("num_key_value_heads") or heads
         if not (isinstance(heads, int) and isinstance(kv_heads, int) and 0 < kv_heads <= heads
                 and heads % kv_heads == 0):
@@ -107,7 +108,7 @@ class ArchConfig:
                 raise ValueError(f"rope_scaling of type {kind!r} needs a positive number 'factor', got {rope_scaling!r}.")
         return cls(
             architecture=arch,
-            vocab_size=_required(cfg, "vocab_size"),
+            vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=_required(cfg, "intermediate_size"),
             num_hidden_layers=layers,
@@ -130,7 +131,7 @@ class ArchConfig:
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             embeddings_from_target=bool(cfg.get("vllm_spec_embeddings_from_target", False)),
-            draft_vocab=_draft_vocab(cfg.get("vllm_spec_draft_vocab"), _required(cfg, "vocab_size")),
+            draft_vocab=_draft_vocab(cfg.get("vllm_spec_draft_vocab"), vocab),
         )
 
 

@@ -29,12 +29,10 @@ class StepTimer:
         """End the current phase. Each event recorded costs the host tens of microseconds while the device
         runs, so none is where one exists: queued=False, the phase queued no device work (it took no
         time there); `last`, an event with timing just recorded after the phase's last work."""
-        if not self.cuda:
-            self.marks.append(time.perf_counter())
-        elif last is not None:
+        if last is not None:
             self.marks.append(last)
         else:
-            self.marks.append(self._now() if queued else self.marks[-1])
+            self.marks.append(self._now() if queued or not self.cuda else self.marks[-1])
 
     def finish(self) -> list[float]:
         """Seconds between consecutive marks."""

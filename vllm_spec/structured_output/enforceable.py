@@ -104,8 +104,7 @@ def _length_as_pattern(node: dict[str, Any], key: bool) -> dict[str, Any]:
     """A string's length bounds as its pattern (in a structural tag: see grammar._json_schema_grammar for
     what xgrammar's own bounded strings let through), whose rule keeps JSON's characters."""
     lo, hi = node.get("minLength", 0), node.get("maxLength")
-    types = node.get("type")
-    is_string = key or types == "string" or (isinstance(types, list) and "string" in types)
+    is_string = key or "string" in (_types(node) or ())
     if (not is_string or "pattern" in node or not any(k in node for k in _STRING_BOUNDS)
             or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in (lo, 0 if hi is None else hi))):
         return node
