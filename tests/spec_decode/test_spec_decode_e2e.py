@@ -474,9 +474,9 @@ def test_a_draft_of_a_shorter_context_speculates_only_inside_it(tmp_path, spec_p
         fed.append(int(positions.max()))
         return cos_sin(positions, dtype)
 
-    def recording_propose(seqs, num_drafts, md):
-        drafted.extend(s.seq_len + n for s, n in zip(seqs, num_drafts) if n)
-        return propose(seqs, num_drafts, md)
+    def recording_propose(req, num_drafts, md):
+        drafted.extend(s.seq_len + n for s, n in zip(req.seqs, num_drafts) if n)
+        return propose(req, num_drafts, md)
 
     rope.cos_sin, proposer.propose = recording_cos_sin, recording_propose
     prompts = make_prompts(6) + [{"prompt_token_ids": list(range(3, 3 + n))} for n in (limit - 3, limit, 60)]

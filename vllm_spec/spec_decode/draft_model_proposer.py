@@ -12,6 +12,9 @@ sequences there do not speculate, and prompts are fed up to it.
 
 from __future__ import annotations
 
+import itertools
+import operator
+
 import numpy as np
 import torch
 
@@ -22,7 +25,7 @@ from vllm_spec.sample.sampler import apply_top_k_top_p_min_p, exponential_noise
 from vllm_spec.spec_decode.draft_loop import GreedyDraftLoop
 from vllm_spec.spec_decode.proposer import Proposals, token_at, tokens_from
 from vllm_spec.utils import to_device
-from vllm_spec.worker.batch import SeqInput
+from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput
 from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for
 from vllm_spec.worker.block_table import BlockTableArray
 from vllm_spec.worker.model_runner import ModelRunner
@@ -32,6 +35,8 @@ from vllm_spec.worker.model_runner import ModelRunner
 # batch runs eagerly: the lag follows a long run of plain steps, over which its cost is spread).
 CATCH_UP_LENGTHS = (4, 8, 16, 32, 64)
 CATCH_UP_MAX_TOKENS = 4096
+
+_seq_id, _draft_cached = operator.attrgetter("seq_id"), operator.attrgetter("draft_cached")
 
 
 class DraftModelProposer:
@@ -62,13 +67,16 @@ class DraftModelProposer:
             self._computed.pop(sid, None)
             self._fed.pop(sid, None)
 
-    def _start(self, seq: SeqInput) -> int:
-        # After preemption the target restarts from 0 on new blocks: so must the draft. A new sequence
-        # starts where the prefix cache's blocks stop holding the draft's K/V.
-        return min(self._computed.get(seq.seq_id, seq.draft_cached), seq.start_pos)
+    def _starts(self, req: ExecuteModelRequest) -> np.ndarray:
+        """Per sequence of the step, the first position whose draft K/V it lacks (int64 [B]). After
+        preemption the target restarts from 0 on new blocks: so must the draft. A new sequence starts
+        where the prefix cache's blocks stop holding the draft's K/V."""
+        cached = np.fromiter(map(self._computed.get, req.columns.seq_ids, map(_draft_cached, req.seqs)),
+                             dtype=np.int64, count=len(req.seqs))
+        return np.minimum(cached, req.columns.start_pos)
 
     @torch.inference_mode()
-    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> bool:
+    def catch_up(self, req: ExecuteModelRequest, num_drafts: list[int]) -> bool:
         """Feed speculating decoding sequences all but the last two tokens the draft has not seen.
 
         A sequence lags by more than two after steps that did not speculate (the draft does not
@@ -76,11 +84,14 @@ class DraftModelProposer:
         proposal itself feeds at most two tokens per decoding sequence and stays on the
         whole-proposal graph.
         """
-        behind = [s for s, n in zip(seqs, num_drafts)
-                  if n > 0 and s.sample and len(s.token_ids) == 1 and s.seq_len - self._start(s) > 2]
-        if not behind:
+        cols = req.columns
+        starts_all = self._starts(req)
+        idx = np.flatnonzero((np.asarray(num_drafts) > 0) & cols.sample & (cols.num_new == 1)
+                             & (cols.seq_len - starts_all > 2)).tolist()
+        if not idx:
             return False
-        starts = [self._start(s) for s in behind]
+        behind = [req.seqs[i] for i in idx]
+        starts = starts_all[idx].tolist()
         q = self._uniform_catch_up_length(behind, starts)
         if q is not None:
             # Every row feeds q tokens (a graph replay: eagerly, a deep draft's forward is host-bound
@@ -108,20 +119,26 @@ class DraftModelProposer:
         return q
 
     @torch.inference_mode()
-    def propose(self, seqs: list[SeqInput], num_drafts: list[int], md: SamplingMetadata) -> Proposals:
-        spec = [i for i, n in enumerate(num_drafts) if n > 0]
+    def propose(self, req: ExecuteModelRequest, num_drafts: list[int], md: SamplingMetadata) -> Proposals:
+        seqs, cols = req.seqs, req.columns
+        counts = np.asarray(num_drafts, dtype=np.int64)
+        spec_np = np.flatnonzero(counts)
+        spec = spec_np.tolist()
         limit = self.max_positions
+        starts = self._starts(req)
         # Every prompt chunk is fed (the prefix cache counts on a prompt block holding the draft's K/V
         # once the step computing it ran), and whatever the draft lags by with it.
-        fed = [i for i, s in enumerate(seqs) if num_drafts[i] > 0 or (
-            (not s.sample or len(s.token_ids) > 1 or s.start_pos < len(s.prompt_token_ids))
-            and self._start(s) < limit)]
-        k = max(num_drafts, default=0)
-        if spec and md.all_greedy and fed == spec and len(spec) <= BATCH_BUCKETS[-1] and all(
-                2 <= (length := seqs[i].seq_len) and length - self._start(seqs[i]) <= 2 for i in spec):
-            return self._propose_in_loop([seqs[i] for i in spec], [num_drafts[i] for i in spec], k)
-        catch_up = [SeqInput(seqs[i].seq_id, tokens_from(seqs[i], start)[: limit - start], start, seqs[i].block_table,
-                             sample=False) for i, start in ((i, self._start(seqs[i])) for i in fed)]
+        fed = [i for i in range(len(seqs)) if counts[i] > 0 or (
+            (not cols.sample[i] or cols.num_new[i] > 1 or cols.start_pos[i] < len(seqs[i].prompt_token_ids))
+            and starts[i] < limit)] if len(spec) < len(seqs) else spec
+        k = int(counts.max(initial=0))
+        if spec and md.all_greedy and fed == spec and len(spec) <= BATCH_BUCKETS[-1]:
+            lens = cols.seq_len[spec_np]
+            if lens.min() >= 2 and (lens - starts[spec_np]).max() <= 2:
+                return self._propose_in_loop([seqs[i] for i in spec], counts[spec_np], lens, k)
+        starts = starts.tolist()
+        catch_up = [SeqInput(seqs[i].seq_id, tokens_from(seqs[i], starts[i])[: limit - starts[i]], starts[i],
+                             seqs[i].block_table, sample=False) for i in fed]
         for s in catch_up:
             self._computed[s.seq_id] = s.seq_len
         if not spec:
@@ -163,28 +180,33 @@ class DraftModelProposer:
         stacked = None if md.all_greedy else torch.stack(all_probs, dim=1)
         return Proposals(token_ids, stacked, [num_drafts[i] for i in spec])
 
-    def _propose_in_loop(self, seqs: list[SeqInput], num_drafts: list[int], k: int) -> Proposals:
-        """Every row feeds its last two tokens (see draft_loop); one device program proposes all."""
+    def _propose_in_loop(self, seqs: list[SeqInput], num_drafts: np.ndarray, lens: np.ndarray, k: int) -> Proposals:
+        """Every row feeds its last two tokens (see draft_loop); one device program proposes all.
+        lens: the rows' seq_len."""
         B = len(seqs)
         tables = self._block_tables(seqs)
-        seq_lens = [s.seq_len for s in seqs]   # read once: a property, per sequence per step
-        lens = np.asarray(seq_lens, dtype=np.int64)
-        limits = lens + np.asarray(num_drafts, dtype=np.int64) - 1
+        limits = lens + num_drafts - 1
         tokens = np.empty((B, 2), dtype=np.int64)
-        tokens[:, 0] = np.fromiter(map(token_at, seqs, (n - 2 for n in seq_lens)), dtype=np.int64, count=B)
-        tokens[:, 1] = np.fromiter(map(token_at, seqs, (n - 1 for n in seq_lens)), dtype=np.int64, count=B)
+        tokens[:, 0] = np.fromiter(map(token_at, seqs, (lens - 2).tolist()), dtype=np.int64, count=B)
+        tokens[:, 1] = np.fromiter(map(token_at, seqs, (lens - 1).tolist()), dtype=np.int64, count=B)
         drafts = self.loop(tokens, lens - 2, limits, tables, k, max_seq_len=int(limits.max()) + 1)
-        for s, length, n in zip(seqs, seq_lens, num_drafts):
-            self._computed[s.seq_id] = length + n - 1
-            self._fed[s.seq_id] = n - 1
-        return Proposals(drafts, None, num_drafts)
+        seq_ids = list(map(_seq_id, seqs))
+        self._computed.update(zip(seq_ids, limits.tolist()))
+        self._fed.update(zip(seq_ids, (num_drafts - 1).tolist()))
+        return Proposals(drafts, None, num_drafts.tolist())
 
     def on_verified(self, seq_ids: list[int], num_drafts: list[int], num_accepted: list[int]) -> None:
-        for sid, accepted in zip(seq_ids, num_accepted):
-            # Of the drafts fed back into the model, only the accepted ones hold valid K/V.
-            fed = self._fed.pop(sid, 0)
-            if sid in self._computed:
-                self._computed[sid] -= fed - min(accepted, fed)
+        # Of the drafts fed back into the model, only the accepted ones hold valid K/V.
+        fed = np.fromiter(map(self._fed.pop, seq_ids, itertools.repeat(0)), dtype=np.int64, count=len(seq_ids))
+        dead = fed - np.minimum(np.asarray(num_accepted, dtype=np.int64), fed)
+        computed = self._computed
+        if len(computed.keys() & seq_ids) == len(seq_ids):   # none released meanwhile: one pass in C
+            values = np.fromiter(map(computed.__getitem__, seq_ids), dtype=np.int64, count=len(seq_ids))
+            computed.update(zip(seq_ids, (values - dead).tolist()))
+            return
+        for sid, n in zip(seq_ids, dead.tolist()):
+            if sid in computed:
+                computed[sid] -= n
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens from logits over the draft's vocabulary (maybe a subset of the target's), and

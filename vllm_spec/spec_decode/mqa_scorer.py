@@ -67,13 +67,15 @@ class MQAScorer:
         k = int(drafted.max(initial=0))
         max_len = self.config.model.max_model_len
         real = len(req.seqs) + int(drafted.sum())
-        uniform = pads_verification(len(req.seqs), k, real) and all(
-            s.sample and len(s.token_ids) == 1 and s.seq_len + k <= max_len for s in req.seqs)
+        cols = req.columns
+        uniform = (pads_verification(len(req.seqs), k, real) and bool((cols.sample & (cols.num_new == 1)).all())
+                   and int(cols.seq_len.max()) + k <= max_len)
         pads = np.full(len(req.seqs), k, dtype=np.int64) if uniform else found_np
         batch = self.target.runner.prepare(req.seqs, placeholders=pads)
         starts = batch.token_starts
         fed_ends = batch.last_rows + 1 - pads   # each sequence's row after the tokens it feeds
-        sampled = [i for i, s in enumerate(req.seqs) if s.sample]
+        sampled_np = np.flatnonzero(cols.sample)
+        sampled = sampled_np.tolist()
         # Index arrays, built in numpy and sent in one copy: the j-th draft of speculating row r goes
         # right after its sequence's last token (a decode feeds one; a seeded row's recompute after
         # preemption, its whole last chunk); sampled row r is scored at its last token and at each
@@ -81,18 +83,18 @@ class MQAScorer:
         src_row, src_pos = ragged_grid(drafted)
         spec_np = np.asarray(spec_idx, dtype=np.int64)
         dst = fed_ends[spec_np][src_row] + src_pos
-        sampled_np = np.asarray(sampled, dtype=np.int64)
         grid_r, grid_j = ragged_grid(found_np[sampled_np] + 1)
         logit_rows = fed_ends[sampled_np][grid_r] - 1 + grid_j
         prompt_rows = PromptLogprobRows.of(req.seqs, starts)
-        row_of = {i: r for r, i in enumerate(sampled)}
+        row_of = np.zeros(len(req.seqs), dtype=np.int64)   # seq index -> its row among the sampled
+        row_of[sampled_np] = np.arange(len(sampled))
         # The verifier's per-row metadata is the draft's when every sampled sequence speculated.
         all_drafted = spec_idx == sampled
         row_md = draft_md if all_drafted else self.target.rows_metadata([req.seqs[i] for i in sampled], for_draft=True)
         rate = self.config.speculative.synthetic_acceptance_rate
         # Synthetic draws (benchmarks) travel as float64 bits in the index arrays' one copy.
         synthetic = rate is not None or row_md.synthetic_acceptance is not None
-        uniforms = self._synthetic_draws([req.seqs[i] for i in sampled]).uniforms(k) if synthetic \
+        uniforms = self._synthetic_draws(req, sampled_np).uniforms(k) if synthetic \
             else np.zeros((0, k))
         # Every sampled row verifies k drafts (the padded, graphed case): its rows of logits are the
         # [R, k+1] grid in order, and its drafts are the proposals' rows, with no scatter into either.
@@ -112,7 +114,7 @@ class MQAScorer:
             dst_t, src_row_t, src_pos_t, rows_t, grid_r_t, grid_j_t, spec_rows_t, num_drafts_t, uniforms_t = \
                 to_device_aligned(
                     [dst, src_row, src_pos, np.concatenate([logit_rows, np.asarray(prompt_rows.rows, dtype=np.int64)]),
-                     grid_r, grid_j, np.asarray([row_of[i] for i in spec_idx], dtype=np.int64), found_np[sampled_np],
+                     grid_r, grid_j, row_of[spec_np], found_np[sampled_np],
                      uniforms.view(np.int64).ravel()], dev)
             grid = (grid_r_t, grid_j_t)
             if not dense and len(dst):
@@ -162,25 +164,25 @@ class MQAScorer:
 
         logprobs = None if row_md.max_num_logprobs is None else \
             self._logprobs(scored, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
-        accepted = [len(emitted[row_of[i]]) - 1 for i in spec_idx]
-        self.proposer.on_verified([req.seqs[i].seq_id for i in spec_idx], proposals.num_drafts, accepted)
-        per_pos = (np.asarray(accepted, dtype=np.int64)[:, None] > np.arange(k)).sum(axis=0).tolist()
-        stats = SpecStepStats(sum(1 for n in proposals.num_drafts if n > 0), sum(proposals.num_drafts),
-                              sum(accepted), per_pos, 0.0, 0.0, num_verified_tokens=int(batch.input_ids.shape[0]))
-        return StepOutput([req.seqs[i].seq_id for i in sampled], emitted, logprobs, stats, prompt_logprobs,
-                          device_wait_time=wait)
+        accepted = np.fromiter(map(len, emitted), dtype=np.int64, count=len(emitted))[row_of[spec_np]] - 1
+        seq_ids = cols.seq_ids if len(sampled) == len(req.seqs) else [cols.seq_ids[i] for i in sampled]
+        self.proposer.on_verified(seq_ids if spec_idx == sampled else [cols.seq_ids[i] for i in spec_idx],
+                                  proposals.num_drafts, accepted.tolist())
+        per_pos = (accepted[:, None] > np.arange(k)).sum(axis=0).tolist()
+        stats = SpecStepStats(int(np.count_nonzero(drafted)), int(drafted.sum()), int(accepted.sum()), per_pos,
+                              0.0, 0.0, num_verified_tokens=int(batch.input_ids.shape[0]))
+        return StepOutput(seq_ids, emitted, logprobs, stats, prompt_logprobs, device_wait_time=wait)
 
-    def _synthetic_draws(self, seqs: list[SeqInput]) -> SyntheticDraws:
+    def _synthetic_draws(self, req: ExecuteModelRequest, rows: np.ndarray) -> SyntheticDraws:
         """Benchmarks only: synthetic acceptance keyed by the request's prompt and the draft's position,
         so runs of the same requests under different policies or batches see the same acceptance."""
-        keys = []
-        for s in seqs:
-            key = self._synthetic_keys.get(s.seq_id)
-            if key is None:
-                key = self._synthetic_keys[s.seq_id] = hash(tuple(s.prompt_token_ids))
-            keys.append(key)
-        first = [s.start_pos + len(s.token_ids) for s in seqs]
-        return SyntheticDraws(np.asarray(keys, dtype=np.int64), np.asarray(first, dtype=np.int64))
+        keys = self._synthetic_keys
+        seq_ids = [req.columns.seq_ids[i] for i in rows.tolist()]
+        for i, sid in zip(rows.tolist(), seq_ids):
+            if sid not in keys:
+                keys[sid] = hash(tuple(req.seqs[i].prompt_token_ids))
+        return SyntheticDraws(np.fromiter(map(keys.__getitem__, seq_ids), dtype=np.int64, count=len(seq_ids)),
+                              req.columns.seq_len[rows])
 
     def _verified_rows(self, seqs: list[SeqInput], sampled: list[int], spec_idx: list[int], found: np.ndarray,
                        proposals: Proposals) -> list[SamplingRow]:

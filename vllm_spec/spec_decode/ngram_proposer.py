@@ -8,7 +8,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from vllm_spec.sample.metadata import SamplingMetadata
 from vllm_spec.spec_decode.proposer import Proposals, tokens_from
-from vllm_spec.worker.batch import SeqInput
+from vllm_spec.worker.batch import ExecuteModelRequest
 
 
 def ngram_lookup(tokens: np.ndarray, n_max: int, n_min: int, k: int) -> np.ndarray:
@@ -30,10 +30,11 @@ class NgramProposer:
         self.n_max, self.n_min = n_max, n_min
         self.device = device
 
-    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> bool:
+    def catch_up(self, req: ExecuteModelRequest, num_drafts: list[int]) -> bool:
         return False   # no state: every proposal reads the whole history
 
-    def propose(self, seqs: list[SeqInput], num_drafts: list[int], md: SamplingMetadata) -> Proposals:
+    def propose(self, req: ExecuteModelRequest, num_drafts: list[int], md: SamplingMetadata) -> Proposals:
+        seqs = req.seqs
         spec = [i for i, n in enumerate(num_drafts) if n > 0]
         k = max(num_drafts, default=0)
         drafts = np.zeros((len(spec), k), dtype=np.int64)

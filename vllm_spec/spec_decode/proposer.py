@@ -9,7 +9,7 @@ import torch
 
 from vllm_spec.sample.metadata import SamplingMetadata
 from vllm_spec.utils import concat_slice
-from vllm_spec.worker.batch import SeqInput
+from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Proposals:
 
 
 class Proposer(Protocol):
-    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> bool:
+    def catch_up(self, req: ExecuteModelRequest, num_drafts: list[int]) -> bool:
         """Before `propose`: bring the proposer's own state up to date where it fell behind;
         whether there was anything to do.
 
@@ -35,10 +35,10 @@ class Proposer(Protocol):
         """
         ...
 
-    def propose(self, seqs: list[SeqInput], num_drafts: list[int], md: SamplingMetadata) -> Proposals:
-        """Propose num_drafts[i] tokens after seqs[i] for every i with num_drafts[i] > 0.
+    def propose(self, req: ExecuteModelRequest, num_drafts: list[int], md: SamplingMetadata) -> Proposals:
+        """Propose num_drafts[i] tokens after req.seqs[i] for every i with num_drafts[i] > 0.
 
-        `seqs` is the whole step (prefill chunks too, so a model-based proposer keeps its
+        `req` is the whole step (prefill chunks too, so a model-based proposer keeps its
         cache in step); md has one row per speculating sequence.
         """
         ...

@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from vllm_spec.config import EngineConfig
@@ -128,28 +129,24 @@ class SpecDecodeWorker:
         lookahead, max_len = req.num_lookahead_slots, spec.max_model_len
         if spec.disable_by_batch_size is not None and len(req.seqs) >= spec.disable_by_batch_size:
             lookahead = 0   # no drafts at all (the policy still sees the step: it keeps track of what ran)
-        asked = [0] * len(req.seqs)
-        rows, seq_ids, caps = [], [], []
+        cols = req.columns
+        room = np.maximum(np.minimum(lookahead, max_len - cols.seq_len), 0)   # drafts inside the draft's limit
+        asked = np.zeros(len(req.seqs), dtype=np.int64)
+        seeded = [i for i in np.flatnonzero(cols.sample).tolist() if req.seqs[i].sampling_params.seeded_sampling]
+        for i in seeded:
+            if cols.seq_len[i] > len(req.seqs[i].prompt_token_ids):
+                asked[i] = room[i]
+        decoding = cols.sample & (cols.num_new == 1)
+        decoding[seeded] = False
+        rows = np.flatnonzero(decoding)
         # Tokens the policy does not choose: prefill chunks, and seeded rows with their full drafts
         # (so a step with them is not costed as an all-decoding step of the policy's own k).
-        other_tokens = 0
-        for i, s in enumerate(req.seqs):
-            n = len(s.token_ids)
-            room = max(min(lookahead, max_len - s.seq_len), 0)   # drafts that stay inside the draft's limit
-            if s.sample and s.sampling_params.seeded_sampling:
-                if s.seq_len > len(s.prompt_token_ids):
-                    asked[i] = room
-                other_tokens += n + asked[i]
-            elif n != 1 or not s.sample:
-                other_tokens += n
-            else:
-                rows.append(i)
-                seq_ids.append(s.seq_id)
-                caps.append(room)
-        shape = StepShape(seq_ids, caps, other_tokens)
-        chosen = self.policy.choose(shape)
-        for i, k in zip(rows, chosen):
-            asked[i] = k
+        other_tokens = int(cols.num_new.sum()) - len(rows) + int(asked.sum())
+        shape = StepShape([cols.seq_ids[i] for i in rows] if len(rows) < len(asked) else cols.seq_ids,
+                          room[rows].tolist(), other_tokens)
+        asked[rows] = self.policy.choose(shape)
+        rows = rows.tolist()
+        asked = asked.tolist()
         return asked, shape, rows
 
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
@@ -180,10 +177,10 @@ class SpecDecodeWorker:
             req = self.target.resolve_placeholders(req)
         start = time.perf_counter()
         timer = StepTimer(self.device)
-        caught_up = self.proposer.catch_up(req.seqs, asked)
+        caught_up = self.proposer.catch_up(req, asked)
         timer.mark(queued=caught_up)
         draft_md = self._draft_metadata([req.seqs[i] for i in spec_idx])
-        proposals = self.proposer.propose(req.seqs, asked, draft_md)
+        proposals = self.proposer.propose(req, asked, draft_md)
         timer.mark()
         if spec_idx:
             step: StepHandle = DoneStep(self.scorer.score_and_verify(req, spec_idx, proposals, draft_md, timer.mark,

@@ -15,7 +15,7 @@ import torch
 from vllm_spec.distributed.parallel_state import GroupCoordinator
 from vllm_spec.sample.metadata import SamplingMetadata
 from vllm_spec.spec_decode.proposer import Proposals, Proposer
-from vllm_spec.worker.batch import SeqInput
+from vllm_spec.worker.batch import ExecuteModelRequest
 
 
 class TPProposer:
@@ -29,12 +29,12 @@ class TPProposer:
         self.vocab_size = vocab_size
         self.device = device
 
-    def catch_up(self, seqs: list[SeqInput], num_drafts: list[int]) -> bool:
-        return self.inner is not None and self.inner.catch_up(seqs, num_drafts)
+    def catch_up(self, req: ExecuteModelRequest, num_drafts: list[int]) -> bool:
+        return self.inner is not None and self.inner.catch_up(req, num_drafts)
 
-    def propose(self, seqs: list[SeqInput], num_drafts: list[int], md: SamplingMetadata | None) -> Proposals:
+    def propose(self, req: ExecuteModelRequest, num_drafts: list[int], md: SamplingMetadata | None) -> Proposals:
         asked = [n for n in num_drafts if n > 0]
-        own = self.inner.propose(seqs, num_drafts, md) if self.inner is not None else None
+        own = self.inner.propose(req, num_drafts, md) if self.inner is not None else None
         if not asked:
             return own if own is not None else Proposals(torch.empty(0, 0, dtype=torch.long), None, [])
         rows, k = len(asked), max(asked)
