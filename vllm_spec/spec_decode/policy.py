@@ -69,6 +69,8 @@ class _StaticPolicy:
 
     def choose(self, shape: StepShape) -> list[int]:
         k = self.k_for(shape)
+        if min(shape.caps, default=k) >= k:   # no sequence near the draft's limit (most steps)
+            return [k] * len(shape.caps)
         return [min(k, cap) for cap in shape.caps]
 
     def observe(self, shape, chosen, accepted, stats, charge) -> None:

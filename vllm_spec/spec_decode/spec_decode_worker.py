@@ -9,6 +9,7 @@ or not speculating this step) is the k = 0 case of the same thing.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass, replace
 
@@ -35,6 +36,8 @@ from vllm_spec.worker.step_handle import DoneStep, StepHandle
 from vllm_spec.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
+
+_seeded = operator.attrgetter("sampling_params.seeded_sampling")
 
 
 class SpecDecodeWorker:
@@ -132,7 +135,9 @@ class SpecDecodeWorker:
         cols = req.columns
         room = np.maximum(np.minimum(lookahead, max_len - cols.seq_len), 0)   # drafts inside the draft's limit
         asked = np.zeros(len(req.seqs), dtype=np.int64)
-        seeded = [i for i in np.flatnonzero(cols.sample).tolist() if req.seqs[i].sampling_params.seeded_sampling]
+        sampled = np.flatnonzero(cols.sample)
+        sampled_seqs = req.seqs if len(sampled) == len(req.seqs) else [req.seqs[i] for i in sampled.tolist()]
+        seeded = sampled[np.fromiter(map(_seeded, sampled_seqs), dtype=bool, count=len(sampled))].tolist()
         for i in seeded:
             if cols.seq_len[i] > len(req.seqs[i].prompt_token_ids):
                 asked[i] = room[i]
