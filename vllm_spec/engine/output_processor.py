@@ -42,6 +42,10 @@ class OutputProcessor:
         """Append tokens one by one until a stop condition; returns how many were kept."""
         params, output = seq.sampling_params, seq.output_token_ids
         detokenize = self.tokenizer is not None and params.detokenize
+        if (logprobs is None and not detokenize and len(output) + len(token_ids) < seq.max_output_len
+                and seq.stop_check_ids.isdisjoint(token_ids)):
+            output += token_ids   # no token can stop it: a speculative step's tokens at once
+            return len(token_ids)
         for i, token in enumerate(token_ids):
             output.append(token)
             if logprobs is not None:
