@@ -217,11 +217,14 @@ class SpecDecodeWorker:
         stats.draft_time = stats.catch_up_time + draft_time
         if timer.cuda:
             result.device_time = stats.draft_time + prepare_time + stats.verify_time
-        by_id = {sid: len(toks) - 1 for sid, toks in zip(result.seq_ids, result.token_ids)}
+        if obs.shape.seq_ids == result.seq_ids:   # every sequence decoding (most steps): row for row
+            accepted = [n - 1 for n in map(len, result.token_ids)]
+        else:
+            by_id = {sid: len(toks) - 1 for sid, toks in zip(result.seq_ids, result.token_ids)}
+            accepted = [by_id.get(sid, 0) for sid in obs.shape.seq_ids]
         charge = self._charges.read(time.perf_counter(), obs.start, obs.speculative)
         charge.seconds = max(charge.seconds - stats.catch_up_time, 1e-6)
-        self._lessons.append(_Lesson(obs.shape, obs.drafted, [by_id.get(sid, 0) for sid in obs.shape.seq_ids],
-                                     stats, charge))
+        self._lessons.append(_Lesson(obs.shape, obs.drafted, accepted, stats, charge))
         stats.policy = replace(self.policy.estimates(), mean_k=sum(obs.asked) / len(obs.asked) if obs.asked else 0.0)
 
     def _policy_work(self, shape: StepShape | None) -> None:
