@@ -29,7 +29,7 @@ from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
 from vllm_spec.structured_output.grammar import compiler_for
 from vllm_spec.tokenizer import get_tokenizer
 from vllm_spec.utils import check_text, is_number
-from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput
+from vllm_spec.worker.batch import PLACEHOLDER_TOKEN, ExecuteModelRequest, SeqInput
 from vllm_spec.worker.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
@@ -219,13 +219,16 @@ class LLMEngine:
         seqs = []
         for item in sched.scheduled:
             seq, start, sample, n = item.seq, item.seq.num_computed_tokens, item.samples, item.num_new_tokens
-            params = seq.sampling_params
-            prompt_logprobs = (params.prompt_logprobs
-                               if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens else None)
+            params, prompt, output = seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids
+            num_prompt = len(prompt)
+            if n == 1 and start >= num_prompt:   # a decode: token_slice's answer without its calls
+                tokens = [output[start - num_prompt]] if start - num_prompt < len(output) else [PLACEHOLDER_TOKEN]
+            else:
+                tokens = seq.token_slice(start, start + n)
+            prompt_logprobs = params.prompt_logprobs if seq.prompt_logprobs is not None and start < num_prompt else None
             # Positional: keyword arguments cost twice as much, and this runs per sequence per step.
-            seqs.append(SeqInput(seq.seq_id, seq.token_slice(start, start + n), start, seq.block_table, sample,
-                                 params if sample else None, seq.prompt_token_ids, seq.output_token_ids,
-                                 prompt_logprobs, seq.num_draft_cached_tokens))
+            seqs.append(SeqInput(seq.seq_id, tokens, start, seq.block_table, sample, params if sample else None,
+                                 prompt, output, prompt_logprobs, seq.num_draft_cached_tokens))
         released, self._released = self._released, []
         idle, self._idle_time = self._idle_time, 0.0
         return ExecuteModelRequest(seqs, released, sched.num_lookahead_slots, idle)
