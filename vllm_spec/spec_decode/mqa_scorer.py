@@ -71,7 +71,7 @@ class MQAScorer:
         uniform = (pads_verification(len(req.seqs), k, real) and bool((cols.sample & (cols.num_new == 1)).all())
                    and int(cols.seq_len.max()) + k <= max_len)
         pads = np.full(len(req.seqs), k, dtype=np.int64) if uniform else found_np
-        batch = self.target.runner.prepare(req.seqs, placeholders=pads)
+        batch = self.target.runner.prepare(req.seqs, placeholders=pads, columns=cols)
         starts = batch.token_starts
         fed_ends = batch.last_rows + 1 - pads   # each sequence's row after the tokens it feeds
         sampled_np = np.flatnonzero(cols.sample)

@@ -15,7 +15,7 @@ from vllm_spec.config import MAX_SPECULATIVE_TOKENS
 from vllm_spec.model import gemv
 from vllm_spec.model.llama import LlamaForCausalLM
 from vllm_spec.sample.argmax import argmax_rows
-from vllm_spec.worker.batch import SeqInput
+from vllm_spec.worker.batch import BatchColumns, SeqInput
 from vllm_spec.worker.block_table import BlockTableArray
 from vllm_spec.worker.cuda_graph import GraphedForward, bucket_for
 
@@ -110,8 +110,8 @@ class ModelRunner:
         if gemv.gate_up_eligible(rows, gate_up.weight):
             gemv.warm_up_gate_up(gate_up.weight, gate_up.bias)
 
-    def prepare(self, seqs: list[SeqInput], use_graph: bool = True,
-                placeholders: np.ndarray | None = None) -> PreparedBatch:
+    def prepare(self, seqs: list[SeqInput], use_graph: bool = True, placeholders: np.ndarray | None = None,
+                columns: BatchColumns | None = None) -> PreparedBatch:
         """Flatten the sequences' new tokens and build the attention metadata.
 
         Everything is assembled on the host and sent in ONE copy; the device tensors are views into
@@ -119,12 +119,13 @@ class ModelRunner:
         (valid until that graph's buffers are next written: the next prepare of the same query
         length, a capture, or a call with device inputs); use_graph=False keeps it off graphs.
         `placeholders` (int64 [B]): that many token 0s after each sequence's new tokens, for the
-        caller to fill on the device (a verification's drafts).
+        caller to fill on the device (a verification's drafts). `columns`: the sequences' columns, where
+        the caller has them.
         """
         B = len(seqs)
-        fed = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B)
+        columns = columns or BatchColumns.of(seqs)
+        fed, starts = columns.num_new, columns.start_pos
         q_lens = fed if placeholders is None else fed + placeholders
-        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=B)
         T = int(q_lens.sum())
         qsl = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])

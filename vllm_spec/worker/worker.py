@@ -123,10 +123,11 @@ class Worker:
         if not req.seqs:
             return DoneStep(StepOutput([], []))
         span = DeviceSpan(self.device)
-        batch = self.runner.prepare(req.seqs)
-        seq_ids = [s.seq_id for s in req.seqs]
+        cols = req.columns
+        batch = self.runner.prepare(req.seqs, columns=cols)
+        seq_ids = cols.seq_ids
         in_flight = self._fill_placeholders(batch, req.seqs, seq_ids)
-        sampled = [i for i, s in enumerate(req.seqs) if s.sample]
+        sampled = np.flatnonzero(cols.sample).tolist()
         if len(sampled) < len(req.seqs):
             seqs, seq_ids = [req.seqs[i] for i in sampled], [seq_ids[i] for i in sampled]
             ends = batch.last_rows[sampled]
