@@ -7,7 +7,8 @@ speculation (a plain engine; measured once per batch size, its work depends on n
 draft nor A), fixed k=2, fixed k=4, a static batch-size table (TABLE) and the adaptive policy.
 The "mixed" workload gives half the requests A=0.9 and half A=0.3 (SamplingParams.extra_args
 synthetic_acceptance_rate), where per-sequence choices should pay. One speculative engine per
-draft (k=4); policies are swapped in place. Every policy gets the same warm-up run before each
+draft (num_speculative_tokens = --max-k, 4 by default: the adaptive policy's largest k; the
+fixed ones keep theirs); policies are swapped in place. Every policy gets the same warm-up run before each
 timed run; the adaptive policy is fresh per (draft, workload) and keeps what it learned across
 batch sizes. Reports decode tokens/s per policy, adaptive/plain and adaptive/best-fixed, writes
 JSON (--out) and a plot of tokens/s vs batch size (--plot), then prints the table. --trace adds
@@ -133,6 +134,7 @@ class Sweep:
     window: int
     repeats: int = 1
     min_seq_steps: int = 0
+    max_k: int = MAX_K   # the speculative engine's num_speculative_tokens: the adaptive policy's largest k
 
     def window_for(self, batch: int) -> int:
         """Timed steps at this batch size: at least `window`, and at least min_seq_steps sequence-steps
@@ -142,7 +144,7 @@ class Sweep:
 
     def gen_len_for(self, batch: int) -> int:
         """Tokens per request: enough that none finishes inside the window whatever it accepts."""
-        return max(self.gen_len, self.window_for(batch) * (MAX_K + 1) + 32)
+        return max(self.gen_len, self.window_for(batch) * (self.max_k + 1) + 32)
 
     def measure(self, engine: LLMEngine, batch: int, extra_args: list[dict] | None = None) -> dict:
         """The warm-up run every policy gets, then the timed steps with all `batch` requests running."""
@@ -178,13 +180,13 @@ def plain_rows(sweep: Sweep, target: str, max_len: int, engine_kw: dict) -> list
 
 def spec_rows(sweep: Sweep, target: str, draft_shape: str, draft: str, acceptance: list[float],
               max_len: int, engine_kw: dict, trace: list[TracedStep] | None = None) -> list[Row]:
-    engine = build(target, draft, MAX_K, max_len, max(sweep.batch_sizes), **engine_kw)
+    engine = build(target, draft, sweep.max_k, max_len, max(sweep.batch_sizes), **engine_kw)
     worker = engine.executor.worker
     rows = []
     for name, rate in [(f"A={a}", a) for a in acceptance] + [("mixed", None)]:
         worker.config.speculative.synthetic_acceptance_rate = rate
         policies = {**{f"fixed-{k}": FixedPolicy(k) for k in FIXED_KS}, "table": BatchSizeTablePolicy(TABLE),
-                    "adaptive": AdaptivePolicy(MAX_K, draft_cost_ratio=worker.draft_cost_ratio)}
+                    "adaptive": AdaptivePolicy(sweep.max_k, draft_cost_ratio=worker.draft_cost_ratio)}
         for b in sweep.batch_sizes:
             # Mixed: every request brings its own rate; the engine-wide one (None) applies to nobody.
             extra_args = [{"synthetic_acceptance_rate": MIXED_RATES[i % 2]} for i in range(b)] if rate is None else None
@@ -272,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=positive_int, default=1,
                     help="rounds per batch size (policies interleaved, in orders that balance which policy runs "
                          "after which over each cycle of 4 rounds); the table reports medians")
+    ap.add_argument("--max-k", type=positive_int, default=MAX_K,
+                    help="num_speculative_tokens of the speculative engine: the adaptive policy chooses k in 0..max-k "
+                         f"(the fixed policies keep k = {', '.join(map(str, FIXED_KS))})")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU, float32 (smoke test)")
     ap.add_argument("--trace", action="store_true", help="every step of the adaptive policy into the JSON")
     ap.add_argument("--out", default=None)
@@ -281,8 +286,10 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.max_k < max(FIXED_KS):
+        ap.error(f"--max-k must be >= {max(FIXED_KS)} (the largest fixed k), got {args.max_k}")
     sweep = Sweep(sorted(set(args.batch_sizes)), args.prompt_len, args.gen_len, args.warmup_len,
-                  TINY_VOCAB if args.tiny else VOCAB, args.window, args.repeats, args.min_seq_steps)
+                  TINY_VOCAB if args.tiny else VOCAB, args.window, args.repeats, args.min_seq_steps, args.max_k)
     shapes = TINY_SHAPES if args.tiny else {}
     engine_kw = TINY_ENGINE if args.tiny else {}
     tmp = Path(tempfile.mkdtemp())
