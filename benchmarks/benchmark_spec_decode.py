@@ -16,6 +16,10 @@ a few steps slowed by other work on the host do not move).
 
     python benchmarks/benchmark_spec_decode.py --batch-sizes 1 4 16 64 256 --ks 1 2 4 8 \\
         --acceptance 0.5 0.7 0.9 --drafts 68m 1b --hf
+
+Each request decodes --gen-len tokens and every step of the run is timed, the last ones (where
+requests that accepted more have finished) with fewer sequences than the batch size; --window N
+times N steps during which all of them run (the policy benchmark's protocol).
 """
 
 from __future__ import annotations
@@ -238,24 +242,31 @@ def main() -> None:
                     help="draft shapes (none: plain decode only)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--window", type=int, default=None,
+                    help="time only this many steps, every request running throughout (steps at exactly the batch "
+                         "size, without the tail where finished requests shrink it; --gen-len raised to fit)")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate (batch 1)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None, help="PNG of speedup vs batch size")
     args = ap.parse_args()
     require_cuda("benchmark_spec_decode.py")
+    if args.window is not None and args.window < 1:
+        ap.error(f"--window must be >= 1, got {args.window}")
+    gen_len = args.gen_len if args.window is None else max(args.gen_len, args.window * (max(args.ks) + 1) + 32)
+    timed_len = gen_len if args.window is None else args.window   # tokens a plain request decodes while timed
 
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
     tmp = Path(tempfile.mkdtemp())
-    max_len = args.prompt_len + args.gen_len + 32
+    max_len = args.prompt_len + gen_len + 32
     target = write_config(tmp, "8b", max_len)
     rows: list[Row] = []
     plain: dict[int, Row] = {}
     engine = build(target, None, 1, max_len, max(args.batch_sizes))
     for b in args.batch_sizes:
         run_decode(engine, b, args.prompt_len, WARMUP_TOKENS, seed=0)
-        r = run_decode(engine, b, args.prompt_len, args.gen_len, seed=1)
-        plain[b] = Row("plain", b, 0, None, floor_ms=floor_ms(engine, b, args.prompt_len + args.gen_len // 2,
+        r = run_decode(engine, b, args.prompt_len, gen_len, seed=1, window=args.window)
+        plain[b] = Row("plain", b, 0, None, floor_ms=floor_ms(engine, b, args.prompt_len + timed_len // 2,
                                                                   bandwidth), **r)
         rows.append(plain[b])
         print(asdict(plain[b]), flush=True)
@@ -273,7 +284,7 @@ def main() -> None:
                 for a in args.acceptance:
                     worker.config.speculative.synthetic_acceptance_rate = a
                     run_decode(engine, b, args.prompt_len, WARMUP_TOKENS, seed=0)
-                    r = run_decode(engine, b, args.prompt_len, args.gen_len, seed=1)
+                    r = run_decode(engine, b, args.prompt_len, gen_len, seed=1, window=args.window)
                     base = plain[b]
                     c = r["draft_ms_per_step"] / k / base.ms_per_step
                     v = r["verify_ms_per_step"] / base.ms_per_step
