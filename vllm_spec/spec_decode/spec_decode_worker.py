@@ -19,7 +19,7 @@ import torch
 from vllm_spec.config import EngineConfig
 from vllm_spec.distributed.parallel_state import get_draft_tp_group
 from vllm_spec.model.loader import load_model
-from vllm_spec.sample.metadata import ReusedMetadata, SamplingMetadata
+from vllm_spec.sample.metadata import ReusedMetadata, SamplingMetadata, SamplingRow
 from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
 from vllm_spec.spec_decode import greedy_verify
 from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer
@@ -30,7 +30,7 @@ from vllm_spec.spec_decode.proposer import Proposer
 from vllm_spec.spec_decode.step_cost import Charge, StepCharges
 from vllm_spec.spec_decode.timer import StepTimer
 from vllm_spec.spec_decode.tp_proposer import TPProposer
-from vllm_spec.worker.batch import ExecuteModelRequest, SeqInput, SpecStepStats, StepOutput
+from vllm_spec.worker.batch import ExecuteModelRequest, SpecStepStats, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner
 from vllm_spec.worker.step_handle import DoneStep, StepHandle
 from vllm_spec.worker.worker import Worker
@@ -92,6 +92,7 @@ class SpecDecodeWorker:
         self._lessons: list[_Lesson] = []
         self._finished: list[int] = []
         self._reused_draft_md = ReusedMetadata()
+        self._draft_rows: dict[int, SamplingRow] = {}   # seq id -> its row of the draft's metadata
 
     # KV cache: one block manager, two caches of the same number of blocks ----------------
     def kv_bytes_per_block(self) -> int:
@@ -166,6 +167,8 @@ class SpecDecodeWorker:
         self.proposer.release(req.finished_seq_ids)
         self._finished += req.finished_seq_ids   # the policy's, after its lessons about them
         self.scorer.release(req.finished_seq_ids)
+        for sid in req.finished_seq_ids:
+            self._draft_rows.pop(sid, None)
         if not req.seqs:
             self._policy_work(None)
             return DoneStep(StepOutput([], []))
@@ -184,7 +187,7 @@ class SpecDecodeWorker:
         timer = StepTimer(self.device)
         caught_up = self.proposer.catch_up(req, asked)
         timer.mark(queued=caught_up)
-        draft_md = self._draft_metadata([req.seqs[i] for i in spec_idx])
+        draft_md = self._draft_metadata(req, spec_idx)
         proposals = self.proposer.propose(req, asked, draft_md)
         timer.mark()
         if spec_idx:
@@ -249,13 +252,23 @@ class SpecDecodeWorker:
         except Exception:
             logger.exception("The speculation policy failed in %s; serving goes on.", getattr(call, "__name__", call))
 
-    def _draft_metadata(self, seqs: list[SeqInput]) -> SamplingMetadata | None:
+    def _draft_metadata(self, req: ExecuteModelRequest, spec_idx: list[int]) -> SamplingMetadata | None:
         """The speculating rows' proposal metadata: for a draft it never follows tokens (no penalties,
-        no min_tokens), so it is built once while the same sequences speculate."""
-        if not seqs:
+        no min_tokens), so it is built once while the same sequences speculate, and from rows kept per
+        sequence when the batch changed (every few steps under continuous batching)."""
+        if not spec_idx:
             return None
-        return self._reused_draft_md.get([s.seq_id for s in seqs],
-                                         lambda: self.target.rows_metadata(seqs, for_draft=True))
+        ids = req.columns.seq_ids
+        seq_ids = ids if len(spec_idx) == len(ids) else [ids[i] for i in spec_idx]
+
+        def build() -> SamplingMetadata:
+            rows = self._draft_rows
+            for i, sid in zip(spec_idx, seq_ids):
+                if sid not in rows:
+                    rows[sid] = self.target.sampling_row(req.seqs[i], for_draft=True)
+            return SamplingMetadata.build(list(map(rows.__getitem__, seq_ids)), self.target.vocab_size,
+                                          self.device, for_draft=True)
+        return self._reused_draft_md.get(seq_ids, build)
 
 
 def _num_params(model: torch.nn.Module) -> int:
