@@ -42,3 +42,19 @@ def test_chunk_tokens_are_the_sequences_own(seed):
         every = seq.prompt_token_ids + seq.output_token_ids + [PLACEHOLDER_TOKEN] * seq.num_in_flight
         assert s.token_ids == every[start: start + item.num_new_tokens]
         assert s.sample == item.samples and (s.sampling_params is not None) == item.samples
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_columns_are_the_sequences_fields(seed):
+    """ExecuteModelRequest.columns: what the worker reads per sequence, as arrays in the batch's order."""
+    rng = random.Random(seed)
+    chunks = [_random_chunk(rng) for _ in range(200)]
+    engine = SimpleNamespace(_released=[], _idle_time=0.0)
+    req = LLMEngine._model_request(engine, SchedulerOutput(chunks))
+    cols = req.columns
+    assert cols is req.columns   # computed once
+    assert cols.seq_ids == [s.seq_id for s in req.seqs]
+    assert cols.num_new.tolist() == [len(s.token_ids) for s in req.seqs]
+    assert cols.start_pos.tolist() == [s.start_pos for s in req.seqs]
+    assert cols.seq_len.tolist() == [s.seq_len for s in req.seqs]
+    assert cols.sample.tolist() == [s.sample for s in req.seqs]
