@@ -58,3 +58,6 @@ def test_columns_are_the_sequences_fields(seed):
     assert cols.start_pos.tolist() == [s.start_pos for s in req.seqs]
     assert cols.seq_len.tolist() == [s.seq_len for s in req.seqs]
     assert cols.sample.tolist() == [s.sample for s in req.seqs]
+    rows = sorted(rng.sample(range(len(chunks)), 50))
+    assert cols.ids_of(rows) == [req.seqs[i].seq_id for i in rows]
+    assert cols.ids_of(list(range(len(chunks)))) is cols.seq_ids

@@ -165,9 +165,9 @@ class MQAScorer:
         logprobs = None if row_md.max_num_logprobs is None else \
             self._logprobs(scored, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
         accepted = np.fromiter(map(len, emitted), dtype=np.int64, count=len(emitted))[row_of[spec_np]] - 1
-        seq_ids = cols.seq_ids if len(sampled) == len(req.seqs) else [cols.seq_ids[i] for i in sampled]
-        self.proposer.on_verified(seq_ids if spec_idx == sampled else [cols.seq_ids[i] for i in spec_idx],
-                                  proposals.num_drafts, accepted.tolist())
+        seq_ids = cols.ids_of(sampled)
+        self.proposer.on_verified(seq_ids if spec_idx == sampled else cols.ids_of(spec_idx), proposals.num_drafts,
+                                  accepted.tolist())
         per_pos = (accepted[:, None] > np.arange(k)).sum(axis=0).tolist()
         stats = SpecStepStats(int(np.count_nonzero(drafted)), int(drafted.sum()), int(accepted.sum()), per_pos,
                               0.0, 0.0, num_verified_tokens=int(batch.input_ids.shape[0]))
@@ -177,8 +177,9 @@ class MQAScorer:
         """Benchmarks only: synthetic acceptance keyed by the request's prompt and the draft's position,
         so runs of the same requests under different policies or batches see the same acceptance."""
         keys = self._synthetic_keys
-        seq_ids = [req.columns.seq_ids[i] for i in rows.tolist()]
-        for i, sid in zip(rows.tolist(), seq_ids):
+        indices = rows.tolist()
+        seq_ids = req.columns.ids_of(indices)
+        for i, sid in zip(indices, seq_ids):
             if sid not in keys:
                 keys[sid] = hash(tuple(req.seqs[i].prompt_token_ids))
         return SyntheticDraws(np.fromiter(map(keys.__getitem__, seq_ids), dtype=np.int64, count=len(seq_ids)),

@@ -148,12 +148,10 @@ class SpecDecodeWorker:
         # Tokens the policy does not choose: prefill chunks, and seeded rows with their full drafts
         # (so a step with them is not costed as an all-decoding step of the policy's own k).
         other_tokens = int(cols.num_new.sum()) - len(rows) + int(asked.sum())
-        shape = StepShape([cols.seq_ids[i] for i in rows] if len(rows) < len(asked) else cols.seq_ids,
-                          room[rows].tolist(), other_tokens)
+        row_list = rows.tolist()
+        shape = StepShape(cols.ids_of(row_list), room[rows].tolist(), other_tokens)
         asked[rows] = self.policy.choose(shape)
-        rows = rows.tolist()
-        asked = asked.tolist()
-        return asked, shape, rows
+        return asked.tolist(), shape, row_list
 
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
         return self.launch(req).result()
@@ -258,8 +256,7 @@ class SpecDecodeWorker:
         sequence when the batch changed (every few steps under continuous batching)."""
         if not spec_idx:
             return None
-        ids = req.columns.seq_ids
-        seq_ids = ids if len(spec_idx) == len(ids) else [ids[i] for i in spec_idx]
+        seq_ids = req.columns.ids_of(spec_idx)
 
         def build() -> SamplingMetadata:
             rows = self._draft_rows

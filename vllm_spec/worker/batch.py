@@ -68,6 +68,11 @@ class BatchColumns:
         return cls(list(map(_seq_id, seqs)), num_new, start_pos, start_pos + num_new,
                    np.fromiter(map(_sample, seqs), dtype=bool, count=B))
 
+    def ids_of(self, rows) -> list[int]:
+        """The seq ids of these rows (increasing indices): the column itself when they are every row."""
+        ids = self.seq_ids
+        return ids if len(rows) == len(ids) else [ids[i] for i in rows]
+
 
 @dataclass
 class ExecuteModelRequest:
