@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 
-from conftest import FIXED, GREEDY, make_prompts
+from conftest import FIXED, GREEDY, make_prompts, output_ids
 
 from vllm_spec import LLM, SamplingParams
 from vllm_spec.attention.metadata import NULL_BLOCK
@@ -141,3 +141,43 @@ def test_every_array_the_engine_uses_is_the_one_built_from_scratch(monkeypatch, 
         eng.step()
     assert not eng.has_unfinished_requests()
     assert eng.scheduler.num_preemptions > 0 and len(calls) > 20
+
+
+def test_draft_loop_rows_of_the_shared_array(monkeypatch, spec_pair):
+    """The draft's loop reads the verifying runner's array (one update per step serves both): where
+    only some rows draft (here the rows past the draft's max_model_len), it gets exactly their
+    tables, and the verification that follows finds the array up to date (no rebuild, no write)."""
+    from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer
+
+    seen = []
+    inner = DraftModelProposer._propose_in_loop
+
+    def checked(self, req, spec, num_drafts, lens, k):
+        loop = self.loop
+
+        def capture(tokens, first_pos, limits, tables, k, max_seq_len):
+            expected = reference([req.seqs[i] for i in spec])
+            np.testing.assert_array_equal(tables[:, : expected.shape[1]], expected)
+            assert (tables[:, expected.shape[1]:] == NULL_BLOCK).all()
+            seen.append((len(spec), len(req.seqs)))
+            return loop(tokens, first_pos, limits, tables, k, max_seq_len)
+
+        monkeypatch.setattr(self, "loop", capture)
+        shared = self._block_tables
+        out = inner(self, req, spec, num_drafts, lens, k)
+        kept = shared._array
+        shared(req.seqs)   # what the verification asks next
+        assert shared._array is kept and np.array_equal(shared(req.seqs), reference(req.seqs))
+        monkeypatch.setattr(self, "loop", loop)
+        return out
+
+    monkeypatch.setattr(DraftModelProposer, "_propose_in_loop", checked)
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, speculative_max_model_len=40,
+              block_size=4, max_model_len=128, **FIXED)
+    worker = llm.llm_engine.executor.worker
+    assert worker.draft_proposer._block_tables is worker.target.runner.block_tables
+    # Prompts of 4 to 33 tokens and 24 new ones: the longer rows stop drafting first.
+    prompts = [{"prompt_token_ids": [3 + (7 * n + j) % 190 for j in range(n)]} for n in (4, 9, 14, 20, 26, 33)]
+    plain = LLM(spec_pair[0], block_size=4, max_model_len=128).generate(prompts, GREEDY)
+    assert output_ids(llm.generate(prompts, GREEDY)) == output_ids(plain)
+    assert any(n < b for n, b in seen) and any(n == b for n, b in seen)

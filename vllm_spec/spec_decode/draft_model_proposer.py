@@ -42,7 +42,10 @@ _seq_id, _draft_cached = operator.attrgetter("seq_id"), operator.attrgetter("dra
 class DraftModelProposer:
     """Proposes with a draft model; tracks how much of each sequence its cache holds."""
 
-    def __init__(self, runner: ModelRunner, generator: torch.Generator | None, max_positions: int):
+    def __init__(self, runner: ModelRunner, generator: torch.Generator | None, max_positions: int,
+                 block_tables: BlockTableArray | None = None):
+        """block_tables: the verifying runner's array, so the step's batch is laid out once for the
+        draft's loop and the verification (they share the block manager's tables)."""
         self.runner = runner
         self.generator = generator
         # The draft's limit: it drafts only below it (the worker caps k), and prompts are fed up to it.
@@ -53,7 +56,7 @@ class DraftModelProposer:
                                     runner.max_model_len, use_graphs=runner.cuda_graphs)
         # Catch-ups feed one query length to every row (replayed in a graph) where graphs run.
         self.uniform_catch_up = runner.cuda_graphs
-        self._block_tables = BlockTableArray()   # the loop's own: its batches are not the runner's
+        self._block_tables = block_tables if block_tables is not None else BlockTableArray()
 
     def capture_graphs(self, max_k: int, max_batch: int) -> None:
         """Capture the whole-proposal and catch-up graphs up front, so no step pays for a capture
@@ -135,7 +138,7 @@ class DraftModelProposer:
         if spec and md.all_greedy and fed == spec and len(spec) <= BATCH_BUCKETS[-1]:
             lens = cols.seq_len[spec_np]
             if lens.min() >= 2 and (lens - starts[spec_np]).max() <= 2:
-                return self._propose_in_loop([seqs[i] for i in spec], counts[spec_np], lens, k)
+                return self._propose_in_loop(req, spec_np, counts[spec_np], lens, k)
         starts = starts.tolist()
         catch_up = [SeqInput(seqs[i].seq_id, tokens_from(seqs[i], starts[i])[: limit - starts[i]], starts[i],
                              seqs[i].block_table, sample=False) for i in fed]
@@ -180,11 +183,18 @@ class DraftModelProposer:
         stacked = None if md.all_greedy else torch.stack(all_probs, dim=1)
         return Proposals(token_ids, stacked, [num_drafts[i] for i in spec])
 
-    def _propose_in_loop(self, seqs: list[SeqInput], num_drafts: np.ndarray, lens: np.ndarray, k: int) -> Proposals:
-        """Every row feeds its last two tokens (see draft_loop); one device program proposes all.
-        lens: the rows' seq_len."""
-        B = len(seqs)
-        tables = self._block_tables(seqs)
+    def _propose_in_loop(self, req: ExecuteModelRequest, spec: np.ndarray, num_drafts: np.ndarray, lens: np.ndarray,
+                         k: int) -> Proposals:
+        """Every row of `spec` feeds its last two tokens (see draft_loop); one device program proposes
+        all. num_drafts, lens: those rows' counts and seq_len."""
+        B = len(spec)
+        # The whole batch's tables, as the verification asks for them next: one update serves both.
+        tables = self._block_tables(req.seqs)
+        if B < len(req.seqs):
+            tables = tables[spec]
+            seqs = [req.seqs[i] for i in spec.tolist()]
+        else:
+            seqs = req.seqs
         limits = lens + num_drafts - 1
         tokens = np.empty((B, 2), dtype=np.int64)
         tokens[:, 0] = np.fromiter(map(token_at, seqs, (lens - 2).tolist()), dtype=np.int64, count=B)

@@ -73,8 +73,9 @@ class SpecDecodeWorker:
                     draft.restrict_output_vocab(torch.tensor(spec.draft.arch.draft_vocab, dtype=torch.long))
                 self.draft_runner = ModelRunner(draft, self.device, config.cache.block_size,
                                                 config.model.max_model_len, cuda_graphs=not config.enforce_eager)
-                proposer = self.draft_proposer = DraftModelProposer(self.draft_runner, self.target.sampler.generator,
-                                                                    spec.max_model_len)
+                proposer = self.draft_proposer = DraftModelProposer(
+                    self.draft_runner, self.target.sampler.generator, spec.max_model_len,
+                    self.target.runner.block_tables)
                 cost_ratio = _num_params(draft) / _num_params(self.target.runner.model)   # per-rank shards
             self.proposer = proposer
             if self.tp.world_size > 1:

@@ -66,7 +66,9 @@ class ModelRunner:
             model.pack_for_cpu()
         self._graphs: dict[int, GraphedForward] = {}
         self._graph_pool = None
-        self._block_tables = BlockTableArray()
+        # Kept across steps (see block_table); a speculative worker lends it to the draft's loop,
+        # which drafts for the batch this runner then verifies.
+        self.block_tables = BlockTableArray()
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -129,7 +131,7 @@ class ModelRunner:
         T = int(q_lens.sum())
         qsl = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
-        tables = self._block_tables(seqs)
+        tables = self.block_tables(seqs)
         width = tables.shape[1]
         req_idx, offsets = ragged_grid(q_lens)
         positions = starts[req_idx] + offsets
