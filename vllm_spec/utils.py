@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
 import torch
 
 
@@ -67,4 +68,12 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> 
     already queued has run, and the device then idles while the host catches up. Mid-step index
     tensors go through here instead.
     """
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    # numpy converts a list several times faster than torch.tensor (256 floats: ~8 against ~35 us);
+    # np.array copies, so the tensor never aliases the caller's array (a CPU .to() is no copy).
+    host = torch.tensor(values, dtype=dtype) if np_dtype is None else torch.from_numpy(np.array(values, dtype=np_dtype))
+    return host.to(device, non_blocking=True)
+
+
+_NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.float64: np.float64,
+                 torch.bool: np.bool_}
