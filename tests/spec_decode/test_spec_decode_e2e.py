@@ -543,3 +543,21 @@ def test_synthetic_acceptance_is_the_same_whatever_the_batch(spec_pair):
         return out[0].outputs[0].token_ids
 
     assert run(3, 5) == run(3, 0)
+
+
+def test_synthetic_draws_are_the_same_on_the_dense_greedy_path(spec_pair):
+    """A batch of plain greedy rows verifies on the dense path (no index arrays sent: only the synthetic
+    draws); a batch-mate with a logit bias sends it down the general one. The request accepts the same
+    drafts either way."""
+    prompt = make_prompts(1, seed=41)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                            extra_args={"synthetic_acceptance_rate": 0.6})
+    biased = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={7: 0.5},
+                            extra_args={"synthetic_acceptance_rate": 0.6})
+
+    def run(mates: list[SamplingParams]) -> list[int]:
+        llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **FIXED, **KV)
+        out = llm.generate(prompt + make_prompts(len(mates), seed=42), [params] + mates, use_tqdm=False)
+        return out[0].outputs[0].token_ids
+
+    assert run([]) == run([biased]) == run([params])

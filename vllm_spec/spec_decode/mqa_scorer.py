@@ -106,9 +106,11 @@ class MQAScorer:
         plain_greedy = row_md.plain_greedy or all(
             f.greedy and not _reads_drafts(f) and not f.biases_logits and f.min_tokens <= len(s.output_token_ids)
             for s, f in ((req.seqs[i], req.seqs[i].sampling_params.batch_fields) for i in sampled))
-        if dense and plain_greedy and not synthetic:
-            # Nothing to index on the device: no host->device copy (each call queueing work costs the host).
-            rows_t = grid = spec_rows_t = uniforms_t = None
+        if dense and plain_greedy:
+            # Nothing to index on the device: no host->device copy (each call queueing work costs the host)
+            # but a benchmark's synthetic draws, so that its steps cost the host what real greedy ones do.
+            rows_t = grid = spec_rows_t = None
+            uniforms_t = to_device(uniforms, dev, torch.float64) if synthetic else None
             num_drafts_t = self._all_k(len(sampled), k)
         else:
             dst_t, src_row_t, src_pos_t, rows_t, grid_r_t, grid_j_t, spec_rows_t, num_drafts_t, uniforms_t = \
