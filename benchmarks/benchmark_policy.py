@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from benchmark_spec_decode import VOCAB, build, positive_int, run_decode, write_config
+from benchmark_spec_decode import VOCAB, build, positive_int, run_decode, window_gen_len, write_config
 
 from vllm_spec import LLMEngine
 from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
@@ -144,7 +144,7 @@ class Sweep:
 
     def gen_len_for(self, batch: int) -> int:
         """Tokens per request: enough that none finishes inside the window whatever it accepts."""
-        return max(self.gen_len, self.window_for(batch) * (self.max_k + 1) + 32)
+        return window_gen_len(self.gen_len, self.window_for(batch), self.max_k)
 
     def measure(self, engine: LLMEngine, batch: int, extra_args: list[dict] | None = None) -> dict:
         """The warm-up run every policy gets, then the timed steps with all `batch` requests running."""

@@ -131,6 +131,12 @@ def metric(engine: LLMEngine, name: str) -> float:
     return 0.0 if m is None else float(getattr(m, "value"))
 
 
+def window_gen_len(gen_len: int, window: int, max_k: int) -> int:
+    """Tokens per request for a timed window of `window` steps: enough that none finishes inside it,
+    whatever it accepts (at most max_k + 1 tokens a step)."""
+    return max(gen_len, window * (max_k + 1) + 32)
+
+
 def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_len: int, seed: int,
                extra_args: list[dict | None] | None = None, vocab: int = VOCAB, window: int | None = None) -> dict:
     """Time the decode phase: from the step after every prompt is prefilled to the end.
@@ -252,7 +258,7 @@ def main() -> None:
     require_cuda("benchmark_spec_decode.py")
     if args.window is not None and args.window < 1:
         ap.error(f"--window must be >= 1, got {args.window}")
-    gen_len = args.gen_len if args.window is None else max(args.gen_len, args.window * (max(args.ks) + 1) + 32)
+    gen_len = args.gen_len if args.window is None else window_gen_len(args.gen_len, args.window, max(args.ks))
     timed_len = gen_len if args.window is None else args.window   # tokens a plain request decodes while timed
 
     bandwidth = copy_bandwidth()

@@ -61,3 +61,5 @@ def test_columns_are_the_sequences_fields(seed):
     rows = sorted(rng.sample(range(len(chunks)), 50))
     assert cols.ids_of(rows) == [req.seqs[i].seq_id for i in rows]
     assert cols.ids_of(list(range(len(chunks)))) is cols.seq_ids
+    assert [s.seq_id for s in req.seqs_of(rows)] == cols.ids_of(rows)
+    assert req.seqs_of(list(range(len(chunks)))) is req.seqs

@@ -192,9 +192,7 @@ class DraftModelProposer:
         tables = self._block_tables(req.seqs)
         if B < len(req.seqs):
             tables = tables[spec]
-            seqs = [req.seqs[i] for i in spec.tolist()]
-        else:
-            seqs = req.seqs
+        seqs = req.seqs_of(spec.tolist())
         limits = lens + num_drafts - 1
         tokens = np.empty((B, 2), dtype=np.int64)
         tokens[:, 0] = np.fromiter(map(token_at, seqs, (lens - 2).tolist()), dtype=np.int64, count=B)

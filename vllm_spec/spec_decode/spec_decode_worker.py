@@ -138,7 +138,7 @@ class SpecDecodeWorker:
         room = np.maximum(np.minimum(lookahead, max_len - cols.seq_len), 0)   # drafts inside the draft's limit
         asked = np.zeros(len(req.seqs), dtype=np.int64)
         sampled = np.flatnonzero(cols.sample)
-        sampled_seqs = req.seqs if len(sampled) == len(req.seqs) else [req.seqs[i] for i in sampled.tolist()]
+        sampled_seqs = req.seqs_of(sampled.tolist())
         seeded = sampled[np.fromiter(map(_seeded, sampled_seqs), dtype=bool, count=len(sampled))].tolist()
         for i in seeded:
             if cols.seq_len[i] > len(req.seqs[i].prompt_token_ids):

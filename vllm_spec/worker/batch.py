@@ -89,6 +89,10 @@ class ExecuteModelRequest:
         """The sequences' columns (computed on first use; the sequences are not changed in place)."""
         return BatchColumns.of(self.seqs)
 
+    def seqs_of(self, rows) -> list[SeqInput]:
+        """The sequences of these rows (increasing indices): the list itself when they are every row."""
+        return self.seqs if len(rows) == len(self.seqs) else [self.seqs[i] for i in rows]
+
 
 @dataclass
 class PolicyEstimates:
