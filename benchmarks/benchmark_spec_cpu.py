@@ -21,6 +21,11 @@ benchmarks/results/.
     python benchmarks/benchmark_spec_cpu.py                         # default pair, batch 1
     python benchmarks/benchmark_spec_cpu.py --batch 1 4 --max-tokens 128
     python benchmarks/benchmark_spec_cpu.py --draft /path/to/draft --qwen
+    python benchmarks/benchmark_spec_cpu.py --prompts-file /tmp/vllm_spec_draft_cache/heldout_prompts.json
+
+``--prompts-file``: a JSON list of user messages to use instead of the built-in ones, e.g. the default
+draft's held-out prompts (families it was distilled on, groups it never saw), which
+``tools/train_draft.py --stage prep`` writes.
 """
 
 from __future__ import annotations
@@ -91,17 +96,28 @@ def _metric_values(llm: LLM) -> dict:
     return out
 
 
-def chat_prompts(llm: LLM, n: int) -> list[dict]:
+def prompt_texts(path: str | None, n: int | None) -> list[str]:
+    """The user messages to send: the file's (a JSON list of strings) or the built-in ones, cycled to n."""
+    texts = PROMPTS
+    if path is not None:
+        texts = json.loads(Path(path).read_text())
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+            raise SystemExit(f"--prompts-file: {path} must hold a JSON list of non-empty strings")
+    n = n or len(texts)
+    return (texts * (n // len(texts) + 1))[:n]
+
+
+def chat_prompts(llm: LLM, texts: list[str]) -> list[dict]:
     tok = llm.get_tokenizer()
     out = []
-    for text in (PROMPTS * (n // len(PROMPTS) + 1))[:n]:
+    for text in texts:
         chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                        add_generation_prompt=True)
         out.append({"prompt_token_ids": tok(chat, add_special_tokens=False).input_ids})
     return out
 
 
-def run_system(pair: str, system: str, policy: str, target: str, spec: dict, prompts_n: int,
+def run_system(pair: str, system: str, policy: str, target: str, spec: dict, texts: list[str],
                batches: list[int], args) -> tuple[list[Row], dict]:
     """Build one engine, warm it up, then time every batch size on it. Returns rows and outputs."""
     engine = dict(dtype=args.dtype, device="cpu", max_model_len=args.max_model_len, seed=0,
@@ -109,7 +125,7 @@ def run_system(pair: str, system: str, policy: str, target: str, spec: dict, pro
     t0 = time.perf_counter()
     llm = LLM(target, **engine, **spec)
     load_s = time.perf_counter() - t0
-    prompts = chat_prompts(llm, prompts_n)
+    prompts = chat_prompts(llm, texts)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     rows, outputs = [], {}
@@ -161,7 +177,7 @@ def run_pair(pair: str, target: str, draft: str | None, args, save=lambda rows: 
                                                   speculative_policy=policy)))
     rows, plain_rows, plain_ids = [], {}, {}
     for system, policy, spec in systems:
-        got_rows, outputs = run_system(pair, system, policy, target, spec, args.num_prompts, args.batch, args)
+        got_rows, outputs = run_system(pair, system, policy, target, spec, args.texts, args.batch, args)
         for r in got_rows:
             if system == "plain":
                 plain_rows[r.batch], plain_ids[r.batch] = r, outputs[r.batch]
@@ -197,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=positive_int, default=4, help="draft tokens per step (draft model and n-gram)")
     p.add_argument("--policies", nargs="+", default=["fixed", "adaptive"], choices=["fixed", "adaptive"])
     p.add_argument("--batch", type=positive_int, nargs="+", default=[1], help="batch sizes (prompts per generate call)")
-    p.add_argument("--num-prompts", type=positive_int, default=len(PROMPTS))
+    p.add_argument("--num-prompts", type=positive_int, default=None,
+                   help="prompts per run (default: every one; fewer or more cycle through them)")
+    p.add_argument("--prompts-file", default=None, help="JSON list of user messages instead of the built-in ones")
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--ngram-max", type=int, default=4)
@@ -211,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/spec_cpu_<time>.json)")
     args = p.parse_args(argv)
+    args.texts = prompt_texts(args.prompts_file, args.num_prompts)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -241,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps({
             "benchmark": "benchmark_spec_cpu", "complete": complete, "args": vars(args),
             "pairs": [dict(zip(("pair", "target", "draft"), x)) for x in resolved],
-            "prompts": (PROMPTS * (args.num_prompts // len(PROMPTS) + 1))[:args.num_prompts], "env": {
+            "prompts": args.texts, "env": {
                 "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                 "machine": platform.machine(), "python": platform.python_version(),
                 "loadavg_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None},

@@ -311,5 +311,7 @@ def stage_prep(args) -> Path:
                 "bench": [chat(m) for m in bench] + [encode("completion", m) for m in bench],
                 "heldout_kinds": [k for k, _ in held_sel], "heldout_text": [m for _, m in held_sel],
                 "text": chunks, "seed": args.seed}, out)
+    # The held-out chat messages (completions go in raw), for benchmarks/benchmark_spec_cpu.py --prompts-file.
+    (out.parent / "heldout_prompts.json").write_text(json.dumps([m for k, m in held_sel if k != "completion"], indent=0))
     log(f"prep: {len(train_ids)} train prompts, {len(held_ids)} held-out prompts, {len(chunks)} text chunks -> {out}")
     return out
