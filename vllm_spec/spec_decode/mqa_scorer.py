@@ -76,20 +76,13 @@ class MQAScorer:
         fed_ends = batch.last_rows + 1 - pads   # each sequence's row after the tokens it feeds
         sampled_np = np.flatnonzero(cols.sample)
         sampled = sampled_np.tolist()
-        # Index arrays, built in numpy and sent in one copy: the j-th draft of speculating row r goes
-        # right after its sequence's last token (a decode feeds one; a seeded row's recompute after
-        # preemption, its whole last chunk); sampled row r is scored at its last token and at each
-        # of its drafts (grid: row r, position j).
-        src_row, src_pos = ragged_grid(drafted)
-        spec_np = np.asarray(spec_idx, dtype=np.int64)
-        dst = fed_ends[spec_np][src_row] + src_pos
-        grid_r, grid_j = ragged_grid(found_np[sampled_np] + 1)
-        logit_rows = fed_ends[sampled_np][grid_r] - 1 + grid_j
+        found = found_np[sampled_np]   # drafts each sampled row verifies
+        num_scored = len(sampled) + int(found.sum())   # rows of logits: each one's last token and its drafts
         prompt_rows = PromptLogprobRows.of(req.seqs, starts)
-        row_of = np.zeros(len(req.seqs), dtype=np.int64)   # seq index -> its row among the sampled
-        row_of[sampled_np] = np.arange(len(sampled))
         # The verifier's per-row metadata is the draft's when every sampled sequence speculated.
         all_drafted = spec_idx == sampled
+        # Each speculating sequence's row among the sampled (the sampled rows are in order).
+        spec_rows = None if all_drafted else np.searchsorted(sampled_np, spec_idx)
         row_md = draft_md if all_drafted else self.target.rows_metadata([req.seqs[i] for i in sampled], for_draft=True)
         rate = self.config.speculative.synthetic_acceptance_rate
         # Synthetic draws (benchmarks) travel as float64 bits in the index arrays' one copy.
@@ -98,7 +91,7 @@ class MQAScorer:
             else np.zeros((0, k))
         # Every sampled row verifies k drafts (the padded, graphed case): its rows of logits are the
         # [R, k+1] grid in order, and its drafts are the proposals' rows, with no scatter into either.
-        full = all_drafted and bool((found_np[sampled_np] == k).all())
+        full = all_drafted and bool((found == k).all())
         # ...and where every sequence is such a row, the pass's tokens are that grid too: [B, k+1].
         dense = full and len(sampled) == len(req.seqs) and batch.uniform_q == k + 1 and not prompt_rows.rows
         # Plain greedy rows (no penalties or logit biases, min_tokens met) verify against argmax of the raw
@@ -113,10 +106,18 @@ class MQAScorer:
             uniforms_t = to_device(uniforms, dev, torch.float64) if synthetic else None
             num_drafts_t = self._all_k(len(sampled), k)
         else:
+            # Index arrays, built in numpy and sent in one copy: the j-th draft of speculating row r goes
+            # right after its sequence's last token (a decode feeds one; a seeded row's recompute after
+            # preemption, its whole last chunk); sampled row r is scored at its last token and at each
+            # of its drafts (grid: row r, position j).
+            src_row, src_pos = ragged_grid(drafted)
+            dst = fed_ends[spec_idx][src_row] + src_pos
+            grid_r, grid_j = ragged_grid(found + 1)
+            logit_rows = fed_ends[sampled_np][grid_r] - 1 + grid_j
             dst_t, src_row_t, src_pos_t, rows_t, grid_r_t, grid_j_t, spec_rows_t, num_drafts_t, uniforms_t = \
                 to_device_aligned(
                     [dst, src_row, src_pos, np.concatenate([logit_rows, np.asarray(prompt_rows.rows, dtype=np.int64)]),
-                     grid_r, grid_j, row_of[spec_np], found_np[sampled_np],
+                     grid_r, grid_j, np.arange(len(sampled)) if spec_rows is None else spec_rows, found,
                      uniforms.view(np.int64).ravel()], dev)
             grid = (grid_r_t, grid_j_t)
             if not dense and len(dst):
@@ -126,8 +127,8 @@ class MQAScorer:
         exp_rows = [] if plain_greedy else self._verified_rows(req.seqs, sampled, spec_idx, found_np, proposals)
         mark()
         all_logits = self.target.runner.run(batch, None if dense else rows_t)
-        raw = all_logits[: len(logit_rows)]
-        prompt_logprobs = prompt_rows.results(all_logits[len(logit_rows):], req.seqs)
+        raw = all_logits[:num_scored]
+        prompt_logprobs = prompt_rows.results(all_logits[num_scored:], req.seqs)
         R = len(sampled)
         target_probs = target_argmax = None
         scored = raw   # the logits logprobs are of: with the grammars' masks, as the distribution sampled
@@ -155,7 +156,7 @@ class MQAScorer:
             if draft_probs is not None:
                 draft_probs[spec_rows_t] = proposals.probs[:, :k]
         result = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts_t, row_md,
-                                  self.target.sampler.generator, rate, target_argmax, found_np[sampled_np].tolist(),
+                                  self.target.sampler.generator, rate, target_argmax, found.tolist(),
                                   uniforms_t.view(torch.float64).view(len(sampled), k) if synthetic else None)
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
         copy = HostCopy(tokens, timed=True)   # the step's one device->host copy; its event ends the verification
@@ -165,8 +166,9 @@ class MQAScorer:
         emitted = [row[: row.index(-1)] if row[-1] < 0 else row for row in rows]   # -1 past each row's end
 
         logprobs = None if row_md.max_num_logprobs is None else \
-            self._logprobs(scored, emitted, [req.seqs[i] for i in sampled], grid_r, grid_j)
-        accepted = np.fromiter(map(len, emitted), dtype=np.int64, count=len(emitted))[row_of[spec_np]] - 1
+            self._logprobs(scored, emitted, [req.seqs[i] for i in sampled], found + 1)
+        lengths = np.fromiter(map(len, emitted), dtype=np.int64, count=len(emitted))
+        accepted = (lengths if spec_rows is None else lengths[spec_rows]) - 1
         seq_ids = cols.ids_of(sampled)
         self.proposer.on_verified(seq_ids if spec_idx == sampled else cols.ids_of(spec_idx), proposals.num_drafts,
                                   accepted.tolist())
@@ -210,12 +212,13 @@ class MQAScorer:
                             token_bitmask=masks[j]) for j in range(n + 1)]
 
     def _logprobs(self, raw: torch.Tensor, emitted: list[list[int]], seqs: list[SeqInput],
-                  grid_r: np.ndarray, grid_j: np.ndarray) -> list[list | None] | None:
-        """Raw-logit logprobs of each emitted token, at the position that emitted it (None: none asked)."""
+                  verified: np.ndarray) -> list[list | None] | None:
+        """Raw-logit logprobs of each emitted token, at the position that emitted it (None: none asked);
+        raw holds verified[r] rows of logits per sequence, in order."""
         wanted = [s.sampling_params.logprobs for s in seqs]
         if all(w is None for w in wanted):
             return None
-        grid_r, grid_j = grid_r.tolist(), grid_j.tolist()
+        grid_r, grid_j = (a.tolist() for a in ragged_grid(verified))
         keep = [n for n, (r, j) in enumerate(zip(grid_r, grid_j)) if j < len(emitted[r])]
         tokens = to_device([emitted[grid_r[n]][grid_j[n]] for n in keep], raw.device)
         ids, lps, ranks = gather_logprobs(raw[to_device(keep, raw.device)].float(), tokens,
