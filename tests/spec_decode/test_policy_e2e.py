@@ -429,3 +429,28 @@ def test_drafts_the_proposer_did_not_find_are_no_trials(spec_pair):
     speculative = [found for found in found_per_step if found]
     assert speculative and any(f[0] < 3 for f in speculative), found_per_step
     assert [c for c in learned if any(c)] == [f for f in speculative if any(f)]
+
+
+class _NeverDrafts(ScriptedPolicy):
+    def choose(self, shape) -> list[int]:
+        return [0] * len(shape.caps)
+
+
+def test_a_seeded_row_drafts_whatever_the_policy_when_it_replaces_an_unseeded_one(spec_pair):
+    """Seeded sampled rows draft the full k (their draws must not depend on the batch), also when one
+    takes an unseeded row's place in a batch of the same size."""
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=2, **KV)
+    engine = llm.llm_engine
+    engine.executor.worker.policy = _NeverDrafts()
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [p["prompt_token_ids"] for p in make_prompts(3)]
+    engine.add_request("g0", prompts[0], greedy)
+    engine.add_request("g1", prompts[1], greedy)
+    for _ in range(4):
+        engine.step()
+    assert metric_values(llm)["vllm:spec_decode_num_draft_tokens"] == 0
+    engine.abort_request(["g0"])
+    engine.add_request("s", prompts[2], SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert metric_values(llm)["vllm:spec_decode_num_draft_tokens"] >= 2 * 2

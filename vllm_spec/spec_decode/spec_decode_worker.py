@@ -94,6 +94,7 @@ class SpecDecodeWorker:
         self._finished: list[int] = []
         self._reused_draft_md = ReusedMetadata()
         self._draft_rows: dict[int, SamplingRow] = {}   # seq id -> its row of the draft's metadata
+        self._seeded: tuple[list[int], np.ndarray] | None = None   # the last step's sampled ids, which are seeded
 
     # KV cache: one block manager, two caches of the same number of blocks ----------------
     def kv_bytes_per_block(self) -> int:
@@ -138,8 +139,7 @@ class SpecDecodeWorker:
         room = np.maximum(np.minimum(lookahead, max_len - cols.seq_len), 0)   # drafts inside the draft's limit
         asked = np.zeros(len(req.seqs), dtype=np.int64)
         sampled = np.flatnonzero(cols.sample)
-        sampled_seqs = req.seqs_of(sampled.tolist())
-        seeded = sampled[np.fromiter(map(_seeded, sampled_seqs), dtype=bool, count=len(sampled))].tolist()
+        seeded = sampled[self._seeded_rows(req, sampled)].tolist()
         for i in seeded:
             if cols.seq_len[i] > len(req.seqs[i].prompt_token_ids):
                 asked[i] = room[i]
@@ -153,6 +153,15 @@ class SpecDecodeWorker:
         shape = StepShape(cols.ids_of(row_list), room[rows].tolist(), other_tokens)
         asked[rows] = self.policy.choose(shape)
         return asked.tolist(), shape, row_list
+
+    def _seeded_rows(self, req: ExecuteModelRequest, sampled: np.ndarray) -> np.ndarray:
+        """bool [len(sampled)]: which sampled rows sample with their request's own seed. A sequence's
+        parameters never change, so the same sampled sequences as the last step's (most steps) read
+        none of them."""
+        ids = req.columns.ids_of(sampled)
+        if self._seeded is None or self._seeded[0] != ids:
+            self._seeded = ids, np.fromiter(map(_seeded, req.seqs_of(sampled)), dtype=bool, count=len(ids))
+        return self._seeded[1]
 
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
         return self.launch(req).result()
