@@ -44,14 +44,17 @@ def test_copies_reuse_the_buffers_read_and_never_share_one_unread():
     held = first._buffer
     # Unread, its buffer is in use: a second copy in flight gets another one.
     second = HostCopy(torch.full((201, 5), 7, device="cuda"), buffers)
-    ptrs = {held.data_ptr(), second._buffer.data_ptr()}
-    assert len(ptrs) == 2
+    smaller = second._buffer
+    assert smaller.data_ptr() != held.data_ptr() and len(held) == 16384 and len(smaller) == 8192
     assert first.values() == torch.arange(256 * 5).view(256, 5).tolist()
     assert second.values() == [[7] * 5] * 201
-    # Both read: a smaller output (a shrinking batch) takes one of theirs, no new page-locked allocation.
+    # Both read: a smaller output (a shrinking batch) takes the smallest of theirs that fits, no new
+    # page-locked allocation; a larger one then finds the other.
     third = HostCopy(torch.ones(170, 5, dtype=torch.long, device="cuda"), buffers)
-    assert third._buffer.data_ptr() in ptrs
-    assert third.values() == [[1] * 5] * 170
+    assert third._buffer.data_ptr() == smaller.data_ptr()
+    fourth = HostCopy(torch.ones(250, 5, dtype=torch.long, device="cuda"), buffers)
+    assert fourth._buffer.data_ptr() == held.data_ptr()
+    assert third.values() == [[1] * 5] * 170 and fourth.values() == [[1] * 5] * 250
     assert len(buffers._free) == 2
 
 
@@ -66,3 +69,15 @@ def test_buffers_are_powers_of_two_that_fit_any_element_type():
     assert buffers.take(6800).data_ptr() == b.data_ptr()
     copy = HostCopy(torch.tensor([0.5, -2.0], dtype=torch.float64, device="cuda"), buffers)
     assert copy.values() == [0.5, -2.0]
+
+
+def test_buffers_given_back_are_taken_smallest_fit_first():
+    buffers = PinnedBuffers()   # (fed plain buffers: the choice among kept ones needs no device)
+    big, small = torch.empty(16384, dtype=torch.uint8), torch.empty(8192, dtype=torch.uint8)
+    buffers.give(big)
+    buffers.give(small)
+    assert buffers.take(6800) is small
+    buffers.give(small)
+    assert buffers.take(8192) is small
+    assert buffers.take(8193) is big
+    assert buffers._free == []

@@ -76,11 +76,12 @@ class PinnedBuffers:
         self._free: list[torch.Tensor] = []   # flat uint8 buffers
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """A flat uint8 buffer of at least nbytes (a power of two of at least 4 KiB, so that a batch
-        that shrinks and grows again finds one, and any element type views it)."""
-        for i, buf in enumerate(self._free):
-            if len(buf) >= nbytes:
-                return self._free.pop(i)
+        """A flat uint8 buffer of at least nbytes: the smallest kept one that fits, else a new one of a
+        power of two of at least 4 KiB (a batch that shrinks and grows again finds one; any element
+        type views it)."""
+        fits = [i for i, buf in enumerate(self._free) if len(buf) >= nbytes]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
         return torch.empty(max(1 << (max(nbytes, 1) - 1).bit_length(), 4096), dtype=torch.uint8, pin_memory=True)
 
     def give(self, buf: torch.Tensor) -> None:
