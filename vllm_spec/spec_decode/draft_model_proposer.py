@@ -36,7 +36,7 @@ from vllm_spec.worker.model_runner import ModelRunner
 CATCH_UP_LENGTHS = (4, 8, 16, 32, 64)
 CATCH_UP_MAX_TOKENS = 4096
 
-_seq_id, _draft_cached = operator.attrgetter("seq_id"), operator.attrgetter("draft_cached")
+_draft_cached = operator.attrgetter("draft_cached")
 
 
 class DraftModelProposer:
@@ -192,13 +192,14 @@ class DraftModelProposer:
         tables = self._block_tables(req.seqs)
         if B < len(req.seqs):
             tables = tables[spec]
-        seqs = req.seqs_of(spec.tolist())
+        rows = spec.tolist()
+        seqs = req.seqs_of(rows)
         limits = lens + num_drafts - 1
         tokens = np.empty((B, 2), dtype=np.int64)
         tokens[:, 0] = np.fromiter(map(token_at, seqs, (lens - 2).tolist()), dtype=np.int64, count=B)
         tokens[:, 1] = np.fromiter(map(token_at, seqs, (lens - 1).tolist()), dtype=np.int64, count=B)
         drafts = self.loop(tokens, lens - 2, limits, tables, k, max_seq_len=int(limits.max()) + 1)
-        seq_ids = list(map(_seq_id, seqs))
+        seq_ids = req.columns.ids_of(rows)
         self._computed.update(zip(seq_ids, limits.tolist()))
         self._fed.update(zip(seq_ids, (num_drafts - 1).tolist()))
         return Proposals(drafts, None, num_drafts.tolist())
