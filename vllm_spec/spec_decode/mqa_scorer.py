@@ -170,7 +170,7 @@ class MQAScorer:
         lengths = np.fromiter(map(len, emitted), dtype=np.int64, count=len(emitted))
         accepted = (lengths if spec_rows is None else lengths[spec_rows]) - 1
         seq_ids = cols.ids_of(sampled)
-        self.proposer.on_verified(seq_ids if spec_idx == sampled else cols.ids_of(spec_idx), proposals.num_drafts,
+        self.proposer.on_verified(seq_ids if all_drafted else cols.ids_of(spec_idx), proposals.num_drafts,
                                   accepted.tolist())
         per_pos = (accepted[:, None] > np.arange(k)).sum(axis=0).tolist()
         stats = SpecStepStats(int(np.count_nonzero(drafted)), int(drafted.sum()), int(accepted.sum()), per_pos,
