@@ -111,11 +111,13 @@ class SpecDecodeWorker:
         k = self.config.speculative.num_speculative_tokens
         self.target.runner.capture_graphs(list(range(1, k + 2)), max_batch)
         greedy_verify.warm_up(k, self.device)
+        self.target.runner.warm_logits(min(max_batch * (k + 1), self.config.scheduler.max_num_batched_tokens))
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(num_blocks, self.config.model.dtype)
             # Draft steps (1 token) and the catch-up after a fully accepted step (2 tokens).
             self.draft_runner.capture_graphs([1, 2], max_batch)
             self.draft_proposer.capture_graphs(k, max_batch)
+            self.draft_runner.warm_logits(max_batch)   # its catch-ups' rows
 
     # Steps ------------------------------------------------------------------------------
     def num_drafts(self, req: ExecuteModelRequest) -> tuple[list[int], StepShape, list[int]]:

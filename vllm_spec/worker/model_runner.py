@@ -216,6 +216,20 @@ class ModelRunner:
             graph.capture(max_batch if max_tokens is None else min(max_batch, max_tokens // q))
 
 
+    @torch.inference_mode()
+    def warm_logits(self, max_rows: int) -> None:
+        """Run the LM head once for every row count up to max_rows (CUDA only). Serving computes eager
+        logits for whatever rows a step verifies or samples, and cuBLAS picks its matmul kernel by
+        shape; CUDA loads a kernel the first time it runs (lazy loading), and that load waits for the
+        device: a step that met a new kernel mid-serving waited a whole device step on the host."""
+        if self.device.type != "cuda":
+            return
+        hidden = torch.zeros(max_rows, self.model.config.hidden_size, dtype=self.model.embed_tokens.weight.dtype,
+                             device=self.device)
+        for rows in range(1, max_rows + 1):
+            self.model.compute_logits(hidden[:rows])
+
+
 def ragged_grid(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(row, offset within the row) of every cell, row-major, for rows of counts[r] cells."""
     rows = np.repeat(np.arange(len(counts)), counts)

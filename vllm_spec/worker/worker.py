@@ -73,6 +73,7 @@ class Worker:
         self.runner.allocate_kv_cache(num_blocks, self.config.model.dtype)
         if self.config.speculative is None:
             self.runner.capture_graphs([1], self.config.scheduler.max_num_seqs)
+            self.runner.warm_logits(self.config.scheduler.max_num_seqs)   # the rows a prefill samples
 
     # Steps ----------------------------------------------------------------------
     def generator_for(self, seq: SeqInput) -> torch.Generator | None:
