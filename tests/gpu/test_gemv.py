@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from conftest import rel_err
 
-from vllm_spec.model import fused, gemv
+from vllm_spec.model import fused, gemv, gemv_kernels
 
 pytestmark = pytest.mark.gpu
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -174,7 +174,7 @@ def test_gate_up_silu_eligibility_and_fallback(monkeypatch):
     def refuse(*args, **kwargs):
         raise triton.runtime.errors.OutOfResources(160 << 10, 100 << 10, "shared memory")
 
-    monkeypatch.setattr(gemv, "_rows_silu_kernel", type("Refusing", (), {"__getitem__": lambda self, grid: refuse})())
+    monkeypatch.setattr(gemv_kernels, "rows_silu_kernel", type("Refusing", (), {"__getitem__": lambda self, grid: refuse})())
     monkeypatch.setattr(gemv, "_ROWS_UNFIT", set())
     x = rows(5)
     assert torch.equal(gemv.gate_up_silu(x, w), fused.silu_mul(F.linear(x, w)))
@@ -186,7 +186,7 @@ def test_warm_up_compiles_every_row_tiling():
     """After warm_up_gate_up, no row count gate_up_silu may meet (2..GATE_UP_MAX_ROWS) compiles a kernel
     (a compile mid-serving stalls a step)."""
     def compiled() -> int:
-        return sum(len(cache[0]) for cache in gemv._rows_silu_kernel.device_caches.values())
+        return sum(len(cache[0]) for cache in gemv_kernels.rows_silu_kernel.device_caches.values())
 
     w = torch.randn(2 * 40, 64, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(2 * 40, device="cuda", dtype=torch.bfloat16)
@@ -223,7 +223,7 @@ def test_blocks_that_do_not_fit_the_device_fall_back_to_cublas(monkeypatch):
             raise triton.runtime.errors.OutOfResources(160 << 10, 100 << 10, "shared memory")
         return launch
 
-    monkeypatch.setattr(gemv, "_rows_kernel", type("Refusing", (), {"__getitem__": lambda self, grid: refuse(grid)})())
+    monkeypatch.setattr(gemv_kernels, "rows_kernel", type("Refusing", (), {"__getitem__": lambda self, grid: refuse(grid)})())
     monkeypatch.setattr(gemv, "_ROWS_UNFIT", set())
     x, w = torch.randn(3, 48, device="cuda", dtype=torch.bfloat16), torch.randn(24, 48, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(gemv.linear(x, w), F.linear(x, w))
