@@ -23,10 +23,10 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.async_engine_ops import EngineOperations
+from vllm_spec.engine.async_iteration import IterationResult, PendingAdd, run_iteration, settle
 from vllm_spec.engine.async_stream import AsyncStream, EngineDeadError, EngineStepError, RequestAbortedError
 from vllm_spec.engine.llm_engine import LLMEngine
 from vllm_spec.engine.request_input import PromptType, check_request_id, check_request_options
@@ -37,31 +37,13 @@ from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _PendingAdd:
-    request_id: str
-    prompt: PromptType
-    params: SamplingParams
-    future: asyncio.Future
-    arrival_time: float
-    priority: int
-
-
-@dataclass
-class _IterationResult:
-    outputs: list[RequestOutput] = field(default_factory=list)
-    step_error: BaseException | None = None
-    failed_ids: list[str] = field(default_factory=list)
-    in_flight: bool = False   # a step was left running (async scheduling): step again at once
-
-
 class AsyncLLMEngine(EngineOperations):
     """Serves concurrent async callers from one LLMEngine driven by one background task."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._streams: dict[str, AsyncStream] = {}
-        self._pending_adds: list[_PendingAdd] = []
+        self._pending_adds: list[PendingAdd] = []
         self._pending_aborts: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -187,35 +169,10 @@ class AsyncLLMEngine(EngineOperations):
             idle = not (adds or aborts or result.outputs or result.step_error or result.in_flight)
             await asyncio.sleep(0.002 if idle else 0)
 
-    def _iteration(self, loop: asyncio.AbstractEventLoop, adds: list[_PendingAdd],
-                   aborts: set[str]) -> _IterationResult:
+    def _iteration(self, loop: asyncio.AbstractEventLoop, adds: list[PendingAdd],
+                   aborts: set[str]) -> IterationResult:
         """Runs in the engine thread: apply queued adds and aborts, then one step."""
-        engine = self.engine
-        result = _IterationResult()
-        if aborts:   # first: an aborted request's id may come back in this iteration's adds
-            engine.abort_request(list(aborts))
-        for p in adds:
-            if p.future.cancelled():
-                continue
-            try:
-                engine.add_request(p.request_id, p.prompt, p.params, arrival_time=p.arrival_time, priority=p.priority)
-            except BaseException as e:  # noqa: BLE001 - handed to that caller only
-                loop.call_soon_threadsafe(_settle, p.future, e)
-            else:
-                loop.call_soon_threadsafe(_settle, p.future, None)
-        if engine.has_unfinished_requests() or engine.has_step_in_flight:
-            try:
-                result.outputs = engine.step()
-                result.in_flight = engine.has_step_in_flight
-            except Exception as e:
-                logger.exception("engine step failed; failing %d in-flight request(s)",
-                                 engine.get_num_unfinished_requests())
-                result.step_error = e
-                result.failed_ids = list(engine.requests)
-                try:
-                    engine.abort_request(result.failed_ids)
-                except Exception:
-                    logger.exception("cleaning up after the failed step failed too")
+        result = run_iteration(self.engine, loop, adds, aborts)
         self._refresh_metrics()
         return result
 
@@ -229,7 +186,7 @@ class AsyncLLMEngine(EngineOperations):
             self._metrics = metrics
             self._num_free_blocks = self.engine.block_manager.num_free_blocks
 
-    def _dispatch(self, result: _IterationResult) -> None:
+    def _dispatch(self, result: IterationResult) -> None:
         for out in result.outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -271,7 +228,7 @@ class AsyncLLMEngine(EngineOperations):
         stream = AsyncStream(request_id, coalesce=params.output_kind is not RequestOutputKind.DELTA)
         self._streams[request_id] = stream
         fut = self._loop.create_future()
-        self._pending_adds.append(_PendingAdd(request_id, prompt, params, fut,
+        self._pending_adds.append(PendingAdd(request_id, prompt, params, fut,
                                               time.time() if arrival_time is None else arrival_time, priority))
         self._wakeup.set()
         try:
@@ -332,7 +289,7 @@ class AsyncLLMEngine(EngineOperations):
             if p.request_id == request_id:
                 self._pending_adds.remove(p)
                 if error is not None:
-                    _settle(p.future, error)
+                    settle(p.future, error)
                 return
         if self._wakeup is not None and (self.is_running or self._closing):
             self._pending_aborts.add(request_id)
@@ -373,7 +330,7 @@ class AsyncLLMEngine(EngineOperations):
             return
         self._closing = True
         for p in self._pending_adds:
-            _settle(p.future, EngineDeadError("the engine is shutting down."))
+            settle(p.future, EngineDeadError("the engine is shutting down."))
         self._pending_adds.clear()
         if self._streams:
             self.abort_nowait(list(self._streams))
@@ -397,12 +354,3 @@ class AsyncLLMEngine(EngineOperations):
         self._executor.shutdown(wait=True)
         self.engine.shutdown()
 
-
-def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
-    """An addition's outcome for its caller (unless it stopped waiting)."""
-    if fut.done():
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -14,21 +13,18 @@ from vllm_spec.core.sequence import Request, Sequence, SequenceStatus
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.gc_tuning import tune_gc_for_serving
 from vllm_spec.engine.output_processor import OutputProcessor
-from vllm_spec.engine.request_input import (PromptType, as_token_ids, check_neutral, check_prompt_keys,
-                                             check_request_id, check_request_options)
+from vllm_spec.engine.request_builder import new_request
+from vllm_spec.engine.request_input import PromptType, check_neutral, check_request_id, check_request_options
 from vllm_spec.engine.request_output import make_request_output
 from vllm_spec.engine.stats import EngineStats
 from vllm_spec.executor import create_executor
-from vllm_spec.executor.base import check_sendable_to_ranks
 from vllm_spec.generation_config import model_eos_token_ids
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
 from vllm_spec.profiler import EngineProfiler
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
-from vllm_spec.structured_output.grammar import compiler_for
 from vllm_spec.tokenizer import get_tokenizer
-from vllm_spec.utils import check_text, is_number
 from vllm_spec.worker.batch import PLACEHOLDER_TOKEN, ExecuteModelRequest, SeqInput
 from vllm_spec.worker.step_handle import StepHandle
 
@@ -96,23 +92,6 @@ class LLMEngine:
             self.config.model, self.tokenizer)
 
     # Requests -------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            check_prompt_keys(prompt)
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), as_token_ids(prompt["prompt_token_ids"])
-            if "prompt" not in prompt:
-                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'.")
-            prompt = prompt["prompt"]
-        if isinstance(prompt, list):
-            return None, as_token_ids(prompt)
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
-        if self.tokenizer is None:
-            raise ValueError("text prompts need a tokenizer; this engine was built with skip_tokenizer_init=True.")
-        check_text("prompt", prompt)
-        return prompt, self.tokenizer(prompt).input_ids
-
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, lora_request: None = None,
                     tokenization_kwargs: dict | None = None, trace_headers: dict | None = None,
@@ -125,63 +104,16 @@ class LLMEngine:
         check_request_id(request_id)
         check_request_options(self.config.scheduler.policy, lora_request, tokenization_kwargs, trace_headers,
                               priority)
-        if arrival_time is not None and not (is_number(arrival_time) and math.isfinite(arrival_time)):
-            raise ValueError(f"arrival_time must be a time.time() timestamp, got {arrival_time!r}.")
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
-        # Checked again on the engine's own copy: a caller may have changed fields since construction.
-        params = params.checked_copy()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        if params.stop and (self.tokenizer is None or not params.detokenize):
-            # As vLLM: stop strings match text, which only detokenized tokens have.
-            raise ValueError(f"stop strings ({params.stop!r}) need detokenized output: detokenize=True and an engine "
-                             "with a tokenizer (not skip_tokenizer_init). Use stop_token_ids instead.")
-        for name in ("bad_words", "structured_outputs"):
-            if getattr(params, name) and self.tokenizer is None:
-                raise ValueError(f"{name} ({getattr(params, name)!r}) need a tokenizer (an engine without "
-                                 "skip_tokenizer_init).")
-        if params.extra_args and self.config.parallel.tensor_parallel_size > 1:
-            check_sendable_to_ranks(params.extra_args, "extra_args")
-        if params.structured_outputs is not None:   # compiled now: a bad schema fails this request alone
-            compiler_for(self.config.model, self.tokenizer).compile(params.structured_outputs)
-        text, ids = self.tokenize_prompt(prompt)
-        vocab, max_len = self.config.model.arch.vocab_size, self.config.model.max_model_len
-        ids = params.truncate_prompt(ids, max_len)
-        if not ids:
-            raise ValueError("The prompt cannot be empty (prompt_token_ids has length 0).")
-        if len(ids) > max_len:
-            raise ValueError(
-                f"The prompt (length {len(ids)}) is longer than the maximum model length of {max_len} "
-                "(max_model_len). Make the prompt shorter or raise max_model_len."
-            )
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is out of the vocabulary range [0, {vocab}).")
-        if params.bad_words:
-            params.update_from_tokenizer(self.tokenizer)
-        params.check_vocab(vocab)
-        params.all_stop_token_ids |= self.output_processor.eos_token_ids if not params.ignore_eos else set()
-        max_tokens = max_len - len(ids) if params.max_tokens is None else params.max_tokens
-        # The engine's clock is monotonic; a given arrival_time is on the wall clock.
-        now = time.monotonic()
-        arrived = now if arrival_time is None else now - max(time.time() - arrival_time, 0.0)
-        seqs = []
-        for i in range(params.n):
-            seq = Sequence(request_id, i, ids, params.for_child(i) if params.n > 1 else params, max(1, max_tokens))
-            seq.arrival_time = arrived
-            seq.priority = int(priority)
-            self.output_processor.start(seq)
-            seqs.append(seq)
-        if params.prompt_logprobs is not None:   # scored once, by the first sequence's prefill
-            seqs[0].prompt_logprobs = [None] * len(ids)
-        request = Request(request_id, text, ids, params, seqs, arrival_time=arrived)
+        request, max_tokens = new_request(request_id, prompt, params, self.config, self.tokenizer,
+                                          self.output_processor.eos_token_ids, arrival_time, priority)
         self.requests[request_id] = request
-        for seq in seqs:
+        for seq in request.seqs:
+            self.output_processor.start(seq)
             self._seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
-        self.stats.on_new_request(len(ids), params.n, max_tokens)
+        self.stats.on_new_request(len(request.prompt_token_ids), request.sampling_params.n, max_tokens)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
