@@ -1,4 +1,5 @@
-"""Fixtures for the entrypoint tests: a real OpenAI-compatible server subprocess with speculative decoding."""
+"""Fixtures for the entrypoint tests: a real OpenAI-compatible server subprocess with speculative decoding;
+a small offline LLM and its greedy reference (test_llm.py, test_llm_arguments.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.entrypoints.llm import LLM
 from vllm_spec.sampling_params import SamplingParams
 
+from .offline_llm_helpers import MAX_MODEL_LEN, PROMPT, greedy
 from .openai_server_helpers import (
     API_KEY,
     KV_BYTES,
@@ -95,3 +97,15 @@ def server(spec_pair, tmp_path_factory):
         yield srv
     finally:
         _stop(proc)
+
+
+# Module scope: test_llm.py and test_llm_arguments.py each build their own engine.
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """The greedy continuation of PROMPT with no stop condition."""
+    return llm.generate(PROMPT, greedy(ignore_eos=True), use_tqdm=False)[0].outputs[0]

@@ -1,0 +1,255 @@
+"""The offline LLM API's argument checking: what it refuses, and names (over-long, empty and malformed
+prompts, sampling params of another type, missing models and tokenizers, engine keywords of the
+wrong type or asking for what the engine does not do), and vLLM's keywords at the values it supports.
+
+Generation itself is tested in test_llm.py; the shared `llm` and `reference` fixtures are in conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from vllm_spec.engine.arg_utils import EngineArgs
+from vllm_spec.entrypoints.llm import LLM
+from vllm_spec.sampling_params import SamplingParams
+
+from .offline_llm_helpers import MAX_MODEL_LEN, PROMPT, greedy
+
+
+# Prompts -----------------------------------------------------------------------------------------------
+
+def test_over_long_prompt_rejected_and_llm_keeps_working(llm, reference):
+    long_ids = list(range(1, MAX_MODEL_LEN + 2))
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": long_ids}, greedy(), use_tqdm=False)
+    # A bad prompt in the middle of a batch rejects the batch and leaves nothing queued.
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([PROMPT, "x " * 200, PROMPT], greedy(), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert not llm.llm_engine.scheduler.has_unfinished()
+    out = llm.generate(PROMPT, greedy(ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == reference.token_ids
+
+
+def test_prompt_of_exactly_max_model_len_gets_one_token(llm):
+    ids = [(i * 7) % 300 + 1 for i in range(MAX_MODEL_LEN)]
+    out = llm.generate({"prompt_token_ids": ids}, greedy(max_tokens=10), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+
+
+def test_max_model_len_caps_generation(llm):
+    ids = list(range(1, MAX_MODEL_LEN - 4))
+    out = llm.generate({"prompt_token_ids": ids}, greedy(max_tokens=50, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5 and out[0].outputs[0].finish_reason == "length"
+
+
+def test_empty_prompt_list_rejected(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([], greedy(), use_tqdm=False)
+
+
+@pytest.mark.parametrize("prompt", ["", {"prompt_token_ids": []}, {"prompt": ""}])
+def test_empty_prompt_rejected(llm, prompt):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(prompt, greedy(), use_tqdm=False)
+
+
+def test_out_of_vocab_token_rejected(llm):
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate({"prompt_token_ids": [1, 2, 10_000]}, greedy(), use_tqdm=False)
+
+
+@pytest.mark.parametrize("ids, match", [([1, 2.5], r"integers, got 2\.5 \(float\) at position 1"),
+                                        (["1"], r"integers, got '1' \(str\) at position 0"),
+                                        ([[1, 2]], r"integers, got \[1, 2\] \(list\)"),
+                                        ([True, 3], r"integers, got True \(bool\)")])
+def test_token_ids_that_are_no_integers_are_named(llm, ids, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate({"prompt_token_ids": ids}, greedy(), use_tqdm=False)
+
+
+def test_stop_strings_without_detokenization_rejected(llm, tiny_llama, reference):
+    with pytest.raises(ValueError, match="stop strings"):
+        llm.generate(PROMPT, greedy(stop=["a"], detokenize=False), use_tqdm=False)
+    bare = LLM(str(tiny_llama), skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=MAX_MODEL_LEN)
+    with pytest.raises(ValueError, match="stop strings"):
+        bare.generate({"prompt_token_ids": [5, 6, 7]}, greedy(stop=["a"]), use_tqdm=False)
+    # Nothing was left behind: both engines keep serving.
+    assert llm.generate(PROMPT, greedy(ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids == reference.token_ids
+    assert len(bare.generate({"prompt_token_ids": [5, 6, 7]}, greedy(max_tokens=3), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda llm: llm.generate(None), "prompts"), (lambda llm: llm.generate(5), "prompts"),
+    (lambda llm: llm.chat("hi"), "messages"), (lambda llm: llm.chat([]), "messages"),
+    (lambda llm: llm.chat([{"content": "no role"}]), "messages"),
+    (lambda llm: llm.chat([{"role": "user", "content": "hi"}], chat_template="{% if %}"), "chat_template"),
+])
+def test_bad_prompts_and_messages_are_named(llm, reference, call, named):
+    with pytest.raises((TypeError, ValueError), match=named):
+        call(llm)
+    assert llm.generate(PROMPT, greedy(ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids == reference.token_ids
+
+
+def test_mismatched_params_list_rejected(llm):
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([PROMPT, PROMPT], [greedy()], use_tqdm=False)
+
+
+def test_prompt_dict_keys_as_vllm(llm, reference):
+    """vLLM's prompt keys for inputs a text-only model has no use for must be empty (an image must not
+    be dropped silently); cache_salt is accepted; unknown keys are named. vLLM's output fields for
+    what the engine does not do are there, empty."""
+    params = greedy(ignore_eos=True)
+    out = llm.generate({"prompt": PROMPT, "cache_salt": "s", "multi_modal_data": None, "mm_processor_kwargs": {}},
+                       params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference.token_ids
+    assert (out.num_cached_tokens, out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids,
+            out.kv_transfer_params, out.outputs[0].lora_request) == (0, None, None, None, None, None)
+    with pytest.raises(ValueError, match="multi_modal_data in a prompt is not supported"):
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": object()}}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"unknown prompt key 'promt'; allowed: prompt, prompt_token_ids"):
+        llm.generate({"promt": PROMPT}, params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0}, 5, [SamplingParams(), {"temperature": 0}]])
+def test_sampling_params_of_another_type_are_named(llm, params):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams, a list of them"):
+        llm.generate(["a", "b"], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("prompts", [b"hello", bytearray(b"hi"), {5, 6, 7}])
+def test_bytes_and_sets_are_no_prompts(llm, prompts):
+    with pytest.raises(TypeError, match="prompts must be a string, a dict, token ids or a list of them"):
+        llm.generate(prompts, greedy(), use_tqdm=False)
+
+
+# Models and engine keywords ----------------------------------------------------------------------------
+
+def test_unknown_architecture_named(tmp_path, tiny_llama):
+    folder = tmp_path / "gpt2"
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["model_type"] = "gpt2"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        LLM(str(folder), kv_cache_memory_bytes=1 << 24)
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(FileNotFoundError, match="no_such_model") as e:
+        LLM(str(missing))
+    assert "config.json" in str(e.value)
+
+
+def test_vllm_keywords_at_their_neutral_values(llm, tiny_llama):
+    """Scripts written for vLLM pass its keywords at their defaults: accepted; values asking for what
+    this engine does not do are refused, named."""
+    plain = [{"role": "user", "content": "hi"}]
+    neutral = dict(cpu_offload_gb=0, hf_overrides=None, hf_token=None, compilation_config=None,
+                   max_seq_len_to_capture=8192, disable_custom_all_reduce=False, allowed_local_media_path="",
+                   mm_processor_kwargs=None, task="auto", runner="auto", enable_lora=False, pipeline_parallel_size=1,
+                   data_parallel_size=1, served_model_name="m", logprobs_mode="raw_logprobs", enable_sleep_mode=False,
+                   disable_async_output_proc=False, enable_prefix_caching=None)
+    other = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, max_model_len=MAX_MODEL_LEN, **neutral)
+    want = llm.generate(PROMPT, greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    assert other.generate(PROMPT, greedy(), use_tqdm=False, lora_request=None,
+                          priority=[0])[0].outputs[0].token_ids == want
+    assert other.chat(plain, greedy(), use_tqdm=False, lora_request=None, tools=None, mm_processor_kwargs=None,
+                      chat_template_content_format="string")[0].outputs[0].token_ids == \
+        llm.chat(plain, greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    for name, value in (("enable_lora", True), ("pipeline_parallel_size", 2), ("cpu_offload_gb", 4),
+                        ("task", "embed"), ("logprobs_mode", "processed_logprobs"), ("enable_sleep_mode", True),
+                        ("hf_overrides", {"rope_theta": 1.0}), ("mm_processor_kwargs", {"x": 1})):
+        with pytest.raises(ValueError, match=name):
+            LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, **{name: value})
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        llm.generate(PROMPT, greedy(), use_tqdm=False, lora_request=object())
+    for priority, message in (([1], "priority must be 0, got 1"), ([0, 0], r"one per prompt \(1\), got 2")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(PROMPT, greedy(), use_tqdm=False, priority=priority)
+    with pytest.raises(ValueError, match="tools must be a list of tool definitions"):
+        llm.chat(plain, use_tqdm=False, tools={"type": "function"})
+    with pytest.raises(ValueError, match="chat_template_content_format must be 'auto' or 'string'"):
+        llm.chat(plain, use_tqdm=False, chat_template_content_format="openai")
+
+
+def test_vllm_flags_with_their_supported_values(tiny_llama):
+    # vLLM configurations often spell these out; the supported value works, the other is a clear error.
+    llm = LLM(str(tiny_llama), str(tiny_llama), enable_chunked_prefill=True, enable_prefix_caching=False,
+              kv_cache_memory_bytes=1 << 24, trust_remote_code=True, tokenizer_mode="auto", swap_space=4,
+              quantization=None, revision=None, tokenizer_revision=None, download_dir=None, disable_log_stats=True,
+              max_logprobs=20, kv_cache_dtype="auto")
+    assert len(llm.generate("hi", greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True, False or None"):
+        LLM(str(tiny_llama), enable_prefix_caching="yes")
+    with pytest.raises(ValueError, match="enable_chunked_prefill must be True"):
+        LLM(str(tiny_llama), enable_chunked_prefill=False)
+    for name, value in [("quantization", "awq"), ("tokenizer_mode", "slow"), ("revision", "main"),
+                        ("max_logprobs", 5), ("kv_cache_dtype", "fp8"), ("swap_space", -1)]:
+        with pytest.raises(ValueError, match=name):
+            LLM(str(tiny_llama), **{name: value})
+
+
+@pytest.mark.parametrize("name, value", [
+    ("gpu_memory_utilization", None), ("gpu_memory_utilization", "0.5"), ("max_num_seqs", "8"),
+    ("max_num_seqs", 1.5), ("max_num_seqs", True), ("max_num_batched_tokens", 0), ("max_num_batched_tokens", "64"),
+    ("kv_cache_memory_bytes", "1000000"), ("num_gpu_blocks_override", 100.5), ("block_size", 16.0),
+    ("block_size", True), ("swap_space", True), ("enforce_eager", "no"), ("seed", 1.5), ("seed", 1 << 64),
+    ("tokenizer", 5), ("speculative_model", 5),
+])
+def test_engine_keywords_of_the_wrong_type_name_the_field(tiny_llama, name, value):
+    # A float or bool taken for an integer failed deep in the worker (or silently meant 1); a string
+    # number raised a TypeError; 0 batched tokens silently meant the default.
+    with pytest.raises(ValueError, match=name):
+        LLM(str(tiny_llama), **{name: value})
+
+
+def test_engine_keywords_as_vllm_users_write_them(tiny_llama):
+    llm = LLM(str(tiny_llama), seed=None, kv_cache_memory_bytes=1e7)
+    assert llm.llm_engine.config.cache.kv_cache_memory_bytes == 10_000_000
+    assert len(llm.generate("hi", greedy(3), use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def test_speculative_config_values_of_the_wrong_type(tiny_llama):
+    with pytest.raises(ValueError, match="speculative_config\\['model'\\]"):
+        LLM(str(tiny_llama), speculative_config={"model": 5, "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="synthetic_acceptance_rate"):
+        LLM(str(tiny_llama), speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                  "synthetic_acceptance_rate": "x"})
+
+
+def test_missing_tokenizer_folder_is_named_without_a_hub_request(tiny_llama, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a model hub was contacted")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_hub)
+    with pytest.raises(ValueError, match="tokenizer 'no/such-tokenizer' not found"):
+        LLM(str(tiny_llama), tokenizer="no/such-tokenizer")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no tokenizer found in .*empty"):
+        LLM(str(tiny_llama), tokenizer=str(tmp_path / "empty"))
+
+
+def test_numpy_integers_are_integers(tiny_llama):
+    import numpy as np
+
+    llm = LLM(str(tiny_llama), seed=np.int64(3), max_num_seqs=np.int64(4), kv_cache_memory_bytes=1 << 24)
+    params = SamplingParams(seed=np.int64(5), n=np.int64(2), max_tokens=np.int64(3), temperature=1.0)
+    out = llm.generate("hi", params, use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [3, 3]
+
+
+@pytest.mark.parametrize("dtype", [[], {"a": 1}, 16])
+def test_a_dtype_of_another_type_is_named(tiny_llama, dtype):
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+        EngineArgs(model=str(tiny_llama), dtype=dtype).create_engine_config()
