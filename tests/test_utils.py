@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_spec.utils import to_device
+from vllm_spec.utils import KeptForIds, to_device
 
 CASES = [
     ([0.5, -1.25, float("nan"), float("inf")], torch.float32),
@@ -36,3 +36,15 @@ def test_to_device_never_aliases_a_numpy_input():
     got = to_device(host, torch.device("cpu"))
     host[0] = 99
     assert got.tolist() == [0, 1, 2, 3]
+
+
+def test_kept_for_ids_serves_a_value_again_only_for_the_same_ids_in_the_same_order():
+    kept, built = KeptForIds(), []
+    def build(value):
+        return lambda: (built.append(value), value)[1]
+    assert kept.get([1, 2], build("a")) == "a"
+    assert kept.get([1, 2], build("b")) == "a"        # the same ids: not built again
+    assert kept.get([2, 1], build("c")) == "c"        # another order is another batch
+    assert kept.get([2, 1, 3], build("d")) == "d"
+    assert kept.get([2, 1, 3], build("e")) == "d"
+    assert built == ["a", "c", "d"]

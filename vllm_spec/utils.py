@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
+
+T = TypeVar("T")
 
 
 def is_int(value: object) -> bool:
@@ -77,3 +81,24 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> 
 
 _NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.float64: np.float64,
                  torch.bool: np.bool_}
+
+
+class KeptForIds(Generic[T]):
+    """A value built for a list of sequence ids, served again while exactly those ids come back in that
+    order: for values that depend on the sequences' fixed fields alone (parameters, generators; ids are
+    never reused), which a steady batch then builds once, not every step."""
+
+    def __init__(self):
+        self._kept: tuple[list[int], T] | None = None
+
+    def get(self, seq_ids: list[int], build: Callable[[], T]) -> T:
+        """The kept value when it was built for exactly `seq_ids`, else build()'s (kept where `keeps`)."""
+        if self._kept is not None and self._kept[0] == seq_ids:
+            return self._kept[1]
+        value = build()
+        self._kept = (seq_ids, value) if self.keeps(value) else None
+        return value
+
+    def keeps(self, value: T) -> bool:
+        """Whether a built value may serve later steps."""
+        return True

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from vllm_spec.sampling_params import BatchFields, SamplingParams
-from vllm_spec.utils import to_device
+from vllm_spec.utils import KeptForIds, to_device
 
 
 @dataclass
@@ -138,24 +137,12 @@ class SamplingMetadata:
         return replace(self, generators={r: g for r, g in self.generators.items() if r not in rows})
 
 
-class ReusedMetadata:
-    """The last batch's metadata, served again while the same sequences sample in the same order.
+class ReusedMetadata(KeptForIds[SamplingMetadata]):
+    """The last batch's metadata, served again while the same sequences sample in the same order:
+    metadata that does not follow the rows' tokens depends on the rows' parameters and generators alone."""
 
-    Metadata that does not follow the rows' tokens depends on the rows' parameters and generators
-    alone, and both are fixed per sequence id (ids are never reused): a steady decode batch then
-    builds it once, not every step.
-    """
-
-    def __init__(self):
-        self._kept: tuple[list[int], SamplingMetadata] | None = None
-
-    def get(self, seq_ids: list[int], build: Callable[[], SamplingMetadata]) -> SamplingMetadata:
-        """The kept metadata when it was built for exactly `seq_ids`, else build()'s."""
-        if self._kept is not None and self._kept[0] == seq_ids:
-            return self._kept[1]
-        md = build()
-        self._kept = None if md.follows_tokens else (seq_ids, md)
-        return md
+    def keeps(self, value: SamplingMetadata) -> bool:
+        return not value.follows_tokens
 
 
 def _token_matrix(seqs: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -33,6 +33,7 @@ from vllm_spec.spec_decode.tp_proposer import TPProposer
 from vllm_spec.worker.batch import ExecuteModelRequest, SpecStepStats, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner
 from vllm_spec.worker.step_handle import DoneStep, StepHandle
+from vllm_spec.utils import KeptForIds
 from vllm_spec.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class SpecDecodeWorker:
         self._finished: list[int] = []
         self._reused_draft_md = ReusedMetadata()
         self._draft_rows: dict[int, SamplingRow] = {}   # seq id -> its row of the draft's metadata
-        self._seeded: tuple[list[int], np.ndarray] | None = None   # the last step's sampled ids, which are seeded
+        self._seeded: KeptForIds[np.ndarray] = KeptForIds()   # which of the sampled rows are seeded
 
     # KV cache: one block manager, two caches of the same number of blocks ----------------
     def kv_bytes_per_block(self) -> int:
@@ -160,10 +161,8 @@ class SpecDecodeWorker:
         """bool [len(sampled)]: which sampled rows sample with their request's own seed. A sequence's
         parameters never change, so the same sampled sequences as the last step's (most steps) read
         none of them."""
-        ids = req.columns.ids_of(sampled)
-        if self._seeded is None or self._seeded[0] != ids:
-            self._seeded = ids, np.fromiter(map(_seeded, req.seqs_of(sampled)), dtype=bool, count=len(ids))
-        return self._seeded[1]
+        return self._seeded.get(req.columns.ids_of(sampled), lambda: np.fromiter(
+            map(_seeded, req.seqs_of(sampled)), dtype=bool, count=len(sampled)))
 
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
         return self.launch(req).result()
