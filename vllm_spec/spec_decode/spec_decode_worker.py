@@ -30,10 +30,10 @@ from vllm_spec.spec_decode.proposer import Proposer
 from vllm_spec.spec_decode.step_cost import Charge, StepCharges
 from vllm_spec.spec_decode.timer import StepTimer
 from vllm_spec.spec_decode.tp_proposer import TPProposer
+from vllm_spec.utils import KeptForIds
 from vllm_spec.worker.batch import ExecuteModelRequest, SpecStepStats, StepOutput
 from vllm_spec.worker.model_runner import ModelRunner
 from vllm_spec.worker.step_handle import DoneStep, StepHandle
-from vllm_spec.utils import KeptForIds
 from vllm_spec.worker.worker import Worker
 
 logger = logging.getLogger(__name__)

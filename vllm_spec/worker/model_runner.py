@@ -215,7 +215,6 @@ class ModelRunner:
             graph = self._graphs.get(q) or self._new_graph(q)
             graph.capture(max_batch if max_tokens is None else min(max_batch, max_tokens // q))
 
-
     @torch.inference_mode()
     def warm_logits(self, max_rows: int) -> None:
         """Run the LM head once for every row count up to max_rows (CUDA only). Serving computes eager
