@@ -207,3 +207,27 @@ def test_engine_runs_a_gguf_quantized_checkpoint_from_blocks(tiny_llama, tmp_pat
     stored, ref = run()
     assert stored == {("torch.float32", True)}
     assert ours == ref
+
+
+@pytest.mark.parametrize("n, k", [(5, 64), (33, 96)])
+def test_quantize_q8_0_is_the_nearest_blocks_within_half_a_step(n, k):
+    torch.manual_seed(n)
+    w = torch.randn(n, k) * torch.logspace(-3, 1, n).unsqueeze(1)   # scales from tiny to large rows
+    w[0, :32] = 0.0                                                  # an all-zero block
+    blocks = block_quant.quantize_q8_0(w)
+    assert blocks.format == "q8_0" and blocks.shape == w.shape
+    d = (w.reshape(n, -1, 32).abs().amax(-1, keepdim=True) / 127).half().float()
+    err = (blocks.dequantize() - w).reshape(n, -1, 32).abs()
+    assert (err <= d * 0.5 * (1 + 1e-3) + 1e-12).all()              # the nearest q (up to d's rounding)
+    assert (blocks.dequantize()[0, :32] == 0).all()
+
+
+def test_quantize_q8_0_keeps_q8_0_values_exactly_and_turns_down_what_has_no_blocks():
+    torch.manual_seed(1)
+    q = torch.randint(-127, 128, (4, 64)).float()
+    q[:, ::32] = 127                                                 # each block's largest |q| is 127
+    exact = q * torch.tensor([0.5, 0.25, 0.125, 2.0]).unsqueeze(1)   # float16 scales
+    assert torch.equal(block_quant.quantize_q8_0(exact).blocks, block_quant.find(exact).blocks)
+    assert block_quant.quantize_q8_0(torch.randn(4, 40)) is None     # K not a multiple of 32
+    assert block_quant.quantize_q8_0(torch.randn(4, 64, dtype=torch.float64)) is None
+    assert block_quant.quantize_q8_0(torch.full((2, 32), 1e9)) is None   # a scale past float16

@@ -62,4 +62,7 @@ def draft_config(tcfg: dict, n_layers: int) -> dict:
         # The engine's draft head keeps ids below this (the BPE's first merges: ~95% of the target's output
         # tokens), a third of the head's reads; verification stays exact.
         "vllm_spec_draft_vocab": DRAFT_VOCAB,
+        # On the CPU the engine holds its layers' weights as Q8_0 blocks (half the bytes of float16; the
+        # acceptance measured unchanged).
+        "vllm_spec_cpu_weights": "q8_0",
     }

@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
 _SLIDING_WINDOW_DEFAULT = 4096
 # A config without "architectures" names its model_type (transformers loads it from that).
 _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 
 
 @dataclass
@@ -52,6 +53,9 @@ class ArchConfig:
     # A draft that proposes only these token ids (its LM head keeps their rows: a cheaper step;
     # verification stays exact). None: the whole vocabulary.
     draft_vocab: tuple[int, ...] | None = None
+    # "q8_0": on the CPU, the decoder layers' float32 matmul weights are held as the nearest Q8_0 blocks
+    # (lossy; for a draft, whose numerics only set its acceptance: half the bytes of float16). None: as loaded.
+    cpu_weights: str | None = None
 
     def sliding_window_for(self, layer: int) -> int | None:
         if self.windowed_layers is not None and layer not in self.windowed_layers:
@@ -132,6 +136,7 @@ class ArchConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             embeddings_from_target=bool(cfg.get("vllm_spec_embeddings_from_target", False)),
             draft_vocab=_draft_vocab(cfg.get("vllm_spec_draft_vocab"), vocab),
+            cpu_weights=_cpu_weights(cfg.get("vllm_spec_cpu_weights")),
         )
 
 
@@ -149,6 +154,13 @@ def _draft_vocab(value: Any, vocab_size: int) -> tuple[int, ...] | None:
     if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
         raise ValueError(f"vllm_spec_draft_vocab must name token ids in [0, {vocab_size}) (at least one).")
     return ids
+
+
+def _cpu_weights(value: Any) -> str | None:
+    """"vllm_spec_cpu_weights": null or "q8_0"."""
+    if value is not None and value not in CPU_WEIGHT_FORMATS:
+        raise ValueError(f"vllm_spec_cpu_weights must be one of {CPU_WEIGHT_FORMATS} or null, got {value!r}.")
+    return value
 
 
 def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | None, tuple[int, ...] | None]:

@@ -76,6 +76,22 @@ def find(weight: torch.Tensor) -> BlockWeight | None:
     return None
 
 
+def quantize_q8_0(weight: torch.Tensor) -> BlockWeight | None:
+    """The nearest Q8_0 blocks of a float32 [N, K] CPU weight (d = max |w| / 127 as a float16 value, q the
+    nearest integer; every element within d / 2 of the weight, up to d's rounding), or None where it
+    has no such blocks (K not a multiple of 32, a scale past float16). Lossy: only for weights whose
+    values may move a little (a draft's, whose numerics only set how many of its tokens are accepted)."""
+    if (weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK
+            or weight.shape[0] == 0 or weight.device.type != "cpu"):
+        return None
+    b = weight.detach().reshape(weight.shape[0], -1, BLOCK)
+    d = (b.abs().amax(-1, keepdim=True) / 127).half().float()
+    if not torch.isfinite(d).all():
+        return None
+    q = torch.where(d > 0, b / torch.where(d > 0, d, 1), 0).round().clamp(-127, 127).to(torch.int8)
+    return BlockWeight("q8_0", torch.cat([_bytes(d), _bytes(q)], -1).reshape(weight.shape[0], -1), weight.shape)
+
+
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # Equal values, NaN never: a zero's sign cannot reach the products' sums (they start from +0.0, and
     # s + (-0.0) = s + 0.0 for every s), and Q4_0's d (q - 8) gives -0.0 where d < 0 that the Q4_1

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_spec.distributed.parallel_state import GroupCoordinator
-from vllm_spec.model import cpu_linear, gemv
+from vllm_spec.model import block_quant, cpu_linear, gemv
 from vllm_spec.model.block_quant import BlockWeight
 from vllm_spec.model.fused import add_rms_norm, silu_mul
 
@@ -90,13 +90,17 @@ class LinearBase(nn.Module):
     # a draft borrows): keep it.
     shares_weight = False
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, quantize: str | None = None) -> None:
         """Multiply by a packed copy from now on. The plain weight's memory goes unless shared: the
         parameter keeps its shape (parameter counts, names) over a single NaN element, so a stray
-        read shows in the output and a late load fails."""
+        read shows in the output and a late load fails. quantize="q8_0": a float32 weight the CPU kernel
+        multiplies goes to its nearest Q8_0 blocks instead (lossy: ArchConfig.cpu_weights)."""
         if self.packed is not None:   # packed already (the plain weight may be gone)
             return
-        packed = pack_for_cpu(self.weight)
+        blocks = None
+        if quantize == "q8_0" and cpu_linear.available() and not self.weight.requires_grad:
+            blocks = block_quant.quantize_q8_0(self.weight)
+        packed = blocks or pack_for_cpu(self.weight)
         if packed is self.weight:
             return
         self.packed = packed

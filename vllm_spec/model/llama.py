@@ -155,10 +155,12 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Keep every matmul weight packed for the CPU (see layers.pack_for_cpu); short query blocks then
-        run the layers in one C++ call where they can (cpu_decoder)."""
+        run the layers in one C++ call where they can (cpu_decoder). The layers' weights are quantized
+        where the config says so (cpu_weights); the LM head and embeddings never are."""
+        quantized = set(self.layers.modules()) if self.config.cpu_weights else set()
         for module in self.modules():
             if isinstance(module, LinearBase):
-                module.pack_for_cpu()
+                module.pack_for_cpu(self.config.cpu_weights if module in quantized else None)
         if self.output_weight is not None:
             self.output_weight = pack_for_cpu(self.output_weight)
         self.cpu_decoder = CpuDecoder.build(list(self.layers))
