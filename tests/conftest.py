@@ -3,9 +3,11 @@ and what the end-to-end speculative decoding tests share (engine settings, promp
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -123,6 +125,14 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=2, sliding_window=None)
+
+
+def copy_with_config(model: str | Path, folder: Path, **changes) -> str:
+    """A copy of a checkpoint folder whose config.json has these keys set."""
+    shutil.copytree(model, folder, dirs_exist_ok=True)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return str(folder)
 
 
 def make_noisy_draft(target: Path, folder: Path, noise: float, seed: int = 0) -> Path:

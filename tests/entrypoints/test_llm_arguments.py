@@ -7,10 +7,8 @@ Generation itself is tested in test_llm.py; the shared `llm` and `reference` fix
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
+from conftest import copy_with_config
 
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.entrypoints.llm import LLM
@@ -132,14 +130,9 @@ def test_bytes_and_sets_are_no_prompts(llm, prompts):
 # Models and engine keywords ----------------------------------------------------------------------------
 
 def test_unknown_architecture_named(tmp_path, tiny_llama):
-    folder = tmp_path / "gpt2"
-    shutil.copytree(tiny_llama, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
-    cfg["model_type"] = "gpt2"
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = copy_with_config(tiny_llama, tmp_path / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        LLM(str(folder), kv_cache_memory_bytes=1 << 24)
+        LLM(folder, kv_cache_memory_bytes=1 << 24)
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from conftest import BurstsPolicy, make_tiny_model
+from conftest import BurstsPolicy, copy_with_config, make_tiny_model
 
 from vllm_spec import LLM, SamplingParams
 from vllm_spec.worker import staging
@@ -132,14 +134,10 @@ def test_whole_proposal_graph(spec_pair, eager_reference, k):
 def test_draft_vocab_subset_in_graphs(spec_pair, eager_reference, tmp_path):
     # The whole-proposal graph maps the subset head's argmax back to token ids on the device.
     import json
-    import shutil
 
-    draft = tmp_path / "draft"
-    shutil.copytree(spec_pair[1], draft)
-    cfg = json.loads((draft / "config.json").read_text())
-    cfg["vllm_spec_draft_vocab"] = list(range(0, cfg["vocab_size"], 2))
-    (draft / "config.json").write_text(json.dumps(cfg))
-    llm = LLM(spec_pair[0], speculative_model=str(draft), num_speculative_tokens=3, speculative_policy="fixed", **KV)
+    vocab = json.loads((Path(spec_pair[1]) / "config.json").read_text())["vocab_size"]
+    draft = copy_with_config(spec_pair[1], tmp_path / "draft", vllm_spec_draft_vocab=list(range(0, vocab, 2)))
+    llm = LLM(spec_pair[0], speculative_model=draft, num_speculative_tokens=3, speculative_policy="fixed", **KV)
     assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == eager_reference
     m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
     assert m["vllm:spec_decode_num_accepted_tokens"] > 0

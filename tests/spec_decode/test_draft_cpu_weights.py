@@ -5,11 +5,10 @@ speculation stays lossless (the draft's numerics only set its acceptance)."""
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import copy_with_config
 
 from vllm_spec import LLM, SamplingParams
 from vllm_spec.entrypoints.cli import default_draft_path
@@ -23,17 +22,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [3 + i, 40 + 2 * i, 7, 99 - i][: 1 + i % 4]} for i in range(8)]
 
 
-def _with_cpu_weights(draft: str, folder: Path, value) -> str:
-    shutil.copytree(draft, folder, dirs_exist_ok=True)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["vllm_spec_cpu_weights"] = value
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return str(folder)
-
-
 @pytest.mark.skipif(not cpu_linear.available(), reason="the CPU kernel is not built here")
 def test_the_draft_layers_multiply_by_q8_0_blocks_and_speculation_stays_lossless(spec_pair, tmp_path):
-    draft = _with_cpu_weights(spec_pair[1], tmp_path / "draft", "q8_0")
+    draft = copy_with_config(spec_pair[1], tmp_path / "draft", vllm_spec_cpu_weights="q8_0")
     ref_llm = LLM(spec_pair[0], dtype="float32", device="cpu", **KV)
     ref = ref_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     llm = LLM(spec_pair[0], dtype="float32", device="cpu", speculative_model=draft, num_speculative_tokens=3,

@@ -5,11 +5,11 @@ draft's q being zero outside its subset)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import copy_with_config
 from scipy import stats
 
 from vllm_spec import LLM, SamplingParams
@@ -20,14 +20,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [3 + i, 40 + 2 * i, 7, 99 - i][: 1 + i % 4]} for i in range(12)]
 
 
-def _with_vocab(draft: str, folder: Path, vocab) -> str:
-    shutil.copytree(draft, folder, dirs_exist_ok=True)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["vllm_spec_draft_vocab"] = vocab
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return str(folder)
-
-
 @pytest.fixture(scope="module")
 def target_vocab(spec_pair) -> int:
     return json.loads((Path(spec_pair[0]) / "config.json").read_text())["vocab_size"]
@@ -36,7 +28,7 @@ def target_vocab(spec_pair) -> int:
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_equality_and_proposals_inside_the_subset(spec_pair, tmp_path, target_vocab, k):
     subset = list(range(0, target_vocab, 2))                 # every other token id
-    draft = _with_vocab(spec_pair[1], tmp_path / "draft", subset)
+    draft = copy_with_config(spec_pair[1], tmp_path / "draft", vllm_spec_draft_vocab=subset)
     ref = LLM(spec_pair[0], **KV).generate(PROMPTS, GREEDY, use_tqdm=False)
     llm = LLM(spec_pair[0], speculative_model=draft, num_speculative_tokens=k, speculative_policy="fixed", **KV)
     model = llm.llm_engine.executor.worker.draft_runner.model
@@ -56,7 +48,7 @@ def test_greedy_equality_and_proposals_inside_the_subset(spec_pair, tmp_path, ta
 def test_sampled_distribution_with_a_subset_draft(spec_pair, tmp_path, target_vocab):
     """The 3rd token over 1500 runs at temperature 1: chi-square p > 1e-3 against plain sampling.
     The draft sees only a quarter of the vocabulary, so q is zero where p is not."""
-    draft = _with_vocab(spec_pair[1], tmp_path / "draft", target_vocab // 4)
+    draft = copy_with_config(spec_pair[1], tmp_path / "draft", vllm_spec_draft_vocab=target_vocab // 4)
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
     prompt = {"prompt_token_ids": [3, 17, 42, 99, 5]}
 

@@ -8,12 +8,9 @@ default a tiny random target and a noisy copy of it as draft (partial acceptance
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-from conftest import FIXED, GREEDY, make_prompts, metric_values, output_ids
+from conftest import FIXED, GREEDY, copy_with_config, make_prompts, metric_values, output_ids
 from conftest import SPEC_KV as KV
 
 from vllm_spec import LLM, EngineArgs, SamplingParams
@@ -142,16 +139,6 @@ def test_draft_with_other_vocabulary_is_rejected(tmp_path, spec_pair):
         LLM(spec_pair[0], speculative_model=str(other), num_speculative_tokens=2, **FIXED, **KV)
 
 
-def _short_context_copy(draft: str, folder: Path, positions: int) -> str:
-    """The draft's checkpoint with a shorter context (max_position_embeddings)."""
-    import shutil
-
-    shutil.copytree(draft, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": positions}))
-    return str(folder)
-
-
 @pytest.mark.parametrize("limit_by", ["draft_config", "speculative_max_model_len", "speculative_config"])
 def test_a_draft_of_a_shorter_context_speculates_only_inside_it(tmp_path, spec_pair, baseline, limit_by):
     """As vLLM's: the draft's context (what it supports, or the speculative max_model_len asked for)
@@ -160,7 +147,7 @@ def test_a_draft_of_a_shorter_context_speculates_only_inside_it(tmp_path, spec_p
     steps; seeded rows too), and drafts reach right up to it."""
     limit = 40
     if limit_by == "draft_config":
-        spec = dict(speculative_model=_short_context_copy(spec_pair[1], tmp_path / "short", limit))
+        spec = dict(speculative_model=copy_with_config(spec_pair[1], tmp_path / "short", max_position_embeddings=limit))
     elif limit_by == "speculative_max_model_len":
         spec = dict(speculative_model=spec_pair[1], speculative_max_model_len=limit)
     else:
@@ -205,6 +192,6 @@ def test_a_speculative_max_model_len_past_the_targets_is_refused(spec_pair, kwar
 
 def test_a_speculative_max_model_len_past_the_drafts_context_is_refused(tmp_path, spec_pair):
     """As vLLM: the draft's max_model_len asked for may not exceed what the draft supports."""
-    short = _short_context_copy(spec_pair[1], tmp_path / "short", 40)
+    short = copy_with_config(spec_pair[1], tmp_path / "short", max_position_embeddings=40)
     with pytest.raises(ValueError, match="speculative_max_model_len=60 cannot be larger than the draft's"):
         LLM(spec_pair[0], speculative_model=short, num_speculative_tokens=2, speculative_max_model_len=60, **KV)
