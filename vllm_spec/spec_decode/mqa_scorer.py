@@ -159,7 +159,7 @@ class MQAScorer:
                                   self.target.sampler.generator, rate, target_argmax, found.tolist(),
                                   uniforms_t.view(torch.float64).view(len(sampled), k) if synthetic else None)
         tokens = self.tp.broadcast(result.tokens.contiguous())   # tp > 1: rank 0's verdict everywhere
-        copy = HostCopy(tokens, self.target.host_buffers, timed=True)   # the step's one device->host copy; its event ends the verification
+        copy = HostCopy(tokens, timed=True)   # the step's one device->host copy; its event ends the verification
         mark(last=copy.event)
         while_device_runs()
         rows, wait = copy.values(), copy.wait_time

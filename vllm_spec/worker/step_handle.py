@@ -66,41 +66,15 @@ class DeviceSpan:
         return self._start.elapsed_time(self._end) / 1e3
 
 
-class PinnedBuffers:
-    """Page-locked host buffers that step outputs are copied into, kept for reuse. A page-locked
-    allocation of a size torch's caching allocator has not cached calls cudaHostAlloc, which can
-    wait for the device's queued work: where every step's output has a new size (a batch shrinking
-    as its requests finish), each step would wait for the device before its copy was even queued."""
-
-    def __init__(self):
-        self._free: list[torch.Tensor] = []   # flat uint8 buffers
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A flat uint8 buffer of at least nbytes: the smallest kept one that fits, else a new one of a
-        power of two of at least 4 KiB (a batch that shrinks and grows again finds one; any element
-        type views it)."""
-        fits = [i for i, buf in enumerate(self._free) if len(buf) >= nbytes]
-        if fits:
-            return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
-        return torch.empty(max(1 << (max(nbytes, 1) - 1).bit_length(), 4096), dtype=torch.uint8, pin_memory=True)
-
-    def give(self, buf: torch.Tensor) -> None:
-        """Return a buffer from take() once nothing reads or writes it any more."""
-        self._free.append(buf)
-
-
 class HostCopy:
     """A device tensor's copy to the host, started now without waiting; `values()` waits for it.
     `event` (CUDA) is recorded right after the copy; `timed`: with timing enabled, so that it may
-    end a DeviceSpan. The host side is a buffer of `buffers`, given back once read."""
+    end a DeviceSpan."""
 
-    def __init__(self, t: torch.Tensor, buffers: PinnedBuffers, timed: bool = False):
+    def __init__(self, t: torch.Tensor, timed: bool = False):
         self.event = None
-        self._buffers = None
         if t.device.type == "cuda":
-            nbytes = t.numel() * t.element_size()
-            self._buffers, self._buffer = buffers, buffers.take(nbytes)
-            self._host = self._buffer[:nbytes].view(t.dtype).view(t.shape)
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self._host.copy_(t, non_blocking=True)
             self.event = torch.cuda.Event(enable_timing=timed)
             self.event.record()
@@ -116,7 +90,4 @@ class HostCopy:
                 self.event.synchronize()
             self._values = self._host.tolist()
             self.wait_time = time.perf_counter() - start
-            if self._buffers is not None:   # read: the buffer may take the next copy
-                self._buffers.give(self._buffer)
-                self._buffers = self._buffer = self._host = None
         return self._values

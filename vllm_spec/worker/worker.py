@@ -19,7 +19,7 @@ from vllm_spec.utils import to_device
 from vllm_spec.worker.batch import PLACEHOLDER_TOKEN, ExecuteModelRequest, PromptLogprobs, SeqInput, StepOutput
 from vllm_spec.worker.cuda_graph import buckets_up_to
 from vllm_spec.worker.model_runner import ModelRunner, PreparedBatch, to_device_aligned
-from vllm_spec.worker.step_handle import DeviceSpan, DoneStep, HostCopy, PinnedBuffers, StepHandle
+from vllm_spec.worker.step_handle import DeviceSpan, DoneStep, HostCopy, StepHandle
 
 _CPU_KV_CACHE_BYTES = 2 << 30
 
@@ -41,7 +41,6 @@ class Worker:
         self._last: SampledStep | None = None   # the latest step that sampled: in-flight tokens come from it
         self._reused_md = ReusedMetadata()
         self.structured = StructuredOutputs(config.model)
-        self.host_buffers = PinnedBuffers()   # each step's one copy to the host lands in one of these
 
     # KV cache -----------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -153,7 +152,7 @@ class Worker:
                 row_of = {i: r for r, i in enumerate(sampled)}
                 md.penalties.add_tokens(to_device([row_of[i] for i in in_flight[0]], self.device), in_flight[1])
             out = self.sampler(all_logits if len(all_logits) == len(ends) else all_logits[: len(ends)], md)
-        copy = HostCopy(out.sampled, self.host_buffers, timed=True) if out is not None else None
+        copy = HostCopy(out.sampled, timed=True) if out is not None else None
         span.end(copy)
         prompt_logits = all_logits[len(ends):] if prompt_rows.rows else None
         handle = SampledStep(seqs, seq_ids, out, copy, prompt_rows, prompt_logits, req.seqs, span)
