@@ -137,7 +137,6 @@ def copy_with_config(model: str | Path, folder: Path, **changes) -> str:
 
 def make_noisy_draft(target: Path, folder: Path, noise: float, seed: int = 0) -> Path:
     """A draft = the target's weights plus Gaussian noise: partial acceptance, same tokenizer."""
-    import shutil
 
     from safetensors.torch import load_file, save_file
 
