@@ -66,10 +66,12 @@ def test_small_batches_time_more_steps(monkeypatch):
     import benchmark_policy as bench
 
     sweep = bench.Sweep([1, 8, 256], prompt_len=64, gen_len=192, warmup_len=16, vocab=512, window=32,
-                        min_seq_steps=256)
+                        min_seq_steps=256, max_k=4)
     assert [sweep.window_for(b) for b in (1, 3, 8, 256)] == [256, 86, 32, 32]
-    assert sweep.gen_len_for(1) == 256 * (bench.MAX_K + 1) + 32
+    assert sweep.gen_len_for(1) == 256 * 5 + 32
     assert sweep.gen_len_for(256) == 192
+    sweep.max_k = 8
+    assert sweep.gen_len_for(256) == 32 * 9 + 32
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
