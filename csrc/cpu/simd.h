@@ -25,6 +25,16 @@ inline __m256 load8(const Half* p) {   // 8 float16 -> float32 (F16C)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+#if defined(__AVX512F__)
+// The two 8-lane halves of a 16-lane register (blocks widened 16 columns at a time, summed 8 at a time).
+inline void split_halves(__m512 v, __m256* out) {
+  out[0] = _mm512_castps512_ps256(v);
+  out[1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+#endif
+
 inline float widen(float v) { return v; }
 
 inline float widen(uint16_t v) {
