@@ -92,20 +92,22 @@ struct Blocks {
 
 struct Q4_1Blocks : Blocks<Q4_1Blocks, 24> {   // d, m, then q[j] in byte j's low nibble, q[j + 16] in its high one
   static constexpr int64_t kLineElems = 64;
+  // A whole block per load: its bytes, scale and minimum read once for its 32 columns (per half block, a
+  // 1536 x 576 layer took 78 us a row and 114 us for 3 rows, streamed from memory; per block 76 / 105).
+  static constexpr int kVectors = 4;
 #if defined(__AVX512F__)
   // With AVX-512 a block's 16 values d q + m (the same FMA per q as below: the same bits) form a table
-  // that one permute per 16 columns reads by nibble (permutexvar takes an index's low 4 bits), a whole
-  // block per load. The widening bounds a 1-row step (a 1536 x 576 layer took 76-78 us whether its
-  // weights were in L2 or not); with the table 68-74 us, and 3 rows 91-98 us against 114-119 (one
-  // core of a 2-core AMD EPYC). The tiles still sum 8 lanes at a time (split_halves): the same order.
-  // (Per half block, as the AVX2 loads below, the table cost more than it saved: 100 us a row.)
+  // that one permute per 16 columns reads by nibble (permutexvar takes an index's low 4 bits). Widening
+  // bounds these steps (a layer takes as long with its weights in L2 as streamed); with the table the
+  // 1536 x 576 layer took 74 us a row, 96 us for 3 rows and 123 for 5, against 76 / 105 / 144 (one core of
+  // a 2-core AMD EPYC, where a 512-bit op costs two 256-bit ones: a table per half block lost, 100 us a
+  // row). The tiles still sum 8 lanes at a time (split_halves): the same order of sums, the same bits.
   static __m512 table(const uint8_t* b) {
     return _mm512_fmadd_ps(_mm512_set1_ps(scalar(b, 0)), vllm_spec_cpu::iota16(), _mm512_set1_ps(scalar(b, 4)));
   }
   static __m512i nibble_bytes(const uint8_t* b) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8)));
   }
-  static constexpr int kVectors = 4;   // a whole block per load: one table for its 32 columns
   void load(int64_t r, int64_t k, __m256* out) const {
     const uint8_t* b = block(r, k);
     const __m512 t = table(b);
@@ -120,24 +122,19 @@ struct Q4_1Blocks : Blocks<Q4_1Blocks, 24> {   // d, m, then q[j] in byte j's lo
     _mm512_storeu_ps(out + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t));
   }
 #else
-  void load(int64_t r, int64_t k, __m256* out) const {
-    const uint8_t* b = block(r, k);
-    // Columns k..k+15 of the block: the low nibbles of its 16 bytes, or past column 16 the high ones.
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8));
-    const __m128i q = _mm_and_si128(_mm_srl_epi16(bytes, _mm_cvtsi32_si128(static_cast<int>((k & 16) >> 2))),
-                                    _mm_set1_epi8(0x0F));
-    const __m256 d = _mm256_set1_ps(scalar(b, 0)), m = _mm256_set1_ps(scalar(b, 4));
-    out[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), m);
-    out[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), m);
-  }
-  static void widen_block(const uint8_t* b, float* out) {
+  static void widen(const uint8_t* b, __m256* out) {   // the block's 32 columns as 4 vectors
     const __m128i low4 = _mm_set1_epi8(0x0F);
     const __m256 d = _mm256_set1_ps(scalar(b, 0)), m = _mm256_set1_ps(scalar(b, 4));
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8));
     const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
     const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int c = 0; c < 4; ++c)
-      _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[c])), m));
+    for (int c = 0; c < 4; ++c) out[c] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[c])), m);
+  }
+  void load(int64_t r, int64_t k, __m256* out) const { widen(block(r, k), out); }
+  static void widen_block(const uint8_t* b, float* out) {
+    __m256 v[4];
+    widen(b, v);
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + 8 * c, v[c]);
   }
 #endif
 };
