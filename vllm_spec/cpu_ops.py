@@ -1,5 +1,6 @@
-"""The CPU extension: csrc/cpu/*.cpp (x86-64, AVX2/FMA, and AVX-512F where the CPU has it) built on first use, for the CPU path's matmuls
-(vllm_spec.model.cpu_linear) and its paged attention (vllm_spec.attention.cpu_backend).
+"""The CPU extension: csrc/cpu/*.cpp (x86-64, AVX2/FMA; AVX-512F/VL where the CPU has them) built on first
+use, for the CPU path's matmuls (vllm_spec.model.cpu_linear) and its paged attention
+(vllm_spec.attention.cpu_backend).
 
 It is compiled with torch.utils.cpp_extension (a C++ compiler and ninja) into torch's extension directory
 ($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions; one folder per sources and their place, flags, torch
@@ -65,8 +66,8 @@ def cache_clear() -> None:
 
 
 def build_flags() -> list[str]:
-    """The compiler's flags: AVX2/FMA/F16C, plus AVX-512F on a CPU that has it (the quantized blocks'
-    widening, csrc/cpu/rows_linear.cpp: the same bits, fewer instructions) unless VLLM_SPEC_CPU_AVX512=0."""
+    """The compiler's flags: AVX2/FMA/F16C, plus AVX-512F/VL on a CPU that has both (Q4_1 blocks' widening,
+    csrc/cpu/rows_linear.cpp: the same bits, fewer instructions) unless VLLM_SPEC_CPU_AVX512=0."""
     avx512 = {"avx512f", "avx512vl"} <= cpu_flags() and os.environ.get(AVX512_SWITCH, "1") != "0"
     return BASE_FLAGS + (["-mavx512f", "-mavx512vl"] if avx512 else [])
 
