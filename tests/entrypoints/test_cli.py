@@ -182,17 +182,20 @@ def test_readme_test_command_is_what_ci_runs():
     assert "set -euo pipefail" in ci
 
 
-@pytest.mark.parametrize("native_bf16, argv, expected", [
-    (True, [], "bfloat16"),
-    (False, [], "auto"),
-    (True, ["--dtype", "float32"], "float32"),
+@pytest.mark.parametrize("native_bf16, kernels, argv, expected", [
+    (True, False, [], "bfloat16"),
+    (True, True, [], "auto"),    # float32 on the CPU kernels: faster than bf16 on oneDNN
+    (False, False, [], "auto"),
+    (True, False, ["--dtype", "float32"], "float32"),
 ])
-def test_default_main_job_uses_bf16_on_capable_cpus(monkeypatch, native_bf16, argv, expected):
+def test_default_main_job_uses_bf16_where_it_is_the_faster(monkeypatch, native_bf16, kernels, argv, expected):
     import vllm_spec.platform as platform
     import vllm_spec.model.default_model as dm
+    from vllm_spec import cpu_ops
 
     monkeypatch.setattr(dm, "default_model_path", lambda: Path("/models/default.gguf"))
     monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(cpu_ops, "available", lambda: kernels)
     kw, _ = _kwargs(["--device", "cpu", *argv])
     assert kw["dtype"] == expected
 
