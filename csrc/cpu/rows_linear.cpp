@@ -95,6 +95,8 @@ struct Q4_1Blocks : Blocks<Q4_1Blocks, 24> {   // d, m, then q[j] in byte j's lo
   // A whole block per load: its bytes, scale and minimum read once for its 32 columns (per half block, a
   // 1536 x 576 layer took 78 us a row and 114 us for 3 rows, streamed from memory; per block 76 / 105).
   static constexpr int kVectors = 4;
+  // widen is forced inline: the tiles' loads and the panels' widening share it, and GCC then left the
+  // AVX-512 one out of line (5 rows of a 1536 x 576 layer: 127-188 us against 118-122 inlined).
 #if defined(__AVX512F__)
   // With AVX-512 a block's 16 values d q + m (the same FMA per q as below: the same bits) form a table
   // that one permute per 16 columns reads by nibble (permutexvar takes an index's low 4 bits). Widening
@@ -102,27 +104,15 @@ struct Q4_1Blocks : Blocks<Q4_1Blocks, 24> {   // d, m, then q[j] in byte j's lo
   // 1536 x 576 layer took 74 us a row, 96 us for 3 rows and 123 for 5, against 76 / 105 / 144 (one core of
   // a 2-core AMD EPYC, where a 512-bit op costs two 256-bit ones: a table per half block lost, 100 us a
   // row). The tiles still sum 8 lanes at a time (split_halves): the same order of sums, the same bits.
-  static __m512 table(const uint8_t* b) {
-    return _mm512_fmadd_ps(_mm512_set1_ps(scalar(b, 0)), vllm_spec_cpu::iota16(), _mm512_set1_ps(scalar(b, 4)));
-  }
-  static __m512i nibble_bytes(const uint8_t* b) {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8)));
-  }
-  void load(int64_t r, int64_t k, __m256* out) const {
-    const uint8_t* b = block(r, k);
-    const __m512 t = table(b);
-    const __m512i q = nibble_bytes(b);
-    vllm_spec_cpu::split_halves(_mm512_permutexvar_ps(q, t), out);
-    vllm_spec_cpu::split_halves(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t), out + 2);
-  }
-  static void widen_block(const uint8_t* b, float* out) {
-    const __m512 t = table(b);
-    const __m512i q = nibble_bytes(b);
-    _mm512_storeu_ps(out, _mm512_permutexvar_ps(q, t));
-    _mm512_storeu_ps(out + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t));
+  __attribute__((always_inline)) static void widen(const uint8_t* b, __m256* out) {   // 32 columns as 4 vectors
+    const __m512 table =
+        _mm512_fmadd_ps(_mm512_set1_ps(scalar(b, 0)), vllm_spec_cpu::iota16(), _mm512_set1_ps(scalar(b, 4)));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8)));
+    vllm_spec_cpu::split_halves(_mm512_permutexvar_ps(q, table), out);
+    vllm_spec_cpu::split_halves(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), out + 2);
   }
 #else
-  static void widen(const uint8_t* b, __m256* out) {   // the block's 32 columns as 4 vectors
+  __attribute__((always_inline)) static void widen(const uint8_t* b, __m256* out) {   // 32 columns as 4 vectors
     const __m128i low4 = _mm_set1_epi8(0x0F);
     const __m256 d = _mm256_set1_ps(scalar(b, 0)), m = _mm256_set1_ps(scalar(b, 4));
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8));
@@ -130,13 +120,13 @@ struct Q4_1Blocks : Blocks<Q4_1Blocks, 24> {   // d, m, then q[j] in byte j's lo
     const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int c = 0; c < 4; ++c) out[c] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[c])), m);
   }
+#endif
   void load(int64_t r, int64_t k, __m256* out) const { widen(block(r, k), out); }
   static void widen_block(const uint8_t* b, float* out) {
     __m256 v[4];
     widen(b, v);
     for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + 8 * c, v[c]);
   }
-#endif
 };
 
 struct Q8_0Blocks : Blocks<Q8_0Blocks, 36> {   // d, then q[0..31] as int8
