@@ -66,8 +66,9 @@ def cache_clear() -> None:
 
 
 def build_flags() -> list[str]:
-    """The compiler's flags: AVX2/FMA/F16C, plus AVX-512F/VL on a CPU that has both (Q4_1 blocks' widening,
-    csrc/cpu/rows_linear.cpp: the same bits, fewer instructions) unless VLLM_SPEC_CPU_AVX512=0."""
+    """The compiler's flags: AVX2/FMA/F16C, plus AVX-512F/VL on a CPU that has both (csrc/cpu/rows_linear.cpp's
+    16-lane sums and Q4_1 widening: the matmul's bits then differ from an AVX2 build's, each build's own
+    order of sums for every row count) unless VLLM_SPEC_CPU_AVX512=0."""
     avx512 = {"avx512f", "avx512vl"} <= cpu_flags() and os.environ.get(AVX512_SWITCH, "1") != "0"
     return BASE_FLAGS + (["-mavx512f", "-mavx512vl"] if avx512 else [])
 

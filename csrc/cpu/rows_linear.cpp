@@ -9,14 +9,14 @@
 // activation rows, or 2 x up to 6 with the weights held) and reads each weight row once per pass; the
 // first pass over a tile prefetches the tile kPrefetchTiles ahead, so the FMAs on one tile overlap the
 // load of the next (without it a single core's loads and FMAs ran one after the other: 8 GB/s at 5
-// rows, 13 at 1).
+// rows, 13 at 1), into L2 where the weights' stream bounds the time (kPrefetchHint).
 //
-// Built with AVX-512F/VL where the CPU has them (vllm_spec/cpu_ops.py), Q4_1 blocks widen through a table
-// of their 16 values (Q4_1Blocks); the sums stay 8 lanes wide, so the bits are the AVX2 build's.
+// Built with AVX-512F/VL where the CPU has them (vllm_spec/cpu_ops.py), the vectors are 16 lanes wide
+// (simd.h's WideVec / DenseVec) and Q4_1 blocks widen through a table of their 16 values (Q4_1Blocks).
 //
-// Every output element is summed in the same order (8 lanes over k, the lanes added pairwise, then
-// the k tail, each product rounded before its add: built with -ffp-contract=off, so no compiler choice
-// of fusing differs between instantiations) whatever the number of rows and tiles: a row gets
+// Every output element is summed in the same order (a build's kLanes lanes over k, the lanes added by
+// vsum, then the k tail, each product rounded before its add: built with -ffp-contract=off, so no compiler
+// choice of fusing differs between instantiations) whatever the number of rows and tiles: a row gets
 // bit-for-bit the same result in a 1-row decode step and in a (k+1)-row verification.
 
 #include <ATen/Parallel.h>
@@ -33,7 +33,7 @@
 namespace {
 
 using vllm_spec_cpu::Half;
-using vllm_spec_cpu::lane_sum;
+using vllm_spec_cpu::kLanes;
 using vllm_spec_cpu::widen;
 
 constexpr int kTileRows = 4;        // weight rows per tile
@@ -44,18 +44,25 @@ constexpr int kPrefetchTiles = 3;   // how far ahead the first pass prefetches (
 // rows at once took 1.5-2x torch's time; the weights' extra sweeps cost little where rows are many).
 constexpr int64_t kRowsPerSweep = 256;
 
-// A weight matrix as the kernel reads it: kVectors x 8 float32 lanes of row r from column k (a multiple of
-// 8 kVectors), the rows from r on, an address to prefetch every kLineElems columns (one 64-byte line),
-// and for dense weights one column (the k tail).
+// A weight matrix as the kernel reads it: kVectors x kLanes float32 lanes of row r from column k (a multiple
+// of kLanes kVectors), the rows from r on, an address to prefetch every kLineElems columns (one 64-byte line)
+// and the cache level to prefetch into, and for dense weights one column (the k tail).
+//
+// Prefetched into L2 (_MM_HINT_T1) rather than L1, weights streamed from memory up to 3.4x as fast (one
+// core of a 2-core AMD EPYC, one activation row: 16384 x 576 float16 1.94 -> 0.57 ms, as Q8_0 blocks 1.26
+// -> 0.72 ms, 1536 x 576 float32 0.28 -> 0.19 ms). Q4_1 blocks, bound by their widening, lost 5-10% that
+// way and keep L1.
 template <typename W>
 struct Dense {   // float32, bfloat16 or float16 elements, ld per row
   static constexpr int64_t kLineElems = 64 / sizeof(W);
   static constexpr bool kWidenOnce = false;
   static constexpr int kVectors = 1;
+  static constexpr _mm_hint kPrefetchHint = _MM_HINT_T1;
+  using Vector = vllm_spec_cpu::DenseVec;
   const W* p;
   int64_t ld;
   Dense rows_from(int64_t r) const { return {p + r * ld, ld}; }
-  void load(int64_t r, int64_t k, __m256* out) const { out[0] = vllm_spec_cpu::load8(p + r * ld + k); }
+  void load(int64_t r, int64_t k, Vector* out) const { out[0] = vllm_spec_cpu::vload<Vector>(p + r * ld + k); }
   float at(int64_t r, int64_t k) const { return widen(p[r * ld + k]); }
   const void* addr(int64_t r, int64_t k) const { return p + r * ld + k; }
 };
@@ -68,7 +75,9 @@ template <typename Self, int64_t Bytes>
 struct Blocks {
   static constexpr int64_t kBytes = Bytes;
   static constexpr bool kWidenOnce = true;
-  static constexpr int kVectors = 2;   // half a block: one load of its bytes for two vectors
+  // A whole block per load: its bytes and scalars read once for its 32 columns (per half block, a Q4_1
+  // 1536 x 576 layer took 78 us a row and 114 us for 3 rows, streamed from memory; per block 76 / 105).
+  static constexpr int kVectors = 32 / kLanes;
   const uint8_t* p;
   int64_t ld;
   Self rows_from(int64_t r) const { return Self{{p + r * ld, ld}}; }
@@ -85,31 +94,36 @@ struct Blocks {
     for (int64_t k = 0; k < K; k += 32) {
       if (ahead && k % Self::kLineElems == 0)
         _mm_prefetch(reinterpret_cast<const char*>(ahead->block(r, k)), _MM_HINT_T0);
-      Self::widen_block(block(r, k), out + k);
+      widen_block(block(r, k), out + k);
     }
+  }
+  template <typename V>
+  void load(int64_t r, int64_t k, V* out) const { Self::widen(block(r, k), out); }
+  static void widen_block(const uint8_t* b, float* out) {
+    typename Self::Vector v[kVectors];
+    Self::widen(b, v);
+    for (int c = 0; c < kVectors; ++c) vllm_spec_cpu::vstore(out + kLanes * c, v[c]);
   }
 };
 
 struct Q4_1Blocks : Blocks<Q4_1Blocks, 24> {   // d, m, then q[j] in byte j's low nibble, q[j + 16] in its high one
   static constexpr int64_t kLineElems = 64;
-  // A whole block per load: its bytes, scale and minimum read once for its 32 columns (per half block, a
-  // 1536 x 576 layer took 78 us a row and 114 us for 3 rows, streamed from memory; per block 76 / 105).
-  static constexpr int kVectors = 4;
+  static constexpr _mm_hint kPrefetchHint = _MM_HINT_T0;
+  using Vector = vllm_spec_cpu::WideVec;
   // widen is forced inline: the tiles' loads and the panels' widening share it, and GCC then left the
   // AVX-512 one out of line (5 rows of a 1536 x 576 layer: 127-188 us against 118-122 inlined).
 #if defined(__AVX512F__)
-  // With AVX-512 a block's 16 values d q + m (the same FMA per q as below: the same bits) form a table
+  // With AVX-512 a block's 16 values d q + m (the same FMA per q as below: the same weights) form a table
   // that one permute per 16 columns reads by nibble (permutexvar takes an index's low 4 bits). Widening
-  // bounds these steps (a layer takes as long with its weights in L2 as streamed); with the table the
+  // bounds these steps (a layer takes as long with its weights in L2 as streamed): with the table the
   // 1536 x 576 layer took 74 us a row, 96 us for 3 rows and 123 for 5, against 76 / 105 / 144 (one core of
-  // a 2-core AMD EPYC, where a 512-bit op costs two 256-bit ones: a table per half block lost, 100 us a
-  // row). The tiles still sum 8 lanes at a time (split_halves): the same order of sums, the same bits.
-  __attribute__((always_inline)) static void widen(const uint8_t* b, __m256* out) {   // 32 columns as 4 vectors
-    const __m512 table =
-        _mm512_fmadd_ps(_mm512_set1_ps(scalar(b, 0)), vllm_spec_cpu::iota16(), _mm512_set1_ps(scalar(b, 4)));
+  // a 2-core AMD EPYC, where a 512-bit op costs two 256-bit ones: a table per half block lost, 100 us a row).
+  __attribute__((always_inline)) static void widen(const uint8_t* b, __m512* out) {   // 32 columns as 2 vectors
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(scalar(b, 0)), iota, _mm512_set1_ps(scalar(b, 4)));
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8)));
-    vllm_spec_cpu::split_halves(_mm512_permutexvar_ps(q, table), out);
-    vllm_spec_cpu::split_halves(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), out + 2);
+    out[0] = _mm512_permutexvar_ps(q, table);
+    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
   }
 #else
   __attribute__((always_inline)) static void widen(const uint8_t* b, __m256* out) {   // 32 columns as 4 vectors
@@ -121,79 +135,70 @@ struct Q4_1Blocks : Blocks<Q4_1Blocks, 24> {   // d, m, then q[j] in byte j's lo
     for (int c = 0; c < 4; ++c) out[c] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[c])), m);
   }
 #endif
-  void load(int64_t r, int64_t k, __m256* out) const { widen(block(r, k), out); }
-  static void widen_block(const uint8_t* b, float* out) {
-    __m256 v[4];
-    widen(b, v);
-    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + 8 * c, v[c]);
-  }
 };
 
 struct Q8_0Blocks : Blocks<Q8_0Blocks, 36> {   // d, then q[0..31] as int8
   static constexpr int64_t kLineElems = 32;
-  void load(int64_t r, int64_t k, __m256* out) const {   // columns k..k+15
-    const uint8_t* b = block(r, k);
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4 + (k & 16)));
-    const __m256 d = _mm256_set1_ps(scalar(b, 0));
-    out[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
-    out[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))));
-  }
-  static void widen_block(const uint8_t* b, float* out) {
-    const __m256 d = _mm256_set1_ps(scalar(b, 0));
-    for (int c = 0; c < 4; ++c) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 4 + 8 * c));
-      _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))));
-    }
+  static constexpr _mm_hint kPrefetchHint = _MM_HINT_T1;
+  using Vector = vllm_spec_cpu::DenseVec;
+  static void widen(const uint8_t* b, Vector* out) {
+    using namespace vllm_spec_cpu;
+    const Vector d = vset1<Vector>(scalar(b, 0));
+    for (int c = 0; c < kVectors; ++c) out[c] = vmul(d, vload_i8<Vector>(b + 4 + kLanes * c));
   }
 };
 
 // y[m * ldy + r] = dot(x[m * K ...], w[r * K ...]) for r < R, m < MC; with prefetch, the R rows
 // kPrefetchTiles tiles further on exist and are prefetched. Two loop orders, one order of sums per
-// element: HoldInputs keeps the MC input vectors in registers and loads each weight vector once per
-// step (4 x 3 sums + 3 inputs + 1 weight fill the 16 registers); otherwise the R weight vectors are held
-// and the inputs stream past them (2 x 6 sums + 2 weights + 1 input), so 4-6 rows take one pass where
-// the other order needs two (5 rows of gate_up: 1.15x a row's time against 1.28x).
+// element: HoldInputs loads each weight vector once per step against the MC rows' inputs, held in
+// registers where they fit beside the sums (AVX2, one vector per load: 4 x 3 sums + 3 inputs + 1 weight fill
+// the 16 registers; a DenseVec takes two), else read from L1; otherwise the R weight vectors are held and the inputs stream past
+// them (2 x 6 sums + 2 weights + 1 input), so 4-6 rows take one pass where the other order needs two (5 rows
+// of gate_up: 1.15x a row's time against 1.28x).
 template <typename Wt, int R, int MC, bool HoldInputs>
 void tile(const float* x, Wt w, int64_t K, float* y, int64_t ldy, bool prefetch) {
-  __m256 acc[R][MC];
+  using namespace vllm_spec_cpu;
+  using Vec = typename Wt::Vector;
+  Vec acc[R][MC];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int m = 0; m < MC; ++m) acc[r][m] = vzero<Vec>();
   const Wt ahead = prefetch ? w.rows_from(static_cast<int64_t>(kPrefetchTiles) * kTileRows) : w;
   int64_t k = 0;
   constexpr int V = Wt::kVectors;
-  for (; k + 8 * V <= K; k += 8 * V) {
+  for (; k + kLanes * V <= K; k += kLanes * V) {
     if (prefetch && k % Wt::kLineElems == 0)   // one 64-byte line per weight row as the loads reach it
-      for (int r = 0; r < R; ++r) _mm_prefetch(static_cast<const char*>(ahead.addr(r, k)), _MM_HINT_T0);
-    if constexpr (HoldInputs && V == 1) {
-      __m256 xv[MC];
-      for (int m = 0; m < MC; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+      for (int r = 0; r < R; ++r) _mm_prefetch(static_cast<const char*>(ahead.addr(r, k)), Wt::kPrefetchHint);
+    if constexpr (HoldInputs && (V * MC + R * MC + V) * registers_of<Vec> <= kRegisters) {
+      Vec xv[V][MC];
+      for (int v = 0; v < V; ++v)
+        for (int m = 0; m < MC; ++m) xv[v][m] = vload<Vec>(x + m * K + k + kLanes * v);
       for (int r = 0; r < R; ++r) {
-        __m256 wv;
-        w.load(r, k, &wv);
-        for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
-      }
-    } else if constexpr (HoldInputs) {   // (the inputs of V vectors would not fit: read from L1 instead)
-      for (int r = 0; r < R; ++r) {
-        __m256 wv[V];
+        Vec wv[V];
         w.load(r, k, wv);
         for (int v = 0; v < V; ++v)
-          for (int m = 0; m < MC; ++m)
-            acc[r][m] = _mm256_fmadd_ps(wv[v], _mm256_loadu_ps(x + m * K + k + 8 * v), acc[r][m]);
+          for (int m = 0; m < MC; ++m) acc[r][m] = vfma(wv[v], xv[v][m], acc[r][m]);
+      }
+    } else if constexpr (HoldInputs) {
+      for (int r = 0; r < R; ++r) {
+        Vec wv[V];
+        w.load(r, k, wv);
+        for (int v = 0; v < V; ++v)
+          for (int m = 0; m < MC; ++m) acc[r][m] = vfma(wv[v], vload<Vec>(x + m * K + k + kLanes * v), acc[r][m]);
       }
     } else {
-      __m256 wv[R][V];
+      Vec wv[R][V];
       for (int r = 0; r < R; ++r) w.load(r, k, wv[r]);
       for (int v = 0; v < V; ++v)
         for (int m = 0; m < MC; ++m) {
-          const __m256 xv = _mm256_loadu_ps(x + m * K + k + 8 * v);
-          for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r][v], xv, acc[r][m]);
+          const Vec xv = vload<Vec>(x + m * K + k + kLanes * v);
+          for (int r = 0; r < R; ++r) acc[r][m] = vfma(wv[r][v], xv, acc[r][m]);
         }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MC; ++m) {
-      float s = lane_sum(acc[r][m]);
-      if constexpr (Wt::kVectors == 1)   // (blocks: K is a multiple of 32, no tail)
+      float s = vsum(acc[r][m]);
+      if constexpr (!Wt::kWidenOnce)   // (blocks: K is a multiple of 32, no tail)
         for (int64_t t = k; t < K; ++t) s += w.at(r, t) * x[m * K + t];
       y[m * ldy + r] = s;
     }

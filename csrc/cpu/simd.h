@@ -1,5 +1,5 @@
-// AVX2 helpers shared by the CPU kernels: widening loads of float32 / bfloat16 / float16 to 8 float32
-// lanes (exact), and the lanes' sum in one fixed order.
+// AVX2 (and AVX-512) helpers shared by the CPU kernels: widening loads of float32 / bfloat16 / float16 to
+// float32 lanes (exact), and the lanes' sum in one fixed order.
 #pragma once
 
 #include <immintrin.h>
@@ -25,16 +25,6 @@ inline __m256 load8(const Half* p) {   // 8 float16 -> float32 (F16C)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-#if defined(__AVX512F__)
-// The two 8-lane halves of a 16-lane register (blocks widened 16 columns at a time, summed 8 at a time).
-inline void split_halves(__m512 v, __m256* out) {
-  out[0] = _mm512_castps512_ps256(v);
-  out[1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-}
-
-inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-#endif
-
 inline float widen(float v) { return v; }
 
 inline float widen(uint16_t v) {
@@ -52,6 +42,105 @@ inline float lane_sum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+// The matmul's vectors (csrc/cpu/rows_linear.cpp): kLanes = 16 float32 lanes where the build has AVX-512F,
+// else 8. A build sums in one order (kLanes lanes over k, then vsum) whatever the number of rows: the bits
+// of an AVX-512 build and an AVX2 one differ, those of one build's decode step and verification do not.
+// With AVX-512 the lanes are a __m512 (WideVec: where widening blocks bounds the time, fewer instructions)
+// or two __m256 halves (DenseVec: the same sums lane for lane; FMA-bound tiles of float32 weights ran at
+// 80% of their 256-bit speed with __m512 on Zen 4, which splits a 512-bit op into two 256-bit ones).
+inline float lane_sum(__m256 v);
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kRegisters = 32;   // zmm / ymm registers
+struct Halves {
+  __m256 lo, hi;
+};
+using WideVec = __m512;
+using DenseVec = Halves;
+template <typename V>
+constexpr int registers_of = 1;   // a vector's share of the registers
+template <>
+constexpr int registers_of<Halves> = 2;
+#else
+constexpr int kLanes = 8;
+constexpr int kRegisters = 16;
+using WideVec = __m256;
+using DenseVec = __m256;
+template <typename V>
+constexpr int registers_of = 1;   // a vector's share of the registers
+#endif
+
+
+template <typename V>
+V vzero();
+template <typename V>
+V vset1(float v);
+template <typename V, typename T>
+V vload(const T* p);     // kLanes elements of T widened to float32 (float, bfloat16 bits, Half)
+template <typename V>
+V vload_i8(const uint8_t* p);   // kLanes int8
+
+template <>
+inline __m256 vzero<__m256>() { return _mm256_setzero_ps(); }
+template <>
+inline __m256 vset1<__m256>(float v) { return _mm256_set1_ps(v); }
+inline __m256 vfma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 vmul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+inline void vstore(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline __m256 load8_i8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+#if defined(__AVX512F__)
+template <>
+inline __m512 vzero<__m512>() { return _mm512_setzero_ps(); }
+template <>
+inline __m512 vset1<__m512>(float v) { return _mm512_set1_ps(v); }
+template <>
+inline __m512 vload<__m512, float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 vload_i8<__m512>(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 vfma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512 vmul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+inline void vstore(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline float vsum(__m512 v) {
+  return lane_sum(_mm256_add_ps(_mm512_castps512_ps256(v),
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+
+template <>
+inline Halves vzero<Halves>() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+template <>
+inline Halves vset1<Halves>(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+template <>
+inline Halves vload<Halves, float>(const float* p) { return {load8(p), load8(p + 8)}; }
+template <>
+inline Halves vload<Halves, uint16_t>(const uint16_t* p) { return {load8(p), load8(p + 8)}; }
+template <>
+inline Halves vload<Halves, Half>(const Half* p) { return {load8(p), load8(p + 8)}; }
+template <>
+inline Halves vload_i8<Halves>(const uint8_t* p) { return {load8_i8(p), load8_i8(p + 8)}; }
+inline Halves vfma(Halves a, Halves b, Halves c) { return {vfma(a.lo, b.lo, c.lo), vfma(a.hi, b.hi, c.hi)}; }
+inline Halves vmul(Halves a, Halves b) { return {vmul(a.lo, b.lo), vmul(a.hi, b.hi)}; }
+inline void vstore(float* p, Halves v) {
+  vstore(p, v.lo);
+  vstore(p + 8, v.hi);
+}
+inline float vsum(Halves v) { return lane_sum(_mm256_add_ps(v.lo, v.hi)); }
+#else
+template <>
+inline __m256 vload<__m256, float>(const float* p) { return load8(p); }
+template <>
+inline __m256 vload<__m256, uint16_t>(const uint16_t* p) { return load8(p); }
+template <>
+inline __m256 vload<__m256, Half>(const Half* p) { return load8(p); }
+template <>
+inline __m256 vload_i8<__m256>(const uint8_t* p) { return load8_i8(p); }
+inline float vsum(__m256 v) { return lane_sum(v); }
+#endif
 
 // exp(x) for 8 lanes (Cephes' float polynomial, within 2 ulp; std::exp one lane at a time was most of
 // the attention kernel's time). Anything below float's smallest normal result (-inf included) gives 0;
