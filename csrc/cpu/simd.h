@@ -71,7 +71,6 @@ template <typename V>
 constexpr int registers_of = 1;   // a vector's share of the registers
 #endif
 
-
 template <typename V>
 V vzero();
 template <typename V>
@@ -96,15 +95,8 @@ inline __m256 load8_i8(const uint8_t* p) {
 template <>
 inline __m512 vzero<__m512>() { return _mm512_setzero_ps(); }
 template <>
-inline __m512 vset1<__m512>(float v) { return _mm512_set1_ps(v); }
-template <>
 inline __m512 vload<__m512, float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-inline __m512 vload_i8<__m512>(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
 inline __m512 vfma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
-inline __m512 vmul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
 inline void vstore(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline float vsum(__m512 v) {
   return lane_sum(_mm256_add_ps(_mm512_castps512_ps256(v),
