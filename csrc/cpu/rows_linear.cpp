@@ -88,8 +88,8 @@ struct Blocks {
     std::memcpy(&v, b + at, sizeof v);
     return v;
   }
-  // Row r's K columns into out, a block at a time (the format's widen_block: one load of its bytes for
-  // four vectors); prefetching the row in `ahead` if given.
+  // Row r's K columns into out, a block at a time (widen_block: one load of its bytes for the block's
+  // vectors); prefetching the row in `ahead` if given.
   void widen_row(int64_t r, int64_t K, float* out, const Self* ahead) const {
     for (int64_t k = 0; k < K; k += 32) {
       if (ahead && k % Self::kLineElems == 0)

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace vllm_spec_cpu {
 
@@ -49,7 +50,8 @@ inline float lane_sum(__m256 v) {
 // With AVX-512 the lanes are a __m512 (WideVec: where widening blocks bounds the time, fewer instructions)
 // or two __m256 halves (DenseVec: the same sums lane for lane; FMA-bound tiles of float32 weights ran at
 // 80% of their 256-bit speed with __m512 on Zen 4, which splits a 512-bit op into two 256-bit ones).
-inline float lane_sum(__m256 v);
+template <typename V>
+constexpr int registers_of = 1;   // a vector's share of the registers
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 constexpr int kRegisters = 32;   // zmm / ymm registers
@@ -58,8 +60,6 @@ struct Halves {
 };
 using WideVec = __m512;
 using DenseVec = Halves;
-template <typename V>
-constexpr int registers_of = 1;   // a vector's share of the registers
 template <>
 constexpr int registers_of<Halves> = 2;
 #else
@@ -67,18 +67,28 @@ constexpr int kLanes = 8;
 constexpr int kRegisters = 16;
 using WideVec = __m256;
 using DenseVec = __m256;
-template <typename V>
-constexpr int registers_of = 1;   // a vector's share of the registers
 #endif
+
+inline __m256 load8_i8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 
 template <typename V>
 V vzero();
 template <typename V>
 V vset1(float v);
+// kLanes elements of T (float, bfloat16 bits, Half) widened to float32: a DenseVec through 8-lane loads
+// (a __m512 takes float32 only, below).
 template <typename V, typename T>
-V vload(const T* p);     // kLanes elements of T widened to float32 (float, bfloat16 bits, Half)
+inline V vload(const T* p) {
+  if constexpr (std::is_same_v<V, __m256>) return load8(p);
+  else return V{load8(p), load8(p + 8)};
+}
 template <typename V>
-V vload_i8(const uint8_t* p);   // kLanes int8
+inline V vload_i8(const uint8_t* p) {   // kLanes int8 widened to float32 (a DenseVec)
+  if constexpr (std::is_same_v<V, __m256>) return load8_i8(p);
+  else return V{load8_i8(p), load8_i8(p + 8)};
+}
 
 template <>
 inline __m256 vzero<__m256>() { return _mm256_setzero_ps(); }
@@ -87,9 +97,6 @@ inline __m256 vset1<__m256>(float v) { return _mm256_set1_ps(v); }
 inline __m256 vfma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 inline __m256 vmul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
 inline void vstore(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline __m256 load8_i8(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
 
 #if defined(__AVX512F__)
 template <>
@@ -107,14 +114,6 @@ template <>
 inline Halves vzero<Halves>() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 template <>
 inline Halves vset1<Halves>(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
-template <>
-inline Halves vload<Halves, float>(const float* p) { return {load8(p), load8(p + 8)}; }
-template <>
-inline Halves vload<Halves, uint16_t>(const uint16_t* p) { return {load8(p), load8(p + 8)}; }
-template <>
-inline Halves vload<Halves, Half>(const Half* p) { return {load8(p), load8(p + 8)}; }
-template <>
-inline Halves vload_i8<Halves>(const uint8_t* p) { return {load8_i8(p), load8_i8(p + 8)}; }
 inline Halves vfma(Halves a, Halves b, Halves c) { return {vfma(a.lo, b.lo, c.lo), vfma(a.hi, b.hi, c.hi)}; }
 inline Halves vmul(Halves a, Halves b) { return {vmul(a.lo, b.lo), vmul(a.hi, b.hi)}; }
 inline void vstore(float* p, Halves v) {
@@ -123,14 +122,6 @@ inline void vstore(float* p, Halves v) {
 }
 inline float vsum(Halves v) { return lane_sum(_mm256_add_ps(v.lo, v.hi)); }
 #else
-template <>
-inline __m256 vload<__m256, float>(const float* p) { return load8(p); }
-template <>
-inline __m256 vload<__m256, uint16_t>(const uint16_t* p) { return load8(p); }
-template <>
-inline __m256 vload<__m256, Half>(const Half* p) { return load8(p); }
-template <>
-inline __m256 vload_i8<__m256>(const uint8_t* p) { return load8_i8(p); }
 inline float vsum(__m256 v) { return lane_sum(v); }
 #endif
 
