@@ -20,9 +20,9 @@ def test_one_build_folder_per_sources_and_their_place(tmp_path):
     assert cpu_ops.build_name(a) != before
 
 
-def test_avx512_joins_the_flags_where_the_cpu_has_it(monkeypatch):
-    """AVX-512F and VL are built in where the CPU has both (unless switched off), and a build with them is
-    a build of its own."""
+def test_avx512_and_vnni_join_the_flags_where_the_cpu_has_them(monkeypatch):
+    """AVX-512F and VL are built in where the CPU has both (unless switched off), VNNI with them where the CPU
+    has it, and a build with them is a build of its own."""
     monkeypatch.delenv(cpu_ops.AVX512_SWITCH, raising=False)
     monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512vl"}))
     with_avx512 = cpu_ops.build_name(cpu_ops.SOURCE_DIR)
@@ -32,4 +32,8 @@ def test_avx512_joins_the_flags_where_the_cpu_has_it(monkeypatch):
     assert cpu_ops.build_name(cpu_ops.SOURCE_DIR) != with_avx512
     monkeypatch.delenv(cpu_ops.AVX512_SWITCH)
     monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))   # no VL
+    assert cpu_ops.build_flags() == cpu_ops.BASE_FLAGS
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512vl", "avx512_vnni"}))
+    assert cpu_ops.build_flags() == cpu_ops.BASE_FLAGS + ["-mavx512f", "-mavx512vl", "-mavx512vnni"]
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512_vnni"}))   # VNNI alone: AVX2
     assert cpu_ops.build_flags() == cpu_ops.BASE_FLAGS

@@ -10,6 +10,9 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w);
 
 torch::Tensor rows_linear_blocks(const torch::Tensor& x, const torch::Tensor& blocks, const std::string& format);
 
+// rows_linear_blocks's q8_0_i8 weights (q8_int8.cpp): activations rounded to int8 blocks too (lossy, a draft's).
+torch::Tensor rows_linear_int8(const torch::Tensor& x, const torch::Tensor& weight);
+
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                               const torch::Tensor& query_start_loc, double scale, int64_t window);

@@ -343,7 +343,8 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w) {
 
 
 torch::Tensor rows_linear_blocks(const torch::Tensor& x, const torch::Tensor& blocks, const std::string& format) {
-  TORCH_CHECK(format == "q4_1" || format == "q8_0", "rows_linear_blocks: format q4_1 or q8_0, not ", format);
+  TORCH_CHECK(format == "q4_1" || format == "q8_0" || format == "q8_0_i8",
+              "rows_linear_blocks: format q4_1, q8_0 or q8_0_i8, not ", format);
   TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && x.size(1) % 32 == 0, "rows_linear_blocks: x [M, K], K % 32 == 0");
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
   const int64_t ld = K / 32 * (format == "q4_1" ? Q4_1Blocks::kBytes : Q8_0Blocks::kBytes);
@@ -351,6 +352,7 @@ torch::Tensor rows_linear_blocks(const torch::Tensor& x, const torch::Tensor& bl
               "rows_linear_blocks: x float32, blocks uint8 [N, ", ld, "] for K = ", K);
   TORCH_CHECK(x.is_contiguous() && blocks.is_contiguous() && x.device().is_cpu() && blocks.device().is_cpu(),
               "rows_linear_blocks: contiguous CPU tensors");
+  if (format == "q8_0_i8") return rows_linear_int8(x, blocks);
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* p = blocks.data_ptr<uint8_t>();
   if (format == "q4_1") {

@@ -53,8 +53,9 @@ class ArchConfig:
     # A draft that proposes only these token ids (its LM head keeps their rows: a cheaper step;
     # verification stays exact). None: the whole vocabulary.
     draft_vocab: tuple[int, ...] | None = None
-    # "q8_0": on the CPU, the decoder layers' float32 matmul weights are held as the nearest Q8_0 blocks
-    # (lossy; for a draft, whose numerics only set its acceptance: half the bytes of float16). None: as loaded.
+    # "q8_0": on the CPU, the decoder layers' and the LM head's float32 matmul weights are held as the nearest
+    # Q8_0 values and multiplied with llama.cpp's Q8_0 arithmetic (activations rounded to int8 blocks:
+    # layers.quantize_for_cpu). Lossy: for a draft, whose numerics only set its acceptance. None: as loaded.
     cpu_weights: str | None = None
 
     def sliding_window_for(self, layer: int) -> int | None:

@@ -14,6 +14,11 @@ Q4_1: float32 d, float32 m, 16 bytes with q[j] in byte j's low nibble and q[j + 
 w = d q + m, q in 0..15 (Q4_0's w = d (q - 8) too, as m = -8 d: its blocks are held in this layout,
 block by block alongside Q4_1's). Q8_0: float32 d, 32 int8 q, w = d q. d is always a float16 value (as
 in the file), so d q is exact and the kernel's one rounding of d q + m equals torch's two.
+
+Q8_0_I8 (`int8_tiles`, a draft's lossy choice): Q8_0 blocks re-laid in tiles of 8 rows for
+csrc/cpu/q8_int8.cpp, which rounds the activations to int8 blocks too and multiplies by integer dot
+products (llama.cpp's Q8_0 arithmetic): per tile and block, the 8 rows' float32 d, then for each 4
+columns the 8 rows' 4 values q + 128 as uint8. The bytes of N rows are those of N rows of Q8_0.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from typing import Callable, Iterator
 import torch
 
 BLOCK = 32
-BLOCK_BYTES = {"q4_1": 24, "q8_0": 36}
+BLOCK_BYTES = {"q4_1": 24, "q8_0": 36, "q8_0_i8": 36}
+TILE_ROWS = 8   # Q8_0_I8's rows per tile
 # Rows encoded at a time: bounds the temporaries of a large embedding; the first chunk is one row,
 # so a weight that is not blocks is turned down after a row's work.
 _CHUNK_ROWS = 4096
@@ -47,6 +53,12 @@ class BlockWeight:
         n, k = self.shape
         b = self.blocks.view(n, k // BLOCK, BLOCK_BYTES[self.format])
         d = b[..., 0:4].contiguous().view(torch.float32)
+        if self.format == "q8_0_i8":
+            t = self.blocks.view(n // TILE_ROWS, k // BLOCK, TILE_ROWS * BLOCK_BYTES["q8_0_i8"])
+            d = t[..., :32].contiguous().view(torch.float32).transpose(1, 2)              # [tiles, 8, blocks]
+            q = t[..., 32:].view(-1, k // BLOCK, 8, TILE_ROWS, 4).permute(0, 3, 1, 2, 4)   # [tiles, 8, blocks, 8, 4]
+            q = (q.reshape(-1, TILE_ROWS, k // BLOCK, BLOCK).short() - 128).float()
+            return (d.unsqueeze(-1) * q).reshape(n, k)
         if self.format == "q8_0":
             return (d * b[..., 4:].view(torch.int8).float()).view(n, k)
         m = b[..., 4:8].contiguous().view(torch.float32)
@@ -90,6 +102,20 @@ def quantize_q8_0(weight: torch.Tensor) -> BlockWeight | None:
         return None
     q = torch.where(d > 0, b / torch.where(d > 0, d, 1), 0).round().clamp(-127, 127).to(torch.int8)
     return BlockWeight("q8_0", torch.cat([_bytes(d), _bytes(q)], -1).reshape(weight.shape[0], -1), weight.shape)
+
+
+def int8_tiles(weight: BlockWeight) -> BlockWeight | None:
+    """Q8_0 blocks as Q8_0_I8 (see the module's docstring), or None where the rows do not fill tiles of 8
+    (or the blocks are not Q8_0). The weights keep their values; products with them round the activations
+    to int8 blocks: lossy, only for a draft (ArchConfig.cpu_weights)."""
+    n, k = weight.shape
+    if weight.format != "q8_0" or n % TILE_ROWS:
+        return None
+    b = weight.blocks.view(n // TILE_ROWS, TILE_ROWS, k // BLOCK, BLOCK_BYTES["q8_0"])
+    d = b[..., :4].permute(0, 2, 1, 3).reshape(n // TILE_ROWS, k // BLOCK, 32)
+    q = b[..., 4:].view(torch.int8).view(n // TILE_ROWS, TILE_ROWS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)
+    q = (q.short() + 128).to(torch.uint8).reshape(n // TILE_ROWS, k // BLOCK, 256)
+    return BlockWeight("q8_0_i8", torch.cat([d, q], -1).reshape(n, -1).contiguous(), weight.shape)
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

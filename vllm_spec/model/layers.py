@@ -77,6 +77,17 @@ def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | BlockWeight:
 _UNPACKABLE: set[torch.dtype] = set()
 
 
+def quantize_for_cpu(weight: torch.Tensor, fmt: str) -> BlockWeight | None:
+    """A float32 weight the CPU kernel multiplies, quantized as ArchConfig.cpu_weights says (lossy: a
+    draft's), or None where the kernel does not take it. "q8_0": its nearest Q8_0 values, in the tiles
+    whose products round the activations to int8 blocks too (block_quant.int8_tiles; plain Q8_0 blocks
+    where the rows do not fill them): llama.cpp's Q8_0 arithmetic, 2.5-3x the float32 products' speed."""
+    if fmt != "q8_0" or not cpu_linear.available() or weight.requires_grad:
+        return None
+    blocks = block_quant.quantize_q8_0(weight)
+    return blocks and (block_quant.int8_tiles(blocks) or blocks)
+
+
 def _reorder_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, 16)
 
@@ -93,14 +104,10 @@ class LinearBase(nn.Module):
     def pack_for_cpu(self, quantize: str | None = None) -> None:
         """Multiply by a packed copy from now on. The plain weight's memory goes unless shared: the
         parameter keeps its shape (parameter counts, names) over a single NaN element, so a stray
-        read shows in the output and a late load fails. quantize="q8_0": a float32 weight the CPU kernel
-        multiplies goes to its nearest Q8_0 blocks instead (lossy: ArchConfig.cpu_weights)."""
+        read shows in the output and a late load fails. quantize: see quantize_for_cpu."""
         if self.packed is not None:   # packed already (the plain weight may be gone)
             return
-        blocks = None
-        if quantize == "q8_0" and cpu_linear.available() and not self.weight.requires_grad:
-            blocks = block_quant.quantize_q8_0(self.weight)
-        packed = blocks or pack_for_cpu(self.weight)
+        packed = (quantize and quantize_for_cpu(self.weight, quantize)) or pack_for_cpu(self.weight)
         if packed is self.weight:
             return
         self.packed = packed

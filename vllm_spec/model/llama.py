@@ -22,6 +22,7 @@ from vllm_spec.model.layers import (
     VocabParallelEmbedding,
     linear,
     pack_for_cpu,
+    quantize_for_cpu,
 )
 from vllm_spec.model.block_quant import BlockWeight
 from vllm_spec.model.cpu_decoder import CpuDecoder
@@ -155,14 +156,17 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Keep every matmul weight packed for the CPU (see layers.pack_for_cpu); short query blocks then
-        run the layers in one C++ call where they can (cpu_decoder). The layers' weights are quantized
-        where the config says so (cpu_weights); the LM head and embeddings never are."""
-        quantized = set(self.layers.modules()) if self.config.cpu_weights else set()
+        run the layers in one C++ call where they can (cpu_decoder). The layers' and the LM head's weights
+        are quantized where the config says so (cpu_weights, a draft's); the embeddings never are."""
+        fmt = self.config.cpu_weights
+        # (with a restricted vocabulary the head in use is output_weight)
+        head = {self.lm_head} if self.output_ids is None else set()
+        quantized = set(self.layers.modules()) | head if fmt else set()
         for module in self.modules():
             if isinstance(module, LinearBase):
-                module.pack_for_cpu(self.config.cpu_weights if module in quantized else None)
+                module.pack_for_cpu(fmt if module in quantized else None)
         if self.output_weight is not None:
-            self.output_weight = pack_for_cpu(self.output_weight)
+            self.output_weight = (fmt and quantize_for_cpu(self.output_weight, fmt)) or pack_for_cpu(self.output_weight)
         self.cpu_decoder = CpuDecoder.build(list(self.layers))
 
     def token_ids_of(self, columns: torch.Tensor) -> torch.Tensor:
