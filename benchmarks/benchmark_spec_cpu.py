@@ -23,6 +23,9 @@ benchmarks/results/.
     python benchmarks/benchmark_spec_cpu.py --draft /path/to/draft --qwen
     python benchmarks/benchmark_spec_cpu.py --prompts-file /tmp/vllm_spec_draft_cache/heldout_prompts.json
 
+``--interleave --repeats N``: every system's engine is built first and their timed passes alternate (plain,
+draft, n-gram, plain, ...), so a slow spell of a shared machine costs each system alike.
+
 ``--prompts-file``: a JSON list of user messages to use instead of the built-in ones, e.g. the default
 draft's held-out prompts (families it was distilled on, groups it never saw), which
 ``tools/train_draft.py --stage prep`` writes.
@@ -117,74 +120,109 @@ def chat_prompts(llm: LLM, texts: list[str]) -> list[dict]:
     return out
 
 
-def run_system(pair: str, system: str, policy: str, target: str, spec: dict, texts: list[str],
-               batches: list[int], args) -> tuple[list[Row], dict]:
-    """Build one engine, warm it up, then time every batch size on it. Returns rows and outputs."""
+@dataclass
+class System:
+    """One engine under test: the target alone or with a speculative method, built and warmed up."""
+
+    pair: str
+    system: str
+    policy: str
+    k: int
+    llm: LLM
+    prompts: list[dict]
+    load_s: float
+
+
+def build_system(pair: str, system: str, policy: str, target: str, spec: dict, args) -> System:
     engine = dict(dtype=args.dtype, device="cpu", max_model_len=args.max_model_len, seed=0,
                   kv_cache_memory_bytes=args.kv_cache_mb << 20)
     t0 = time.perf_counter()
     llm = LLM(target, **engine, **spec)
     load_s = time.perf_counter() - t0
-    prompts = chat_prompts(llm, texts)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    prompts = chat_prompts(llm, args.texts)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    rows, outputs = [], {}
-    for b in batches:
-        times, ids = [], None
-        before = _metric_values(llm)
+    return System(pair, system, policy, spec.get("num_speculative_tokens") or 0, llm, prompts, load_s)
+
+
+def time_pass(s: System, batch: int, params: SamplingParams) -> tuple[float, list[list[int]]]:
+    """Seconds to generate for every prompt, `batch` prompts per generate call, and the token ids."""
+    t = time.perf_counter()
+    got = []
+    for i in range(0, len(s.prompts), batch):
+        got += [o.outputs[0].token_ids for o in s.llm.generate(s.prompts[i:i + batch], params, use_tqdm=False)]
+    return time.perf_counter() - t, got
+
+
+def measure(systems: list[System], args) -> list[tuple[Row, list[list[int]]]]:
+    """Every batch size on every system, --repeats timed passes each (median reported); with several
+    systems the passes alternate between them, so a slow spell of the machine costs each alike."""
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    out = []
+    for b in args.batch:
+        before = [_metric_values(s.llm) for s in systems]
+        times: list[list[float]] = [[] for _ in systems]
+        ids: list[list[list[int]] | None] = [None] * len(systems)
         for _ in range(args.repeats):
-            t = time.perf_counter()
-            got = []
-            for i in range(0, len(prompts), b):
-                got += [o.outputs[0].token_ids for o in llm.generate(prompts[i:i + b], params, use_tqdm=False)]
-            times.append(time.perf_counter() - t)
-            ids = ids or got
-        after = _metric_values(llm)
-        tokens = sum(len(x) for x in ids)
-        secs = statistics.median(times)
-        acc = mal = None
-        d_tok = after.get("vllm:spec_decode_num_draft_tokens", 0) - before.get("vllm:spec_decode_num_draft_tokens", 0)
-        d_drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
-        d_acc = (after.get("vllm:spec_decode_num_accepted_tokens", 0)
-                 - before.get("vllm:spec_decode_num_accepted_tokens", 0))
-        if "vllm:spec_decode_num_draft_tokens" in after:
-            acc = d_acc / d_tok if d_tok else 0.0
-            mal = 1.0 + d_acc / d_drafts if d_drafts else 1.0
-        row = Row(pair, system, policy, b, spec.get("num_speculative_tokens") or 0, len(prompts), tokens, secs,
-                  tokens / secs, acc, mal)
-        if "vllm:spec_decode_draft_time_per_step_seconds" in after:  # engine-lifetime averages
-            row.draft_ms_per_step = 1e3 * after["vllm:spec_decode_draft_time_per_step_seconds"]
-            row.verify_ms_per_step = 1e3 * after["vllm:spec_decode_verify_time_per_step_seconds"]
-        rows.append(row)
-        outputs[b] = ids
-        print(f"  {pair:<10} {system:<6} {policy:<9} batch {b:>3}: {tokens} tokens in {secs:.2f} s "
-              f"(load {load_s:.1f} s)", file=sys.stderr, flush=True)
-    del llm
-    gc.collect()
-    return rows, outputs
+            for i, s in enumerate(systems):
+                secs, got = time_pass(s, b, params)
+                times[i].append(secs)
+                ids[i] = ids[i] or got
+        for s, t, got, b0 in zip(systems, times, ids, before):
+            out.append((_row(s, b, statistics.median(t), got, b0, _metric_values(s.llm)), got))
+            print(f"  {s.pair:<10} {s.system:<6} {s.policy:<9} batch {b:>3}: {out[-1][0].tokens} tokens in "
+                  f"{out[-1][0].seconds:.2f} s (load {s.load_s:.1f} s)", file=sys.stderr, flush=True)
+    return out
+
+
+def _row(s: System, batch: int, secs: float, ids: list[list[int]], before: dict, after: dict) -> Row:
+    tokens = sum(len(x) for x in ids)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    acc = mal = None
+    if "vllm:spec_decode_num_draft_tokens" in after:
+        d_tok, d_drafts = delta("vllm:spec_decode_num_draft_tokens"), delta("vllm:spec_decode_num_drafts")
+        d_acc = delta("vllm:spec_decode_num_accepted_tokens")
+        acc = d_acc / d_tok if d_tok else 0.0
+        mal = 1.0 + d_acc / d_drafts if d_drafts else 1.0
+    row = Row(s.pair, s.system, s.policy, batch, s.k, len(s.prompts), tokens, secs, tokens / secs, acc, mal)
+    if "vllm:spec_decode_draft_time_per_step_seconds" in after:  # engine-lifetime averages
+        row.draft_ms_per_step = 1e3 * after["vllm:spec_decode_draft_time_per_step_seconds"]
+        row.verify_ms_per_step = 1e3 * after["vllm:spec_decode_verify_time_per_step_seconds"]
+    return row
 
 
 def run_pair(pair: str, target: str, draft: str | None, args, save=lambda rows: None) -> list[Row]:
-    systems = [("plain", "-", {})]
+    specs = [("plain", "-", {})]
     for policy in args.policies:
         if draft is not None and "draft" in args.systems:
-            systems.append(("draft", policy, dict(speculative_model=draft, num_speculative_tokens=args.k,
-                                                  speculative_policy=policy)))
+            specs.append(("draft", policy, dict(speculative_model=draft, num_speculative_tokens=args.k,
+                                                speculative_policy=policy)))
         if "ngram" in args.systems:
-            systems.append(("ngram", policy, dict(speculative_model="[ngram]", num_speculative_tokens=args.k,
-                                                  ngram_prompt_lookup_max=args.ngram_max,
-                                                  ngram_prompt_lookup_min=args.ngram_min,
-                                                  speculative_policy=policy)))
+            specs.append(("ngram", policy, dict(speculative_model="[ngram]", num_speculative_tokens=args.k,
+                                                ngram_prompt_lookup_max=args.ngram_max,
+                                                ngram_prompt_lookup_min=args.ngram_min,
+                                                speculative_policy=policy)))
     rows, plain_rows, plain_ids = [], {}, {}
-    for system, policy, spec in systems:
-        got_rows, outputs = run_system(pair, system, policy, target, spec, args.texts, args.batch, args)
-        for r in got_rows:
-            if system == "plain":
-                plain_rows[r.batch], plain_ids[r.batch] = r, outputs[r.batch]
+
+    def judge(measured: list[tuple[Row, list[list[int]]]]) -> None:
+        for r, ids in measured:
+            if r.system == "plain":
+                plain_rows[r.batch], plain_ids[r.batch] = r, ids
             r.speedup = r.tokens_per_s / plain_rows[r.batch].tokens_per_s
-            r.identical_to_plain = outputs[r.batch] == plain_ids[r.batch]
-        rows += got_rows
+            r.identical_to_plain = ids == plain_ids[r.batch]
+            rows.append(r)
         save(rows)
+
+    if args.interleave:
+        judge(measure([build_system(pair, system, policy, target, spec, args) for system, policy, spec in specs], args))
+    else:
+        for system, policy, spec in specs:   # one engine at a time (a large pair's engines would not fit together)
+            built = build_system(pair, system, policy, target, spec, args)
+            judge(measure([built], args))
+            del built
+            gc.collect()
     return rows
 
 
@@ -223,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", nargs="+", default=["draft", "ngram"], choices=["draft", "ngram"],
                    help="speculative systems to compare with plain")
     p.add_argument("--repeats", type=positive_int, default=1, help="timed repeats per batch size (median reported)")
+    p.add_argument("--interleave", action="store_true",
+                   help="build every system's engine first and alternate their timed passes (a pair's engines "
+                        "held at once: fine for the default pair, not the Qwen pair on a small machine)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=positive_int, default=2048)
     p.add_argument("--kv-cache-mb", type=positive_int, default=256)
