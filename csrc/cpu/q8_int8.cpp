@@ -1,30 +1,29 @@
-// y = x W^T with int8 weights in 32-column blocks and the activations rounded to int8 blocks too, as
-// llama.cpp's Q8_0 dot product: a draft's matmul (vllm_spec/model/block_quant.py, Int8Weight). Lossy, so
-// never a target's: a draft's numerics only set how often its tokens are accepted.
+// y = x W^T with Q8_0 weights and the activations rounded to int8 blocks too, as llama.cpp's Q8_0 dot
+// product: a draft's matmul (rows_linear_blocks's format q8_0_i8, vllm_spec/model/block_quant.py's
+// int8_tiles). Lossy, so never a target's: a draft's numerics only set how often its tokens are accepted.
 //
 // rows_linear.cpp widens every weight to float32 and spends a float32 FMA per product, which bounds a
-// Q8_0 matmul's time at one row (16384 x 576: 0.75 ms, where its 10.6 MB stream in 0.2 ms). Here a block
-// of 32 products is one integer dot product (AVX512-VNNI vpdpbusd of 32 bytes into 8 int32 lanes), and
-// 8 blocks' lanes are added into one vector of 8 block sums, scaled by their 8 scale products in one
-// float32 FMA.
+// Q8_0 matmul at one row (16384 x 576: 0.52 ms with its 10.6 MB in cache). Here the weights come in tiles
+// of 8 rows laid out so that one vpdpbusd (AVX512-VNNI) multiplies 4 columns of x by those columns of all 8
+// rows into each row's own int32 lane: a block of 32 columns is 8 of them, then one float32 FMA scales the
+// 8 rows' block sums (0.17 ms for the same matmul).
 //
-// Weight layout, per row: the K / 32 blocks' float32 scales d, then the K values q + 128 as uint8 (q an
-// integer in -127..127; w = d q). Each activation row's block j: dx = max |x| / 127 (float32), q = the
-// nearest integer to x / dx (ties to even). vpdpbusd multiplies unsigned by signed bytes, so it sums
-// (q_w + 128) q_x: the block's 128 * sum(q_x), computed once per activation row, is taken off. Without
-// VNNI (AVX2) the same integer sums come from maddubs / madd of |q_w| and q_x with q_w's sign: exact
-// integers either way, so every build gives the same bits, and a row the same bits whatever the number
-// of rows (each output element: its groups of 8 blocks in order of k, then lane_sum).
+// Tile layout, per block of 32 columns (kTileBlockBytes): the 8 rows' float32 scales d, then for each 4
+// columns the 8 rows' 4 values q + 128 as uint8 (q in -127..127, w = d q). Each activation row's block:
+// dx = max |x| / 127 (float32), q = the nearest integer to x * (127 / max |x|) (ties to even). vpdpbusd
+// multiplies unsigned by signed bytes, so it sums (q_w + 128) q_x: the block's 128 * sum(q_x), computed
+// once per activation row, is taken off. Without VNNI (AVX2) maddubs / madd give the same int32 lanes:
+// the integers are exact, so every build gives the same bits, and a row the same bits whatever the number
+// of rows (each output: its blocks in order of k, even and odd blocks in two float32 sums, then added).
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "ops.h"
-#include "simd.h"
 
 namespace {
 
@@ -96,12 +95,10 @@ inline __m256i broadcast4(const int8_t* p) {   // 4 bytes into every int32 lane
   return _mm256_set1_epi32(v);
 }
 
-// A group of 8 weight rows (a "tile") against MC activation rows from row m0 of xs: y[m * ldy + r]. The tile's blocks (kTileBlockBytes each): the 8 rows' float32 scales, then
-// for each 4 columns of the block the 8 rows' 4 values (q + 128): one 32-byte vector holds a 4-column slice
-// of every row, so a vpdpbusd against those 4 columns of x (in every lane) adds to each row's own lane,
-// with no sums across lanes. Each row sums its blocks' scaled integers in two float32 chains (even and
-// odd blocks, then added): the same order for any number of rows. With Prefetch the tile kPrefetchTiles
-// on is prefetched into L2 as this one is read.
+// A tile of 8 weight rows against MC activation rows from row m0 of xs: y[m * ldy + r]. A block's 32-byte
+// vector holds a 4-column slice of every row, so a dot product against those 4 columns of x (in every
+// lane) adds to each row's own lane, with no sums across lanes. With Prefetch the tile kPrefetchTiles on
+// is prefetched into L2 as this one is read.
 template <int MC, bool Prefetch>
 void tile(const Int8Rows& xs, int64_t m0, const uint8_t* w, int64_t blocks, float* y, int64_t ldy) {
   const int64_t K = xs.K;
