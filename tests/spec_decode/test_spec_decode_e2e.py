@@ -77,6 +77,31 @@ def test_greedy_equality_ngram(spec_pair, baseline):
     assert metric_values(llm)["vllm:spec_decode_num_draft_tokens"] > 0
 
 
+def test_cpu_verification_is_ragged_not_padded(spec_pair, baseline, monkeypatch):
+    """Without CUDA graphs a verification pass holds each sequence's last token and its own drafts: padding
+    every sequence to the longest draft (what a graph needs) would only add rows to compute."""
+    from vllm_spec.spec_decode.mqa_scorer import MQAScorer
+
+    passes = []   # (sequences, drafts proposed, tokens the target ran)
+    score = MQAScorer.score_and_verify
+
+    def recorded(self, req, *args, **kwargs):
+        out = score(self, req, *args, **kwargs)
+        passes.append((len(req.seqs), out.spec.num_draft_tokens, out.spec.num_verified_tokens))
+        return out
+
+    monkeypatch.setattr(MQAScorer, "score_and_verify", recorded)
+    # Half the prompts repeat themselves (prompt lookup finds drafts), half do not.
+    prompts = [{"prompt_token_ids": ([5, 6, 7, 8, 9] * 6)[: 10 + i] if i % 2 else [11 + 7 * i, 40 + i, 3, 90 - i]}
+               for i in range(8)]
+    llm = LLM(spec_pair[0], speculative_model="[ngram]", num_speculative_tokens=4, ngram_prompt_lookup_max=3,
+              ngram_prompt_lookup_min=1, device="cpu", **FIXED, **KV)
+    assert output_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == \
+        output_ids(baseline.generate(prompts, GREEDY, use_tqdm=False))
+    assert passes and all(tokens == seqs + drafts for seqs, drafts, tokens in passes)
+    assert any(drafts < 4 * seqs for seqs, drafts, _ in passes if seqs > 1)   # some sequences found fewer
+
+
 def test_random_draft_accepts_almost_nothing(spec_pair, random_draft, greedy_reference):
     llm = LLM(spec_pair[0], speculative_model=str(random_draft), num_speculative_tokens=4, **FIXED, **KV)
     assert output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference

@@ -5,8 +5,9 @@ maximises expected goodput
 
 with a_i the sequence's per-token acceptance: its own decayed counts shrunk
 towards a global rate (a Beta belief). When every sequence of the step is
-decoding, verification is padded to one query length (a CUDA graph), so all
-sequences get the same k, chosen on measured step times per (batch-size
+decoding, verification is padded to one query length where a CUDA graph replays
+it (else it is ragged: mqa_scorer), and all sequences get the same k, chosen on
+measured step times per (batch-size
 bucket, k) - end to end, host work included, since that is what tokens/s pays -
 with a linear model of device time in the query tokens for what is not measured
 yet. Choices near the best are re-measured now and then; when the mean belief
@@ -168,8 +169,8 @@ class AdaptivePolicy:
         return _Choice(chosen, any(chosen))
 
     def _choose_decoding(self, beliefs: list[float], drawn: Callable[[], list[float]], caps: list[int]) -> _Choice:
-        """Every sequence decoding: verification is padded to K+1 tokens per sequence (one CUDA
-        graph; ragged verification runs eagerly, slower), so each sequence drafts min(K, cap) and
+        """Every sequence decoding: verification is padded to K+1 tokens per sequence where a CUDA
+        graph replays it (ragged verification runs eagerly, slower), so each sequence drafts min(K, cap) and
         K is chosen on the measured costs of such steps. The choice's speculating is whether the
         best choice speculates (the step itself may explore another)."""
         n = len(caps)
