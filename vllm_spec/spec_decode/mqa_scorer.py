@@ -54,8 +54,9 @@ class MQAScorer:
                          while_device_runs: Callable[[], None]) -> StepOutput:
         """Score the drafts in one target pass and verify them. `mark` is called as the target pass
         starts and once the verification is queued (with `last=` the event recorded after its copy to
-        the host), before the host waits for its tokens: the verification's device span lies between the two; the host's input preparation before it
-        and its reading of the tokens after it are host time, as around a plain step.
+        the host), before the host waits for its tokens: the verification's device span lies between the
+        two; the host's input preparation before it and its reading of the tokens after it are host time,
+        as around a plain step.
         `while_device_runs`: host work that needs none of this step's outputs, done before the wait."""
         dev = self.device
         drafted = np.asarray(proposals.num_drafts, dtype=np.int64)
