@@ -21,7 +21,7 @@ def _train(policy: AdaptivePolicy, shape: StepShape, alphas: list[float], target
             continue
         accepted = [min(k, round(k * a)) for k, a in zip(chosen, alphas)]
         q = shape.num_other_tokens + len(chosen) + sum(chosen)
-        if shape.num_other_tokens == 0 and pads_verification(len(chosen), max(chosen), q):
+        if shape.num_other_tokens == 0 and pads_verification(len(chosen), max(chosen), q, graphs=True):
             q = len(chosen) * (max(chosen) + 1)   # as the worker pads it
         stats = SpecStepStats(len(chosen), sum(chosen), sum(accepted), [], max(chosen) * draft_per_forward,
                               target_fixed + target_per_token * q, num_verified_tokens=q)

@@ -14,7 +14,8 @@ def test_fixed_policy_respects_caps():
 @pytest.mark.parametrize("seqs, k, real, padded", [(16, 8, 16, True), (17, 4, 17 * 5, True),
                                                   (64, 4, 64 * 2 + 64, True), (64, 4, 64 + 64, False)])
 def test_pads_verification(seqs, k, real, padded):
-    assert pads_verification(seqs, k, real) is padded
+    assert pads_verification(seqs, k, real, graphs=True) is padded
+    assert pads_verification(seqs, k, real, graphs=False) is False   # ragged where no graph replays
 
 
 TABLE = [(4, 4), (16, 3), (64, 2), (128, 1)]

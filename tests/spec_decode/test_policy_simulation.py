@@ -89,7 +89,7 @@ class SimEngine:
                 for i in ids:
                     self.lag[i] = self.lag.get(i, 1) + 1
             else:
-                q = B * (K + 1) if pads_verification(B, K, B + sum(chosen)) else B + sum(chosen)
+                q = B * (K + 1) if pads_verification(B, K, B + sum(chosen), graphs=True) else B + sum(chosen)
                 behind = sum(max(self.lag.get(i, 1) - 2, 0) for i in ids)
                 catch_up = c.draft(B) + c.catch_up_per_token * behind if behind else 0.0
                 draft = K * c.draft(sum(1 for k in chosen if k)) * self._first((K, B))

@@ -64,14 +64,12 @@ class MQAScorer:
         found_np[spec_idx] = drafted
         # Score: each speculating sequence feeds [last token, draft_1..draft_n] in one target pass.
         # When every sequence is decoding, all may be padded to the longest draft (placeholder tokens in
-        # reserved slots, ignored by the verifier) so the pass has one query length and replays a graph;
-        # without graphs (the CPU, enforce_eager) padding only adds work: a CPU pass's time grows with
-        # its rows (batch 16 with n-gram drafts on 2 cores: padded 0.87x plain decoding's tokens/s).
+        # reserved slots, ignored by the verifier) so the pass has one query length and replays a graph.
         k = int(drafted.max(initial=0))
         max_len = self.config.model.max_model_len
         real = len(req.seqs) + int(drafted.sum())
         cols = req.columns
-        uniform = (self.target.runner.cuda_graphs and pads_verification(len(req.seqs), k, real)
+        uniform = (pads_verification(len(req.seqs), k, real, self.target.runner.cuda_graphs)
                    and bool((cols.sample & (cols.num_new == 1)).all())
                    and int(cols.seq_len.max()) + k <= max_len)
         pads = np.full(len(req.seqs), k, dtype=np.int64) if uniform else found_np
