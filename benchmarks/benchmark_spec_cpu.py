@@ -168,9 +168,10 @@ def measure(systems: list[System], args) -> list[tuple[Row, list[list[int]]]]:
                 times[i].append(secs)
                 ids[i] = ids[i] or got
         for s, t, got, b0 in zip(systems, times, ids, before):
-            out.append((_row(s, b, statistics.median(t), got, b0, _metric_values(s.llm)), got))
-            print(f"  {s.pair:<10} {s.system:<6} {s.policy:<9} batch {b:>3}: {out[-1][0].tokens} tokens in "
-                  f"{out[-1][0].seconds:.2f} s (load {s.load_s:.1f} s)", file=sys.stderr, flush=True)
+            row = _row(s, b, statistics.median(t), got, b0, _metric_values(s.llm))
+            out.append((row, got))
+            print(f"  {s.pair:<10} {s.system:<6} {s.policy:<9} batch {b:>3}: {row.tokens} tokens in "
+                  f"{row.seconds:.2f} s (load {s.load_s:.1f} s)", file=sys.stderr, flush=True)
     return out
 
 

@@ -51,14 +51,14 @@ class BlockWeight:
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (a zero may come back as -0.0 or 0.0: see _same_values)."""
         n, k = self.shape
-        b = self.blocks.view(n, k // BLOCK, BLOCK_BYTES[self.format])
-        d = b[..., 0:4].contiguous().view(torch.float32)
         if self.format == "q8_0_i8":
             t = self.blocks.view(n // TILE_ROWS, k // BLOCK, TILE_ROWS * BLOCK_BYTES["q8_0_i8"])
             d = t[..., :32].contiguous().view(torch.float32).transpose(1, 2)              # [tiles, 8, blocks]
             q = t[..., 32:].view(-1, k // BLOCK, 8, TILE_ROWS, 4).permute(0, 3, 1, 2, 4)   # [tiles, 8, blocks, 8, 4]
             q = (q.reshape(-1, TILE_ROWS, k // BLOCK, BLOCK).short() - 128).float()
             return (d.unsqueeze(-1) * q).reshape(n, k)
+        b = self.blocks.view(n, k // BLOCK, BLOCK_BYTES[self.format])
+        d = b[..., 0:4].contiguous().view(torch.float32)
         if self.format == "q8_0":
             return (d * b[..., 4:].view(torch.int8).float()).view(n, k)
         m = b[..., 4:8].contiguous().view(torch.float32)

@@ -51,15 +51,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor | BlockWeight, bias: torch.Tens
     return F.linear(x, weight, bias)
 
 
-def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | BlockWeight:
+def pack_for_cpu(weight: torch.Tensor, quantize: str | None = None) -> torch.Tensor | BlockWeight:
     """A copy of a linear layer's weight in oneDNN's blocked layout, or the weight itself where that
     does not apply (not on CPU, no oneDNN, a dtype other than float32/bfloat16); for a weight that
     cpu_linear's kernel multiplies faster in the plain layout, the weight or its exact narrower copy
-    (half precision or quantized blocks: cpu_linear.narrowed).
+    (half precision or quantized blocks: cpu_linear.narrowed). quantize (ArchConfig.cpu_weights, a
+    draft's): the lossy copy quantize_for_cpu makes, where the kernel takes it.
 
     On CPU this made the matmuls of a SmolLM2-sized model 1.7-2.5x faster at 1-16 rows (bf16 and
     fp32, 2 cores): decoding streams every weight once per step and the plain layout is read slowly.
     """
+    quantized = quantize_for_cpu(weight, quantize) if quantize else None
+    if quantized is not None:
+        return quantized
     if cpu_linear.keeps_plain(weight):
         return cpu_linear.narrowed(weight)
     if (weight.is_mkldnn or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
@@ -107,7 +111,7 @@ class LinearBase(nn.Module):
         read shows in the output and a late load fails. quantize: see quantize_for_cpu."""
         if self.packed is not None:   # packed already (the plain weight may be gone)
             return
-        packed = (quantize and quantize_for_cpu(self.weight, quantize)) or pack_for_cpu(self.weight)
+        packed = pack_for_cpu(self.weight, quantize)
         if packed is self.weight:
             return
         self.packed = packed

@@ -22,7 +22,6 @@ from vllm_spec.model.layers import (
     VocabParallelEmbedding,
     linear,
     pack_for_cpu,
-    quantize_for_cpu,
 )
 from vllm_spec.model.block_quant import BlockWeight
 from vllm_spec.model.cpu_decoder import CpuDecoder
@@ -166,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, LinearBase):
                 module.pack_for_cpu(fmt if module in quantized else None)
         if self.output_weight is not None:
-            self.output_weight = (fmt and quantize_for_cpu(self.output_weight, fmt)) or pack_for_cpu(self.output_weight)
+            self.output_weight = pack_for_cpu(self.output_weight, fmt)
         self.cpu_decoder = CpuDecoder.build(list(self.layers))
 
     def token_ids_of(self, columns: torch.Tensor) -> torch.Tensor:
