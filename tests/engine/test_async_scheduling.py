@@ -193,8 +193,8 @@ def test_ngram_steps_that_find_no_drafts_are_costed(spec_pair):
     worker = llm.llm_engine.executor.worker
     seen = []
     observe = worker.policy.observe
-    worker.policy.observe = lambda shape, chosen, accepted, stats, charge: (
-        seen.append((stats.num_draft_tokens, charge)), observe(shape, chosen, accepted, stats, charge))
+    worker.policy.observe = lambda shape, chosen, accepted, stats, charge, found=None: (
+        seen.append((stats.num_draft_tokens, charge)), observe(shape, chosen, accepted, stats, charge, found))
     prompt = {"prompt_token_ids": list(range(3, 40))}   # no n-gram repeats: nothing to look up at first
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     empty = [t for n, t in seen[1:] if n == 0]   # decoding steps (after the prefill) without drafts

@@ -43,3 +43,19 @@ class _Watched(list):
     def __iter__(self):
         self.walked = True
         return super().__iter__()
+
+
+def test_drafts_a_proposer_may_not_find_count_by_the_chance_it_finds_them():
+    """A sequence whose proposer finds drafts with chance f expects f times the drafts it would keep
+    if it always found them: one chance for all scales the closed form, different ones weigh each
+    sequence (caps as before)."""
+    rates, caps = [0.5, 0.8, 0.8], [4, 4, 1]
+    always = expected_drafts(rates, caps, 4)
+    assert expected_drafts(rates, caps, 4, [1.0, 1.0, 1.0]) == pytest.approx(always)
+    assert expected_drafts(rates, caps, 4, [0.0, 0.0, 0.0]) == [0.0] * 5
+    per_position = [0.25 * 0.5 + 0.8 + 0.5 * 0.8, 0.25 * 0.25 + 0.64, 0.25 * 0.125 + 0.512, 0.25 * 0.0625 + 0.4096]
+    expected = expected_drafts(rates, caps, 4, [0.25, 1.0, 0.5])
+    assert expected == pytest.approx([0.0] + list(np.cumsum(per_position)))
+    one = expected_drafts([0.6] * 8, [4] * 8, 4, [0.3] * 8)
+    assert one == pytest.approx([0.3 * d for d in expected_drafts([0.6] * 8, [4] * 8, 4)])
+    assert one == pytest.approx(expected_drafts([0.6] * 7 + [0.6 - 1e-15], [4] * 8, 4, [0.3] * 7 + [0.3 - 1e-15]))

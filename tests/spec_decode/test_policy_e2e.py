@@ -129,8 +129,8 @@ def test_only_steps_that_catch_the_draft_up_report_a_catch_up(spec_pair):
     worker = llm.llm_engine.executor.worker
     policy = worker.policy = BurstsPolicy(period=4)
     seen = []
-    policy.observe = lambda shape, chosen, accepted, stats, charge: seen.append((max(chosen, default=0),
-                                                                                stats.catch_up_time))
+    policy.observe = lambda shape, chosen, accepted, stats, charge, found=None: seen.append((max(chosen, default=0),
+                                                                                            stats.catch_up_time))
     llm.generate(make_prompts(4), GREEDY, use_tqdm=False)
     assert all(t == 0.0 for k, t in seen if k == 0)
     bursts = [t for k, t in seen if k > 0]

@@ -56,7 +56,7 @@ class _Recording(BurstsPolicy):
         super().__init__(period)
         self.seen: list[tuple[bool, float, float]] = []
 
-    def observe(self, shape, chosen, accepted, stats, charge) -> None:
+    def observe(self, shape, chosen, accepted, stats, charge, found=None) -> None:
         self.seen.append((max(chosen, default=0) > 0, stats.verify_time, charge.seconds))
 
 
@@ -111,9 +111,9 @@ def test_step_costs_count_the_host_and_the_caller_but_not_an_idle_engine(spec_pa
         time.sleep(0.02)
         return choose(shape)
 
-    def record(shape, chosen, accepted, stats, charge):
+    def record(shape, chosen, accepted, stats, charge, found=None):
         charges.append((shape.num_other_tokens == 0, charge.seconds))
-        observe(shape, chosen, accepted, stats, charge)
+        observe(shape, chosen, accepted, stats, charge, found)
 
     policy.choose, policy.observe = slow_choice, record
 
@@ -158,8 +158,8 @@ def test_a_stalled_engine_is_idle_for_the_step_costs(spec_pair, monkeypatch):
                  **KV).llm_engine
     policy = engine.executor.worker.policy
     observe, charges = policy.observe, []
-    policy.observe = lambda shape, chosen, accepted, stats, charge: (charges.append(charge.seconds),
-                                                                     observe(shape, chosen, accepted, stats, charge))
+    policy.observe = lambda shape, chosen, accepted, stats, charge, found=None: (
+        charges.append(charge.seconds), observe(shape, chosen, accepted, stats, charge, found))
     engine.add_request("0", make_prompts(1)[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     engine.step()
     engine.step()
@@ -272,9 +272,9 @@ def test_a_policy_that_fails_to_learn_does_not_fail_the_steps(spec_pair, greedy_
 
 
 def test_drafts_the_proposer_did_not_find_are_no_trials(spec_pair):
-    """An n-gram proposer may find fewer drafts than asked, or none: the policy learns from the drafts
-    proposed (a draft never proposed is no rejection), so no match does not drive its acceptance
-    estimate to 0 and stop speculation for good."""
+    """An n-gram proposer may find fewer drafts than asked, or none: the policy is told both what it
+    asked and what was found, so a draft never proposed is no rejection (no match does not drive the
+    acceptance estimate to 0) and asking is learned as worth what finding is."""
     llm = LLM(spec_pair[0], speculative_model="[ngram]", num_speculative_tokens=3, ngram_prompt_lookup_max=3,
               **FIXED, **KV)
     worker = llm.llm_engine.executor.worker
@@ -287,9 +287,17 @@ def test_drafts_the_proposer_did_not_find_are_no_trials(spec_pair):
 
     worker.proposer.propose = recording
     learned, observe = [], worker.policy.observe
-    worker.policy.observe = lambda shape, chosen, *rest: learned.append(list(chosen)) or observe(shape, chosen, *rest)
+
+    def record(shape, chosen, accepted, stats, charge, found=None):
+        learned.append((list(chosen), list(chosen if found is None else found)))
+        observe(shape, chosen, accepted, stats, charge, found)
+
+    worker.policy.observe = record
     prompt = {"prompt_token_ids": [5, 6, 7, 8, 9, 5, 6, 7, 8] + list(range(20, 40))}   # one match, then none
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     speculative = [found for found in found_per_step if found]
     assert speculative and any(f[0] < 3 for f in speculative), found_per_step
-    assert [c for c in learned if any(c)] == [f for f in speculative if any(f)]
+    decoding = [(asked, found) for asked, found in learned if any(asked)]
+    # (the last step is learned from while a later one runs: there is none)
+    assert len(decoding) == len(speculative) - 1 and all(asked == [3] for asked, _ in decoding)
+    assert [found for _, found in decoding] == speculative[:-1]

@@ -17,7 +17,9 @@ _NO_TRIALS = (0.0, 0.0)
 @dataclass
 class AcceptanceBeliefs:
     """Decayed counts of accepted draft tokens and of trials (a trial ends at the first rejection),
-    over all sequences and per sequence, with a Beta(prior_acceptance * prior_strength, ...) prior."""
+    over all sequences and per sequence, with a Beta(prior_acceptance * prior_strength, ...) prior.
+    Trials of one draft each make it a belief about any per-sequence chance (the adaptive policy's
+    belief that a proposer finds drafts when asked)."""
 
     prior_acceptance: float = 0.6
     prior_strength: float = 4.0
@@ -76,20 +78,25 @@ class AcceptanceBeliefs:
             self.seqs.pop(sid, None)
 
 
-def expected_drafts(rates: list[float], caps: list[int], max_k: int) -> list[float]:
+def expected_drafts(rates: list[float], caps: list[int], max_k: int,
+                    found: list[float] | None = None) -> list[float]:
     """[K] for K = 0..max_k: the accepted drafts a step of sequences with these per-token rates
-    expects drafting K each (min(K, cap) for each; a draft token counts as the chance all before
-    it, and it, pass)."""
+    expects asking K each (min(K, cap) for each; a draft token counts as the chance all before
+    it, and it, pass). found: each sequence's chance that its proposer finds drafts when asked
+    (None: always, as a draft model does; an n-gram lookup often finds none)."""
     # Position by position over all sequences (one list comprehension each), not sequence by
     # sequence: a choice runs at every step, at batch 256 too, and on the critical path whenever
     # the batch changed.
     capped = min(caps, default=max_k) < max_k   # a sequence near the draft's limit
-    if rates and not capped and rates.count(rates[0]) == len(rates):
+    if rates and not capped and rates.count(rates[0]) == len(rates) and (
+            found is None or found.count(found[0]) == len(found)):
         # One belief for all (every sequence at the global rate, as after a stretch of plain steps).
         rate = min(max(rates[0], 0.0), 0.999)
-        return list(itertools.accumulate((len(rates) * rate ** j for j in range(1, max_k + 1)), initial=0.0))
+        scale = len(rates) * (1.0 if found is None else found[0])
+        return list(itertools.accumulate((scale * rate ** j for j in range(1, max_k + 1)), initial=0.0))
     clipped = [rate if 0.0 <= rate <= 0.999 else (0.0 if rate < 0.0 else 0.999) for rate in rates]
-    power, per_position = clipped, []
+    power = clipped if found is None else [f * rate for f, rate in zip(found, clipped)]
+    per_position = []
     for j in range(max_k):
         per_position.append(sum(v for v, cap in zip(power, caps) if cap > j) if capped else sum(power))
         power = [v * rate for v, rate in zip(power, clipped)]

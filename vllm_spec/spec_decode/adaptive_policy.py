@@ -4,13 +4,14 @@ maximises expected goodput
     sum_i E_i(k_i) / step_time,   E_i(k) = (1 - a_i^(k+1)) / (1 - a_i)
 
 with a_i the sequence's per-token acceptance: its own decayed counts shrunk
-towards a global rate (a Beta belief). When every sequence of the step is
-decoding, verification is padded to one query length where a CUDA graph replays
-it (else it is ragged: mqa_scorer), and all sequences get the same k, chosen on
-measured step times per (batch-size
-bucket, k) - end to end, host work included, since that is what tokens/s pays -
-with a linear model of device time in the query tokens for what is not measured
-yet. Choices near the best are re-measured now and then; when the mean belief
+towards a global rate (a Beta belief), learned on the drafts the proposer found. A proposer
+that may find none (n-gram lookup) weighs E_i - 1 by the sequence's chance of finding drafts
+when asked, a belief of the same kind, and step costs are those of asking k. When every
+sequence of the step is decoding, verification is padded to one query length where a CUDA
+graph replays it (else it is ragged: mqa_scorer), and all sequences get the same k, chosen
+on measured step times per (batch-size bucket, k) - end to end, host work included, since
+that is what tokens/s pays - with a linear model of device time in the query tokens for
+what is not measured yet. Choices near the best are re-measured now and then; when the mean belief
 says not to speculate, a draw of the global rate (Thompson sampling) may
 still say to, and speculation is probed ever more rarely where it keeps not paying.
 A switch between speculating and not (the draft's catch-up, the plain step
@@ -100,6 +101,9 @@ class AdaptivePolicy:
     explore_every: int = 50
     _buckets: dict[int, BucketState] = field(default_factory=dict)
     _acceptance: AcceptanceBeliefs = field(init=False)
+    # Whether a sequence's proposer finds drafts when asked: kept from the first step whose proposer
+    # found fewer than asked (an n-gram lookup without a match; a draft model always finds them).
+    _found: AcceptanceBeliefs | None = None
     _target: LinearFit | None = None
     _draft: LinearFit | None = None
     # Host seconds a speculative all-decoding step adds to a plain one's, by batch size (the draft's
@@ -149,6 +153,7 @@ class AdaptivePolicy:
         if n == 0:
             return _Choice([], self._speculating)
         beliefs = self._acceptance.rates(shape.seq_ids)
+        found = self._found.rates(shape.seq_ids) if self._found is not None else None
 
         def drawn() -> list[float]:
             # The beliefs under a draw of the global rate (Thompson sampling), which every sequence's
@@ -161,14 +166,17 @@ class AdaptivePolicy:
             return [r + shift for r in beliefs]
 
         if shape.num_other_tokens == 0:
-            return self._choose_decoding(beliefs, drawn, shape.caps)
+            return self._choose_decoding(beliefs, found, drawn, shape.caps)
         j = np.arange(1, self.max_k + 1)[None, :]
         gains = np.clip(np.array(drawn()), 0.0, 0.999)[:, None] ** j
+        if found is not None:
+            gains *= np.array(found)[:, None]
         chosen = choose_ragged(gains, np.array(shape.caps), shape.num_other_tokens, self._target,
                                self._draft_forward(n)).tolist()
         return _Choice(chosen, any(chosen))
 
-    def _choose_decoding(self, beliefs: list[float], drawn: Callable[[], list[float]], caps: list[int]) -> _Choice:
+    def _choose_decoding(self, beliefs: list[float], found: list[float] | None, drawn: Callable[[], list[float]],
+                         caps: list[int]) -> _Choice:
         """Every sequence decoding: verification is padded to K+1 tokens per sequence where a CUDA
         graph replays it (ragged verification runs eagerly, slower), so each sequence drafts min(K, cap) and
         K is chosen on the measured costs of such steps. The choice's speculating is whether the
@@ -183,7 +191,7 @@ class AdaptivePolicy:
         cost = {K: self._decode_step_cost(n, K) for K in choices}
 
         def tokens(beliefs: list[float]) -> dict[int, float]:
-            drafts = expected_drafts(beliefs, caps, self.max_k)
+            drafts = expected_drafts(beliefs, caps, self.max_k, found)
             return {K: n + drafts[K] for K in choices}
 
         def goodput(tokens: dict[int, float]) -> dict[int, float]:
@@ -298,15 +306,24 @@ class AdaptivePolicy:
         return self._draft(n) if self._draft.count else self.draft_cost_ratio * self._target(n)
 
     def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
-                stats: SpecStepStats, charge: Charge) -> None:
-        drafted = self._acceptance.observe(shape.seq_ids, chosen, accepted)
+                stats: SpecStepStats, charge: Charge, found: list[int] | None = None) -> None:
+        # Acceptance is learned on the drafts the proposer found (one it never proposed is no
+        # trial), step costs on what the policy chose (what choosing k costs, finds or not), and how
+        # often asking finds drafts apart.
+        if found is not None and self._found is None:
+            self._found = AcceptanceBeliefs(0.5, self.prior_strength, self.decay)
+        if self._found is not None:
+            self._found.observe(shape.seq_ids, [min(k, 1) for k in chosen],
+                                [min(k, 1) for k in (chosen if found is None else found)])
+        found = chosen if found is None else found
+        drafted = self._acceptance.observe(shape.seq_ids, found, accepted)
         draft = stats.draft_time - stats.catch_up_time
         # The fits first: the calibration below compares a step with a model in seconds (before its
         # first update the target fit holds a prior without units).
         # The pass may have been padded to one query length: fit on what the target really ran.
-        q = shape.num_other_tokens + len(shape.seq_ids) + sum(chosen)
+        q = shape.num_other_tokens + len(shape.seq_ids) + sum(found)
         self._target.update(stats.num_verified_tokens or q, stats.verify_time)
-        forwards = max(chosen, default=0)
+        forwards = max(found, default=0)
         if forwards > 0:
             self._draft.update(drafted, draft / forwards)
         if shape.num_other_tokens:
@@ -351,6 +368,8 @@ class AdaptivePolicy:
 
     def release(self, seq_ids: list[int]) -> None:
         self._acceptance.release(seq_ids)
+        if self._found is not None:
+            self._found.release(seq_ids)
 
     def belief(self, n: int) -> DecodeBelief:
         """What a choice for all-decoding steps of n sequences would weigh now (benchmark traces)."""

@@ -46,8 +46,9 @@ class SpeculationPolicy(Protocol):
     def choose(self, shape: StepShape) -> list[int]: ...
 
     def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
-                stats: SpecStepStats, charge: Charge) -> None:
-        """Learn from a finished step: `stats` holds the device time of its phases (a step without
+                stats: SpecStepStats, charge: Charge, found: list[int] | None = None) -> None:
+        """Learn from a finished step: `chosen` the drafts asked per sequence, `found` those the
+        proposer found (None: all asked), `stats` the device time of its phases (a step without
         speculation: no drafts, the target pass as verify_time), `charge` the seconds the step
         cost end to end, host work included, catching the draft up on earlier steps excluded, and
         whether it was a plain step that could not overlap the speculative one before it."""
@@ -76,7 +77,7 @@ class _StaticPolicy:
             return [k] * len(shape.caps)
         return [min(k, cap) for cap in shape.caps]
 
-    def observe(self, shape, chosen, accepted, stats, charge) -> None:
+    def observe(self, shape, chosen, accepted, stats, charge, found=None) -> None:
         pass
 
     def prepare(self, shape: StepShape) -> None:

@@ -211,8 +211,9 @@ class SpecDecodeWorker:
         drafted = list(asked)
         for i, n in zip(spec_idx, proposals.num_drafts):
             drafted[i] = n
-        handle = _SpecStep(self, step, timer, _Observation(shape, [asked[i] for i in rows], [drafted[i] for i in rows],
-                                                           start, bool(spec_idx), caught_up))
+        asked_rows, found_rows = [asked[i] for i in rows], [drafted[i] for i in rows]
+        found = None if found_rows == asked_rows else found_rows
+        handle = _SpecStep(self, step, timer, _Observation(shape, asked_rows, found, start, bool(spec_idx), caught_up))
         if handle.one_token_per_seq:
             self._unread = handle
         return handle
@@ -236,7 +237,7 @@ class SpecDecodeWorker:
             accepted = [by_id.get(sid, 0) for sid in obs.shape.seq_ids]
         charge = self._charges.read(time.perf_counter(), obs.start, obs.speculative)
         charge.seconds = max(charge.seconds - stats.catch_up_time, 1e-6)
-        self._lessons.append(_Lesson(obs.shape, obs.drafted, accepted, stats, charge))
+        self._lessons.append(_Lesson(obs.shape, obs.asked, accepted, stats, charge, obs.found))
         stats.policy = replace(self.policy.estimates(), mean_k=sum(obs.asked) / len(obs.asked) if obs.asked else 0.0)
 
     def _policy_work(self, shape: StepShape | None) -> None:
@@ -248,7 +249,7 @@ class SpecDecodeWorker:
         finished, self._finished = self._finished, []
         for lesson in lessons:
             self._advisory(self.policy.observe, lesson.shape, lesson.chosen, lesson.accepted, lesson.stats,
-                           lesson.charge)
+                           lesson.charge, lesson.found)
         self._advisory(self.policy.release, finished)
         if shape is not None:
             self._advisory(self.policy.prepare, shape)
@@ -290,7 +291,7 @@ class _Observation:
 
     shape: StepShape
     asked: list[int]
-    drafted: list[int]   # what the proposer found of those
+    found: list[int] | None   # what the proposer found of those (None: all)
     start: float
     speculative: bool
     caught_up: bool   # the proposer fed tokens it had missed before proposing
@@ -305,6 +306,7 @@ class _Lesson:
     accepted: list[int]
     stats: SpecStepStats
     charge: Charge
+    found: list[int] | None
 
 
 class _SpecStep(StepHandle):
