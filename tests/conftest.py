@@ -97,14 +97,16 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
                 bos_token_id=0, eos_token_id=0, rms_norm_eps=1e-6)
     base.update(overrides)
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-           "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[arch]
+           "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[arch]
     torch.manual_seed(seed)
     model = cls[1](cls[0](**base)).eval()
     with torch.no_grad():
         for p in model.parameters():  # larger weights than HF's init: peaked, varied distributions
             p.normal_(0.0, 0.1 if p.dim() > 1 else 0.5)
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if name.endswith(("q_norm.weight", "k_norm.weight")):   # Qwen3's per-head norms: each its own scale
+                p.normal_(1.0, 0.5)
+            elif "norm" in name:
                 p.fill_(1.0)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from conftest import metric_values, output_ids
+from conftest import make_noisy_draft, make_tiny_model, metric_values, output_ids
 
 from vllm_spec import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
 from vllm_spec.config import ParallelConfig
@@ -86,6 +86,21 @@ def test_tp2_multiproc_matches_tp1(spec_pair, reference, case):
     try:
         assert type(llm.llm_engine.executor).__name__ == "MultiprocExecutor"   # the default for tp > 1
         _check(llm, reference, bool(case))
+    finally:
+        _shutdown(llm)
+
+
+def test_tp2_qwen3_matches_tp1(tmp_path):
+    """Qwen3's per-head query/key norms on sharded heads: each rank norms its own heads with the whole
+    (replicated) norm weights; the draft on rank 0 alone."""
+    target = make_tiny_model(tmp_path / "target", "qwen3", seed=13, head_dim=32)
+    draft = make_noisy_draft(target, tmp_path / "draft", 0.04)
+    expected = output_ids(LLM(str(target), **OPTS).generate(_prompts(), GREEDY, use_tqdm=False))
+    llm = LLM(str(target), tensor_parallel_size=2, speculative_model=str(draft),
+              speculative_draft_tensor_parallel_size=1, **SPEC, **OPTS)
+    try:
+        assert output_ids(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == expected
+        assert _spec_counts(llm)[2] > 0
     finally:
         _shutdown(llm)
 

@@ -74,6 +74,7 @@ def test_torch_backend_matches_triton_on_gpu(spec_pair, eager_reference):
 @pytest.mark.parametrize("arch, options", [
     ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),   # layer 1 windowed only
     ("llama", dict(attention_bias=True, mlp_bias=True)),                                # o_proj biased too
+    ("qwen3", dict(head_dim=32, attention_bias=True)),                                  # per-head q/k norms
 ])
 def test_model_variants_in_graphs_match_torch_backend(tmp_path, arch, options):
     from vllm_spec.attention import torch_backend

@@ -20,7 +20,7 @@ HF_TO_GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -40,10 +40,11 @@ def gguf_name(hf: str) -> str:
 
 
 def write_synthetic(path: Path, arch: str, *, hidden=32, heads=4, kv_heads=2, inter=48, layers=2, vocab=64,
-                    bias=False, tied=True, quantize_embed=False, extra_kv=None, extra_tensors=None) -> dict:
-    """Write a tiny GGUF like llama.cpp would; return the HF tensors it encodes."""
+                    bias=False, tied=True, quantize_embed=False, extra_kv=None, extra_tensors=None,
+                    head_dim=None) -> dict:
+    """Write a tiny GGUF like llama.cpp would; return the HF tensors it encodes (qwen3: per-head q/k norms)."""
     rng = np.random.default_rng(0)
-    hd = hidden // heads
+    hd = head_dim or hidden // heads
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     if not tied:
         shapes["lm_head.weight"] = (vocab, hidden)
@@ -57,6 +58,8 @@ def write_synthetic(path: Path, arch: str, *, hidden=32, heads=4, kv_heads=2, in
         if bias:
             shapes |= {p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv_heads * hd,),
                        p + "self_attn.v_proj.bias": (kv_heads * hd,)}
+        if arch == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     hf = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -69,6 +72,9 @@ def write_synthetic(path: Path, arch: str, *, hidden=32, heads=4, kv_heads=2, in
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(500000.0)
     w.add_rope_dimension_count(hd)
+    if head_dim:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(vocab)])
     w.add_bos_token_id(3)
@@ -116,6 +122,17 @@ def test_synthetic_qwen2_biases_untied(tmp_path):
     assert (arch.bos_token_id, arch.eos_token_ids, arch.max_position_embeddings) == (3, [4], 1024)
     assert arch.rms_norm_eps == 1e-6 and arch.rope_theta == 500000.0 and arch.rope_scaling is None
     assert_weights_equal(path, hf)  # no permutation for qwen2; Q8_0 embedding dequantized
+
+
+def test_synthetic_qwen3_head_norms_and_head_dim(tmp_path):
+    """Qwen3 as llama.cpp writes it: per-head q/k norms (attn_q_norm / attn_k_norm), head_dim from key_length
+    (wider than hidden / heads), no rotary permutation."""
+    path = tmp_path / "qwen3.gguf"
+    hf = write_synthetic(path, "qwen3", head_dim=16)
+    arch = ArchConfig.from_hf_dict(read_gguf_config(path))
+    assert arch.architecture == "Qwen3ForCausalLM" and arch.qk_norm and arch.head_dim == 16
+    assert not arch.attention_bias and not arch.o_proj_bias
+    assert_weights_equal(path, hf)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -328,3 +345,27 @@ def test_real_greedy_generation_matches_transformers(smollm2_path, hf_smollm2):
         ref = hf_smollm2.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
                                   do_sample=False, eos_token_id=None, pad_token_id=tok.eos_token_id)
         assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), conv
+
+
+def test_synthetic_qwen3_generates_as_transformers(tmp_path):
+    """The engine on a Qwen3 GGUF gives transformers' greedy tokens for the weights the file encodes."""
+    import transformers
+
+    path = tmp_path / "qwen3.gguf"
+    hf = write_synthetic(path, "qwen3", head_dim=16, vocab=64)
+    cfg = read_gguf_config(path)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg)).eval()
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in hf.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    prompt = [5, 9, 17, 33, 2, 60, 41]
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    from vllm_spec import LLM, SamplingParams
+
+    llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref

@@ -32,7 +32,7 @@ PROMPTS = [
     "x = 1",
 ]
 ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwen2_window", "qwen2_yarn",
-         "llama_window_key", "mistral_layer_types"]
+         "llama_window_key", "mistral_layer_types", "qwen3", "qwen3_window_biases"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -88,10 +88,26 @@ def tiny_mistral_layer_types(tmp_path_factory) -> Path:
                            layer_types=["sliding_attention", "full_attention"])
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    # Qwen3: each query and key head RMS-normed (random weights) before the rotation; head_dim
+    # (32) is not hidden_size / heads (16), as in the Qwen3 releases.
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=10, head_dim=32, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_window_biases(tmp_path_factory) -> Path:
+    # Qwen3's attention_bias biases q, k, v and o_proj (Llama's reading, not Qwen2's); its sliding window
+    # follows Qwen2's rule (use_sliding_window, from max_window_layers on).
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_wb"), "qwen3", seed=11, attention_bias=True,
+                           use_sliding_window=True, sliding_window=8, max_window_layers=1)
+
+
 _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mistral",
              "llama3_tied": "tiny_llama3_tied", "gqa": "tiny_gqa", "llama_biases": "tiny_llama_biases",
              "qwen2_window": "tiny_qwen2_window", "qwen2_yarn": "tiny_qwen2_yarn",
-             "llama_window_key": "tiny_llama_window_key", "mistral_layer_types": "tiny_mistral_layer_types"}
+             "llama_window_key": "tiny_llama_window_key", "mistral_layer_types": "tiny_mistral_layer_types",
+             "qwen3": "tiny_qwen3", "qwen3_window_biases": "tiny_qwen3_window_biases"}
 
 
 class Case:

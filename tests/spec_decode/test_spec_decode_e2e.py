@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FIXED, GREEDY, make_prompts, metric_values, output_ids
+from conftest import FIXED, GREEDY, make_noisy_draft, make_prompts, make_tiny_model, metric_values, output_ids
 from conftest import SPEC_KV as KV
 
 from vllm_spec import LLM, SamplingParams, cpu_ops
@@ -28,6 +28,23 @@ def test_greedy_equality_draft_model(spec_pair, greedy_reference, k):
     assert m["vllm:spec_decode_num_draft_tokens"] > 0
     assert len(m["vllm:spec_decode_num_accepted_tokens_per_pos"]) == k
     assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_usable_blocks
+
+
+@pytest.mark.parametrize("arch, options", [
+    ("qwen3", dict(head_dim=32, attention_bias=True)),   # per-head q/k norms (the Python layers on the CPU)
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    ("mistral", dict(sliding_window=8)),
+])
+def test_greedy_equality_on_each_architecture(tmp_path, arch, options):
+    """Every supported family speculates losslessly: a noisy copy drafts for a tiny target of that family."""
+    target = make_tiny_model(tmp_path / "target", arch, seed=12, **options)
+    draft = make_noisy_draft(target, tmp_path / "draft", 0.04)
+    prompts = make_prompts(8, seed=3)
+    expected = output_ids(LLM(str(target), **KV).generate(prompts, GREEDY, use_tqdm=False))
+    llm = LLM(str(target), speculative_model=str(draft), num_speculative_tokens=3, **FIXED, **KV)
+    assert output_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    m = metric_values(llm)
+    assert 0 < m["vllm:spec_decode_num_accepted_tokens"] < m["vllm:spec_decode_num_draft_tokens"]
 
 
 @pytest.mark.skipif(not (cpu_ops.available() and torch.bfloat16 in cpu_linear.dtypes()),

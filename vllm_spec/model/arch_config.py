@@ -13,17 +13,21 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "LlamaForCausalLM": False,
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
+    "Qwen3ForCausalLM": False,
 }
 # transformers' sliding_window for a config.json without one: Mistral's, and Qwen2's with use_sliding_window.
 _SLIDING_WINDOW_DEFAULT = 4096
 # A config without "architectures" names its model_type (transformers loads it from that).
-_ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "qwen3": "Qwen3ForCausalLM"}
+# Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
+_CONFIGURED_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 
 
 @dataclass
 class ArchConfig:
-    """Shapes and options of one Llama-family model (Llama, Mistral, Qwen2, SmolLM2)."""
+    """Shapes and options of one Llama-family model (Llama, Mistral, Qwen2, Qwen3, SmolLM2)."""
 
     architecture: str
     vocab_size: int
@@ -41,6 +45,7 @@ class ArchConfig:
     attention_bias: bool = False   # q/k/v biases
     o_proj_bias: bool = False      # Llama's attention_bias biases o_proj too (Qwen2's q/k/v bias does not)
     mlp_bias: bool = False
+    qk_norm: bool = False          # Qwen3: an RMSNorm over each query and key head before the rotation
     sliding_window: int | None = None
     # The layers that attend within sliding_window (None: all of them, as Mistral; Qwen2 windows the
     # layers from max_window_layers on, or those its layer_types call sliding).
@@ -126,10 +131,11 @@ class ArchConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # (transformers' Qwen2 always has q/k/v biases and Mistral never: their attention_bias is ignored)
-            attention_bias=cfg.get("attention_bias", False) if arch == "LlamaForCausalLM" else SUPPORTED_ARCHITECTURES[arch],
+            attention_bias=cfg.get("attention_bias", False) if arch in _CONFIGURED_BIAS else SUPPORTED_ARCHITECTURES[arch],
             o_proj_bias=bool(cfg.get("vllm_spec_o_proj_bias",
-                                     arch == "LlamaForCausalLM" and cfg.get("attention_bias", False))),
-            mlp_bias=cfg.get("mlp_bias", False),
+                                     arch in _CONFIGURED_BIAS and cfg.get("attention_bias", False))),
+            mlp_bias=cfg.get("mlp_bias", False) if arch == "LlamaForCausalLM" else False,
+            qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=sliding,
             windowed_layers=windowed,
             bos_token_id=cfg.get("bos_token_id"),
@@ -167,13 +173,13 @@ def _cpu_weights(value: Any) -> str | None:
 def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | None, tuple[int, ...] | None]:
     """(window, the layers it applies to: None for all), as transformers reads the config: Llama has none
     (its sliding_window key is ignored); Mistral windows every layer (4096 unless the key says otherwise, null:
-    none), or those its layer_types call sliding (Ministral); Qwen2 only with use_sliding_window, on the
-    layers layer_types call sliding, else from max_window_layers on."""
+    none), or those its layer_types call sliding (Ministral); Qwen2 and Qwen3 only with use_sliding_window, on
+    the layers layer_types call sliding, else from max_window_layers on."""
     if arch == "LlamaForCausalLM":
         return None, None
     types = cfg.get("layer_types")
     sliding = cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULT)
-    if arch == "Qwen2ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not cfg.get("use_sliding_window", False):
             return None, None
         if not isinstance(types, list):

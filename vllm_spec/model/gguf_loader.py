@@ -1,4 +1,4 @@
-"""Read llama.cpp GGUF checkpoints (``llama`` and ``qwen2``) as HF-style configs and weights.
+"""Read llama.cpp GGUF checkpoints (``llama``, ``qwen2`` and ``qwen3``) as HF-style configs and weights.
 
 GGUF stores hyper-parameters under ``{arch}.*`` keys and tensors under llama.cpp names
 (``blk.N.attn_q.weight``). This module maps both back to the Hugging Face layout so the
@@ -19,7 +19,8 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 # GGUF architecture -> HF architecture name.
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                      "qwen3": "Qwen3ForCausalLM"}
 
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PER_LAYER = {
@@ -29,6 +30,8 @@ _PER_LAYER = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -78,7 +81,7 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
     """Return an HF-style config dict (for ``ArchConfig.from_hf_dict``) read from a GGUF file.
 
     Raises ``FileNotFoundError`` if the file is missing and ``ValueError`` for a GGUF
-    architecture other than ``llama`` / ``qwen2``.
+    architecture other than ``llama`` / ``qwen2`` / ``qwen3``.
     """
     reader, arch = _open(path)
     return _config(reader, arch)

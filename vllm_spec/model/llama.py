@@ -1,4 +1,4 @@
-"""One Llama-family decoder (Llama 1-3, Mistral, Qwen2, SmolLM2) over a flat token batch."""
+"""One Llama-family decoder (Llama 1-3, Mistral, Qwen2, Qwen3, SmolLM2) over a flat token batch."""
 
 from __future__ import annotations
 
@@ -54,6 +54,8 @@ class LlamaAttention(nn.Module):
                                         tp, dtype)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
                               cfg.sliding_window_for(layer))
 
@@ -63,6 +65,9 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv, residual = self.qkv_proj.forward_normed(x, residual, norm)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if self.q_norm is not None:   # each head's query and key vector normed on its own
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0]
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0]
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(q, k, cos, sin)
