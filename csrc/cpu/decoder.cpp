@@ -41,6 +41,7 @@ struct Layer {
   int64_t heads, kv_heads, head_dim;
   double scale;
   int64_t window;   // 0: none
+  std::optional<torch::Tensor> q_norm, k_norm;   // Qwen3: each query and key head RMS-normed before the rotation
 };
 
 // Layer by layer: (x, residual) in, (x, residual) out, the K/V of the step's tokens written into each
@@ -65,8 +66,12 @@ class Decoder {
       const int64_t q_size = L.heads * L.head_dim, kv_size = L.kv_heads * L.head_dim;
       auto [h, res] = add_rms_norm(x, residual, L.input_norm, L.eps);
       const torch::Tensor qkv = L.qkv(h);
-      auto [q, k] = rotary(qkv.narrow(1, 0, q_size).view({T, L.heads, L.head_dim}),
-                           qkv.narrow(1, q_size, kv_size).view({T, L.kv_heads, L.head_dim}), cos, sin);
+      torch::Tensor q_rows = qkv.narrow(1, 0, q_size), k_rows = qkv.narrow(1, q_size, kv_size);
+      if (L.q_norm) {   // (the Python layer's reshape to one row per head, then the same norm)
+        q_rows = std::get<0>(add_rms_norm(q_rows.reshape({T * L.heads, L.head_dim}), std::nullopt, *L.q_norm, L.eps));
+        k_rows = std::get<0>(add_rms_norm(k_rows.reshape({T * L.kv_heads, L.head_dim}), std::nullopt, *L.k_norm, L.eps));
+      }
+      auto [q, k] = rotary(q_rows.view({T, L.heads, L.head_dim}), k_rows.view({T, L.kv_heads, L.head_dim}), cos, sin);
       const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, L.kv_heads, L.head_dim});
       write_kv(k, v, k_caches[i], v_caches[i], slot_mapping);
       const torch::Tensor q32 = q.scalar_type() == at::kFloat ? q : q.to(at::kFloat);
@@ -122,10 +127,10 @@ void bind_decoder(pybind11::module& m) {
            py::arg("format"), py::arg("bias"), py::arg("bias_after"));
   py::class_<Layer>(m, "Layer", "one decoder layer's norms, projections and attention shape")
       .def(py::init<torch::Tensor, torch::Tensor, double, Projection, Projection, Projection, Projection, int64_t,
-                    int64_t, int64_t, double, int64_t>(),
+                    int64_t, int64_t, double, int64_t, std::optional<torch::Tensor>, std::optional<torch::Tensor>>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv"), py::arg("o"),
            py::arg("gate_up"), py::arg("down"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
-           py::arg("scale"), py::arg("window"));
+           py::arg("scale"), py::arg("window"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none());
   py::class_<Decoder>(m, "Decoder", "decoder layers run in one call for short query blocks")
       .def(py::init<>())
       .def("add_layer", &Decoder::add_layer)

@@ -56,12 +56,18 @@ def tiny_windowed(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny_windowed"), "mistral", seed=4, sliding_window=8)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=5, head_dim=32, attention_bias=True)
+
+
 @needs_kernel
 @pytest.mark.parametrize("model, dtype", [("tiny_llama", "float32"), ("tiny_qwen2", "float32"),
-                                          ("tiny_windowed", "float32"), ("tiny_qwen2", "bfloat16")])
+                                          ("tiny_windowed", "float32"), ("tiny_qwen2", "bfloat16"),
+                                          ("tiny_qwen3", "float32"), ("tiny_qwen3", "bfloat16")])
 def test_the_decoder_gives_the_python_layers_bits(model, dtype, request, monkeypatch):
-    """Plain decoding (greedy and sampled, logprobs) with biases (Qwen2), a sliding window and bfloat16:
-    token for token and logprob for logprob the Python layers' run."""
+    """Plain decoding (greedy and sampled, logprobs) with biases (Qwen2), a sliding window, per-head query/key
+    norms (Qwen3) and bfloat16: token for token and logprob for logprob the Python layers' run."""
     if dtype == "bfloat16" and torch.bfloat16 not in cpu_linear.dtypes():
         pytest.skip("this CPU multiplies bfloat16 in oneDNN (native bf16): the Python layers run it")
     path = str(request.getfixturevalue(model))

@@ -5,7 +5,7 @@ ops (the default model at batch 1: 6.6 ms of a 17 ms step outside the matmuls). 
 are all short (decode, verification of drafts, the draft's catch-up: the C++ attention's) run the layers
 in C++ instead. Its layers call the ops the Python layers call, in their order, so the bits are the same;
 prompt chunks (torch's attention), tensor parallelism, a forced attention backend and weights the CPU
-kernel does not take, and per-head query/key norms (Qwen3), keep the Python layers.
+kernel does not take keep the Python layers.
 """
 
 from __future__ import annotations
@@ -48,18 +48,19 @@ class CpuDecoder:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if (attn.head_dim != layers[0].self_attn.head_dim or attn.head_dim % 2 or attn.q_norm is not None
+            head_norms = () if attn.q_norm is None else (attn.q_norm, attn.k_norm)
+            if (attn.head_dim != layers[0].self_attn.head_dim or attn.head_dim % 2
                     or any(m.tp.world_size > 1 for m in linears)
                     or any(n.weight.dtype != dtype or not n.weight.is_contiguous() or n.weight.requires_grad
-                           for n in norms)
-                    or norms[0].eps != norms[1].eps):
+                           for n in norms + head_norms)
+                    or any(n.eps != norms[0].eps for n in norms + head_norms)):
                 return None
             projections = [_projection(ext, m, dtype, bias_after=m in (attn.o_proj, mlp.down_proj)) for m in linears]
             if None in projections:
                 return None
             decoder.add_layer(ext.Layer(norms[0].weight, norms[1].weight, norms[0].eps, *projections,
                                         attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale,
-                                        attn.attn.sliding_window or 0))
+                                        attn.attn.sliding_window or 0, *(n.weight for n in head_norms)))
         return cls(decoder, [layer.self_attn.attn for layer in layers], layers[0].self_attn.head_dim, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata
