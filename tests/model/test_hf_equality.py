@@ -7,6 +7,7 @@ and must reproduce HF's greedy continuation token for token.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,8 @@ PROMPTS = [
     "x = 1",
 ]
 ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwen2_window", "qwen2_yarn",
-         "llama_window_key", "mistral_layer_types", "qwen3", "qwen3_window_biases"]
+         "llama_window_key", "mistral_layer_types", "qwen3", "qwen3_window_biases",
+         "gemma3", "gemma3_pattern"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -103,11 +105,52 @@ def tiny_qwen3_window_biases(tmp_path_factory) -> Path:
                            use_sliding_window=True, sliding_window=8, max_window_layers=1)
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory) -> Path:
+    # Gemma 3: GELU MLP, scaled embeddings, norms stored as offsets from 1 (random here) before and after the
+    # attention and the MLP, per-head q/k norms, the attention scaled by query_pre_attn_scalar (not head_dim),
+    # layer 0 windowed (8 tokens) and rotated with the local base, layer 1 global with the global base.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", seed=12, head_dim=32,
+                           query_pre_attn_scalar=24, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    return _random_norms(path, seed=12)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_pattern(tmp_path_factory) -> Path:
+    # A Gemma 3 config in the older layout (rope_theta, rope_local_base_freq, sliding_window_pattern; no
+    # layer_types): every second layer global, linear rope scaling on the global layers only.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_gemma3_pattern"), "gemma3", seed=13, num_hidden_layers=4, max_position_embeddings=256,
+                           sliding_window=8, tie_word_embeddings=False)
+    cfg = json.loads((path / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters", "_sliding_window_pattern"):
+        cfg.pop(key, None)
+    cfg |= {"sliding_window_pattern": 2, "rope_theta": 500000.0, "rope_local_base_freq": 20000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return _random_norms(path, seed=13)
+
+
+def _random_norms(path: Path, seed: int) -> Path:
+    """The checkpoint's norm weights drawn at random (make_tiny_model sets them to 1)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    for name, w in weights.items():
+        if "norm" in name:
+            weights[name] = 0.5 * torch.randn(w.shape, generator=gen)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
 _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mistral",
              "llama3_tied": "tiny_llama3_tied", "gqa": "tiny_gqa", "llama_biases": "tiny_llama_biases",
              "qwen2_window": "tiny_qwen2_window", "qwen2_yarn": "tiny_qwen2_yarn",
              "llama_window_key": "tiny_llama_window_key", "mistral_layer_types": "tiny_mistral_layer_types",
-             "qwen3": "tiny_qwen3", "qwen3_window_biases": "tiny_qwen3_window_biases"}
+             "qwen3": "tiny_qwen3", "qwen3_window_biases": "tiny_qwen3_window_biases",
+             "gemma3": "tiny_gemma3", "gemma3_pattern": "tiny_gemma3_pattern"}
 
 
 class Case:

@@ -34,6 +34,7 @@ def test_greedy_equality_draft_model(spec_pair, greedy_reference, k):
     ("qwen3", dict(head_dim=32, attention_bias=True)),   # per-head q/k norms (the Python layers on the CPU)
     ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     ("mistral", dict(sliding_window=8)),
+    ("gemma3", dict(head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
 ])
 def test_greedy_equality_on_each_architecture(tmp_path, arch, options):
     """Every supported family speculates losslessly: a noisy copy drafts for a tiny target of that family."""

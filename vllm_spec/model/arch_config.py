@@ -14,20 +14,23 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
     "Qwen3ForCausalLM": False,
+    "Gemma3ForCausalLM": False,
 }
 # transformers' sliding_window for a config.json without one: Mistral's, and Qwen2's with use_sliding_window.
 _SLIDING_WINDOW_DEFAULT = 4096
 # A config without "architectures" names its model_type (transformers loads it from that).
 _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                       "qwen3": "Qwen3ForCausalLM"}
+                       "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 # Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
-_CONFIGURED_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+_CONFIGURED_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+# The MLP activations: SiLU, and Gemma's tanh-approximated GELU.
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 
 
 @dataclass
 class ArchConfig:
-    """Shapes and options of one Llama-family model (Llama, Mistral, Qwen2, Qwen3, SmolLM2)."""
+    """Shapes and options of one Llama-family model (Llama, Mistral, Qwen2, Qwen3, Gemma 3, SmolLM2)."""
 
     architecture: str
     vocab_size: int
@@ -45,7 +48,16 @@ class ArchConfig:
     attention_bias: bool = False   # q/k/v biases
     o_proj_bias: bool = False      # Llama's attention_bias biases o_proj too (Qwen2's q/k/v bias does not)
     mlp_bias: bool = False
-    qk_norm: bool = False          # Qwen3: an RMSNorm over each query and key head before the rotation
+    qk_norm: bool = False          # Qwen3, Gemma 3: an RMSNorm over each query and key head before the rotation
+    # Gemma 3: GELU (tanh) MLP, embeddings times sqrt(hidden_size), norm weights stored as offsets from 1,
+    # norms after the attention and the MLP too (before each residual add), the attention scaled by
+    # query_pre_attn_scalar ** -0.5, and the windowed layers rotated with their own base (no scaling).
+    hidden_act: str = "silu"       # "silu" or "gelu_tanh"
+    embed_scale: bool = False
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    attention_scale: float | None = None   # None: head_dim ** -0.5
+    local_rope_theta: float | None = None
     sliding_window: int | None = None
     # The layers that attend within sliding_window (None: all of them, as Mistral; Qwen2 windows the
     # layers from max_window_layers on, or those its layer_types call sliding).
@@ -77,9 +89,16 @@ class ArchConfig:
                 f"Unsupported model architecture {[a for a in archs if a] or cfg.get('model_type')!r}; "
                 f"supported architectures: {sorted(SUPPORTED_ARCHITECTURES)}."
             )
-        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-        if act not in ("silu", "swish"):
-            raise ValueError(f"Unsupported hidden_act {act!r} in the model config: only silu is supported.")
+        gemma = arch == "Gemma3ForCausalLM"
+        act = (cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh") if gemma else \
+            cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+        if act not in ACTIVATIONS:
+            raise ValueError(f"Unsupported hidden_act {act!r} in the model config: supported: {sorted(ACTIVATIONS)}.")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if cfg.get(key) is not None:
+                raise ValueError(f"{key} ({cfg[key]!r}) is not supported: it must be null.")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention is not supported: decoding attends causally.")
         quant = cfg.get("quantization_config")
         if quant:
             method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
@@ -100,6 +119,10 @@ class ArchConfig:
         rope_scaling = cfg.get("rope_scaling")
         rope_params = cfg.get("rope_parameters")  # transformers >= 5 layout
         rope_theta = cfg.get("rope_theta")
+        local_theta = None
+        if gemma:
+            rope_params, local_theta = _gemma_rope(cfg, rope_params)
+            rope_theta = rope_theta if rope_theta is not None else 1000000.0
         if isinstance(rope_params, dict):
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
@@ -135,7 +158,13 @@ class ArchConfig:
             o_proj_bias=bool(cfg.get("vllm_spec_o_proj_bias",
                                      arch in _CONFIGURED_BIAS and cfg.get("attention_bias", False))),
             mlp_bias=cfg.get("mlp_bias", False) if arch == "LlamaForCausalLM" else False,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            hidden_act=ACTIVATIONS[act],
+            embed_scale=gemma,
+            norm_unit_offset=gemma,
+            sandwich_norms=gemma,
+            attention_scale=float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5 if gemma else None,
+            local_rope_theta=local_theta,
             sliding_window=sliding,
             windowed_layers=windowed,
             bos_token_id=cfg.get("bos_token_id"),
@@ -179,6 +208,11 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
         return None, None
     types = cfg.get("layer_types")
     sliding = cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULT)
+    if arch == "Gemma3ForCausalLM":
+        if not isinstance(types, list):   # every sliding_window_pattern-th layer attends to everything
+            pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not cfg.get("use_sliding_window", False):
             return None, None
@@ -187,6 +221,18 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
     elif not isinstance(types, list):
         return sliding, None
     return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+
+
+def _gemma_rope(cfg: dict[str, Any], params: Any) -> tuple[Any, float]:
+    """Gemma 3's rotary settings: (those of the global layers, in the usual rope_parameters / rope_scaling
+    layout, and the windowed layers' base): per layer type (transformers >= 5), or rope_theta with
+    rope_local_base_freq. The windowed layers' rotation is never scaled."""
+    if isinstance(params, dict) and "full_attention" in params:
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_parameters['sliding_attention'] must be of rope_type 'default', got {local!r}.")
+        return params["full_attention"], float(local.get("rope_theta", 10000.0))
+    return params, float(cfg.get("rope_local_base_freq", 10000.0))
 
 
 def _required(cfg: dict[str, Any], key: str) -> Any:

@@ -49,7 +49,8 @@ class CpuDecoder:
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             head_norms = () if attn.q_norm is None else (attn.q_norm, attn.k_norm)
-            if (attn.head_dim != layers[0].self_attn.head_dim or attn.head_dim % 2
+            if (attn.head_dim != layers[0].self_attn.head_dim or attn.head_dim % 2 or layer.sandwich
+                    or mlp.act != "silu"
                     or any(m.tp.world_size > 1 for m in linears)
                     or any(n.weight.dtype != dtype or not n.weight.is_contiguous() or n.weight.requires_grad
                            for n in norms + head_norms)

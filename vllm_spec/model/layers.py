@@ -257,14 +257,20 @@ class ParallelLMHead(VocabParallelEmbedding, LinearBase):
         return logits[..., : self.vocab_size]
 
 
+def _unit_offset_loader(param: nn.Parameter, weight: torch.Tensor, shard_id=None) -> None:
+    _check_shape(weight, param.shape)
+    param.data.copy_(weight.float() + 1.0)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, then scaled in the model dtype (as HF Llama does),
-    fused with the residual add that precedes it."""
+    fused with the residual add that precedes it. unit_offset: the checkpoint holds each scale
+    less 1 (Gemma's), kept here as the scale itself (the same float32 products)."""
 
-    def __init__(self, hidden: int, eps: float, dtype: torch.dtype):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, unit_offset: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = _param(hidden, dtype=dtype, loader=_default_loader)
+        self.weight = _param(hidden, dtype=dtype, loader=_unit_offset_loader if unit_offset else _default_loader)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); without a residual, (norm(x), x)."""

@@ -1,10 +1,11 @@
-"""One Llama-family decoder (Llama 1-3, Mistral, Qwen2, Qwen3, SmolLM2) over a flat token batch."""
+"""One Llama-family decoder (Llama 1-3, Mistral, Qwen2, Qwen3, Gemma 3, SmolLM2) over a flat token batch."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vllm_spec.attention import Attention, AttentionMetadata
@@ -54,10 +55,10 @@ class LlamaAttention(nn.Module):
                                         tp, dtype)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
-                              cfg.sliding_window_for(layer))
+        self.q_norm = _norm(cfg, cfg.head_dim, dtype) if cfg.qk_norm else None
+        self.k_norm = _norm(cfg, cfg.head_dim, dtype) if cfg.qk_norm else None
+        scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.head_dim ** -0.5
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale, cfg.sliding_window_for(layer))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, cos: torch.Tensor,
                 sin: torch.Tensor, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,15 +76,24 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(-1, q_size)), residual
 
 
+def _norm(cfg: ArchConfig, size: int, dtype: torch.dtype) -> RMSNorm:
+    return RMSNorm(size, cfg.rms_norm_eps, dtype, unit_offset=cfg.norm_unit_offset)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype):
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp, dtype)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp, dtype)
+        self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP of norm(x + residual), x + residual)."""
+        if self.act == "gelu_tanh":   # (Gemma's: the fused kernels are SiLU's)
+            gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up), residual
         if gemv.gate_up_eligible(x, self.gate_up_proj.weight):   # SiLU·mul in the gate/up product's epilogue
             x, residual = norm(x, residual)
             return self.down_proj(gemv.gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)), residual
@@ -96,15 +106,23 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer, tp, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = _norm(cfg, cfg.hidden_size, dtype)
+        # Llama's norm before the MLP; Gemma's of the attention's output, before the residual add.
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size, dtype)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size, dtype)
+            self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream kept apart: each norm adds the previous block's output to it first (and runs
         inside the projection after it where the gemv kernels take the row)."""
         x, residual = self.self_attn(x, residual, self.input_layernorm, cos, sin, md)
-        return self.mlp(x, residual, self.post_attention_layernorm)
+        if not self.sandwich:
+            return self.mlp(x, residual, self.post_attention_layernorm)
+        x, residual = self.mlp(self.post_attention_layernorm(x)[0], residual, self.pre_feedforward_layernorm)
+        return self.post_feedforward_layernorm(x)[0], residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -116,29 +134,36 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = _norm(cfg, cfg.hidden_size, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.output_ids: torch.Tensor | None = None     # see restrict_output_vocab
         self.output_weight: torch.Tensor | BlockWeight | None = None
         self.cpu_decoder: CpuDecoder | None = None   # see pack_for_cpu
-        self.rope = RotaryEmbedding(cfg.head_dim, max(max_positions, cfg.max_position_embeddings),
-                                    cfg.rope_theta, cfg.rope_scaling)
+        positions = max(max_positions, cfg.max_position_embeddings)
+        self.rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
+        # Gemma 3's windowed layers rotate with their own base: the layers that take it.
+        self.local_rope = None if cfg.local_rope_theta is None else \
+            RotaryEmbedding(cfg.head_dim, positions, cfg.local_rope_theta, None)
+        self.local_layers = frozenset(cfg.windowed_layers or ()) if self.local_rope is not None else frozenset()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.config.embed_scale:   # (the scale in the model's dtype, as transformers' Gemma)
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         done = self.cpu_decoder.forward(x, cos, sin, md) if self.cpu_decoder is not None else None
         if done is not None:
             x, residual = done
         else:
+            local = self.local_rope.cos_sin(positions, x.dtype) if self.local_rope is not None else None
             residual = None
-            for layer in self.layers:
-                x, residual = layer(x, residual, cos, sin, md)
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, *(local if i in self.local_layers else (cos, sin)), md)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -171,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack_for_cpu(fmt if module in quantized else None)
         if self.output_weight is not None:
             self.output_weight = pack_for_cpu(self.output_weight, fmt)
-        self.cpu_decoder = CpuDecoder.build(list(self.layers))
+        self.cpu_decoder = CpuDecoder.build(list(self.layers)) if self.local_rope is None else None
 
     def token_ids_of(self, columns: torch.Tensor) -> torch.Tensor:
         """Token ids of logit columns (the identity without a restricted vocabulary)."""
