@@ -52,6 +52,12 @@ def test_config_without_architectures_loads_by_model_type(base, tmp_path):
     ({"architectures": ["GPTNeoXForCausalLM"]}, "GPTNeoXForCausalLM"),
     ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a positive multiple of num_key_value_heads \(3\)"),
     ({"num_key_value_heads": 8}, r"num_attention_heads \(4\) .* num_key_value_heads \(8\)"),
+    ({"final_logit_softcapping": 30.0}, r"final_logit_softcapping \(30.0\) is not supported"),
+    ({"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping \(50.0\) is not supported"),
+    ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"architectures": ["Gemma3ForCausalLM"], "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0}}}, r"rope_parameters\['sliding_attention'\]"),
 ])
 def test_unsupported_config_is_named(base, tmp_path, config, match):
     with pytest.raises(ValueError, match=match):

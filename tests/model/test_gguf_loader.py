@@ -29,20 +29,26 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(hf: str) -> str:
+# Gemma 3's norms as llama.cpp names them (ffn_norm is the one before the MLP).
+GEMMA_TO_GGUF_LAYER = {**HF_TO_GGUF_LAYER, "post_attention_layernorm": "post_attention_norm",
+                       "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_name(hf: str, arch: str = "llama") -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     if hf in top:
         return top[hf]
     _, _, layer, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{HF_TO_GGUF_LAYER[module]}.{kind}"
+    return f"blk.{layer}.{(GEMMA_TO_GGUF_LAYER if arch == 'gemma3' else HF_TO_GGUF_LAYER)[module]}.{kind}"
 
 
 def write_synthetic(path: Path, arch: str, *, hidden=32, heads=4, kv_heads=2, inter=48, layers=2, vocab=64,
                     bias=False, tied=True, quantize_embed=False, extra_kv=None, extra_tensors=None,
                     head_dim=None) -> dict:
-    """Write a tiny GGUF like llama.cpp would; return the HF tensors it encodes (qwen3: per-head q/k norms)."""
+    """Write a tiny GGUF like llama.cpp would; return the HF tensors it encodes (qwen3: per-head q/k norms;
+    gemma3: those and its four norms a layer, every norm stored as 1 + the HF weight)."""
     rng = np.random.default_rng(0)
     hd = head_dim or hidden // heads
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
@@ -58,8 +64,10 @@ def write_synthetic(path: Path, arch: str, *, hidden=32, heads=4, kv_heads=2, in
         if bias:
             shapes |= {p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv_heads * hd,),
                        p + "self_attn.v_proj.bias": (kv_heads * hd,)}
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        if arch == "gemma3":
+            shapes |= {p + "pre_feedforward_layernorm.weight": (hidden,), p + "post_feedforward_layernorm.weight": (hidden,)}
     hf = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -87,12 +95,15 @@ def write_synthetic(path: Path, arch: str, *, hidden=32, heads=4, kv_heads=2, in
             data = llama_cpp_permute(arr, heads)
         elif arch == "llama" and ".k_proj." in name:
             data = llama_cpp_permute(arr, kv_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = arr + np.float32(1.0)
+            hf[name] = data - np.float32(1.0)   # (what the file encodes, read back as transformers does)
         if quantize_embed and name == "model.embed_tokens.weight":
             q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(gguf_name(name), q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(gguf_name(name, arch), q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
             hf[name] = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
         else:
-            w.add_tensor(gguf_name(name), data)
+            w.add_tensor(gguf_name(name, arch), data)
     for name, arr in (extra_tensors or {}).items():
         w.add_tensor(name, arr)
     w.write_header_to_file()
@@ -187,9 +198,9 @@ def write_minimal(path: Path, arch: str) -> Path:
 
 
 def test_unsupported_architecture(tmp_path):
-    path = write_minimal(tmp_path / "gemma.gguf", "gemma3")
+    path = write_minimal(tmp_path / "phi3.gguf", "phi3")
     for fn in (read_gguf_config, iter_gguf_weights):
-        with pytest.raises(ValueError, match="gemma3.*llama.*qwen2"):
+        with pytest.raises(ValueError, match="phi3.*gemma3.*llama.*qwen2.*qwen3"):
             fn(path)
 
 
@@ -347,14 +358,19 @@ def test_real_greedy_generation_matches_transformers(smollm2_path, hf_smollm2):
         assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), conv
 
 
-def test_synthetic_qwen3_generates_as_transformers(tmp_path):
-    """The engine on a Qwen3 GGUF gives transformers' greedy tokens for the weights the file encodes."""
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_synthetic_gguf_generates_as_transformers(tmp_path, arch):
+    """The engine on a Qwen3 / Gemma 3 GGUF gives transformers' greedy tokens for the weights the file encodes
+    (Gemma 3: two windowed layers of 4 tokens, the window attribute read from the file)."""
     import transformers
 
-    path = tmp_path / "qwen3.gguf"
-    hf = write_synthetic(path, "qwen3", head_dim=16, vocab=64)
+    path = tmp_path / f"{arch}.gguf"
+    extra = {"sliding_window": 4} if arch == "gemma3" else None
+    hf = write_synthetic(path, arch, head_dim=16, vocab=64, extra_kv=extra)
     cfg = read_gguf_config(path)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg)).eval()
+    classes = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+               "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[arch]
+    model = classes[1](classes[0](**cfg)).eval()
     missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in hf.items()}, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     model.tie_weights()

