@@ -99,14 +99,14 @@ def traced(policy: AdaptivePolicy, into: list[TracedStep], draft: str, workload:
     """Record every step the policy observes from now on (replaces its observe; the last call wins)."""
     observe = type(policy).observe
 
-    def record(shape, chosen, accepted, stats, charge):
+    def record(shape, chosen, accepted, stats, charge, found=None):
         belief = policy.belief(len(shape.seq_ids))
         into.append(TracedStep(draft, workload, batch, max(chosen, default=0), charge.seconds * 1e3, charge.refill,
                                stats.catch_up_time * 1e3, stats.draft_time * 1e3, stats.verify_time * 1e3,
                                sum(accepted), shape.num_other_tokens,
                                [belief.step_seconds[k] * 1e3 for k in sorted(belief.step_seconds)],
                                belief.round_trip * 1e3, belief.speculating))
-        observe(policy, shape, chosen, accepted, stats, charge)
+        observe(policy, shape, chosen, accepted, stats, charge, found)
 
     policy.observe = record
 
