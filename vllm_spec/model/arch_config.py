@@ -16,7 +16,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "Qwen3ForCausalLM": False,
     "Gemma3ForCausalLM": False,
 }
-# transformers' sliding_window for a config.json without one: Mistral's, and Qwen2's with use_sliding_window.
+# transformers' sliding_window for a config.json without one: Mistral's, Gemma 3's, and Qwen2's with use_sliding_window.
 _SLIDING_WINDOW_DEFAULT = 4096
 # A config without "architectures" names its model_type (transformers loads it from that).
 _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -154,7 +154,8 @@ class ArchConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # (transformers' Qwen2 always has q/k/v biases and Mistral never: their attention_bias is ignored)
-            attention_bias=cfg.get("attention_bias", False) if arch in _CONFIGURED_BIAS else SUPPORTED_ARCHITECTURES[arch],
+            attention_bias=(cfg.get("attention_bias", False) if arch in _CONFIGURED_BIAS
+                            else SUPPORTED_ARCHITECTURES[arch]),
             o_proj_bias=bool(cfg.get("vllm_spec_o_proj_bias",
                                      arch in _CONFIGURED_BIAS and cfg.get("attention_bias", False))),
             mlp_bias=cfg.get("mlp_bias", False) if arch == "LlamaForCausalLM" else False,
@@ -203,7 +204,8 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
     """(window, the layers it applies to: None for all), as transformers reads the config: Llama has none
     (its sliding_window key is ignored); Mistral windows every layer (4096 unless the key says otherwise, null:
     none), or those its layer_types call sliding (Ministral); Qwen2 and Qwen3 only with use_sliding_window, on
-    the layers layer_types call sliding, else from max_window_layers on."""
+    the layers layer_types call sliding, else from max_window_layers on; Gemma 3 the layers its layer_types
+    call sliding, else all but every sliding_window_pattern-th."""
     if arch == "LlamaForCausalLM":
         return None, None
     types = cfg.get("layer_types")
