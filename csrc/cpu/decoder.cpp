@@ -41,7 +41,13 @@ struct Layer {
   int64_t heads, kv_heads, head_dim;
   double scale;
   int64_t window;   // 0: none
-  std::optional<torch::Tensor> q_norm, k_norm;   // Qwen3: each query and key head RMS-normed before the rotation
+  std::optional<torch::Tensor> q_norm, k_norm;   // Qwen3, Gemma 3: each query and key head RMS-normed before the rotation
+  // Gemma 3: the attention's and the MLP's outputs normed before their residual adds (post_norm is then the
+  // former, pre_mlp_norm the one before the MLP), a GELU (tanh) MLP, and windowed layers rotated by their
+  // own cos / sin (local_rope).
+  std::optional<torch::Tensor> pre_mlp_norm, post_mlp_norm;
+  bool gelu = false;
+  bool local_rope = false;
 };
 
 // Layer by layer: (x, residual) in, (x, residual) out, the K/V of the step's tokens written into each
@@ -55,7 +61,9 @@ class Decoder {
                                                   const std::vector<torch::Tensor>& k_caches,
                                                   const std::vector<torch::Tensor>& v_caches,
                                                   const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                                                  const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc) const {
+                                                  const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
+                                                  const std::optional<torch::Tensor>& local_cos,
+                                                  const std::optional<torch::Tensor>& local_sin) const {
     TORCH_CHECK(size() > 0 && static_cast<int64_t>(k_caches.size()) == size()
                     && static_cast<int64_t>(v_caches.size()) == size(),
                 "Decoder.forward: layers, and one K and one V cache per layer");
@@ -71,7 +79,9 @@ class Decoder {
         q_rows = std::get<0>(add_rms_norm(q_rows.reshape({T * L.heads, L.head_dim}), std::nullopt, *L.q_norm, L.eps));
         k_rows = std::get<0>(add_rms_norm(k_rows.reshape({T * L.kv_heads, L.head_dim}), std::nullopt, *L.k_norm, L.eps));
       }
-      auto [q, k] = rotary(q_rows.view({T, L.heads, L.head_dim}), k_rows.view({T, L.kv_heads, L.head_dim}), cos, sin);
+      TORCH_CHECK(!L.local_rope || (local_cos && local_sin), "Decoder.forward: a layer rotated locally needs local cos / sin");
+      auto [q, k] = rotary(q_rows.view({T, L.heads, L.head_dim}), k_rows.view({T, L.kv_heads, L.head_dim}),
+                           L.local_rope ? *local_cos : cos, L.local_rope ? *local_sin : sin);
       const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, L.kv_heads, L.head_dim});
       write_kv(k, v, k_caches[i], v_caches[i], slot_mapping);
       const torch::Tensor q32 = q.scalar_type() == at::kFloat ? q : q.to(at::kFloat);
@@ -79,8 +89,16 @@ class Decoder {
                                            L.scale, L.window);
       if (attn.scalar_type() != x.scalar_type()) attn = attn.to(x.scalar_type());
       x = L.o(attn.view({T, q_size}));
-      auto [h2, res2] = add_rms_norm(x, res, L.post_norm, L.eps);
-      x = L.down(silu_mul(L.gate_up(h2)));
+      if (L.pre_mlp_norm) x = std::get<0>(add_rms_norm(x, std::nullopt, L.post_norm, L.eps));
+      auto [h2, res2] = add_rms_norm(x, res, L.pre_mlp_norm ? *L.pre_mlp_norm : L.post_norm, L.eps);
+      const torch::Tensor gate_up = L.gate_up(h2);
+      if (L.gelu) {   // (the Python layer's ops: chunk, gelu, mul)
+        const auto halves = gate_up.chunk(2, -1);
+        x = L.down(at::gelu(halves[0], "tanh") * halves[1]);
+      } else {
+        x = L.down(silu_mul(gate_up));
+      }
+      if (L.post_mlp_norm) x = std::get<0>(add_rms_norm(x, std::nullopt, *L.post_mlp_norm, L.eps));
       residual = res2;
     }
     return {x, *residual};
@@ -127,14 +145,20 @@ void bind_decoder(pybind11::module& m) {
            py::arg("format"), py::arg("bias"), py::arg("bias_after"));
   py::class_<Layer>(m, "Layer", "one decoder layer's norms, projections and attention shape")
       .def(py::init<torch::Tensor, torch::Tensor, double, Projection, Projection, Projection, Projection, int64_t,
-                    int64_t, int64_t, double, int64_t, std::optional<torch::Tensor>, std::optional<torch::Tensor>>(),
+                    int64_t, int64_t, double, int64_t, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
+                    std::optional<torch::Tensor>, std::optional<torch::Tensor>, bool, bool>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv"), py::arg("o"),
            py::arg("gate_up"), py::arg("down"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
-           py::arg("scale"), py::arg("window"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none());
+           py::arg("scale"), py::arg("window"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+           py::arg("pre_mlp_norm") = py::none(), py::arg("post_mlp_norm") = py::none(), py::arg("gelu") = false,
+           py::arg("local_rope") = false);
   py::class_<Decoder>(m, "Decoder", "decoder layers run in one call for short query blocks")
       .def(py::init<>())
       .def("add_layer", &Decoder::add_layer)
       .def("__len__", &Decoder::size)
       .def("forward", &Decoder::forward, py::call_guard<py::gil_scoped_release>(),
-           "(x, residual) after every layer, for x [T, hidden] and the step's metadata");
+           "(x, residual) after every layer, for x [T, hidden] and the step's metadata", py::arg("x"), py::arg("cos"),
+           py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"),
+           py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("local_cos") = py::none(),
+           py::arg("local_sin") = py::none());
 }

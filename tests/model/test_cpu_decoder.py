@@ -44,7 +44,7 @@ def _outputs(llm: LLM, params: list[SamplingParams]) -> list:
 
 
 def _python_layers(monkeypatch) -> None:
-    monkeypatch.setattr(CpuDecoder, "build", classmethod(lambda cls, layers: None))
+    monkeypatch.setattr(CpuDecoder, "build", classmethod(lambda cls, layers, local_layers=frozenset(): None))
 
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
@@ -61,13 +61,22 @@ def tiny_qwen3(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=5, head_dim=32, attention_bias=True)
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    # (a 4-token window on layer 0, which rotates with the local base; norms stored as offsets from 1)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", seed=6, head_dim=32, sliding_window=4,
+                           layer_types=["sliding_attention", "full_attention"])
+
+
 @needs_kernel
 @pytest.mark.parametrize("model, dtype", [("tiny_llama", "float32"), ("tiny_qwen2", "float32"),
                                           ("tiny_windowed", "float32"), ("tiny_qwen2", "bfloat16"),
-                                          ("tiny_qwen3", "float32"), ("tiny_qwen3", "bfloat16")])
+                                          ("tiny_qwen3", "float32"), ("tiny_qwen3", "bfloat16"),
+                                          ("tiny_gemma3", "float32"), ("tiny_gemma3", "bfloat16")])
 def test_the_decoder_gives_the_python_layers_bits(model, dtype, request, monkeypatch):
     """Plain decoding (greedy and sampled, logprobs) with biases (Qwen2), a sliding window, per-head query/key
-    norms (Qwen3) and bfloat16: token for token and logprob for logprob the Python layers' run."""
+    norms (Qwen3), Gemma 3's layers and bfloat16: token for token and logprob for logprob the Python layers'
+    run."""
     if dtype == "bfloat16" and torch.bfloat16 not in cpu_linear.dtypes():
         pytest.skip("this CPU multiplies bfloat16 in oneDNN (native bf16): the Python layers run it")
     path = str(request.getfixturevalue(model))

@@ -5,7 +5,8 @@ ops (the default model at batch 1: 6.6 ms of a 17 ms step outside the matmuls). 
 are all short (decode, verification of drafts, the draft's catch-up: the C++ attention's) run the layers
 in C++ instead. Its layers call the ops the Python layers call, in their order, so the bits are the same;
 prompt chunks (torch's attention), tensor parallelism, a forced attention backend and weights the CPU
-kernel does not take keep the Python layers.
+kernel does not take keep the Python layers. Gemma 3's layers (norms around the attention and the MLP,
+GELU, windowed layers rotated by their own base) run there too.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ class CpuDecoder:
         self.decoder, self.attentions, self.head_dim, self.dtype = decoder, attentions, head_dim, dtype
 
     @classmethod
-    def build(cls, layers: list[LlamaDecoderLayer]) -> CpuDecoder | None:
-        """None where one of the layers cannot run there. (It holds the tensors the layers hold now: weights
-        loaded in place later are seen, parameters or attention settings rebound are not.)"""
+    def build(cls, layers: list[LlamaDecoderLayer], local_layers: frozenset[int] = frozenset()) -> CpuDecoder | None:
+        """None where one of the layers cannot run there; local_layers: those rotated by the local cos / sin
+        (Gemma 3's windowed layers). (It holds the tensors the layers hold now: weights loaded in place later
+        are seen, parameters or attention settings rebound are not.)"""
         if not layers or not cpu_ops.available():
             return None
         dtype = layers[0].input_layernorm.weight.dtype
@@ -44,34 +46,39 @@ class CpuDecoder:
             return None
         ext = cpu_ops.module()
         decoder = ext.Decoder()
-        for layer in layers:
+        for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            sandwich = (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if layer.sandwich else ()
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             head_norms = () if attn.q_norm is None else (attn.q_norm, attn.k_norm)
-            if (attn.head_dim != layers[0].self_attn.head_dim or attn.head_dim % 2 or layer.sandwich
-                    or mlp.act != "silu"
+            every_norm = norms + sandwich + head_norms
+            if (attn.head_dim != layers[0].self_attn.head_dim or attn.head_dim % 2
                     or any(m.tp.world_size > 1 for m in linears)
                     or any(n.weight.dtype != dtype or not n.weight.is_contiguous() or n.weight.requires_grad
-                           for n in norms + head_norms)
-                    or any(n.eps != norms[0].eps for n in norms + head_norms)):
+                           for n in every_norm)
+                    or any(n.eps != norms[0].eps for n in every_norm)):
                 return None
             projections = [_projection(ext, m, dtype, bias_after=m in (attn.o_proj, mlp.down_proj)) for m in linears]
             if None in projections:
                 return None
+            head = [n.weight for n in head_norms] or [None, None]
             decoder.add_layer(ext.Layer(norms[0].weight, norms[1].weight, norms[0].eps, *projections,
                                         attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale,
-                                        attn.attn.sliding_window or 0, *(n.weight for n in head_norms)))
+                                        attn.attn.sliding_window or 0, *head,
+                                        *([n.weight for n in sandwich] or [None, None]),
+                                        mlp.act == "gelu_tanh", i in local_layers))
         return cls(decoder, [layer.self_attn.attn for layer in layers], layers[0].self_attn.head_dim, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata,
+                local: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(x, residual) after every layer, or None where this step is not the decoder's (the caller runs
-        the Python layers)."""
+        the Python layers). local: the locally rotated layers' (cos, sin)."""
+        rotations = (cos, sin) + (local or ())
         if (md.max_query_len > torch_backend.SHORT_QUERY or x.dim() != 2 or x.device.type != "cpu"
-                or x.dtype != self.dtype or cos.dtype != x.dtype or sin.dtype != x.dtype
-                or cos.shape != (x.shape[0], self.head_dim) or sin.shape != cos.shape
-                or not (cos.is_contiguous() and sin.is_contiguous()) or x.requires_grad):
+                or x.dtype != self.dtype or x.requires_grad
+                or any(t.dtype != x.dtype or t.shape != (x.shape[0], self.head_dim) or not t.is_contiguous()
+                       for t in rotations)):
             return None
         k_caches, v_caches = [], []
         for attn in self.attentions:
@@ -84,7 +91,8 @@ class CpuDecoder:
             v_caches.append(v)
         meta = [cpu_ops.contiguous_as(t, torch.long) for t in (md.slot_mapping, md.block_tables, md.seq_lens,
                                                                 md.query_start_loc)]
-        return self.decoder.forward(cpu_ops.contiguous_as(x, x.dtype), cos, sin, k_caches, v_caches, *meta)
+        return self.decoder.forward(cpu_ops.contiguous_as(x, x.dtype), cos, sin, k_caches, v_caches, *meta,
+                                    *(local or ()))
 
 
 def _projection(ext, module: LinearBase, dtype: torch.dtype, bias_after: bool):

@@ -156,11 +156,11 @@ class LlamaForCausalLM(nn.Module):
         if self.config.embed_scale:   # (the scale in the model's dtype, as transformers' Gemma)
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        done = self.cpu_decoder.forward(x, cos, sin, md) if self.cpu_decoder is not None else None
+        local = self.local_rope.cos_sin(positions, x.dtype) if self.local_rope is not None else None
+        done = self.cpu_decoder.forward(x, cos, sin, md, local) if self.cpu_decoder is not None else None
         if done is not None:
             x, residual = done
         else:
-            local = self.local_rope.cos_sin(positions, x.dtype) if self.local_rope is not None else None
             residual = None
             for i, layer in enumerate(self.layers):
                 x, residual = layer(x, residual, *(local if i in self.local_layers else (cos, sin)), md)
@@ -196,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack_for_cpu(fmt if module in quantized else None)
         if self.output_weight is not None:
             self.output_weight = pack_for_cpu(self.output_weight, fmt)
-        self.cpu_decoder = CpuDecoder.build(list(self.layers)) if self.local_rope is None else None
+        self.cpu_decoder = CpuDecoder.build(list(self.layers), self.local_layers)
 
     def token_ids_of(self, columns: torch.Tensor) -> torch.Tensor:
         """Token ids of logit columns (the identity without a restricted vocabulary)."""
