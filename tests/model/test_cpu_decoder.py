@@ -44,7 +44,7 @@ def _outputs(llm: LLM, params: list[SamplingParams]) -> list:
 
 
 def _python_layers(monkeypatch) -> None:
-    monkeypatch.setattr(CpuDecoder, "build", classmethod(lambda cls, layers, local_layers=frozenset(): None))
+    monkeypatch.setattr(CpuDecoder, "build", classmethod(lambda cls, layers: None))
 
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),

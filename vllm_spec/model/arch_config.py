@@ -80,6 +80,10 @@ class ArchConfig:
             return None
         return self.sliding_window
 
+    def rotates_locally(self, layer: int) -> bool:
+        """Whether the layer rotates with local_rope_theta (Gemma 3's windowed layers)."""
+        return self.local_rope_theta is not None and (self.windowed_layers is None or layer in self.windowed_layers)
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ArchConfig":
         archs = cfg.get("architectures") or [_ARCH_OF_MODEL_TYPE.get(cfg.get("model_type"), "")]

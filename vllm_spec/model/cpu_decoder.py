@@ -35,10 +35,9 @@ class CpuDecoder:
         self.decoder, self.attentions, self.head_dim, self.dtype = decoder, attentions, head_dim, dtype
 
     @classmethod
-    def build(cls, layers: list[LlamaDecoderLayer], local_layers: frozenset[int] = frozenset()) -> CpuDecoder | None:
-        """None where one of the layers cannot run there; local_layers: those rotated by the local cos / sin
-        (Gemma 3's windowed layers). (It holds the tensors the layers hold now: weights loaded in place later
-        are seen, parameters or attention settings rebound are not.)"""
+    def build(cls, layers: list[LlamaDecoderLayer]) -> CpuDecoder | None:
+        """None where one of the layers cannot run there. (It holds the tensors the layers hold now: weights
+        loaded in place later are seen, parameters or attention settings rebound are not.)"""
         if not layers or not cpu_ops.available():
             return None
         dtype = layers[0].input_layernorm.weight.dtype
@@ -46,7 +45,7 @@ class CpuDecoder:
             return None
         ext = cpu_ops.module()
         decoder = ext.Decoder()
-        for i, layer in enumerate(layers):
+        for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             sandwich = (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if layer.sandwich else ()
@@ -67,7 +66,7 @@ class CpuDecoder:
                                         attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale,
                                         attn.attn.sliding_window or 0, *head,
                                         *([n.weight for n in sandwich] or [None, None]),
-                                        mlp.act == "gelu_tanh", i in local_layers))
+                                        mlp.act == "gelu_tanh", layer.local_rope))
         return cls(decoder, [layer.self_attn.attn for layer in layers], layers[0].self_attn.head_dim, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata,

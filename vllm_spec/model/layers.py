@@ -258,8 +258,7 @@ class ParallelLMHead(VocabParallelEmbedding, LinearBase):
 
 
 def _unit_offset_loader(param: nn.Parameter, weight: torch.Tensor, shard_id=None) -> None:
-    _check_shape(weight, param.shape)
-    param.data.copy_(weight.float() + 1.0)
+    _default_loader(param, weight.float() + 1.0)
 
 
 class RMSNorm(nn.Module):

@@ -109,6 +109,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = _norm(cfg, cfg.hidden_size, dtype)
         # Llama's norm before the MLP; Gemma's of the attention's output, before the residual add.
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size, dtype)
+        self.local_rope = cfg.rotates_locally(layer)   # rotated by the model's local cos / sin
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size, dtype)
@@ -143,18 +144,19 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_decoder: CpuDecoder | None = None   # see pack_for_cpu
         positions = max(max_positions, cfg.max_position_embeddings)
         self.rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
-        # Gemma 3's windowed layers rotate with their own base: the layers that take it.
+        # Gemma 3's windowed layers rotate with their own base (LlamaDecoderLayer.local_rope).
         self.local_rope = None if cfg.local_rope_theta is None else \
             RotaryEmbedding(cfg.head_dim, positions, cfg.local_rope_theta, None)
-        self.local_layers = frozenset(cfg.windowed_layers or ()) if self.local_rope is not None else frozenset()
+        # (the scale in the model's dtype, as transformers' Gemma)
+        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype) if cfg.embed_scale else None
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.config.embed_scale:   # (the scale in the model's dtype, as transformers' Gemma)
-            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         local = self.local_rope.cos_sin(positions, x.dtype) if self.local_rope is not None else None
         done = self.cpu_decoder.forward(x, cos, sin, md, local) if self.cpu_decoder is not None else None
@@ -162,8 +164,8 @@ class LlamaForCausalLM(nn.Module):
             x, residual = done
         else:
             residual = None
-            for i, layer in enumerate(self.layers):
-                x, residual = layer(x, residual, *(local if i in self.local_layers else (cos, sin)), md)
+            for layer in self.layers:
+                x, residual = layer(x, residual, *(local if layer.local_rope else (cos, sin)), md)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -196,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack_for_cpu(fmt if module in quantized else None)
         if self.output_weight is not None:
             self.output_weight = pack_for_cpu(self.output_weight, fmt)
-        self.cpu_decoder = CpuDecoder.build(list(self.layers), self.local_layers)
+        self.cpu_decoder = CpuDecoder.build(list(self.layers))
 
     def token_ids_of(self, columns: torch.Tensor) -> torch.Tensor:
         """Token ids of logit columns (the identity without a restricted vocabulary)."""

@@ -312,10 +312,9 @@ class AdaptivePolicy:
         # often asking finds drafts apart.
         if found is not None and self._found is None:
             self._found = AcceptanceBeliefs(0.5, self.prior_strength, self.decay)
-        if self._found is not None:
-            self._found.observe(shape.seq_ids, [min(k, 1) for k in chosen],
-                                [min(k, 1) for k in (chosen if found is None else found)])
         found = chosen if found is None else found
+        if self._found is not None:
+            self._found.observe(shape.seq_ids, [min(k, 1) for k in chosen], [min(k, 1) for k in found])
         drafted = self._acceptance.observe(shape.seq_ids, found, accepted)
         draft = stats.draft_time - stats.catch_up_time
         # The fits first: the calibration below compares a step with a model in seconds (before its
