@@ -21,7 +21,7 @@ namespace {
 // is in the model's dtype (RowParallelLinear._reduce): bias_after.
 struct Projection {
   torch::Tensor weight;   // [N, K], or uint8 blocks [N, bytes] with format
-  std::string format;     // "" (dense), "q4_1" or "q8_0"
+  std::string format;     // "" (dense), or a block format of rows_linear_blocks
   std::optional<torch::Tensor> bias;
   bool bias_after = false;
 

@@ -7,7 +7,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear", &rows_linear, release(),
         "x [M, K] (float32) @ w [N, K]^T (float32, bfloat16 or float16) in float32 (AVX2/FMA/F16C)");
   m.def("rows_linear_blocks", &rows_linear_blocks, release(),
-        "x [M, K] (float32) @ w^T, w [N, K] held as 32-column blocks (uint8 [N, bytes], format q4_1, q8_0 or q8_0_i8:\n"
+        "x [M, K] (float32) @ w^T, w [N, K] held as 32-column blocks (uint8 [N, bytes], format q4_1, q8_0, u8x16 or q8_0_i8:\n"
         "Q8_0 in tiles of 8 rows, the activations rounded to int8 blocks too)");
   m.def("paged_attention", &paged_attention, release(),
         "causal attention of q [T, H, D] (float32) over a paged float32/bfloat16 KV cache -> [T, H, D] float32");

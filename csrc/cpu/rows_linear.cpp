@@ -1,6 +1,6 @@
 // y = x W^T for x86-64 CPUs with AVX2 and FMA: the CPU decode path's matmul (vllm_spec/model/cpu_linear.py
 // builds this file on first use and falls back to torch without it). x and y are float32; W is float32,
-// bfloat16 or float16, or 32-column Q4_1 / Q8_0 blocks (all widened in registers, exactly: a float32 model's
+// bfloat16 or float16, or 32-column Q4_1 / Q8_0 / U8X16 blocks (all widened in registers, exactly: a float32 model's
 // weights that a half type or such blocks hold exactly are stored so, vllm_spec/model/cpu_linear.py; a
 // bf16 model's where the CPU has no bf16 arithmetic).
 //
@@ -146,6 +146,27 @@ struct Q8_0Blocks : Blocks<Q8_0Blocks, 36> {   // d, then q[0..31] as int8
     const Vector d = vset1<Vector>(scalar(b, 0));
     for (int c = 0; c < kVectors; ++c) out[c] = vmul(d, vload_i8<Vector>(b + 4 + kLanes * c));
   }
+};
+
+struct U8x16Blocks : Blocks<U8x16Blocks, 48> {   // d0, m0, d1, m1 (columns 0-15, 16-31), then q[0..31] as uint8
+  static constexpr int64_t kLineElems = 32;
+  static constexpr _mm_hint kPrefetchHint = _MM_HINT_T1;
+  using Vector = vllm_spec_cpu::WideVec;
+#if defined(__AVX512F__)
+  __attribute__((always_inline)) static void widen(const uint8_t* b, __m512* out) {   // a group per vector
+    for (int c = 0; c < 2; ++c) {
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + 16 * c)));
+      out[c] = _mm512_fmadd_ps(_mm512_set1_ps(scalar(b, 8 * c)), _mm512_cvtepi32_ps(q), _mm512_set1_ps(scalar(b, 8 * c + 4)));
+    }
+  }
+#else
+  __attribute__((always_inline)) static void widen(const uint8_t* b, __m256* out) {   // half a group per vector
+    for (int c = 0; c < 4; ++c) {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 16 + 8 * c))));
+      out[c] = _mm256_fmadd_ps(_mm256_set1_ps(scalar(b, 4 * (c & 2))), q, _mm256_set1_ps(scalar(b, 4 * (c & 2) + 4)));
+    }
+  }
+#endif
 };
 
 // y[m * ldy + r] = dot(x[m * K ...], w[r * K ...]) for r < R, m < MC; with prefetch, the R rows
@@ -343,11 +364,12 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w) {
 
 
 torch::Tensor rows_linear_blocks(const torch::Tensor& x, const torch::Tensor& blocks, const std::string& format) {
-  TORCH_CHECK(format == "q4_1" || format == "q8_0" || format == "q8_0_i8",
-              "rows_linear_blocks: format q4_1, q8_0 or q8_0_i8, not ", format);
+  TORCH_CHECK(format == "q4_1" || format == "q8_0" || format == "q8_0_i8" || format == "u8x16",
+              "rows_linear_blocks: format q4_1, q8_0, q8_0_i8 or u8x16, not ", format);
   TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && x.size(1) % 32 == 0, "rows_linear_blocks: x [M, K], K % 32 == 0");
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
-  const int64_t ld = K / 32 * (format == "q4_1" ? Q4_1Blocks::kBytes : Q8_0Blocks::kBytes);
+  const int64_t ld = K / 32 * (format == "q4_1" ? Q4_1Blocks::kBytes : format == "u8x16" ? U8x16Blocks::kBytes
+                                                                                        : Q8_0Blocks::kBytes);
   TORCH_CHECK(x.scalar_type() == at::kFloat && blocks.scalar_type() == at::kByte && blocks.size(1) == ld,
               "rows_linear_blocks: x float32, blocks uint8 [N, ", ld, "] for K = ", K);
   TORCH_CHECK(x.is_contiguous() && blocks.is_contiguous() && x.device().is_cpu() && blocks.device().is_cpu(),
@@ -357,6 +379,8 @@ torch::Tensor rows_linear_blocks(const torch::Tensor& x, const torch::Tensor& bl
   const uint8_t* p = blocks.data_ptr<uint8_t>();
   if (format == "q4_1") {
     matmul(x.data_ptr<float>(), Q4_1Blocks{{p, ld}}, y.data_ptr<float>(), M, K, N);
+  } else if (format == "u8x16") {
+    matmul(x.data_ptr<float>(), U8x16Blocks{{p, ld}}, y.data_ptr<float>(), M, K, N);
   } else {
     matmul(x.data_ptr<float>(), Q8_0Blocks{{p, ld}}, y.data_ptr<float>(), M, K, N);
   }

@@ -1,5 +1,6 @@
-"""Float32 weights that are exactly Q4_1 / Q8_0 blocks (a GGUF checkpoint's, dequantized) held as the blocks:
-found bit for bit or not at all, multiplied by the CPU kernel to the float32 products bit for bit."""
+"""Float32 weights that are exactly llama.cpp blocks (a GGUF checkpoint's, dequantized) held as blocks (Q4_1,
+Q8_0, or U8X16 for every other format): found bit for bit or not at all, multiplied by the CPU kernel to the
+float32 products bit for bit."""
 
 from __future__ import annotations
 
@@ -14,16 +15,39 @@ from vllm_spec.model.layers import LinearBase, linear, pack_for_cpu
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX2 CPU kernel here (or not buildable)")
 FORMATS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
-QTYPES = {**FORMATS, "q4_0": gguf.GGMLQuantizationType.Q4_0}
-HELD_AS = {"q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0"}   # (Q4_0 blocks in the Q4_1 layout)
+T = gguf.GGMLQuantizationType
+QTYPES = {**FORMATS, "q4_0": T.Q4_0, "q5_0": T.Q5_0, "q5_1": T.Q5_1,
+          "q2_k": T.Q2_K, "q3_k": T.Q3_K, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
+# Byte offsets of a k-quant block's float16 scales (gguf-py cannot quantize to k-quants: random blocks with
+# sane scales stand in for a file's).
+K_QUANT_SCALES = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+# Q4_0 blocks in the Q4_1 layout; every other format as U8X16
+HELD_AS = {**{f: "u8x16" for f in QTYPES}, "q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0"}
 
 
 def gguf_values(n: int, k: int, fmt: str, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
-    """What gguf_loader yields for a tensor llama.cpp stored in this format: its dequantized float32 values."""
-    data = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * scale
+    """What gguf_loader yields for a tensor llama.cpp stored in this format: its dequantized float32 values
+    (n k a multiple of 256 for the k-quants: their blocks may span rows)."""
+    rng = np.random.default_rng(seed)
     qtype = QTYPES[fmt]
-    return torch.from_numpy(np.asarray(gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype),
-                                       dtype=np.float32).reshape(n, k).copy())
+    if fmt in K_QUANT_SCALES:
+        block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (n * k // block_elems, block_bytes), dtype=np.uint8)
+        for at in K_QUANT_SCALES[fmt]:
+            d = (rng.standard_normal(len(raw)) * 0.02 * scale).astype(np.float16)
+            if len(K_QUANT_SCALES[fmt]) == 2:   # d and dmin of w = d sc q - dmin m: llama.cpp's are >= 0
+                d = np.abs(d)
+            raw[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
+        values = gguf.quants.dequantize(raw, qtype)
+    else:
+        data = rng.standard_normal((n, k)).astype(np.float32) * scale
+        values = gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype)
+    return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(n, k).copy())
+
+
+def width(fmt: str, k: int) -> int:
+    """k rounded up to whole blocks of the format."""
+    return -(-k // 256) * 256 if fmt in K_QUANT_SCALES else k
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -39,6 +63,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("n, k, chunk", [(1, 32, 4096), (37, 96, 4096), (10, 64, 3), (3, 4096, 4096)])
 def test_gguf_blocks_are_found_and_give_back_every_bit(monkeypatch, fmt, n, k, chunk):
     monkeypatch.setattr(block_quant, "_CHUNK_ROWS", chunk)   # (several chunks of rows)
+    k = width(fmt, k)
     weight = gguf_values(n, k, fmt, seed=n + k, scale=0.05)
     found = block_quant.find(weight)
     held = HELD_AS[fmt]
@@ -51,6 +76,13 @@ def test_q4_0_and_q4_1_blocks_mix_in_one_weight():
     weight = torch.cat([gguf_values(3, 64, "q4_0", seed=1), gguf_values(3, 64, "q4_1", seed=2)], 1)
     found = block_quant.find(weight)
     assert found is not None and found.format == "q4_1" and same_values(found.dequantize(), weight)
+
+
+def test_rows_of_other_formats_mix_in_one_weight():
+    """A fused projection of a Q4_K_M file (q and k in Q5_0, v in Q8_0 or Q6_K; gate and up in Q4_K)."""
+    weight = torch.cat([gguf_values(4, 256, fmt, seed=i) for i, fmt in enumerate(("q5_0", "q8_0", "q6_k", "q4_k"))])
+    found = block_quant.find(weight)
+    assert found is not None and found.format == "u8x16" and same_values(found.dequantize(), weight)
 
 
 def test_constant_and_zero_blocks_are_exact_too():
@@ -92,6 +124,7 @@ def test_kernel_gives_the_float32_products_bit_for_bit(fmt, n, k):
     """At every row count (one pass widening as it reads, or panels of 12 weight rows widened once for
     many rows, in passes of 3 and 4) and for rows of weights past the last panel (tiles of 4, single rows),
     the products and sums are the float32 weight's."""
+    k = width(fmt, k)
     weight = gguf_values(n, k, fmt, seed=k, scale=0.1)
     stored = pack_for_cpu(weight)
     assert isinstance(stored, BlockWeight) and stored.format == HELD_AS[fmt]
@@ -171,10 +204,14 @@ def test_a_weight_written_since_gets_new_blocks():
 
 
 @needs_kernel
-def test_engine_runs_a_gguf_quantized_checkpoint_from_blocks(tiny_llama, tmp_path, monkeypatch):
-    """Weights that are Q4_1 / Q4_0 (linear layers) and Q8_0 (embedding, LM head) values, loaded as float32: every
-    linear layer reads its blocks, the plain copies are freed, and the greedy tokens and logprobs are bit
-    for bit those of the float32 weights."""
+@pytest.mark.parametrize("mlp, attention, held", [
+    (["q4_0"], ["q4_1"], "q4_1"),
+    # a Q4_K_M-like mix (and the other k-quants): fused projections of rows in several formats
+    (["q4_k", "q6_k", "q5_k", "q2_k", "q3_k"], ["q5_0", "q5_1", "q6_k"], "u8x16")])
+def test_engine_runs_a_gguf_quantized_checkpoint_from_blocks(tiny_llama, tmp_path, monkeypatch, mlp, attention, held):
+    """Weights that are llama.cpp blocks' values (linear layers; Q8_0: embedding, LM head), loaded as float32:
+    every linear layer reads its blocks, the plain copies are freed, and the greedy tokens and logprobs are
+    bit for bit those of the float32 weights."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -186,7 +223,8 @@ def test_engine_runs_a_gguf_quantized_checkpoint_from_blocks(tiny_llama, tmp_pat
     weights = load_file(str(folder / "model.safetensors"))
     for i, (name, w) in enumerate(sorted(weights.items())):
         if w.dim() == 2:
-            fmt = "q8_0" if "embed" in name or "lm_head" in name else "q4_0" if "mlp" in name else "q4_1"
+            kinds = mlp if "mlp" in name else attention
+            fmt = "q8_0" if "embed" in name or "lm_head" in name else kinds[i % len(kinds)]
             weights[name] = gguf_values(*w.shape, fmt, seed=i, scale=0.1)
     save_file(weights, str(folder / "model.safetensors"))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -202,7 +240,7 @@ def test_engine_runs_a_gguf_quantized_checkpoint_from_blocks(tiny_llama, tmp_pat
                         for o in llm.generate(prompts, params, use_tqdm=False)]
 
     stored, ours = run()
-    assert stored == {("q4_1", False), ("q8_0", True)}   # (a freed weight: one NaN, expanded)
+    assert stored == {(held, False), ("q8_0", True)}   # (a freed weight: one NaN, expanded)
     monkeypatch.setattr(block_quant, "find", lambda weight: None)
     stored, ref = run()
     assert stored == {("torch.float32", True)}

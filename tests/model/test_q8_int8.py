@@ -91,7 +91,7 @@ def test_a_malformed_tile_weight_is_a_clear_error():
     tiles = block_quant.int8_tiles(block_quant.quantize_q8_0(torch.randn(16, 64)))
     with pytest.raises(RuntimeError, match="tiles of 8 rows"):
         cpu_linear.kernel().rows_linear_blocks(torch.randn(2, 64), tiles.blocks[:12].contiguous(), "q8_0_i8")
-    with pytest.raises(RuntimeError, match="format q4_1, q8_0 or q8_0_i8"):
+    with pytest.raises(RuntimeError, match="format q4_1, q8_0, q8_0_i8 or u8x16"):
         cpu_linear.kernel().rows_linear_blocks(torch.randn(2, 64), tiles.blocks, "q8_1")
 
 

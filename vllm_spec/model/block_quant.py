@@ -1,4 +1,4 @@
-"""Float32 weights that are exactly the values of llama.cpp's Q4_0, Q4_1 or Q8_0 blocks, held as blocks.
+"""Float32 weights that are exactly the values of llama.cpp's quantized blocks, held as blocks.
 
 A GGUF checkpoint's quantized tensors are dequantized on load (gguf_loader), and a float32 model keeps
 the float32 values: 4 bytes a weight, where the file spent 0.56-0.63 (Q4_0, Q4_1) or 1.06 (Q8_0). CPU decoding
@@ -6,14 +6,19 @@ reads every weight once per step, so on the CPU kernel (cpu_linear) such a weigh
 blocks again: `find` recovers each block's scale d (and minimum m) and integers q from the float32
 values and keeps them only where d q (+ m) gives back every value exactly. The kernel widens the
 blocks in registers to those same float32 values, so the products are exactly the float32 model's,
-from a fifth (Q4_1) or a third (Q8_0) of the bytes. Nothing here depends on where the values came from:
-weights that are not such blocks are left as they are.
+from a fifth (Q4_1) or a third (Q8_0) of the bytes. Other formats (Q5_0/Q5_1, the k-quants Q2_K-Q6_K of
+Q4_K_M files, a tensor's rows of mixed formats) are held as U8X16, from 1.5 bytes a weight. Nothing here
+depends on where the values came from: weights that are not such blocks are left as they are.
 
 Block layouts (little-endian, rows of K // 32 blocks, what csrc/cpu/rows_linear.cpp reads):
 Q4_1: float32 d, float32 m, 16 bytes with q[j] in byte j's low nibble and q[j + 16] in its high nibble,
 w = d q + m, q in 0..15 (Q4_0's w = d (q - 8) too, as m = -8 d: its blocks are held in this layout,
 block by block alongside Q4_1's). Q8_0: float32 d, 32 int8 q, w = d q. d is always a float16 value (as
 in the file), so d q is exact and the kernel's one rounding of d q + m equals torch's two.
+U8X16: per 16 columns float32 d and m (two pairs: d0, m0, d1, m1), then the 32 columns' q as uint8, w = d q
++ m with d q exact. Every llama.cpp format is some d q + m per group of 16 or 32 columns with small q (the
+k-quants' d a float16 times a 6- or 8-bit scale); m is the group's minimum (q = 0) and d the greatest
+common divisor of the differences from it, found by Euclid's algorithm on floats (fmod is exact).
 
 Q8_0_I8 (`int8_tiles`, a draft's lossy choice): Q8_0 blocks re-laid in tiles of 8 rows for
 csrc/cpu/q8_int8.cpp, which rounds the activations to int8 blocks too and multiplies by integer dot
@@ -29,7 +34,9 @@ from typing import Callable, Iterator
 import torch
 
 BLOCK = 32
-BLOCK_BYTES = {"q4_1": 24, "q8_0": 36, "q8_0_i8": 36}
+BLOCK_BYTES = {"q4_1": 24, "q8_0": 36, "q8_0_i8": 36, "u8x16": 48}
+GROUP = 16   # U8X16's columns per (d, m)
+_MAX_OFFSET = 64   # q of a group's least value tried (values rounded from d q + m, see _rounded_divisor)
 TILE_ROWS = 8   # Q8_0_I8's rows per tile
 # Rows encoded at a time: bounds the temporaries of a large embedding; the first chunk is one row,
 # so a weight that is not blocks is turned down after a row's work.
@@ -40,7 +47,7 @@ _HALF_MAX_BITS = 0x7BFF   # the largest finite float16
 
 @dataclasses.dataclass(frozen=True)
 class BlockWeight:
-    """A float32 [N, K] weight held as 32-column Q4_1 or Q8_0 blocks (uint8 [N, K // 32 * bytes])."""
+    """A float32 [N, K] weight held as 32-column blocks of a format (uint8 [N, K // 32 * bytes])."""
 
     format: str
     blocks: torch.Tensor
@@ -58,6 +65,10 @@ class BlockWeight:
             q = (q.reshape(-1, TILE_ROWS, k // BLOCK, BLOCK).short() - 128).float()
             return (d.unsqueeze(-1) * q).reshape(n, k)
         b = self.blocks.view(n, k // BLOCK, BLOCK_BYTES[self.format])
+        if self.format == "u8x16":
+            dm = b[..., :16].contiguous().view(torch.float32).view(n, k // GROUP, 2)
+            q = b[..., 16:].reshape(n, k // GROUP, GROUP).float()
+            return (dm[..., :1] * q + dm[..., 1:]).view(n, k)
         d = b[..., 0:4].contiguous().view(torch.float32)
         if self.format == "q8_0":
             return (d * b[..., 4:].view(torch.int8).float()).view(n, k)
@@ -68,8 +79,8 @@ class BlockWeight:
 
 
 def find(weight: torch.Tensor) -> BlockWeight | None:
-    """The weight in the Q4_1 layout (Q4_1 / Q4_0 values), else as Q8_0 blocks, where they hold every value
-    exactly; else None."""
+    """The weight in the Q4_1 layout (Q4_1 / Q4_0 values), else as Q8_0 blocks, else as U8X16 (the fewest
+    bytes first), where they hold every value exactly; else None."""
     if (weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK
             or weight.shape[0] == 0 or weight.device.type != "cpu"):
         return None
@@ -175,4 +186,95 @@ def _encode_q8_0(b: torch.Tensor) -> torch.Tensor | None:
     return torch.cat([_bytes(d), _bytes(q)], -1)
 
 
-_ENCODERS: dict[str, Callable[[torch.Tensor], torch.Tensor | None]] = {"q4_1": _encode_q4_1, "q8_0": _encode_q8_0}
+def _encode_u8x16(b: torch.Tensor) -> torch.Tensor | None:
+    """b [rows, blocks, 32] -> uint8 [rows, blocks, 48], or None where some group of 16 is not d q + m with
+    q in 0..255 and d q exact."""
+    g = b.reshape(-1, GROUP)
+    if not torch.isfinite(g).all():
+        return None
+    m = g.amin(-1, keepdim=True)
+    diff = g - m
+    d = _common_divisor(diff)
+    q = (diff / torch.where(d > 0, d, 1)).round()
+    missed = ~_exact(d, q, m, g)
+    if missed.sum() > len(g) // 4:   # not blocks (a few groups of a k-quant's values miss)
+        return None
+    if missed.any():   # values rounded from d q + m (|m| >> d): their differences share no divisor
+        d[missed], q[missed], m[missed] = _rounded_divisor(g[missed], m[missed])
+        if not _exact(d, q, m, g).all():
+            return None
+    dm = torch.cat([d, m], -1).reshape(*b.shape[:-1], 4)
+    return torch.cat([_bytes(dm), q.to(torch.uint8).reshape(b.shape)], -1)
+
+
+def _exact(d: torch.Tensor, q: torch.Tensor, m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """[groups]: whether q is in 0..255, d q exact (checked in float64: the kernel's fused d q + m then
+    rounds as torch's two operations do) and d q + m every value of the group."""
+    dq = d.double() * q.double()
+    return (q.amax(-1) <= 255) & (dq == (d * q).double()).all(-1) & ((d * q + m) == g).all(-1)
+
+
+def _rounded_divisor(g: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d, q, m) for groups [n, 16] whose values are some d q + m rounded (|m| >> d: the differences share no
+    divisor), where one is found: q up to an offset from a divisor of the differences up to their rounding,
+    d and m fitted to the values (d with few enough bits that d q is exact), then the nearby floats tried
+    for both, and offsets of q (the group's least value need not be q = 0). Unfound groups keep a
+    candidate that the caller's check turns down."""
+    g64 = g.double()
+    diff = g64 - m.double()
+    half_ulp = (torch.nextafter(g, torch.full_like(g, float("inf"))) - g).double() / 2
+    # (q <= 255 puts d at 2^-8 of the largest difference or more: remainders below 2^-6 of that are
+    # rounding, which Euclid's steps carry and multiply)
+    approx = _common_divisor(diff, tolerance=diff.amax(-1, keepdim=True) * 2.0 ** -14)
+    q0 = (diff / torch.where(approx > 0, approx, 1)).round().clamp(0, 256)
+    # least squares of g = d q0 + c
+    qm, gm = q0.mean(-1, keepdim=True), g64.mean(-1, keepdim=True)
+    var = ((q0 - qm) ** 2).sum(-1, keepdim=True)
+    slope = torch.where(var > 0, ((q0 - qm) * (g64 - gm)).sum(-1, keepdim=True) / torch.where(var > 0, var, 1), 0)
+    mantissa, exponent = torch.frexp(slope)
+    best = (torch.zeros_like(m), q0.float(), m.clone())
+    found = torch.zeros(len(g), dtype=torch.bool)
+    for offset in range(_MAX_OFFSET):
+        q64 = q0 + offset
+        q = q64.float()
+        bits = 24 - torch.frexp(q64.amax(-1, keepdim=True))[1]   # d q exact: d has 24 less q's bits or fewer
+        for d_step in (0, 1, -1):
+            d64 = torch.ldexp(torch.ldexp(mantissa, bits).round() + d_step, exponent - bits)
+            d = d64.float()
+            # m within half a unit in the last place of every value less its d q: the middle of what
+            # that leaves, and its neighbours
+            low = (g64 - half_ulp - d64 * q64).amax(-1, keepdim=True)
+            c = ((low + (g64 + half_ulp - d64 * q64).amin(-1, keepdim=True)) / 2).float()
+            for c_try in (c, torch.nextafter(c, c + 1), torch.nextafter(c, c - 1)):
+                ok = _exact(d, q, c_try, g) & ~found
+                best[0][ok], best[1][ok], best[2][ok] = d[ok], q[ok], c_try[ok]
+                found |= ok
+                if found.all():
+                    return best
+    return best
+
+
+def _common_divisor(diff: torch.Tensor, tolerance: torch.Tensor | None = None) -> torch.Tensor:
+    """[groups, 1]: the greatest float dividing every element of diff [groups, n] (>= 0) an integral number
+    of times (up to tolerance: remainders at most it count as none), by Euclid's algorithm (exact: fmod is);
+    0 for an all-zero group. Values of d q + m groups end in a few steps each; others only fail the
+    caller's checks. With a tolerance each step's divisor is re-read off the largest element (a whole
+    number of it there): rounding carried through Euclid's steps would otherwise grow with their quotients."""
+    top = diff.amax(-1, keepdim=True)
+    d = top.clone()   # (so that every divisor met divides it)
+    for i in range(diff.shape[1]):
+        a, r = d, diff[:, i:i + 1].clone()
+        while True:
+            live = r > (0.0 if tolerance is None else tolerance)
+            if not live.any():
+                break
+            a, r = torch.where(live, r, a), torch.where(live, torch.fmod(a, torch.where(live, r, 1)), r)
+        d = a
+        if tolerance is not None:
+            times = (top / torch.where(d > 0, d, 1)).round()
+            d = torch.where((d > 0) & (times > 0), top / times.clamp(min=1), d)
+    return d
+
+
+_ENCODERS: dict[str, Callable[[torch.Tensor], torch.Tensor | None]] = {
+    "q4_1": _encode_q4_1, "q8_0": _encode_q8_0, "u8x16": _encode_u8x16}

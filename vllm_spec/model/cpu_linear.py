@@ -4,7 +4,7 @@ rounded once, as torch's), where torch's own bf16 matmul was 6x slower than floa
 
 A float32 model's weights that bfloat16 or float16 holds exactly (a half-precision checkpoint run in
 float32, as most HF checkpoints and the shipped draft are) are stored in that type, and those that are
-exactly Q4_0, Q4_1 or Q8_0 values (a GGUF checkpoint's quantized tensors, dequantized) as blocks
+exactly the values of llama.cpp's blocks (a GGUF checkpoint's quantized tensors, dequantized) as blocks
 (`narrowed`, block_quant): the kernel widens them exactly, so the products are bit-for-bit the float32
 ones, from a half to a fifth of the bytes.
 
@@ -56,7 +56,7 @@ def keeps_plain(weight: torch.Tensor) -> bool:
 
 
 def narrowed(weight: torch.Tensor) -> torch.Tensor | BlockWeight:
-    """A float32 weight the kernel takes, as Q4_1 / Q8_0 blocks or a bfloat16 / float16 copy where they hold
+    """A float32 weight the kernel takes, as Q4_1 / Q8_0 / U8X16 blocks or a bfloat16 / float16 copy where they hold
     every element exactly (products bit-for-bit the float32 ones, a fifth to a half of the bytes read);
     else the weight itself. One copy per weight: layers sharing it (a tied LM head, a draft's borrowed
     one) share the copy too."""
