@@ -364,3 +364,29 @@ def test_the_step_after_a_prefill_does_not_inflate_a_known_cost():
     plain(mixed, 20e-3)
     plain(decoding, 6e-3)
     assert policy._measurement(8, 0).seconds > known
+
+
+@pytest.mark.parametrize("reported", [False, True])
+def test_probes_are_spaced_by_the_catch_up_they_grow(reported):
+    """Plain decoding is best by about 3%; a probe also feeds the draft every token it missed, 0.3 ms
+    a skipped step here (8 sequences), three times the probes' budget (1% of a 10 ms step): probes then
+    come as rarely as they get. Unreported (catch-up seconds alone), probes came about every 60 steps,
+    each paying more catch-up than the last one measured."""
+    policy = AdaptivePolicy(max_k=1, prior_acceptance=0.45, prior_strength=1e6, explore_every=50)
+    shape = StepShape(list(range(8)), [1] * 8, 0)
+    probes, last = [], 0
+    for step in range(3000):
+        chosen = policy.choose(shape)
+        if max(chosen) == 0:
+            policy.observe(shape, chosen, [0] * 8, SpecStepStats(0, 0, 0, [], 0.0, 10e-3), Charge(10e-3))
+            continue
+        probes.append(step)
+        gap, last = step - last, step
+        catch_up = 0.3e-3 * gap
+        stats = SpecStepStats(8, 8, 4, [4], catch_up + 1e-3, 14e-3, num_verified_tokens=16, catch_up_time=catch_up,
+                              catch_up_tokens=8 * gap if reported else 0)
+        policy.observe(shape, chosen, [1, 0] * 4, stats, Charge(15e-3))
+    if reported:
+        assert len(probes) <= 6 and all(b - a >= 400 for a, b in zip(probes[2:], probes[3:])), probes
+    else:
+        assert len(probes) > 8, probes

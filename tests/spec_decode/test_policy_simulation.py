@@ -100,7 +100,7 @@ class SimEngine:
                 draft = K * c.draft(sum(1 for k in found if k)) * self._first((K, B))
                 verify = c.target(q)
                 stats = SpecStepStats(1, sum(found), sum(accepted), [], catch_up + draft, verify,
-                                      num_verified_tokens=q, catch_up_time=catch_up)
+                                      num_verified_tokens=q, catch_up_time=catch_up, catch_up_tokens=behind)
                 for i, a, k in zip(ids, accepted, found):
                     self.lag[i] = 2 if a == k else 1
             device = stats.draft_time - stats.catch_up_time + stats.verify_time

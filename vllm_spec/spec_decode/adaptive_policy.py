@@ -35,7 +35,7 @@ import numpy as np
 from vllm_spec.spec_decode.acceptance import AcceptanceBeliefs, expected_drafts
 from vllm_spec.spec_decode.policy import StepShape
 from vllm_spec.spec_decode.ragged_choice import choose_ragged
-from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge, LinearFit, StepCost
+from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge, LinearFit, StepCost, average
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
 from vllm_spec.worker.cuda_graph import bucket_for
 
@@ -114,6 +114,8 @@ class AdaptivePolicy:
     # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
     _measured: dict[tuple[int, int], StepCost] = field(default_factory=dict)
     _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    # Seconds of the draft's catch-up per token it fed (None: no catch-up seen yet).
+    _catch_up_per_token: float | None = None
     # Whether the policy holds to speculating: the best choice of the last all-decoding step (not an
     # exploring excursion's: the way back is part of the excursion); after a step with prefill
     # chunks, whether it drafted.
@@ -225,7 +227,7 @@ class AdaptivePolicy:
                     return False
                 # Speculating to re-measure while plain decoding is best is a probe, and spaced as one.
                 return best > 0 or K == 0 or state.visits - state.last_spec >= self._probe_spacing(
-                    n, K, cost[0], round_trip, expected[K] / n)
+                    n, K, cost[0], expected[K] / n)
 
             stale = [K for K in rates if worth_measuring(K)]
             K = min(stale, key=lambda K: self._measured_at(n, K)) if stale else best
@@ -233,7 +235,7 @@ class AdaptivePolicy:
                 state.last_remeasure = state.visits
             probe = max(range(1, len(rates)), key=rates.__getitem__) if len(rates) > 1 else 0
             if K == 0 and probe and state.visits - state.last_spec >= max(
-                    state.probe_every, self._probe_spacing(n, probe, cost[0], round_trip, expected[probe] / n)):
+                    state.probe_every, self._probe_spacing(n, probe, cost[0], expected[probe] / n)):
                 # Speculation that does not pay here is still probed, ever more rarely (each probe
                 # also feeds the draft every token it missed): acceptance may change.
                 K = probe
@@ -244,29 +246,39 @@ class AdaptivePolicy:
             state.last_spec = state.visits
         return _Choice([cap if cap < K else K for cap in caps], best > 0, bucket, state)
 
-    def _probe_spacing(self, n: int, k: int, plain: float, round_trip: float, tokens_per_seq: float) -> float:
+    def _probe_spacing(self, n: int, k: int, plain: float, tokens_per_seq: float) -> float:
         """Steps between probes of k from plain decoding that keep what they lose within the budget:
         the probe's step (as last measured: what it will likely cost again) and both switches, less
-        the plain steps its expected tokens would take."""
+        the plain steps its expected tokens would take. The draft's catch-up grows with the spacing
+        (every sequence misses a token a plain step), as measured per token fed: where that growth
+        alone takes the budget, probes are as rare as they get."""
         measured = self._measurement(n, k)
         step = measured.seconds if measured is not None else self._decode_step_cost(n, k)
-        loss = step + round_trip - tokens_per_seq * plain
+        if self._catch_up_per_token is None:
+            switches, budget = self._round_trip(n), _PROBE_BUDGET * plain
+        else:
+            switches = self._switch_part(n, lambda s: s.refill)
+            budget = _PROBE_BUDGET * plain - self._catch_up_per_token * n
+        loss = step + switches - tokens_per_seq * plain
+        if budget <= 0.0:
+            return _MAX_PROBE_EVERY
         # At most _MAX_PROBE_EVERY steps: one slow measurement must not stop probes for good.
-        return min(max(loss, 0.0) / (_PROBE_BUDGET * plain), _MAX_PROBE_EVERY)
+        return min(max(loss, 0.0) / budget, _MAX_PROBE_EVERY)
 
     def _bucket_state(self, n: int) -> BucketState:
         return self._buckets.setdefault(_bucket(n), BucketState(probe_every=self.explore_every))
 
     def _round_trip(self, n: int) -> float:
         """Seconds of a switch to speculation and back at this batch size: the draft's catch-up plus
-        the refill, each as measured here or, until it is, at the nearest batch size where it was."""
+        the refill."""
+        return self._switch_part(n, lambda s: s.catch_up) + self._switch_part(n, lambda s: s.refill)
+
+    def _switch_part(self, n: int, part: Callable[[BucketState], float | None]) -> float:
+        """A part of a switch's cost as measured at this batch size or, until it is, at the nearest
+        batch size where it was (0: nowhere yet)."""
         bucket = _bucket(n)
-
-        def nearest(part: Callable[[BucketState], float | None]) -> float:
-            measured = [(abs(b - bucket), part(s)) for b, s in self._buckets.items() if part(s) is not None]
-            return min(measured)[1] if measured else 0.0
-
-        return nearest(lambda s: s.catch_up) + nearest(lambda s: s.refill)
+        measured = [(abs(b - bucket), part(s)) for b, s in self._buckets.items() if part(s) is not None]
+        return min(measured)[1] if measured else 0.0
 
     def _measurement(self, n: int, k: int) -> StepCost | None:
         """What all-decoding steps of n sequences drafting k were measured to cost (None: never)."""
@@ -317,6 +329,10 @@ class AdaptivePolicy:
             self._found.observe(shape.seq_ids, [min(k, 1) for k in chosen], [min(k, 1) for k in found])
         drafted = self._acceptance.observe(shape.seq_ids, found, accepted)
         draft = stats.draft_time - stats.catch_up_time
+        if stats.catch_up_tokens:
+            per_token = stats.catch_up_time / stats.catch_up_tokens
+            self._catch_up_per_token = average(self._catch_up_per_token or 0.0, per_token,
+                                               first=self._catch_up_per_token is None)
         # The fits first: the calibration below compares a step with a model in seconds (before its
         # first update the target fit holds a prior without units).
         # The pass may have been padded to one query length: fit on what the target really ran.

@@ -79,7 +79,7 @@ class DraftModelProposer:
         return np.minimum(cached, req.columns.start_pos)
 
     @torch.inference_mode()
-    def catch_up(self, req: ExecuteModelRequest, num_drafts: list[int]) -> bool:
+    def catch_up(self, req: ExecuteModelRequest, num_drafts: list[int]) -> int:
         """Feed speculating decoding sequences all but the last two tokens the draft has not seen.
 
         A sequence lags by more than two after steps that did not speculate (the draft does not
@@ -92,7 +92,7 @@ class DraftModelProposer:
         idx = np.flatnonzero((np.asarray(num_drafts) > 0) & cols.sample & (cols.num_new == 1)
                              & (cols.seq_len - starts_all > 2)).tolist()
         if not idx:
-            return False
+            return 0
         behind = [req.seqs[i] for i in idx]
         starts = starts_all[idx].tolist()
         q = self._uniform_catch_up_length(behind, starts)
@@ -107,7 +107,7 @@ class DraftModelProposer:
         self.runner.write_kv(self.runner.prepare(feed))
         for s in feed:
             self._computed[s.seq_id] = s.seq_len
-        return True
+        return sum(len(s.token_ids) for s in feed)
 
     def _uniform_catch_up_length(self, behind: list[SeqInput], starts: list[int]) -> int | None:
         """The catch-up graph's query length for these rows (None: a ragged eager forward), when

@@ -30,8 +30,8 @@ class NgramProposer:
         self.n_max, self.n_min = n_max, n_min
         self.device = device
 
-    def catch_up(self, req: ExecuteModelRequest, num_drafts: list[int]) -> bool:
-        return False   # no state: every proposal reads the whole history
+    def catch_up(self, req: ExecuteModelRequest, num_drafts: list[int]) -> int:
+        return 0   # no state: every proposal reads the whole history
 
     def propose(self, req: ExecuteModelRequest, num_drafts: list[int], md: SamplingMetadata) -> Proposals:
         seqs = req.seqs

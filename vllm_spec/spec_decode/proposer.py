@@ -27,9 +27,9 @@ class Proposals:
 
 
 class Proposer(Protocol):
-    def catch_up(self, req: ExecuteModelRequest, num_drafts: list[int]) -> bool:
+    def catch_up(self, req: ExecuteModelRequest, num_drafts: list[int]) -> int:
         """Before `propose`: bring the proposer's own state up to date where it fell behind;
-        whether there was anything to do.
+        the tokens it fed to do so (0: nothing to do).
 
         Timed apart from the proposal: it is a debt of earlier steps, not a cost of this one's k.
         """

@@ -195,7 +195,7 @@ class SpecDecodeWorker:
         start = time.perf_counter()
         timer = StepTimer(self.device)
         caught_up = self.proposer.catch_up(req, asked)
-        timer.mark(queued=caught_up)
+        timer.mark(queued=caught_up > 0)
         draft_md = self._draft_metadata(req, spec_idx)
         proposals = self.proposer.propose(req, asked, draft_md)
         timer.mark()
@@ -227,6 +227,7 @@ class SpecDecodeWorker:
         # preparation (of a plain step as of a verification): host time, not any phase's.
         catch_up_time, draft_time, prepare_time, stats.verify_time = timer.finish()
         stats.catch_up_time = catch_up_time if obs.caught_up else 0.0
+        stats.catch_up_tokens = obs.caught_up
         stats.draft_time = stats.catch_up_time + draft_time
         if timer.cuda:
             result.device_time = stats.draft_time + prepare_time + stats.verify_time
@@ -294,7 +295,7 @@ class _Observation:
     found: list[int] | None   # what the proposer found of those (None: all)
     start: float
     speculative: bool
-    caught_up: bool   # the proposer fed tokens it had missed before proposing
+    caught_up: int   # tokens the proposer fed before proposing (ones it had missed)
 
 
 @dataclass

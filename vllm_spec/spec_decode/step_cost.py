@@ -92,7 +92,7 @@ class StepCost:
         self.at = at
 
 
-def _average(current: float, value: float, first: bool) -> float:
+def average(current: float, value: float, first: bool) -> float:
     """A running average: the first sample as is, then weighted 0.3 towards each new one."""
     return value if first else current + 0.3 * (value - current)
 
@@ -122,15 +122,15 @@ class BucketState:
 
     def observe_switch(self, catch_up: float | None = None, refill: float | None = None) -> None:
         if catch_up is not None:
-            self.catch_up = _average(self.catch_up or 0.0, catch_up, first=self.catch_up is None)
+            self.catch_up = average(self.catch_up or 0.0, catch_up, first=self.catch_up is None)
         if refill is not None:
-            self.refill = _average(self.refill or 0.0, refill, first=self.refill is None)
+            self.refill = average(self.refill or 0.0, refill, first=self.refill is None)
 
     def observe(self, host: float, calibration: float, plain: bool = True) -> None:
-        self.calibration = _average(self.calibration, calibration, first=not self.calibrated)
+        self.calibration = average(self.calibration, calibration, first=not self.calibrated)
         self.calibrated += 1
         if plain:
-            self.host = _average(self.host, host, first=not self.observed)
+            self.host = average(self.host, host, first=not self.observed)
             self.observed += 1
 
 

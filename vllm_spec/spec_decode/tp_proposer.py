@@ -29,8 +29,8 @@ class TPProposer:
         self.vocab_size = vocab_size
         self.device = device
 
-    def catch_up(self, req: ExecuteModelRequest, num_drafts: list[int]) -> bool:
-        return self.inner is not None and self.inner.catch_up(req, num_drafts)
+    def catch_up(self, req: ExecuteModelRequest, num_drafts: list[int]) -> int:
+        return self.inner.catch_up(req, num_drafts) if self.inner is not None else 0
 
     def propose(self, req: ExecuteModelRequest, num_drafts: list[int], md: SamplingMetadata | None) -> Proposals:
         asked = [n for n in num_drafts if n > 0]

@@ -118,6 +118,7 @@ class SpecStepStats:
     policy: PolicyEstimates | None = None
     num_verified_tokens: int = 0     # query tokens of the target pass, padding included
     catch_up_time: float = 0.0       # seconds of draft_time spent feeding tokens of earlier steps
+    catch_up_tokens: int = 0         # the tokens it fed (query tokens, padding included)
 
 
 @dataclass
