@@ -194,24 +194,38 @@ def _encode_u8x16(b: torch.Tensor) -> torch.Tensor | None:
         return None
     m = g.amin(-1, keepdim=True)
     diff = g - m
-    d = _common_divisor(diff)
+    # Most groups: the least difference divides every other (then it is their greatest divisor).
+    d = torch.where(diff > 0, diff, torch.inf).amin(-1, keepdim=True)
+    d = torch.where(torch.isfinite(d), d, 0.0)
+    rest = (torch.fmod(diff, torch.where(d > 0, d, 1)) != 0).any(-1)
+    if rest.any():
+        d[rest] = _common_divisor(diff[rest])
     q = (diff / torch.where(d > 0, d, 1)).round()
     missed = ~_exact(d, q, m, g)
     if missed.sum() > len(g) // 4:   # not blocks (a few groups of a k-quant's values miss)
         return None
     if missed.any():   # values rounded from d q + m (|m| >> d): their differences share no divisor
-        d[missed], q[missed], m[missed] = _rounded_divisor(g[missed], m[missed])
-        if not _exact(d, q, m, g).all():
+        d[missed], q[missed], m[missed] = found = _rounded_divisor(g[missed], m[missed])
+        if not _exact(*found, g[missed]).all():
             return None
     dm = torch.cat([d, m], -1).reshape(*b.shape[:-1], 4)
     return torch.cat([_bytes(dm), q.to(torch.uint8).reshape(b.shape)], -1)
 
 
 def _exact(d: torch.Tensor, q: torch.Tensor, m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """[groups]: whether q is in 0..255, d q exact (checked in float64: the kernel's fused d q + m then
-    rounds as torch's two operations do) and d q + m every value of the group."""
-    dq = d.double() * q.double()
-    return (q.amax(-1) <= 255) & (dq == (d * q).double()).all(-1) & ((d * q + m) == g).all(-1)
+    """[groups]: whether q is in 0..255, d q exact (the kernel's fused d q + m then rounds as torch's two
+    operations do) and d q + m every value of the group. d q is exact where d's significant bits and the
+    largest q's fit in float32's 24 (else, as for subnormal d, checked in float64)."""
+    q_max = q.amax(-1, keepdim=True)
+    bits = d.view(torch.int32) & 0x7FFFFF
+    normal = (d.view(torch.int32) & 0x7F800000) != 0
+    low = (bits | 0x800000) & -(bits | 0x800000)   # the lowest set bit of the significand
+    fits = normal & (24 - torch.frexp(low.float())[1] + 1 + torch.frexp(q_max)[1] <= 24) | (d == 0)
+    exact = fits.squeeze(-1)
+    if not exact.all():
+        odd = ~exact
+        exact[odd] = (d[odd].double() * q[odd].double() == (d[odd] * q[odd]).double()).all(-1)
+    return (q_max.squeeze(-1) <= 255) & exact & ((d * q + m) == g).all(-1)
 
 
 def _rounded_divisor(g: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
