@@ -18,7 +18,9 @@ in the file), so d q is exact and the kernel's one rounding of d q + m equals to
 U8X16: per 16 columns float32 d and m (two pairs: d0, m0, d1, m1), then the 32 columns' q as uint8, w = d q
 + m with d q exact. Every llama.cpp format is some d q + m per group of 16 or 32 columns with small q (the
 k-quants' d a float16 times a 6- or 8-bit scale); m is the group's minimum (q = 0) and d the greatest
-common divisor of the differences from it, found by Euclid's algorithm on floats (fmod is exact).
+common divisor of the differences from it, found by Euclid's algorithm on floats (fmod is exact). Where
+the values were rounded from d q + m (|m| >> d), d and m are fitted to them (_rounded_divisor). Every group
+is checked exactly.
 
 Q8_0_I8 (`int8_tiles`, a draft's lossy choice): Q8_0 blocks re-laid in tiles of 8 rows for
 csrc/cpu/q8_int8.cpp, which rounds the activations to int8 blocks too and multiplies by integer dot
