@@ -124,17 +124,19 @@ def test_uniform_catch_up_of_rows_lagging_by_different_amounts(spec_pair, baseli
 
 
 def test_only_steps_that_catch_the_draft_up_report_a_catch_up(spec_pair):
-    """The policy charges a switch to speculation with the catch-up: a step without one must report none."""
+    """The policy charges a switch to speculation with the catch-up (and spaces probes by its seconds per token
+    fed): a step without one must report none, a step with one the tokens it fed."""
     llm = LLM(spec_pair[0], speculative_model=spec_pair[1], num_speculative_tokens=3, **KV)
     worker = llm.llm_engine.executor.worker
     policy = worker.policy = BurstsPolicy(period=4)
     seen = []
-    policy.observe = lambda shape, chosen, accepted, stats, charge, found=None: seen.append((max(chosen, default=0),
-                                                                                            stats.catch_up_time))
+    policy.observe = lambda shape, chosen, accepted, stats, charge, found=None: seen.append(
+        (max(chosen, default=0), len(shape.seq_ids), stats.catch_up_time, stats.catch_up_tokens))
     llm.generate(make_prompts(4), GREEDY, use_tqdm=False)
-    assert all(t == 0.0 for k, t in seen if k == 0)
-    bursts = [t for k, t in seen if k > 0]
-    assert all(t > 0.0 for t in bursts[1:])   # after three plain steps the draft lags by three or more
+    assert all(t == 0.0 and n == 0 for k, _, t, n in seen if k == 0)
+    bursts = [(seqs, t, n) for k, seqs, t, n in seen if k > 0]
+    # after three plain steps the draft lags by three or more: it feeds each speculating sequence one or more
+    assert all(t > 0.0 and n >= seqs for seqs, t, n in bursts[1:]), bursts
 
 
 def test_disable_by_batch_size_stops_seeded_drafts_too(spec_pair):
