@@ -21,8 +21,8 @@ QTYPES = {**FORMATS, "q4_0": T.Q4_0, "q5_0": T.Q5_0, "q5_1": T.Q5_1,
 # Byte offsets of a k-quant block's float16 scales (gguf-py cannot quantize to k-quants: random blocks with
 # sane scales stand in for a file's).
 K_QUANT_SCALES = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
-# Q4_0 blocks in the Q4_1 layout; every other format as U8X16
-HELD_AS = {**{f: "u8x16" for f in QTYPES}, "q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0"}
+# 4-bit formats in the Q4_1 layout (Q4_K's d: a float16 times a 6-bit scale); every other one as U8X16
+HELD_AS = {**{f: "u8x16" for f in QTYPES}, "q4_0": "q4_1", "q4_1": "q4_1", "q4_k": "q4_1", "q8_0": "q8_0"}
 
 
 def gguf_values(n: int, k: int, fmt: str, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
@@ -205,9 +205,9 @@ def test_a_weight_written_since_gets_new_blocks():
 
 @needs_kernel
 @pytest.mark.parametrize("mlp, attention, held", [
-    (["q4_0"], ["q4_1"], "q4_1"),
+    (["q4_0"], ["q4_1"], {"q4_1"}),
     # a Q4_K_M-like mix (and the other k-quants): fused projections of rows in several formats
-    (["q4_k", "q6_k", "q5_k", "q2_k", "q3_k"], ["q5_0", "q5_1", "q6_k"], "u8x16")])
+    (["q4_k"], ["q5_0", "q5_1", "q6_k", "q5_k", "q2_k", "q3_k"], {"q4_1", "u8x16"})])
 def test_engine_runs_a_gguf_quantized_checkpoint_from_blocks(tiny_llama, tmp_path, monkeypatch, mlp, attention, held):
     """Weights that are llama.cpp blocks' values (linear layers; Q8_0: embedding, LM head), loaded as float32:
     every linear layer reads its blocks, the plain copies are freed, and the greedy tokens and logprobs are
@@ -240,7 +240,7 @@ def test_engine_runs_a_gguf_quantized_checkpoint_from_blocks(tiny_llama, tmp_pat
                         for o in llm.generate(prompts, params, use_tqdm=False)]
 
     stored, ours = run()
-    assert stored == {(held, False), ("q8_0", True)}   # (a freed weight: one NaN, expanded)
+    assert stored == {(f, False) for f in held} | {("q8_0", True)}   # (a freed weight: one NaN, expanded)
     monkeypatch.setattr(block_quant, "find", lambda weight: None)
     stored, ref = run()
     assert stored == {("torch.float32", True)}

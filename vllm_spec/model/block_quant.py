@@ -143,19 +143,32 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_q4_1(b: torch.Tensor) -> torch.Tensor | None:
-    """b [rows, blocks, 32] -> uint8 [rows, blocks, 24], or None where some block is not Q4_1 (or Q4_0)."""
+    """b [rows, blocks, 32] -> uint8 [rows, blocks, 24], or None where some block is not Q4_1 (or Q4_0, Q4_K)."""
     found = torch.zeros(b.shape[:-1], dtype=torch.bool)
     d_of, m_of = torch.zeros(*b.shape[:-1], 1), torch.zeros(*b.shape[:-1], 1)
     q_of = torch.zeros(b.shape, dtype=torch.uint8)
-    for d, m in _q4_scales(b):
+    for i, (d, m) in enumerate(_q4_scales(b)):
+        if i == 2:
+            # After Q4_1's and Q4_0's likeliest scales: any d q + m with q in 0..15 (Q4_K's d is a float16
+            # times a 6-bit scale); the further float16 candidates for what is left.
+            rest = ~found
+            d_rest, q_rest, m_rest, ok = _affine(b[rest])
+            ok &= q_rest.amax(-1) <= 15
+            sub_d, sub_m, sub_q = d_of[rest], m_of[rest], q_of[rest]
+            sub_d[ok], sub_m[ok], sub_q[ok] = d_rest[ok], m_rest[ok], q_rest[ok].to(torch.uint8)
+            d_of[rest], m_of[rest], q_of[rest], found[rest] = sub_d, sub_m, sub_q, ok
+            if found.all():
+                break
         q = torch.where(d != 0, (b - m) / torch.where(d != 0, d, 1), 0).round().clamp(0, 15).to(torch.uint8)
         # (d a float16 value: d q is exact, so the kernel's fused d q + m rounds as this one does)
         ok = _same_values(d * q.float() + m, b).all(-1) & (d.half().float() == d).squeeze(-1) & ~found
         d_of[ok], m_of[ok], q_of[ok] = d[ok], m[ok], q[ok]
         found |= ok
         if found.all():
-            return torch.cat([_bytes(d_of), _bytes(m_of), q_of[..., :16] | (q_of[..., 16:] << 4)], -1)
-    return None
+            break
+    if not found.all():
+        return None
+    return torch.cat([_bytes(d_of), _bytes(m_of), q_of[..., :16] | (q_of[..., 16:] << 4)], -1)
 
 
 def _q4_scales(b: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -191,9 +204,19 @@ def _encode_q8_0(b: torch.Tensor) -> torch.Tensor | None:
 def _encode_u8x16(b: torch.Tensor) -> torch.Tensor | None:
     """b [rows, blocks, 32] -> uint8 [rows, blocks, 48], or None where some group of 16 is not d q + m with
     q in 0..255 and d q exact."""
-    g = b.reshape(-1, GROUP)
-    if not torch.isfinite(g).all():
+    d, q, m, ok = _affine(b.reshape(-1, GROUP))
+    if not ok.all():
         return None
+    dm = torch.cat([d, m], -1).reshape(*b.shape[:-1], 4)
+    return torch.cat([_bytes(dm), q.to(torch.uint8).reshape(b.shape)], -1)
+
+
+def _affine(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d [n, 1], q [n, w] float, m [n, 1], ok [n]): d q + m every value of group g[i] (of n, w wide), q in
+    0..255 and d q exact, where ok[i]."""
+    finite = torch.isfinite(g).all(-1)
+    if not finite.all():
+        g = torch.where(torch.isfinite(g), g, 0.0)   # (those groups stay not ok)
     m = g.amin(-1, keepdim=True)
     diff = g - m
     # Most groups: the least difference divides every other (then it is their greatest divisor).
@@ -203,15 +226,14 @@ def _encode_u8x16(b: torch.Tensor) -> torch.Tensor | None:
     if rest.any():
         d[rest] = _common_divisor(diff[rest])
     q = (diff / torch.where(d > 0, d, 1)).round()
-    missed = ~_exact(d, q, m, g)
-    if missed.sum() > len(g) // 4:   # not blocks (a few groups of a k-quant's values miss)
-        return None
-    if missed.any():   # values rounded from d q + m (|m| >> d): their differences share no divisor
+    ok = _exact(d, q, m, g)
+    missed = ~ok
+    # Values rounded from d q + m (|m| >> d: their differences share no divisor), where few groups miss
+    # (a k-quant's; many missing: not blocks)
+    if missed.any() and missed.sum() <= len(g) // 4:
         d[missed], q[missed], m[missed] = found = _rounded_divisor(g[missed], m[missed])
-        if not _exact(*found, g[missed]).all():
-            return None
-    dm = torch.cat([d, m], -1).reshape(*b.shape[:-1], 4)
-    return torch.cat([_bytes(dm), q.to(torch.uint8).reshape(b.shape)], -1)
+        ok[missed] = _exact(*found, g[missed])
+    return d, q, m, ok & finite
 
 
 def _exact(d: torch.Tensor, q: torch.Tensor, m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
