@@ -6,8 +6,9 @@ reads every weight once per step, so on the CPU kernel (cpu_linear) such a weigh
 blocks again: `find` recovers each block's scale d (and minimum m) and integers q from the float32
 values and keeps them only where d q (+ m) gives back every value exactly. The kernel widens the
 blocks in registers to those same float32 values, so the products are exactly the float32 model's,
-from a fifth (Q4_1) or a third (Q8_0) of the bytes. Other formats (Q5_0/Q5_1, the k-quants Q2_K-Q6_K of
-Q4_K_M files, a tensor's rows of mixed formats) are held as U8X16, from 1.5 bytes a weight. Nothing here
+from a fifth (Q4_1; Q4_0's and Q4_K's 4-bit values too) or a third (Q8_0) of the bytes. Other formats
+(Q5_0/Q5_1, the k-quants Q2_K-Q6_K but Q4_K, a tensor's rows of mixed formats) are held as U8X16, from 1.5
+bytes a weight. Nothing here
 depends on where the values came from: weights that are not such blocks are left as they are.
 
 Block layouts (little-endian, rows of K // 32 blocks, what csrc/cpu/rows_linear.cpp reads):
