@@ -14,8 +14,9 @@ depends on where the values came from: weights that are not such blocks are left
 Block layouts (little-endian, rows of K // 32 blocks, what csrc/cpu/rows_linear.cpp reads):
 Q4_1: float32 d, float32 m, 16 bytes with q[j] in byte j's low nibble and q[j + 16] in its high nibble,
 w = d q + m, q in 0..15 (Q4_0's w = d (q - 8) too, as m = -8 d: its blocks are held in this layout,
-block by block alongside Q4_1's). Q8_0: float32 d, 32 int8 q, w = d q. d is always a float16 value (as
-in the file), so d q is exact and the kernel's one rounding of d q + m equals torch's two.
+block by block alongside Q4_1's; Q4_K's too, d a float16 times a 6-bit scale). Q8_0: float32 d, 32 int8 q,
+w = d q. d is a float16 value (as in the file) or checked to give exact products d q, so the kernel's one
+rounding of d q + m equals torch's two.
 U8X16: per 16 columns float32 d and m (two pairs: d0, m0, d1, m1), then the 32 columns' q as uint8, w = d q
 + m with d q exact. Every llama.cpp format is some d q + m per group of 16 or 32 columns with small q (the
 k-quants' d a float16 times a 6- or 8-bit scale); m is the group's minimum (q = 0) and d the greatest
