@@ -85,6 +85,18 @@ def test_rows_of_other_formats_mix_in_one_weight():
     assert found is not None and found.format == "u8x16" and same_values(found.dequantize(), weight)
 
 
+def test_q4_k_blocks_mix_with_q4_1_blocks_of_rounded_values():
+    """Q4_K's blocks are found by the general recovery, Q4_1's with |m| >> d (values rounded) by the float16
+    candidates after it: both land in the Q4_1 layout, each block where it belongs."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (8, 2, 32), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15
+    rounded = q4_1_values(torch.full((8, 2), 715 * 2.0 ** -24), torch.full((8, 2), -49.40625), q)
+    weight = torch.cat([gguf_values(8, 256, "q4_k", seed=2), rounded, gguf_values(8, 64, "q4_k", seed=3)], 1)
+    found = block_quant.find(weight)
+    assert found is not None and found.format == "q4_1" and same_values(found.dequantize(), weight)
+
+
 def test_constant_and_zero_blocks_are_exact_too():
     weight = torch.zeros(4, 64)
     weight[1] = 0.5

@@ -8,8 +8,8 @@ values and keeps them only where d q (+ m) gives back every value exactly. The k
 blocks in registers to those same float32 values, so the products are exactly the float32 model's,
 from a fifth (Q4_1; Q4_0's and Q4_K's 4-bit values too) or a third (Q8_0) of the bytes. Other formats
 (Q5_0/Q5_1, the k-quants Q2_K-Q6_K but Q4_K, a tensor's rows of mixed formats) are held as U8X16, from 1.5
-bytes a weight. Nothing here
-depends on where the values came from: weights that are not such blocks are left as they are.
+bytes a weight. Nothing here depends on where the values came from: weights that are not such blocks are
+left as they are.
 
 Block layouts (little-endian, rows of K // 32 blocks, what csrc/cpu/rows_linear.cpp reads):
 Q4_1: float32 d, float32 m, 16 bytes with q[j] in byte j's low nibble and q[j + 16] in its high nibble,
@@ -83,8 +83,8 @@ class BlockWeight:
 
 
 def find(weight: torch.Tensor) -> BlockWeight | None:
-    """The weight in the Q4_1 layout (Q4_1 / Q4_0 values), else as Q8_0 blocks, else as U8X16 (the fewest
-    bytes first), where they hold every value exactly; else None."""
+    """The weight in the Q4_1 layout (Q4_1 / Q4_0 / Q4_K values), else as Q8_0 blocks, else as U8X16 (the
+    fewest bytes first), where they hold every value exactly; else None."""
     if (weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK
             or weight.shape[0] == 0 or weight.device.type != "cpu"):
         return None
@@ -153,12 +153,12 @@ def _encode_q4_1(b: torch.Tensor) -> torch.Tensor | None:
         if i == 2:
             # After Q4_1's and Q4_0's likeliest scales: any d q + m with q in 0..15 (Q4_K's d is a float16
             # times a 6-bit scale); the further float16 candidates for what is left.
-            rest = ~found
-            d_rest, q_rest, m_rest, ok = _affine(b[rest])
+            d_rest, q_rest, m_rest, ok = _affine(b[~found])
             ok &= q_rest.amax(-1) <= 15
-            sub_d, sub_m, sub_q = d_of[rest], m_of[rest], q_of[rest]
-            sub_d[ok], sub_m[ok], sub_q[ok] = d_rest[ok], m_rest[ok], q_rest[ok].to(torch.uint8)
-            d_of[rest], m_of[rest], q_of[rest], found[rest] = sub_d, sub_m, sub_q, ok
+            fits = ~found
+            fits[fits.clone()] = ok   # the blocks left that these values fit
+            d_of[fits], m_of[fits], q_of[fits] = d_rest[ok], m_rest[ok], q_rest[ok].to(torch.uint8)
+            found |= fits
             if found.all():
                 break
         q = torch.where(d != 0, (b - m) / torch.where(d != 0, d, 1), 0).round().clamp(0, 15).to(torch.uint8)
@@ -255,7 +255,7 @@ def _exact(d: torch.Tensor, q: torch.Tensor, m: torch.Tensor, g: torch.Tensor) -
 
 
 def _rounded_divisor(g: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d, q, m) for groups [n, 16] whose values are some d q + m rounded (|m| >> d: the differences share no
+    """(d, q, m) for groups [n, w] whose values are some d q + m rounded (|m| >> d: the differences share no
     divisor), where one is found: q up to an offset from a divisor of the differences up to their rounding,
     d and m fitted to the values (d with few enough bits that d q is exact), then the nearby floats tried
     for both, and offsets of q (the group's least value need not be q = 0). Unfound groups keep a
