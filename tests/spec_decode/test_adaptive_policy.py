@@ -390,3 +390,33 @@ def test_probes_are_spaced_by_the_catch_up_they_grow(reported):
         assert len(probes) <= 6 and all(b - a >= 400 for a, b in zip(probes[2:], probes[3:])), probes
     else:
         assert len(probes) > 8, probes
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_plain_cost_measured_in_a_slow_phase_is_checked_again(pipelined):
+    """Plain steps of 8 sequences were measured at 10 ms (the machine busy with other work), then take
+    5 ms: speculation at acceptance 0.5 (8.5 ms for 12 tokens) beats the stale cost by far, too far for
+    the near-best re-measurements, and loses against the real one. Plain steps are checked again
+    (spaced as probes) and the policy goes back to them. Where plain steps pipeline, the first after
+    speculation refills the pipeline (it measures the switch, not the plain step): a check takes two."""
+    policy = AdaptivePolicy(max_k=1, prior_acceptance=0.5, prior_strength=1e6, explore_every=50)
+    shape = StepShape(list(range(8)), [1] * 8, 0)
+    plain_steps, previous = [], 1
+    for step in range(1500):
+        chosen = policy.choose(shape)
+        K = max(chosen)
+        if K == 0:
+            seconds = 10e-3 if step < 5 else 5e-3
+            refill = pipelined and previous > 0 and step >= 5
+            plain_steps.append(step)
+            policy.observe(shape, chosen, [0] * 8, SpecStepStats(0, 0, 0, [], 0.0, seconds),
+                           Charge(seconds + (1e-3 if refill else 0.0), refill=refill))
+        else:
+            stats = SpecStepStats(8, 8, 4, [4], 0.5e-3, 8e-3, num_verified_tokens=16)
+            policy.observe(shape, chosen, [1, 0] * 4, stats, Charge(8.5e-3))
+        previous = K
+    assert len(plain_steps) > 1000, "stayed with speculation on a stale plain cost"
+    assert all(step in plain_steps for step in range(1400, 1500))
+    if pipelined:   # every check from speculation ran plain twice in a row
+        checks = [s for s in plain_steps if s >= 5 and s - 1 not in plain_steps]
+        assert checks and all(s + 1 in plain_steps for s in checks)

@@ -11,8 +11,9 @@ sequence of the step is decoding, verification is padded to one query length whe
 graph replays it (else it is ragged: mqa_scorer), and all sequences get the same k, chosen
 on measured step times per (batch-size bucket, k) - end to end, host work included, since
 that is what tokens/s pays - with a linear model of device time in the query tokens for
-what is not measured yet. Choices near the best are re-measured now and then; when the mean belief
-says not to speculate, a draw of the global rate (Thompson sampling) may
+what is not measured yet. Choices near the best are re-measured now and then, plain steps however
+far from it (spaced as probes: their cost may have been measured while the machine ran slower);
+when the mean belief says not to speculate, a draw of the global rate (Thompson sampling) may
 still say to, and speculation is probed ever more rarely where it keeps not paying.
 A switch between speculating and not (the draft's catch-up, the plain step
 that cannot overlap a speculative one) is charged to the choice that makes it,
@@ -48,6 +49,8 @@ _SWITCH_HORIZON = 16
 # Probes of speculation that does not pay are spaced so that what they lose (the probe's step
 # and both switches, against plain steps) stays within this share of the time.
 _PROBE_BUDGET = 0.01
+# Checks of plain steps while speculation pays are spaced within this share of the time.
+_PLAIN_CHECK_BUDGET = 0.005
 _MAX_PROBE_EVERY = 800
 # An all-decoding step right after one with prefill chunks is charged one-off costs whatever its k
 # (on the H200 at batch 64-128, about 3 ms over the steps around it): steps this close to one with prefill
@@ -231,6 +234,15 @@ class AdaptivePolicy:
 
             stale = [K for K in rates if worth_measuring(K)]
             K = min(stale, key=lambda K: self._measured_at(n, K)) if stale else best
+            if K == best > 0 and (state.visits <= state.plain_until or state.visits - self._measured_at(n, 0)
+                                  >= self._plain_check_spacing(n, cost[0], cost[best], expected[best])):
+                # Plain steps far from the best are measured again too, spaced as probes: a plain cost
+                # measured while the machine ran slower (other work on it: a CPU's clock, a shared
+                # host) held the policy to speculation that no longer paid. Where plain steps overlap
+                # the host's work, the first after speculation measures the refill: a check takes two.
+                if state.visits > state.plain_until:
+                    state.plain_until = state.visits + (self._switch_part(n, lambda s: s.refill) > 0.0)
+                K = 0
             if K != best:
                 state.last_remeasure = state.visits
             probe = max(range(1, len(rates)), key=rates.__getitem__) if len(rates) > 1 else 0
@@ -264,6 +276,14 @@ class AdaptivePolicy:
             return _MAX_PROBE_EVERY
         # At most _MAX_PROBE_EVERY steps: one slow measurement must not stop probes for good.
         return min(max(loss, 0.0) / budget, _MAX_PROBE_EVERY)
+
+    def _plain_check_spacing(self, n: int, plain: float, step: float, tokens: float) -> float:
+        """Steps between checks of plain steps from speculation (steps of these seconds and expected
+        tokens) that keep what they lose within their budget: the check's plain steps against the
+        time speculation takes for their tokens, and both switches."""
+        steps = 2 if self._switch_part(n, lambda s: s.refill) > 0.0 else 1
+        loss = steps * max(plain - n * step / tokens, 0.0) + self._round_trip(n)
+        return min(max(loss / (_PLAIN_CHECK_BUDGET * step), self.explore_every), _MAX_PROBE_EVERY)
 
     def _bucket_state(self, n: int) -> BucketState:
         return self._buckets.setdefault(_bucket(n), BucketState(probe_every=self.explore_every))

@@ -105,6 +105,7 @@ class BucketState:
     visits: int = 0
     last_spec: int = 0     # the visit of the last speculative step
     last_remeasure: int = 0   # the visit of the last step that re-measured a choice other than the best
+    plain_until: int = 0   # a check of plain steps from speculation runs through this visit
     host: float = 0.0      # average seconds of a plain step's host work the device does not overlap
     calibration: float = 1.0   # measured / modelled seconds of the steps measured here
     observed: int = 0      # plain steps measured here
@@ -117,8 +118,8 @@ class BucketState:
 
     def take_exploration(self, other: "BucketState") -> None:
         """Take another state's exploration bookkeeping (a choice's, made on a copy of this one)."""
-        self.visits, self.last_spec, self.last_remeasure, self.probe_every = (
-            other.visits, other.last_spec, other.last_remeasure, other.probe_every)
+        self.visits, self.last_spec, self.last_remeasure, self.probe_every, self.plain_until = (
+            other.visits, other.last_spec, other.last_remeasure, other.probe_every, other.plain_until)
 
     def observe_switch(self, catch_up: float | None = None, refill: float | None = None) -> None:
         if catch_up is not None:
