@@ -91,6 +91,26 @@ def test_speculating_after_plain_steps_catches_the_draft_up(spec_pair, greedy_re
     assert (any(lengths) if uniform else not any(lengths)) and lengths
 
 
+def test_a_long_lag_is_caught_up_in_forwards_within_the_token_budget(spec_pair, greedy_reference):
+    """After long runs of plain steps 16 sequences lag the draft by more tokens than a step's budget
+    (max_num_batched_tokens, which the activations' memory is sized for): the catch-up feeds them in
+    forwards within it, sequences cut between forwards, and nothing is lost (draft = target)."""
+    budget = 64
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3,
+              max_num_batched_tokens=budget, **KV)
+    worker = llm.llm_engine.executor.worker
+    worker.policy = BurstsPolicy(period=10)
+    proposer = worker.draft_proposer
+    fed, forwards = [], []
+    write, prepare = proposer._write_kv, proposer.runner.prepare
+    proposer._write_kv = lambda feed: fed.append(sum(len(s.token_ids) for s in feed)) or write(feed)
+    proposer.runner.prepare = lambda seqs, *a, **kw: forwards.append(sum(len(s.token_ids) for s in seqs)) or \
+        prepare(seqs, *a, **kw)
+    assert output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    assert metric_values(llm)["vllm:spec_decode_acceptance_rate"] == 1.0
+    assert max(fed) > budget and max(forwards) <= budget
+
+
 def test_uniform_catch_up_of_rows_lagging_by_different_amounts(spec_pair, baseline):
     """Requests arriving at different steps lag the draft by different amounts (up to the padded
     length itself): every row is padded to one query length; draft = target keeps every draft."""

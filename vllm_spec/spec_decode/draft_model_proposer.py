@@ -12,8 +12,10 @@ sequences there do not speculate, and prompts are fed up to it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -43,10 +45,13 @@ class DraftModelProposer:
     """Proposes with a draft model; tracks how much of each sequence its cache holds."""
 
     def __init__(self, runner: ModelRunner, generator: torch.Generator | None, max_positions: int,
-                 block_tables: BlockTableArray | None = None):
-        """block_tables: the verifying runner's array, so the step's batch is laid out once for the
-        draft's loop and the verification (they share the block manager's tables)."""
+                 max_tokens: int, block_tables: BlockTableArray | None = None):
+        """max_tokens: the most tokens an eager forward feeds (the scheduler's token budget, which the
+        activations' memory was sized for); block_tables: the verifying runner's array, so the step's
+        batch is laid out once for the draft's loop and the verification (they share the block
+        manager's tables)."""
         self.runner = runner
+        self.max_tokens = max_tokens
         self.generator = generator
         # The draft's limit: it drafts only below it (the worker caps k), and prompts are fed up to it.
         self.max_positions = max_positions
@@ -104,10 +109,20 @@ class DraftModelProposer:
             starts = [s.seq_len - 2 - q for s in behind]
         feed = [SeqInput(s.seq_id, tokens_from(s, start)[:-2], start, s.block_table, sample=False)
                 for s, start in zip(behind, starts)]
-        self.runner.write_kv(self.runner.prepare(feed))
+        if q is not None:   # a graph replay: its activations live in the graph's own memory
+            self.runner.write_kv(self.runner.prepare(feed))
+        else:
+            self._write_kv(feed)
         for s in feed:
             self._computed[s.seq_id] = s.seq_len
         return sum(len(s.token_ids) for s in feed)
+
+    def _write_kv(self, feed: list[SeqInput]) -> None:
+        """Feed these tokens for their K/V alone, in eager forwards of at most max_tokens tokens: after
+        a long run of plain steps a batch of 256 lags by tens of thousands of tokens, whose
+        activations in one forward would take gigabytes the KV cache was given."""
+        for piece in _pieces(feed, self.max_tokens):
+            self.runner.write_kv(self.runner.prepare(piece))
 
     def _uniform_catch_up_length(self, behind: list[SeqInput], starts: list[int]) -> int | None:
         """The catch-up graph's query length for these rows (None: a ragged eager forward), when
@@ -145,9 +160,13 @@ class DraftModelProposer:
         for s in catch_up:
             self._computed[s.seq_id] = s.seq_len
         if not spec:
-            if catch_up:
-                self.runner.write_kv(self.runner.prepare(catch_up))
+            self._write_kv(catch_up)
             return Proposals(torch.empty(0, 0, dtype=torch.long), None, [])
+        if sum(len(s.token_ids) for s in catch_up) > self.max_tokens:
+            # Rows that only feed (a prefix-cache hit whose draft K/V must be recomputed) go first, in
+            # forwards within the budget; the proposal's forward feeds the speculating rows.
+            self._write_kv([s for i, s in zip(fed, catch_up) if counts[i] == 0])
+            fed, catch_up = spec, [s for i, s in zip(fed, catch_up) if counts[i] > 0]
         batch = self.runner.prepare(catch_up)
         row_in_batch = {i: r for r, i in enumerate(fed)}
         spec_rows = [row_in_batch[i] for i in spec]
@@ -246,3 +265,21 @@ class DraftModelProposer:
             max_seq_len=max_seq_len,
             block_size=block_size,
         )
+
+
+def _pieces(feed: list[SeqInput], max_tokens: int) -> Iterator[list[SeqInput]]:
+    """The feed in batches of at most max_tokens tokens, in order: a sequence cut between two batches
+    feeds its later positions in the next one (they attend to the K/V the earlier batch wrote)."""
+    piece: list[SeqInput] = []
+    room = max_tokens
+    for s in feed:
+        start, tokens = s.start_pos, s.token_ids
+        while tokens:
+            take = tokens[:room]
+            piece.append(dataclasses.replace(s, token_ids=take, start_pos=start))
+            start, tokens, room = start + len(take), tokens[len(take):], room - len(take)
+            if room == 0:
+                yield piece
+                piece, room = [], max_tokens
+    if piece:
+        yield piece

@@ -76,7 +76,7 @@ class SpecDecodeWorker:
                                                 config.model.max_model_len, cuda_graphs=not config.enforce_eager)
                 proposer = self.draft_proposer = DraftModelProposer(
                     self.draft_runner, self.target.sampler.generator, spec.max_model_len,
-                    self.target.runner.block_tables)
+                    config.scheduler.max_num_batched_tokens, self.target.runner.block_tables)
                 cost_ratio = _num_params(draft) / _num_params(self.target.runner.model)   # per-rank shards
             self.proposer = proposer
             if self.tp.world_size > 1:
