@@ -100,9 +100,9 @@ def test_modelled_costs_are_in_seconds_when_decoding_comes_first():
         chosen = policy.choose(shape)
         assert max(chosen) == 0   # plain steps are measured first
         policy.observe(shape, chosen, [0] * 8, SpecStepStats(0, 0, 0, [], 0.0, 8e-3), Charge(10e-3))
-    assert policy._decode_step_cost(8, 0) == pytest.approx(10e-3)
+    assert policy._costs.step_cost(8, 0) == pytest.approx(10e-3)
     # Drafting and verifying more tokens never looks cheaper than the measured plain step.
-    assert all(policy._decode_step_cost(8, k) >= 10e-3 for k in range(1, 5))
+    assert all(policy._costs.step_cost(8, k) >= 10e-3 for k in range(1, 5))
 
 
 def test_a_refill_teaches_the_switching_cost_not_the_plain_cost():
@@ -112,15 +112,15 @@ def test_a_refill_teaches_the_switching_cost_not_the_plain_cost():
     policy = AdaptivePolicy(max_k=4)
     shape = StepShape([1, 2], [4, 4], 0)
     _train(policy, shape, [0.8, 0.8], 0.01, 1e-5, 0.001, steps=20)
-    measured = {key: (c.seconds, c.samples) for key, c in policy._measured.items()}
+    measured = {key: (c.seconds, c.samples) for key, c in policy._costs.measured.items()}
     rate = policy._acceptance.global_rate()
     stats = SpecStepStats(2, 4, 4, [2, 2], 0.002, 0.01, num_verified_tokens=6)
     policy.observe(shape, [2, 2], [2, 2], stats, Charge(0.015))
-    measured[(2, 2)] = (policy._measured[(2, 2)].seconds, policy._measured[(2, 2)].samples)
-    plain = policy._measured[(2, 0)].seconds
+    measured[(2, 2)] = (policy._costs.measured[(2, 2)].seconds, policy._costs.measured[(2, 2)].samples)
+    plain = policy._costs.measured[(2, 0)].seconds
     policy.observe(shape, [0, 0], [0, 0], SpecStepStats(0, 0, 0, [], 0.0, 0.5), Charge(plain + 0.004, refill=True))
-    assert {key: (c.seconds, c.samples) for key, c in policy._measured.items()} == measured
-    assert policy._buckets[2].refill == pytest.approx(0.004)
+    assert {key: (c.seconds, c.samples) for key, c in policy._costs.measured.items()} == measured
+    assert policy._costs.buckets[2].refill == pytest.approx(0.004)
     assert policy._acceptance.global_rate() > rate   # two drafts accepted out of two
 
 
@@ -131,11 +131,11 @@ def test_a_switch_is_charged_to_the_choice_that_makes_it():
     def decide(speculating: bool, round_trip: float) -> int:
         policy = AdaptivePolicy(max_k=1, prior_acceptance=0.5, prior_strength=1e6)
         shape = StepShape([1], [1], 0)
-        state = policy._bucket_state(1)
+        state = policy._costs.bucket_state(1)
         state.visits, state.probe_every = 10, 1000
         state.catch_up, state.refill = round_trip / 2, round_trip / 2
         # 1.5 expected tokens per speculative step: 1.02x the plain step's rate.
-        policy._measured = {(1, 0): StepCost(4.0e-3, at=10, samples=5),
+        policy._costs.measured = {(1, 0): StepCost(4.0e-3, at=10, samples=5),
                             (1, 1): StepCost(1.5 * 4.0e-3 / 1.02, at=10, samples=5)}
         policy._speculating = speculating
         return policy.choose(shape)[0]
@@ -171,9 +171,9 @@ def test_near_best_choices_are_re_measured_one_at_a_time():
     shape = StepShape([1], [4], 0)
     remeasured = 0
     for step in range(400):
-        before = policy._bucket_state(1).last_remeasure
+        before = policy._costs.bucket_state(1).last_remeasure
         k = policy.choose(shape)[0]
-        remeasured += step >= 200 and policy._bucket_state(1).last_remeasure != before
+        remeasured += step >= 200 and policy._costs.bucket_state(1).last_remeasure != before
         stats = SpecStepStats(1, k, 0, [0], 1e-4 * k, 5e-3, num_verified_tokens=k + 1) if k else \
             SpecStepStats(0, 0, 0, [], 0.0, 5e-3)
         policy.observe(shape, [k], [0], stats, Charge(5e-3 + 1e-4 * k))
@@ -203,11 +203,11 @@ def test_an_excursion_pays_its_way_back():
     switch, plain would lose to staying at k = 1)."""
     policy = AdaptivePolicy(max_k=1, prior_acceptance=0.5, prior_strength=1e6, explore_every=50)
     shape = StepShape([1], [1], 0)
-    state = policy._bucket_state(1)
+    state = policy._costs.bucket_state(1)
     state.visits = 200
     state.catch_up, state.refill = 2e-3, 2e-3
     plain, spec = 4.0e-3, 1.5 * 4.0e-3 / 0.95
-    policy._measured = {(1, 0): StepCost(plain, at=200, samples=5), (1, 1): StepCost(spec, at=10, samples=5)}
+    policy._costs.measured = {(1, 0): StepCost(plain, at=200, samples=5), (1, 1): StepCost(spec, at=10, samples=5)}
     assert policy.choose(shape) == [1]
     assert not policy._speculating
     stats = SpecStepStats(1, 1, 1, [1], 0.3e-3, spec - 0.3e-3, num_verified_tokens=2)
@@ -219,17 +219,17 @@ def test_a_new_batch_size_starts_from_the_nearest_switching_cost():
     """Each part of a switch comes from the nearest batch size that measured it: a bucket that has
     only measured its catch-up borrows its neighbour's refill, and a measured 0 is a free switch."""
     policy = AdaptivePolicy(max_k=4)
-    assert policy._round_trip(16) == 0.0
-    policy._bucket_state(8).observe_switch(catch_up=2e-3, refill=1e-3)
-    policy._bucket_state(256).observe_switch(catch_up=9e-3, refill=3e-3)
-    assert policy._round_trip(16) == pytest.approx(3e-3)
-    assert policy._round_trip(200) == pytest.approx(12e-3)
-    policy._bucket_state(16).observe_switch(catch_up=4e-3)
-    assert policy._round_trip(16) == pytest.approx(4e-3 + 1e-3)
-    policy._bucket_state(200).observe_switch(catch_up=0.0, refill=0.0)
-    assert policy._round_trip(200) == 0.0
-    policy._bucket_state(200).observe_switch(catch_up=1e-3)
-    assert policy._round_trip(200) == pytest.approx(0.3e-3)
+    assert policy._costs.round_trip(16) == 0.0
+    policy._costs.bucket_state(8).observe_switch(catch_up=2e-3, refill=1e-3)
+    policy._costs.bucket_state(256).observe_switch(catch_up=9e-3, refill=3e-3)
+    assert policy._costs.round_trip(16) == pytest.approx(3e-3)
+    assert policy._costs.round_trip(200) == pytest.approx(12e-3)
+    policy._costs.bucket_state(16).observe_switch(catch_up=4e-3)
+    assert policy._costs.round_trip(16) == pytest.approx(4e-3 + 1e-3)
+    policy._costs.bucket_state(200).observe_switch(catch_up=0.0, refill=0.0)
+    assert policy._costs.round_trip(200) == 0.0
+    policy._costs.bucket_state(200).observe_switch(catch_up=1e-3)
+    assert policy._costs.round_trip(200) == pytest.approx(0.3e-3)
 
 
 def test_re_measuring_speculation_where_it_does_not_pay_is_spaced_as_a_probe():
@@ -238,15 +238,15 @@ def test_re_measuring_speculation_where_it_does_not_pay_is_spaced_as_a_probe():
     plain decoding is best loses what a probe loses, so it waits as long as a probe would (1% of the
     time: about 400 steps), not explore_every steps."""
     policy = AdaptivePolicy(max_k=1, prior_acceptance=0.01, prior_strength=1e6, explore_every=50)
-    policy._modelled_cost = lambda n, k, state: 4.2e-3 if k else 4.0e-3
-    policy._measured = {(1, 0): StepCost(4.0e-3, at=99, samples=5), (1, 1): StepCost(20e-3, at=0, samples=1)}
-    state = policy._bucket_state(1)
+    policy._costs.modelled_cost = lambda n, k, state: 4.2e-3 if k else 4.0e-3
+    policy._costs.measured = {(1, 0): StepCost(4.0e-3, at=99, samples=5), (1, 1): StepCost(20e-3, at=0, samples=1)}
+    state = policy._costs.bucket_state(1)
     state.probe_every = 800   # the probe path stays out of it: this is the re-measurement rule
     shape = StepShape([1], [1], 0)
     state.visits = 100
     assert policy.choose(shape) == [0]
     state.visits = 420
-    policy._measured[(1, 0)].at = 419
+    policy._costs.measured[(1, 0)].at = 419
     assert policy.choose(shape) == [1]
     assert state.last_remeasure == 421
 
@@ -258,9 +258,9 @@ def test_a_new_batch_size_weighs_switching_at_its_neighbours_cost():
     def decide(borrow: bool) -> int:
         policy = AdaptivePolicy(max_k=1, prior_acceptance=0.5, prior_strength=1e6)
         if borrow:
-            policy._bucket_state(8).observe_switch(catch_up=6e-3, refill=4e-3)
-        policy._bucket_state(16).visits = 10
-        policy._measured = {(16, 0): StepCost(4.0e-3, at=10, samples=5),
+            policy._costs.bucket_state(8).observe_switch(catch_up=6e-3, refill=4e-3)
+        policy._costs.bucket_state(16).visits = 10
+        policy._costs.measured = {(16, 0): StepCost(4.0e-3, at=10, samples=5),
                             (16, 1): StepCost(1.5 * 4.0e-3 / 1.03, at=10, samples=5)}
         return max(policy.choose(StepShape(list(range(16)), [1] * 16, 0)))
 
@@ -270,8 +270,8 @@ def test_a_new_batch_size_weighs_switching_at_its_neighbours_cost():
 
 def test_belief_reports_what_a_choice_weighs():
     policy = AdaptivePolicy(max_k=2)
-    policy._measured = {(8, 0): StepCost(4.0e-3, at=1, samples=5), (8, 1): StepCost(6.0e-3, at=1, samples=5)}
-    policy._bucket_state(8).observe_switch(catch_up=1e-3, refill=2e-3)
+    policy._costs.measured = {(8, 0): StepCost(4.0e-3, at=1, samples=5), (8, 1): StepCost(6.0e-3, at=1, samples=5)}
+    policy._costs.bucket_state(8).observe_switch(catch_up=1e-3, refill=2e-3)
     belief = policy.belief(8)
     assert belief.step_seconds[0] == 4.0e-3 and belief.step_seconds[1] == 6.0e-3
     assert sorted(belief.step_seconds) == [0, 1, 2] and belief.step_seconds[2] > 0
@@ -297,7 +297,7 @@ def test_a_prepared_choice_serves_the_next_step_of_the_same_shape_once():
     made = []
     choose = policy._choose
     policy._choose = lambda s: made.append(s) or choose(s)
-    state = policy._bucket_state(2)
+    state = policy._costs.bucket_state(2)
     visits = state.visits
     policy.prepare(shape)
     assert state.visits == visits   # prepared, not taken: no bookkeeping yet
@@ -317,7 +317,7 @@ def test_a_dropped_choice_books_no_probe():
     policy = AdaptivePolicy(max_k=4, draft_cost_ratio=0.5, explore_every=10)
     shape = StepShape(list(range(8)), [4] * 8, 0)
     _train(policy, shape, [0.1] * 8, target_fixed=5e-3, target_per_token=1e-6, draft_per_forward=4e-3, steps=200)
-    state = policy._bucket_state(8)
+    state = policy._costs.bucket_state(8)
     state.last_spec, state.probe_every = state.visits - 1000, 10   # a probe is due
     before = (state.last_spec, state.probe_every)
     policy.prepare(shape)
@@ -342,28 +342,28 @@ def test_the_step_after_a_prefill_does_not_inflate_a_known_cost():
 
     plain(mixed, 20e-3)
     plain(decoding, 9e-3)   # unmeasured: the first sample counts
-    assert policy._measurement(8, 0).seconds == pytest.approx(9e-3)
+    assert policy._costs.measurement(8, 0).seconds == pytest.approx(9e-3)
     for _ in range(5):
         plain(decoding, 5e-3)
-    known = policy._measurement(8, 0).seconds
+    known = policy._costs.measurement(8, 0).seconds
     plain(mixed, 20e-3)
     plain(decoding, 8e-3)   # settling after the prefill: ignored
-    assert policy._measurement(8, 0).seconds == pytest.approx(known)
+    assert policy._costs.measurement(8, 0).seconds == pytest.approx(known)
     plain(decoding, 5.5e-3)   # the next one counts
-    assert policy._measurement(8, 0).seconds > known
+    assert policy._costs.measurement(8, 0).seconds > known
     # A refill right after a prefill step teaches the switching cost only while none is known.
-    policy._buckets[8].refill = 1e-3
+    policy._costs.buckets[8].refill = 1e-3
     plain(mixed, 20e-3)
     policy.choose(decoding)
     policy.observe(decoding, [0] * 8, [0] * 8, SpecStepStats(0, 0, 0, [], 0.0, 4e-3),
-                   Charge(policy._measurement(8, 0).seconds + 9e-3, refill=True))
-    assert policy._buckets[8].refill == pytest.approx(1e-3)
+                   Charge(policy._costs.measurement(8, 0).seconds + 9e-3, refill=True))
+    assert policy._costs.buckets[8].refill == pytest.approx(1e-3)
     # A cost not measured for explore_every visits is stale: a settling step updates it.
-    policy._measurement(8, 0).at -= 50
-    known = policy._measurement(8, 0).seconds
+    policy._costs.measurement(8, 0).at -= 50
+    known = policy._costs.measurement(8, 0).seconds
     plain(mixed, 20e-3)
     plain(decoding, 6e-3)
-    assert policy._measurement(8, 0).seconds > known
+    assert policy._costs.measurement(8, 0).seconds > known
 
 
 @pytest.mark.parametrize("reported", [False, True])

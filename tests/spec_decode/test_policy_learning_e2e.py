@@ -45,7 +45,7 @@ def test_adaptive_policy_measures_costs_and_keeps_exploring(spec_pair, random_dr
     assert any(chosen), chosen
     start = len(chosen) // 4
     again = [k for i, k in enumerate(chosen) if i >= start and k and k in chosen[:i]]
-    cost = {k: policy._measured[(2, k)].seconds for k in set(chosen)}
+    cost = {k: policy._costs.measured[(2, k)].seconds for k in set(chosen)}
     assert sum(cost[k] - cost[0] for k in again) <= 0.15 * (len(chosen) - start) * cost[0], (chosen, cost)
 
 

@@ -11,9 +11,9 @@ sequence of the step is decoding, verification is padded to one query length whe
 graph replays it (else it is ragged: mqa_scorer), and all sequences get the same k, chosen
 on measured step times per (batch-size bucket, k) - end to end, host work included, since
 that is what tokens/s pays - with a linear model of device time in the query tokens for
-what is not measured yet. Choices near the best are re-measured now and then, plain steps however
-far from it (spaced as probes: their cost may have been measured while the machine ran slower);
-when the mean belief says not to speculate, a draw of the global rate (Thompson sampling) may
+what is not measured yet (decode_costs.py). Choices near the best are re-measured now and
+then, plain steps however far from it (spaced as probes: their cost may have been measured while
+the machine ran slower); when the mean belief says not to speculate, a draw of the global rate (Thompson sampling) may
 still say to, and speculation is probed ever more rarely where it keeps not paying.
 A switch between speculating and not (the draft's catch-up, the plain step
 that cannot overlap a speculative one) is charged to the choice that makes it,
@@ -27,7 +27,6 @@ a step of the same shape takes it, with its bookkeeping.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,9 +35,9 @@ import numpy as np
 from vllm_spec.spec_decode.acceptance import AcceptanceBeliefs, expected_drafts
 from vllm_spec.spec_decode.policy import StepShape
 from vllm_spec.spec_decode.ragged_choice import choose_ragged
-from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge, LinearFit, StepCost, average
+from vllm_spec.spec_decode.decode_costs import DecodeCosts
+from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
-from vllm_spec.worker.cuda_graph import bucket_for
 
 # Choices whose expected rate is within this factor of the best one are kept measured.
 _NEAR_BEST = 0.9
@@ -52,17 +51,6 @@ _PROBE_BUDGET = 0.01
 # Checks of plain steps while speculation pays are spaced within this share of the time.
 _PLAIN_CHECK_BUDGET = 0.005
 _MAX_PROBE_EVERY = 800
-# An all-decoding step right after one with prefill chunks is charged one-off costs whatever its k
-# (on the H200 at batch 64-128, about 3 ms over the steps around it): steps this close to one with prefill
-# chunks update a step kind's cost only while it is unmeasured, few-sampled or stale. (A plain
-# step's cost inflated by them held the policy to speculation that lost 2.5-3% at break-even.)
-_SETTLE_STEPS = 1
-
-
-@functools.cache   # asked many times per step, for a handful of batch sizes
-def _bucket(n: int) -> int:
-    """Batch sizes that cost alike share measurements (the CUDA-graph buckets; exact past them)."""
-    return bucket_for(n) or n
 
 
 @dataclass
@@ -102,38 +90,21 @@ class AdaptivePolicy:
     # Re-measure a near-best choice after this many steps at its batch size; probe speculation
     # that does not pay after as many (doubling each time it still does not pay).
     explore_every: int = 50
-    _buckets: dict[int, BucketState] = field(default_factory=dict)
     _acceptance: AcceptanceBeliefs = field(init=False)
     # Whether a sequence's proposer finds drafts when asked: kept from the first step whose proposer
     # found fewer than asked (an n-gram lookup without a match; a draft model always finds them).
     _found: AcceptanceBeliefs | None = None
-    _target: LinearFit | None = None
-    _draft: LinearFit | None = None
-    # Host seconds a speculative all-decoding step adds to a plain one's, by batch size (the draft's
-    # and the verification's input preparation and bookkeeping, the read of the accepted tokens):
-    # a new batch size's plain steps alone do not show it.
-    _spec_host: LinearFit | None = None
-    # Measured seconds of all-decoding steps per (batch bucket, k): real costs
-    # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
-    _measured: dict[tuple[int, int], StepCost] = field(default_factory=dict)
+    _costs: DecodeCosts = field(init=False)   # what steps cost
     _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
-    # Seconds of the draft's catch-up per token it fed (None: no catch-up seen yet).
-    _catch_up_per_token: float | None = None
     # Whether the policy holds to speculating: the best choice of the last all-decoding step (not an
     # exploring excursion's: the way back is part of the excursion); after a step with prefill
     # chunks, whether it drafted.
     _speculating: bool = False
     # The choice prepared for the next step, and the shape it was made for.
     _ahead: tuple[StepShape, _Choice] | None = None
-    # All-decoding steps observed since the last step with prefill chunks.
-    _since_prefill: int = _SETTLE_STEPS
 
     def __post_init__(self) -> None:
-        # Until measured: a target forward costs 1 plus 1/512 per query token, a draft
-        # forward draft_cost_ratio plus 1/4096 per sequence (memory-bound decoding).
-        self._target = LinearFit(1.0, 1.0 / 512)
-        self._draft = LinearFit(max(self.draft_cost_ratio, 0.01), 1.0 / 4096)
-        self._spec_host = LinearFit(1.0, 1.0 / 64)
+        self._costs = DecodeCosts(self.draft_cost_ratio, self.explore_every)
         self._acceptance = AcceptanceBeliefs(self.prior_acceptance, self.prior_strength, self.decay)
 
     def prepare(self, shape: StepShape) -> None:
@@ -176,8 +147,8 @@ class AdaptivePolicy:
         gains = np.clip(np.array(drawn()), 0.0, 0.999)[:, None] ** j
         if found is not None:
             gains *= np.array(found)[:, None]
-        chosen = choose_ragged(gains, np.array(shape.caps), shape.num_other_tokens, self._target,
-                               self._draft_forward(n)).tolist()
+        chosen = choose_ragged(gains, np.array(shape.caps), shape.num_other_tokens, self._costs.target,
+                               self._costs.draft_forward(n)).tolist()
         return _Choice(chosen, any(chosen))
 
     def _choose_decoding(self, beliefs: list[float], found: list[float] | None, drawn: Callable[[], list[float]],
@@ -189,11 +160,11 @@ class AdaptivePolicy:
         n = len(caps)
         choices = range(min(self.max_k, max(caps)) + 1)
 
-        bucket = self._bucket_state(n)
+        bucket = self._costs.bucket_state(n)
         state = dataclasses.replace(bucket)   # the exploration bookkeeping, as this choice would leave it
-        round_trip = self._round_trip(n)
+        round_trip = self._costs.round_trip(n)
         switch = round_trip / _SWITCH_HORIZON
-        cost = {K: self._decode_step_cost(n, K) for K in choices}
+        cost = {K: self._costs.step_cost(n, K) for K in choices}
 
         def tokens(beliefs: list[float]) -> dict[int, float]:
             drafts = expected_drafts(beliefs, caps, self.max_k, found)
@@ -210,7 +181,7 @@ class AdaptivePolicy:
             rates = goodput(tokens(drawn()))
             best = max(rates, key=rates.__getitem__)
         state.visits += 1
-        if self._plain_samples(n) < MIN_SAMPLES:
+        if self._costs.plain_samples(n) < MIN_SAMPLES:
             # Plain steps are measured at each batch size before the model's guess of them is trusted.
             K = best = 0
         else:
@@ -222,9 +193,10 @@ class AdaptivePolicy:
             may_remeasure = 2 * (state.visits - state.last_remeasure) >= self.explore_every
 
             def worth_measuring(K: int) -> bool:
-                if rates[K] < _NEAR_BEST * rates[best] or state.visits - self._measured_at(n, K) < self.explore_every:
+                at = self._costs.measured_at(n, K)
+                if rates[K] < _NEAR_BEST * rates[best] or state.visits - at < self.explore_every:
                     return False
-                if self._measured_at(n, K) == -np.inf:
+                if at == -np.inf:
                     return True
                 if not may_remeasure:
                     return False
@@ -233,15 +205,15 @@ class AdaptivePolicy:
                     n, K, cost[0], expected[K] / n)
 
             stale = [K for K in rates if worth_measuring(K)]
-            K = min(stale, key=lambda K: self._measured_at(n, K)) if stale else best
-            if K == best > 0 and (state.visits <= state.plain_until or state.visits - self._measured_at(n, 0)
+            K = min(stale, key=lambda K: self._costs.measured_at(n, K)) if stale else best
+            if K == best > 0 and (state.visits <= state.plain_until or state.visits - self._costs.measured_at(n, 0)
                                   >= self._plain_check_spacing(n, cost[0], cost[best], expected[best])):
                 # Plain steps far from the best are measured again too, spaced as probes: a plain cost
                 # measured while the machine ran slower (other work on it: a CPU's clock, a shared
                 # host) held the policy to speculation that no longer paid. Where plain steps overlap
                 # the host's work, the first after speculation measures the refill: a check takes two.
                 if state.visits > state.plain_until:
-                    state.plain_until = state.visits + (self._switch_part(n, lambda s: s.refill) > 0.0)
+                    state.plain_until = state.visits + (self._costs.switch_part(n, lambda s: s.refill) > 0.0)
                 K = 0
             if K != best:
                 state.last_remeasure = state.visits
@@ -264,13 +236,13 @@ class AdaptivePolicy:
         the plain steps its expected tokens would take. The draft's catch-up grows with the spacing
         (every sequence misses a token a plain step), as measured per token fed: where that growth
         alone takes the budget, probes are as rare as they get."""
-        measured = self._measurement(n, k)
-        step = measured.seconds if measured is not None else self._decode_step_cost(n, k)
-        if self._catch_up_per_token is None:
-            switches, budget = self._round_trip(n), _PROBE_BUDGET * plain
+        measured = self._costs.measurement(n, k)
+        step = measured.seconds if measured is not None else self._costs.step_cost(n, k)
+        if self._costs.catch_up_per_token is None:
+            switches, budget = self._costs.round_trip(n), _PROBE_BUDGET * plain
         else:
-            switches = self._switch_part(n, lambda s: s.refill)
-            budget = _PROBE_BUDGET * plain - self._catch_up_per_token * n
+            switches = self._costs.switch_part(n, lambda s: s.refill)
+            budget = _PROBE_BUDGET * plain - self._costs.catch_up_per_token * n
         loss = step + switches - tokens_per_seq * plain
         if budget <= 0.0:
             return _MAX_PROBE_EVERY
@@ -281,61 +253,9 @@ class AdaptivePolicy:
         """Steps between checks of plain steps from speculation (steps of these seconds and expected
         tokens) that keep what they lose within their budget: the check's plain steps against the
         time speculation takes for their tokens, and both switches."""
-        steps = 2 if self._switch_part(n, lambda s: s.refill) > 0.0 else 1
-        loss = steps * max(plain - n * step / tokens, 0.0) + self._round_trip(n)
+        steps = 2 if self._costs.switch_part(n, lambda s: s.refill) > 0.0 else 1
+        loss = steps * max(plain - n * step / tokens, 0.0) + self._costs.round_trip(n)
         return min(max(loss / (_PLAIN_CHECK_BUDGET * step), self.explore_every), _MAX_PROBE_EVERY)
-
-    def _bucket_state(self, n: int) -> BucketState:
-        return self._buckets.setdefault(_bucket(n), BucketState(probe_every=self.explore_every))
-
-    def _round_trip(self, n: int) -> float:
-        """Seconds of a switch to speculation and back at this batch size: the draft's catch-up plus
-        the refill."""
-        return self._switch_part(n, lambda s: s.catch_up) + self._switch_part(n, lambda s: s.refill)
-
-    def _switch_part(self, n: int, part: Callable[[BucketState], float | None]) -> float:
-        """A part of a switch's cost as measured at this batch size or, until it is, at the nearest
-        batch size where it was (0: nowhere yet)."""
-        bucket = _bucket(n)
-        measured = [(abs(b - bucket), part(s)) for b, s in self._buckets.items() if part(s) is not None]
-        return min(measured)[1] if measured else 0.0
-
-    def _measurement(self, n: int, k: int) -> StepCost | None:
-        """What all-decoding steps of n sequences drafting k were measured to cost (None: never)."""
-        return self._measured.get((_bucket(n), k))
-
-    def _measured_at(self, n: int, k: int) -> float:
-        """The bucket visit at which steps of n sequences drafting k were last measured (-inf: never)."""
-        cost = self._measurement(n, k)
-        return -np.inf if cost is None else cost.at
-
-    def _decode_step_cost(self, n: int, k: int) -> float:
-        """Seconds of an all-decoding step of n sequences drafting k: measured, else modelled (device
-        time, plus the host time measured at this batch size); while few samples were taken, the
-        lower of the two (one slow first step must not rule a choice out before it is measured again)."""
-        measured = self._measurement(n, k)
-        if measured is not None and measured.samples >= MIN_SAMPLES:
-            return measured.seconds
-        model = self._modelled_cost(n, k, self._buckets.get(_bucket(n)))
-        return model if measured is None else min(model, measured.seconds)
-
-    def _modelled_cost(self, n: int, k: int, state: BucketState | None) -> float:
-        """Device time from the linear fits plus the host time of plain steps at this batch size (and
-        what speculation adds to it), scaled by how far measured steps here were from the model (the
-        fits span all batch sizes)."""
-        device = (k * self._draft_forward(n) if k else 0.0) + self._target(n * (k + 1))
-        if state is None:
-            return device
-        host = state.host + (self._spec_host(n) if k and self._spec_host.count else 0.0)
-        return (device + host) * state.calibration
-
-    def _plain_samples(self, n: int) -> int:
-        cost = self._measurement(n, 0)
-        return 0 if cost is None else cost.samples
-
-    def _draft_forward(self, n: int) -> float:
-        """Cost of one draft forward over n sequences (the prior ratio until measured)."""
-        return self._draft(n) if self._draft.count else self.draft_cost_ratio * self._target(n)
 
     def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
                 stats: SpecStepStats, charge: Charge, found: list[int] | None = None) -> None:
@@ -348,58 +268,7 @@ class AdaptivePolicy:
         if self._found is not None:
             self._found.observe(shape.seq_ids, [min(k, 1) for k in chosen], [min(k, 1) for k in found])
         drafted = self._acceptance.observe(shape.seq_ids, found, accepted)
-        draft = stats.draft_time - stats.catch_up_time
-        if stats.catch_up_tokens:
-            per_token = stats.catch_up_time / stats.catch_up_tokens
-            self._catch_up_per_token = average(self._catch_up_per_token or 0.0, per_token,
-                                               first=self._catch_up_per_token is None)
-        # The fits first: the calibration below compares a step with a model in seconds (before its
-        # first update the target fit holds a prior without units).
-        # The pass may have been padded to one query length: fit on what the target really ran.
-        q = shape.num_other_tokens + len(shape.seq_ids) + sum(found)
-        self._target.update(stats.num_verified_tokens or q, stats.verify_time)
-        forwards = max(found, default=0)
-        if forwards > 0:
-            self._draft.update(drafted, draft / forwards)
-        if shape.num_other_tokens:
-            self._since_prefill = 0
-        elif shape.seq_ids:
-            settling = self._since_prefill < _SETTLE_STEPS
-            self._since_prefill += 1
-            self._observe_decoding(shape, chosen, stats, charge, draft, settling)
-
-    def _observe_decoding(self, shape: StepShape, chosen: list[int], stats: SpecStepStats, charge: Charge,
-                          draft: float, settling: bool) -> None:
-        """Step costs and switching costs of an all-decoding step at its batch-size bucket (a settling
-        step's charge only where nothing better is known)."""
-        state = self._bucket_state(len(shape.seq_ids))
-        n, K = len(shape.seq_ids), max(chosen, default=0)
-        key = (_bucket(n), K)
-        if stats.catch_up_time > 0:
-            state.observe_switch(catch_up=stats.catch_up_time)
-        if settling and (state.refill is not None if charge.refill else self._known(n, K, state)):
-            return
-        if charge.refill:   # not what plain steps cost: what switching back to them cost
-            plain = self._measurement(n, 0)
-            if plain is not None:
-                state.observe_switch(refill=max(charge.seconds - plain.seconds, 0.0))
-            return
-        step_time = charge.seconds
-        modelled = self._modelled_cost(n, K, None)
-        host = max(step_time - draft - stats.verify_time, 0.0)
-        if K and state.observed and key in self._measured:
-            # Not from a step kind's first step here: a cold one must not set the fit.
-            self._spec_host.update(n, max(host - state.host, 0.0))
-        state.observe(host, step_time / (modelled + host), plain=K == 0)
-        if key in self._measured:
-            self._measured[key].update(step_time, state.visits)
-        else:
-            self._measured[key] = StepCost(step_time, state.visits)
-
-    def _known(self, n: int, k: int, state: BucketState) -> bool:
-        """Whether steps of n sequences drafting k were measured enough, and recently enough."""
-        cost = self._measurement(n, k)
-        return cost is not None and cost.samples >= MIN_SAMPLES and state.visits - cost.at < self.explore_every
+        self._costs.observe(shape, chosen, found, drafted, stats, charge)
 
     def release(self, seq_ids: list[int]) -> None:
         self._acceptance.release(seq_ids)
@@ -408,9 +277,9 @@ class AdaptivePolicy:
 
     def belief(self, n: int) -> DecodeBelief:
         """What a choice for all-decoding steps of n sequences would weigh now (benchmark traces)."""
-        return DecodeBelief({k: self._decode_step_cost(n, k) for k in range(self.max_k + 1)},
-                            self._round_trip(n), self._acceptance.global_rate(), self._speculating)
+        return DecodeBelief({k: self._costs.step_cost(n, k) for k in range(self.max_k + 1)},
+                            self._costs.round_trip(n), self._acceptance.global_rate(), self._speculating)
 
     def estimates(self) -> PolicyEstimates:
         return PolicyEstimates(acceptance=self._acceptance.global_rate(),
-                               draft_cost_ratio=self._draft_forward(1) / self._target(1))
+                               draft_cost_ratio=self._costs.draft_forward(1) / self._costs.target(1))

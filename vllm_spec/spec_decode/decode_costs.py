@@ -1,0 +1,169 @@
+"""What all-decoding steps cost, as the adaptive policy (adaptive_policy.py) learns it online:
+linear fits of the target's and the draft's passes in their tokens, measured seconds per
+(batch-size bucket, k) - end to end, host work included - and per bucket the host time, the
+switching costs and the exploration bookkeeping (BucketState)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_spec.spec_decode.policy import StepShape
+from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge, LinearFit, StepCost, average
+from vllm_spec.worker.batch import SpecStepStats
+from vllm_spec.worker.cuda_graph import bucket_for
+
+# An all-decoding step right after one with prefill chunks is charged one-off costs whatever its k
+# (on the H200 at batch 64-128, about 3 ms over the steps around it): steps this close to one with prefill
+# chunks update a step kind's cost only while it is unmeasured, few-sampled or stale. (A plain
+# step's cost inflated by them held the policy to speculation that lost 2.5-3% at break-even.)
+_SETTLE_STEPS = 1
+
+
+@functools.cache   # asked many times per step, for a handful of batch sizes
+def _bucket(n: int) -> int:
+    """Batch sizes that cost alike share measurements (the CUDA-graph buckets; exact past them)."""
+    return bucket_for(n) or n
+
+
+@dataclass
+class DecodeCosts:
+    """Seconds of the steps the adaptive policy weighs: measured where they were run, modelled where
+    not yet. draft_cost_ratio: the prior draft forward / target forward cost; explore_every: visits of
+    a bucket after which a measurement is stale."""
+
+    draft_cost_ratio: float = 0.05
+    explore_every: int = 50
+    buckets: dict[int, BucketState] = field(default_factory=dict)
+    target: LinearFit = field(init=False)   # seconds of a target pass in its query tokens
+    draft: LinearFit = field(init=False)    # seconds of a draft forward in its sequences
+    # Host seconds a speculative all-decoding step adds to a plain one's, by batch size (the draft's
+    # and the verification's input preparation and bookkeeping, the read of the accepted tokens):
+    # a new batch size's plain steps alone do not show it.
+    spec_host: LinearFit = field(init=False)
+    # Measured seconds of all-decoding steps per (batch bucket, k): real costs
+    # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
+    measured: dict[tuple[int, int], StepCost] = field(default_factory=dict)
+    # Seconds of the draft's catch-up per token it fed (None: no catch-up seen yet).
+    catch_up_per_token: float | None = None
+    # All-decoding steps observed since the last step with prefill chunks.
+    since_prefill: int = _SETTLE_STEPS
+
+    def __post_init__(self) -> None:
+        # Until measured: a target forward costs 1 plus 1/512 per query token, a draft
+        # forward draft_cost_ratio plus 1/4096 per sequence (memory-bound decoding).
+        self.target = LinearFit(1.0, 1.0 / 512)
+        self.draft = LinearFit(max(self.draft_cost_ratio, 0.01), 1.0 / 4096)
+        self.spec_host = LinearFit(1.0, 1.0 / 64)
+
+    def bucket_state(self, n: int) -> BucketState:
+        """The bookkeeping of all-decoding steps of n sequences' bucket."""
+        return self.buckets.setdefault(_bucket(n), BucketState(probe_every=self.explore_every))
+
+    def round_trip(self, n: int) -> float:
+        """Seconds of a switch to speculation and back at this batch size: the draft's catch-up plus
+        the refill."""
+        return self.switch_part(n, lambda s: s.catch_up) + self.switch_part(n, lambda s: s.refill)
+
+    def switch_part(self, n: int, part: Callable[[BucketState], float | None]) -> float:
+        """A part of a switch's cost as measured at this batch size or, until it is, at the nearest
+        batch size where it was (0: nowhere yet)."""
+        bucket = _bucket(n)
+        measured = [(abs(b - bucket), part(s)) for b, s in self.buckets.items() if part(s) is not None]
+        return min(measured)[1] if measured else 0.0
+
+    def measurement(self, n: int, k: int) -> StepCost | None:
+        """What all-decoding steps of n sequences drafting k were measured to cost (None: never)."""
+        return self.measured.get((_bucket(n), k))
+
+    def measured_at(self, n: int, k: int) -> float:
+        """The bucket visit at which steps of n sequences drafting k were last measured (-inf: never)."""
+        cost = self.measurement(n, k)
+        return -np.inf if cost is None else cost.at
+
+    def step_cost(self, n: int, k: int) -> float:
+        """Seconds of an all-decoding step of n sequences drafting k: measured, else modelled (device
+        time, plus the host time measured at this batch size); while few samples were taken, the
+        lower of the two (one slow first step must not rule a choice out before it is measured again)."""
+        measured = self.measurement(n, k)
+        if measured is not None and measured.samples >= MIN_SAMPLES:
+            return measured.seconds
+        model = self.modelled_cost(n, k, self.buckets.get(_bucket(n)))
+        return model if measured is None else min(model, measured.seconds)
+
+    def modelled_cost(self, n: int, k: int, state: BucketState | None) -> float:
+        """Device time from the linear fits plus the host time of plain steps at this batch size (and
+        what speculation adds to it), scaled by how far measured steps here were from the model (the
+        fits span all batch sizes)."""
+        device = (k * self.draft_forward(n) if k else 0.0) + self.target(n * (k + 1))
+        if state is None:
+            return device
+        host = state.host + (self.spec_host(n) if k and self.spec_host.count else 0.0)
+        return (device + host) * state.calibration
+
+    def plain_samples(self, n: int) -> int:
+        cost = self.measurement(n, 0)
+        return 0 if cost is None else cost.samples
+
+    def draft_forward(self, n: int) -> float:
+        """Cost of one draft forward over n sequences (the prior ratio until measured)."""
+        return self.draft(n) if self.draft.count else self.draft_cost_ratio * self.target(n)
+
+    def observe(self, shape: StepShape, chosen: list[int], found: list[int], drafted: int, stats: SpecStepStats,
+                charge: Charge) -> None:
+        """Learn from a step read back: drafts asked (chosen) and found, the sequences that drafted."""
+        draft = stats.draft_time - stats.catch_up_time
+        if stats.catch_up_tokens:
+            per_token = stats.catch_up_time / stats.catch_up_tokens
+            self.catch_up_per_token = average(self.catch_up_per_token or 0.0, per_token,
+                                              first=self.catch_up_per_token is None)
+        # The fits first: the calibration below compares a step with a model in seconds (before its
+        # first update the target fit holds a prior without units).
+        # The pass may have been padded to one query length: fit on what the target really ran.
+        q = shape.num_other_tokens + len(shape.seq_ids) + sum(found)
+        self.target.update(stats.num_verified_tokens or q, stats.verify_time)
+        forwards = max(found, default=0)
+        if forwards > 0:
+            self.draft.update(drafted, draft / forwards)
+        if shape.num_other_tokens:
+            self.since_prefill = 0
+        elif shape.seq_ids:
+            settling = self.since_prefill < _SETTLE_STEPS
+            self.since_prefill += 1
+            self._observe_decoding(shape, chosen, stats, charge, draft, settling)
+
+    def _observe_decoding(self, shape: StepShape, chosen: list[int], stats: SpecStepStats, charge: Charge,
+                          draft: float, settling: bool) -> None:
+        """Step costs and switching costs of an all-decoding step at its batch-size bucket (a settling
+        step's charge only where nothing better is known)."""
+        state = self.bucket_state(len(shape.seq_ids))
+        n, K = len(shape.seq_ids), max(chosen, default=0)
+        key = (_bucket(n), K)
+        if stats.catch_up_time > 0:
+            state.observe_switch(catch_up=stats.catch_up_time)
+        if settling and (state.refill is not None if charge.refill else self._known(n, K, state)):
+            return
+        if charge.refill:   # not what plain steps cost: what switching back to them cost
+            plain = self.measurement(n, 0)
+            if plain is not None:
+                state.observe_switch(refill=max(charge.seconds - plain.seconds, 0.0))
+            return
+        step_time = charge.seconds
+        modelled = self.modelled_cost(n, K, None)
+        host = max(step_time - draft - stats.verify_time, 0.0)
+        if K and state.observed and key in self.measured:
+            # Not from a step kind's first step here: a cold one must not set the fit.
+            self.spec_host.update(n, max(host - state.host, 0.0))
+        state.observe(host, step_time / (modelled + host), plain=K == 0)
+        if key in self.measured:
+            self.measured[key].update(step_time, state.visits)
+        else:
+            self.measured[key] = StepCost(step_time, state.visits)
+
+    def _known(self, n: int, k: int, state: BucketState) -> bool:
+        """Whether steps of n sequences drafting k were measured enough, and recently enough."""
+        cost = self.measurement(n, k)
+        return cost is not None and cost.samples >= MIN_SAMPLES and state.visits - cost.at < self.explore_every
