@@ -163,8 +163,8 @@ class DraftModelProposer:
             self._write_kv(catch_up)
             return Proposals(torch.empty(0, 0, dtype=torch.long), None, [])
         if sum(len(s.token_ids) for s in catch_up) > self.max_tokens:
-            # Rows that only feed (a prefix-cache hit whose draft K/V must be recomputed) go first, in
-            # forwards within the budget; the proposal's forward feeds the speculating rows.
+            # Rows that only feed (prompt chunks, a cached prompt whose draft K/V the draft recomputes)
+            # go first, in forwards within the budget; the proposal's forward feeds the speculating rows.
             self._write_kv([s for i, s in zip(fed, catch_up) if counts[i] == 0])
             fed, catch_up = spec, [s for i, s in zip(fed, catch_up) if counts[i] > 0]
         batch = self.runner.prepare(catch_up)
@@ -273,11 +273,11 @@ def _pieces(feed: list[SeqInput], max_tokens: int) -> Iterator[list[SeqInput]]:
     piece: list[SeqInput] = []
     room = max_tokens
     for s in feed:
-        start, tokens = s.start_pos, s.token_ids
-        while tokens:
-            take = tokens[:room]
-            piece.append(dataclasses.replace(s, token_ids=take, start_pos=start))
-            start, tokens, room = start + len(take), tokens[len(take):], room - len(take)
+        done = 0
+        while done < len(s.token_ids):
+            take = s.token_ids[done:done + room]
+            piece.append(dataclasses.replace(s, token_ids=take, start_pos=s.start_pos + done))
+            done, room = done + len(take), room - len(take)
             if room == 0:
                 yield piece
                 piece, room = [], max_tokens
