@@ -213,7 +213,8 @@ class AdaptivePolicy:
                 # host) held the policy to speculation that no longer paid. Where plain steps overlap
                 # the host's work, the first after speculation measures the refill: a check takes two.
                 if state.visits > state.plain_until:
-                    state.plain_until = state.visits + (self._costs.switch_part(n, lambda s: s.refill) > 0.0)
+                    refills = self._costs.switch_part(n, lambda s: s.refill) > 0.0
+                    state.plain_until = state.visits + (1 if refills else 0)
                 K = 0
             if K != best:
                 state.last_remeasure = state.visits
