@@ -213,8 +213,7 @@ class AdaptivePolicy:
                 # host) held the policy to speculation that no longer paid. Where plain steps overlap
                 # the host's work, the first after speculation measures the refill: a check takes two.
                 if state.visits > state.plain_until:
-                    refills = self._costs.switch_part(n, lambda s: s.refill) > 0.0
-                    state.plain_until = state.visits + (1 if refills else 0)
+                    state.plain_until = state.visits + self._plain_check_steps(n) - 1
                 K = 0
             if K != best:
                 state.last_remeasure = state.visits
@@ -254,9 +253,12 @@ class AdaptivePolicy:
         """Steps between checks of plain steps from speculation (steps of these seconds and expected
         tokens) that keep what they lose within their budget: the check's plain steps against the
         time speculation takes for their tokens, and both switches."""
-        steps = 2 if self._costs.switch_part(n, lambda s: s.refill) > 0.0 else 1
-        loss = steps * max(plain - n * step / tokens, 0.0) + self._costs.round_trip(n)
+        loss = self._plain_check_steps(n) * max(plain - n * step / tokens, 0.0) + self._costs.round_trip(n)
         return min(max(loss / (_PLAIN_CHECK_BUDGET * step), self.explore_every), _MAX_PROBE_EVERY)
+
+    def _plain_check_steps(self, n: int) -> int:
+        """Plain steps a check takes: two where the first after speculation refills the pipeline."""
+        return 2 if self._costs.switch_part(n, lambda s: s.refill) > 0.0 else 1
 
     def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
                 stats: SpecStepStats, charge: Charge, found: list[int] | None = None) -> None:
