@@ -206,7 +206,9 @@ class AdaptivePolicy:
 
             stale = [K for K in rates if worth_measuring(K)]
             K = min(stale, key=lambda K: self._costs.measured_at(n, K)) if stale else best
-            if K == best > 0 and (state.visits <= state.plain_until or state.visits - self._costs.measured_at(n, 0)
+            # (The spacing is explore_every at least: most speculative steps need not compute it.)
+            plain_age = state.visits - self._costs.measured_at(n, 0)
+            if K == best > 0 and (state.visits <= state.plain_until or plain_age >= self.explore_every and plain_age
                                   >= self._plain_check_spacing(n, cost[0], cost[best], expected[best])):
                 # Plain steps far from the best are measured again too, spaced as probes: a plain cost
                 # measured while the machine ran slower (other work on it: a CPU's clock, a shared
