@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_spec.spec_decode.acceptance import expected_drafts
+from vllm_spec.spec_decode.acceptance import AcceptanceBeliefs, expected_drafts
 
 
 def test_expected_drafts_respect_caps_and_clip_rates():
@@ -59,3 +59,18 @@ def test_drafts_a_proposer_may_not_find_count_by_the_chance_it_finds_them():
     one = expected_drafts([0.6] * 8, [4] * 8, 4, [0.3] * 8)
     assert one == pytest.approx([0.3 * d for d in expected_drafts([0.6] * 8, [4] * 8, 4)])
     assert one == pytest.approx(expected_drafts([0.6] * 7 + [0.6 - 1e-15], [4] * 8, 4, [0.3] * 7 + [0.3 - 1e-15]))
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_new_sequence_expects_the_mean_of_the_sequences_rates(k):
+    """Half the sequences accept each draft with 0.9, half with 0.3: a sequence without trials of its
+    own expects their mean, 0.6, whatever k they drafted (pooled trials, many more from the sequences
+    at 0.9, said 0.77 at k = 4, and every new batch speculated until its own trials said otherwise)."""
+    rng = np.random.default_rng(0)
+    beliefs, rates = AcceptanceBeliefs(prior_acceptance=0.6), np.array([0.9, 0.3] * 64)
+    for _ in range(200):
+        passed = rng.random((len(rates), k)) < rates[:, None]
+        accepted = np.cumprod(passed, axis=1).sum(axis=1)
+        beliefs.observe(list(range(len(rates))), [k] * len(rates), accepted.tolist())
+    assert beliefs.global_rate() == pytest.approx(0.6, abs=0.05)
+    assert beliefs.rates([-1]) == [beliefs.global_rate()]
