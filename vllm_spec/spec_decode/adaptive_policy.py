@@ -236,15 +236,15 @@ class AdaptivePolicy:
         """Steps between probes of k from plain decoding that keep what they lose within the budget:
         the probe's step (as last measured: what it will likely cost again) and both switches, less
         the plain steps its expected tokens would take. The draft's catch-up grows with the spacing
-        (every sequence misses a token a plain step), as measured per token fed: where that growth
-        alone takes the budget, probes are as rare as they get."""
+        (every sequence misses a token a plain step), as measured per token fed (else modelled): where
+        that growth alone takes the budget, probes are as rare as they get."""
         measured = self._costs.measurement(n, k)
         step = measured.seconds if measured is not None else self._costs.step_cost(n, k)
-        if self._costs.catch_up_per_token is None:
-            switches, budget = self._costs.round_trip(n), _PROBE_BUDGET * plain
-        else:
-            switches = self._costs.switch_part(n, lambda s: s.refill)
-            budget = _PROBE_BUDGET * plain - self._costs.catch_up_per_token * n
+        # The catch-up as it grows per plain step (a catch-up whose tokens went unreported is counted
+        # as measured: a switch's part).
+        budget = _PROBE_BUDGET * plain - self._costs.catch_up_token(n) * n
+        switches = (self._costs.round_trip(n) if self._costs.catch_up_per_token is None
+                    else self._costs.switch_part(n, lambda s: s.refill))
         loss = step + switches - tokens_per_seq * plain
         if budget <= 0.0:
             return _MAX_PROBE_EVERY
