@@ -195,3 +195,15 @@ def test_a_speculative_max_model_len_past_the_drafts_context_is_refused(tmp_path
     short = copy_with_config(spec_pair[1], tmp_path / "short", max_position_embeddings=40)
     with pytest.raises(ValueError, match="speculative_max_model_len=60 cannot be larger than the draft's"):
         LLM(spec_pair[0], speculative_model=short, num_speculative_tokens=2, speculative_max_model_len=60, **KV)
+
+
+@pytest.mark.parametrize("speculative_model, catches_up", [("[ngram]", False), (None, True)])
+def test_the_adaptive_policy_knows_whether_the_proposer_catches_up(spec_pair, speculative_model, catches_up):
+    """A draft model feeds the tokens it missed over plain steps when it speculates again, which the
+    policy models until it measures it; an n-gram lookup has nothing to catch up: no such cost."""
+    llm = LLM(spec_pair[0], speculative_model=speculative_model or spec_pair[1], num_speculative_tokens=2, **KV)
+    policy = llm.llm_engine.executor.worker.policy
+    llm.generate(make_prompts(2), GREEDY, use_tqdm=False)
+    assert policy.catches_up is catches_up
+    if not catches_up:
+        assert policy._costs.catch_up_token(2) == 0.0 and policy._costs.catch_up_per_token == 0.0

@@ -28,6 +28,7 @@ class AcceptanceBeliefs:
     prior_acceptance: float = 0.6
     prior_strength: float = 4.0
     decay: float = 0.9   # per step, of a sequence's own counts
+    # The global counts: decayed first drafts accepted, of drafting sequence-steps.
     accepted: float = 0.0
     trials: float = 0.0
     seqs: dict[int, tuple[float, float]] = field(default_factory=dict)   # seq id -> (accepted, trials)

@@ -79,7 +79,8 @@ class AdaptivePolicy:
     """Goodput-maximising k from online acceptance beliefs and measured step costs (see the module doc).
 
     draft_cost_ratio: prior draft forward cost / target forward cost (e.g. the parameter ratio),
-    replaced by measurements after the first speculative steps.
+    replaced by measurements after the first speculative steps. catches_up: whether the proposer
+    feeds tokens it missed after plain steps (a draft model; an n-gram lookup has no state to catch up).
     """
 
     max_k: int
@@ -90,6 +91,7 @@ class AdaptivePolicy:
     # Re-measure a near-best choice after this many steps at its batch size; probe speculation
     # that does not pay after as many (doubling each time it still does not pay).
     explore_every: int = 50
+    catches_up: bool = True
     _acceptance: AcceptanceBeliefs = field(init=False)
     # Whether a sequence's proposer finds drafts when asked: kept from the first step whose proposer
     # found fewer than asked (an n-gram lookup without a match; a draft model always finds them).
@@ -104,7 +106,8 @@ class AdaptivePolicy:
     _ahead: tuple[StepShape, _Choice] | None = None
 
     def __post_init__(self) -> None:
-        self._costs = DecodeCosts(self.draft_cost_ratio, self.explore_every)
+        self._costs = DecodeCosts(self.draft_cost_ratio, self.explore_every,
+                                  catch_up_per_token=None if self.catches_up else 0.0)
         self._acceptance = AcceptanceBeliefs(self.prior_acceptance, self.prior_strength, self.decay)
 
     def prepare(self, shape: StepShape) -> None:
@@ -240,8 +243,8 @@ class AdaptivePolicy:
         that growth alone takes the budget, probes are as rare as they get."""
         measured = self._costs.measurement(n, k)
         step = measured.seconds if measured is not None else self._costs.step_cost(n, k)
-        # The catch-up as it grows per plain step (a catch-up whose tokens went unreported is counted
-        # as measured: a switch's part).
+        # The catch-up as it grows per plain step, measured or modelled; until it is measured per token,
+        # the switch also counts whatever catch-up was measured at this batch size.
         budget = _PROBE_BUDGET * plain - self._costs.catch_up_token(n) * n
         switches = (self._costs.round_trip(n) if self._costs.catch_up_per_token is None
                     else self._costs.switch_part(n, lambda s: s.refill))

@@ -47,7 +47,8 @@ class DecodeCosts:
     # Measured seconds of all-decoding steps per (batch bucket, k): real costs
     # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
     measured: dict[tuple[int, int], StepCost] = field(default_factory=dict)
-    # Seconds of the draft's catch-up per token it fed (None: no catch-up seen yet).
+    # Seconds of the draft's catch-up per token it fed (None: no catch-up seen yet; 0 from the start
+    # where the proposer has nothing to catch up, as an n-gram lookup).
     catch_up_per_token: float | None = None
     # All-decoding steps observed since the last step with prefill chunks.
     since_prefill: int = _SETTLE_STEPS
@@ -110,15 +111,16 @@ class DecodeCosts:
 
     def catch_up_token(self, n: int) -> float:
         """Seconds the draft's catch-up takes per token it feeds, at batch size n. Until a catch-up is
-        measured: what the target's pass takes per query token, scaled by the draft's cost ratio at
-        this batch size (0 until the target's pass is measured) (a catch-up feeds many tokens a sequence, as a verification does). Taken as
-        free, a 1B draft's first probe at batch 128 came after 60 plain steps and its catch-up took
-        15 ms, two plain steps (H100, session 42)."""
+        measured, modelled: a catch-up feeds many tokens a sequence, as a verification does, so what
+        the target's pass takes per query token, scaled by the draft's cost ratio at this batch size
+        (0 while the target's pass is unmeasured). Taken as free, a 1B draft's first probe at batch 128
+        came after 60 plain steps and its catch-up took 15 ms, two plain steps (H100, session 42)."""
         if self.catch_up_per_token is not None:
             return self.catch_up_per_token
         if not self.target.count:   # the target's fit has no units yet
             return 0.0
-        return max(self.target.w1, 0.0) * self.draft_forward(n) / self.target(n)
+        # (The ratio at most 1: a fit drifting low must not make the draft dearer than the target.)
+        return max(self.target.w1, 0.0) * min(self.draft_forward(n) / self.target(n), 1.0)
 
     def draft_forward(self, n: int) -> float:
         """Cost of one draft forward over n sequences (the prior ratio until measured)."""

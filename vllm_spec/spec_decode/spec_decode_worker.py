@@ -85,7 +85,8 @@ class SpecDecodeWorker:
         # What a draft forward costs against a target forward, before anything is measured.
         self.draft_cost_ratio = cost_ratio
         self.policy: SpeculationPolicy = (FixedPolicy(k) if spec.policy == "fixed"
-                                          else AdaptivePolicy(k, draft_cost_ratio=cost_ratio))
+                                          else AdaptivePolicy(k, draft_cost_ratio=cost_ratio,
+                                                              catches_up=spec.method != "ngram"))
         self._charges = StepCharges(config.uses_async_scheduling)   # what each step cost, for the policy
         self.scorer = MQAScorer(config, self.target, self.proposer)
         self._unread: _SpecStep | None = None   # a launched step that the next may overlap

@@ -101,7 +101,7 @@ class PolicyEstimates:
     decoding sequences (set by the worker)."""
 
     mean_k: float = float("nan")
-    acceptance: float = float("nan")   # per draft token, of a new request (the mean of the requests' rates)
+    acceptance: float = float("nan")   # per draft token, of a new request (first drafts accepted per drafting step)
     draft_cost_ratio: float = float("nan")
 
 
