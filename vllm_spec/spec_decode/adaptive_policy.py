@@ -4,7 +4,7 @@ maximises expected goodput
     sum_i E_i(k_i) / step_time,   E_i(k) = (1 - a_i^(k+1)) / (1 - a_i)
 
 with a_i the sequence's per-token acceptance: its own decayed counts shrunk
-towards a global rate (a Beta belief), learned on the drafts the proposer found. A proposer
+towards a global rate, a new request's prior (Beta beliefs), learned on the drafts the proposer found. A proposer
 that may find none (n-gram lookup) weighs E_i - 1 by the sequence's chance of finding drafts
 when asked, a belief of the same kind, and step costs are those of asking k. When every
 sequence of the step is decoding, verification is padded to one query length where a CUDA
