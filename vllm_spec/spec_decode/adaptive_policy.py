@@ -247,7 +247,7 @@ class AdaptivePolicy:
         # the switch also counts whatever catch-up was measured at this batch size.
         budget = _PROBE_BUDGET * plain - self._costs.catch_up_token(n) * n
         switches = (self._costs.round_trip(n) if self._costs.catch_up_per_token is None
-                    else self._costs.switch_part(n, lambda s: s.refill))
+                    else self._costs.refill(n))
         loss = step + switches - tokens_per_seq * plain
         if budget <= 0.0:
             return _MAX_PROBE_EVERY
@@ -263,7 +263,7 @@ class AdaptivePolicy:
 
     def _plain_check_steps(self, n: int) -> int:
         """Plain steps a check takes: two where the first after speculation refills the pipeline."""
-        return 2 if self._costs.switch_part(n, lambda s: s.refill) > 0.0 else 1
+        return 2 if self._costs.refill(n) > 0.0 else 1
 
     def observe(self, shape: StepShape, chosen: list[int], accepted: list[int],
                 stats: SpecStepStats, charge: Charge, found: list[int] | None = None) -> None:

@@ -67,7 +67,12 @@ class DecodeCosts:
     def round_trip(self, n: int) -> float:
         """Seconds of a switch to speculation and back at this batch size: the draft's catch-up plus
         the refill."""
-        return self.switch_part(n, lambda s: s.catch_up) + self.switch_part(n, lambda s: s.refill)
+        return self.switch_part(n, lambda s: s.catch_up) + self.refill(n)
+
+    def refill(self, n: int) -> float:
+        """Seconds of the plain step after a speculative one waiting for the host, at this batch size
+        (as switch_part): 0 where plain steps do not overlap the host's work."""
+        return self.switch_part(n, lambda s: s.refill)
 
     def switch_part(self, n: int, part: Callable[[BucketState], float | None]) -> float:
         """A part of a switch's cost as measured at this batch size or, until it is, at the nearest
