@@ -17,8 +17,9 @@ the machine ran slower); when the mean belief says not to speculate, a draw of t
 still say to, and speculation is probed ever more rarely where it keeps not paying.
 A switch between speculating and not (the draft's catch-up, the plain step
 that cannot overlap a speculative one) is charged to the choice that makes it,
-except an exploring excursion's way back (its spacing accounts for it). The step right after one
-with prefill chunks teaches a step cost only where nothing better is known (it pays one-off costs).
+except an exploring excursion's way back (its spacing accounts for it). The steps right after one
+with prefill chunks teach a step cost only where nothing better is known (they pay one-off costs),
+and a kind measured only on them is measured again on the next steady step it is worth one.
 With prefill chunks in the step, k is chosen per sequence (Dinkelbach) on the
 model. Each choice is prepared while the device runs the step before (prepare);
 a step of the same shape takes it, with its bookkeeping.

@@ -16,11 +16,14 @@ from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge, Li
 from vllm_spec.worker.batch import SpecStepStats
 from vllm_spec.worker.cuda_graph import bucket_for
 
-# An all-decoding step right after one with prefill chunks is charged one-off costs whatever its k
-# (on the H200 at batch 64-128, about 3 ms over the steps around it): steps this close to one with prefill
-# chunks update a step kind's cost only while it is unmeasured, few-sampled or stale. (A plain
-# step's cost inflated by them held the policy to speculation that lost 2.5-3% at break-even.)
-_SETTLE_STEPS = 1
+# All-decoding steps right after one with prefill chunks are charged one-off costs whatever their k
+# (on the H200 at batch 64-128, about 3 ms over the steps around it; on an H100 at batch 128 the first
+# two speculative steps 10-20% over the steady state, the first plain step 30%): steps this close to
+# one with prefill chunks update a step kind's cost only while it is unmeasured, few-sampled or stale,
+# and a kind first measured on them is measured again on a steady step. (A plain step's cost inflated
+# by them held the policy to speculation that lost 2.5-3% at break-even; k = 1 measured only on them
+# at batch 128, where it beat plain decoding by 10%, kept the policy to plain steps at 0.97x.)
+_SETTLE_STEPS = 2
 
 
 @functools.cache   # asked many times per step, for a handful of batch sizes
@@ -86,16 +89,17 @@ class DecodeCosts:
         return self.measured.get((_bucket(n), k))
 
     def measured_at(self, n: int, k: int) -> float:
-        """The bucket visit at which steps of n sequences drafting k were last measured (-inf: never)."""
+        """The bucket visit at which steps of n sequences drafting k were last measured (-inf: never, or
+        only on settling steps)."""
         cost = self.measurement(n, k)
-        return -np.inf if cost is None else cost.at
+        return -np.inf if cost is None or not cost.settled else cost.at
 
     def step_cost(self, n: int, k: int) -> float:
         """Seconds of an all-decoding step of n sequences drafting k: measured, else modelled (device
         time, plus the host time measured at this batch size); while few samples were taken, the
         lower of the two (one slow first step must not rule a choice out before it is measured again)."""
         measured = self.measurement(n, k)
-        if measured is not None and measured.samples >= MIN_SAMPLES:
+        if measured is not None and measured.samples >= MIN_SAMPLES and measured.settled:
             return measured.seconds
         model = self.modelled_cost(n, k, self.buckets.get(_bucket(n)))
         return model if measured is None else min(model, measured.seconds)
@@ -178,11 +182,12 @@ class DecodeCosts:
             self.spec_host.update(n, max(host - state.host, 0.0))
         state.observe(host, step_time / (modelled + host), plain=K == 0)
         if key in self.measured:
-            self.measured[key].update(step_time, state.visits)
+            self.measured[key].update(step_time, state.visits, settled=not settling)
         else:
-            self.measured[key] = StepCost(step_time, state.visits)
+            self.measured[key] = StepCost(step_time, state.visits, settled=not settling)
 
     def _known(self, n: int, k: int, state: BucketState) -> bool:
         """Whether steps of n sequences drafting k were measured enough, and recently enough."""
         cost = self.measurement(n, k)
-        return cost is not None and cost.samples >= MIN_SAMPLES and state.visits - cost.at < self.explore_every
+        return (cost is not None and cost.settled and cost.samples >= MIN_SAMPLES
+                and state.visits - cost.at < self.explore_every)

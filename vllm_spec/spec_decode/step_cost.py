@@ -72,13 +72,19 @@ class LinearFit:
 @dataclass
 class StepCost:
     """Measured seconds of one kind of step, how many steps were measured, and the visit of its
-    bucket at which it was last measured."""
+    bucket at which it was last measured. Unsettled: measured only on steps that paid one-off costs
+    (right after a step with prefill chunks), a stand-in until a step of the steady state is measured."""
 
     seconds: float
     at: int
     samples: int = 1
+    settled: bool = True
 
-    def update(self, seconds: float, at: int) -> None:
+    def update(self, seconds: float, at: int, settled: bool = True) -> None:
+        if settled and not self.settled:   # the first steady-state sample replaces the stand-in
+            self.seconds, self.at, self.settled = seconds, at, True
+            self.samples += 1
+            return
         faster = seconds < self.seconds
         # The first samples may include one-off costs (cold caches, a first replay): keep their minimum.
         if self.samples < MIN_SAMPLES:
