@@ -1,5 +1,6 @@
 """What all-decoding steps cost, as the adaptive policy (adaptive_policy.py) learns it online:
-linear fits of the target's and the draft's passes in their tokens, measured seconds per
+linear fits of the target's and the draft's passes in their tokens (the target's also per batch-size
+bucket, once passes of several lengths ran there), measured seconds per
 (batch-size bucket, k) - end to end, host work included - and per bucket the host time, the
 switching costs and the exploration bookkeeping (BucketState)."""
 
@@ -47,6 +48,13 @@ class DecodeCosts:
     # and the verification's input preparation and bookkeeping, the read of the accepted tokens):
     # a new batch size's plain steps alone do not show it.
     spec_host: LinearFit = field(init=False)
+    # Seconds of a target pass in its query tokens at one batch-size bucket (all-decoding steps), and
+    # the query lengths it was fitted on: the global fit's shape and this bucket's level, used once
+    # passes of two lengths or more ran here and so gave it its own slope. A pass's cost is not linear
+    # in its tokens over all batch sizes (on an H100: 1.7 ms per 128 tokens from 128 to 512, 2.9 from
+    # 512 to 1280, and the attention's share grows with the batch): the global line modelled 384 tokens
+    # at batch 128 at 12.5 ms (run: 11.1 ms; this bucket's fit on 128 and 256 tokens: 11.7 ms).
+    local_target: dict[int, tuple[LinearFit, set[int]]] = field(default_factory=dict)
     # Measured seconds of all-decoding steps per (batch bucket, k): real costs
     # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
     measured: dict[tuple[int, int], StepCost] = field(default_factory=dict)
@@ -105,14 +113,19 @@ class DecodeCosts:
         return model if measured is None else min(model, measured.seconds)
 
     def modelled_cost(self, n: int, k: int, state: BucketState | None) -> float:
-        """Device time from the linear fits plus the host time of plain steps at this batch size (and
-        what speculation adds to it), scaled by how far measured steps here were from the model (the
-        fits span all batch sizes)."""
-        device = (k * self.draft_forward(n) if k else 0.0) + self.target(n * (k + 1))
+        """Device time from the linear fits (the target's at this batch size where it has one) plus the
+        host time of plain steps at this batch size (and what speculation adds to it), scaled by how far
+        measured steps here were from the model (the draft's fit spans all batch sizes)."""
+        device = (k * self.draft_forward(n) if k else 0.0) + self.target_at(n, n * (k + 1))
         if state is None:
             return device
         host = state.host + (self.spec_host(n) if k and self.spec_host.count else 0.0)
         return (device + host) * state.calibration
+
+    def target_at(self, n: int, q: int) -> float:
+        """Seconds of a target pass of q query tokens in an all-decoding step of n sequences."""
+        local = self.local_target.get(_bucket(n))
+        return local[0](q) if local is not None and len(local[1]) > 1 else self.target(q)
 
     def plain_samples(self, n: int) -> int:
         cost = self.measurement(n, 0)
@@ -146,8 +159,13 @@ class DecodeCosts:
         # The fits first: the calibration below compares a step with a model in seconds (before its
         # first update the target fit holds a prior without units).
         # The pass may have been padded to one query length: fit on what the target really ran.
-        q = shape.num_other_tokens + len(shape.seq_ids) + sum(found)
-        self.target.update(stats.num_verified_tokens or q, stats.verify_time)
+        q = stats.num_verified_tokens or shape.num_other_tokens + len(shape.seq_ids) + sum(found)
+        self.target.update(q, stats.verify_time)
+        if shape.seq_ids and not shape.num_other_tokens and self.target.count and stats.verify_time > 0:
+            fit, lengths = self.local_target.setdefault(_bucket(len(shape.seq_ids)),
+                                                        (LinearFit(self.target.w0, self.target.w1), set()))
+            fit.update(q, stats.verify_time)
+            lengths.add(q)
         forwards = max(found, default=0)
         if forwards > 0:
             self.draft.update(drafted, draft / forwards)
