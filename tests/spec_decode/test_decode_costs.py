@@ -44,3 +44,22 @@ def test_a_batch_size_models_its_passes_on_its_own_lengths_once_it_has_two():
     assert costs.target_at(128, 128) == pytest.approx(_verify(128), rel=0.02)
     assert costs.target_at(128, 256) == pytest.approx(_verify(256), rel=0.02)
     assert abs(costs.target_at(128, 384) - truth) < abs(costs.target(384) - truth)
+
+
+def test_steps_right_after_a_prefill_teach_no_steady_state_fit():
+    """The first steps after one with prefill chunks run their phases slow (on an H100 the draft's
+    forwards up to 2x): they must not move the draft's fit, nor a batch size's own target fit."""
+    costs = DecodeCosts(0.01)
+    for k in [1, 2] * 4:
+        _step(costs, 32, k)
+    draft, local = costs.draft_forward(32), costs.target_at(32, 96)
+    costs.observe(StepShape(list(range(32)), [8] * 32, 512), [0] * 32, [0] * 32, 0,
+                  SpecStepStats(0, 0, 0, [], 0.0, 20e-3, num_verified_tokens=544), Charge(21e-3))
+    for _ in range(2):   # settling: draft forwards 5x slower, the pass 20%
+        stats = SpecStepStats(32, 64, 0, [], 2 * 1e-3, 1.2 * _verify(96), num_verified_tokens=96)
+        costs.observe(StepShape(list(range(32)), [8] * 32, 0), [2] * 32, [2] * 32, 32, stats, Charge(12e-3))
+    assert costs.draft_forward(32) == pytest.approx(draft)
+    assert costs.target_at(32, 96) == pytest.approx(local)
+    stats = SpecStepStats(32, 64, 0, [], 2 * 0.3e-3, _verify(96), num_verified_tokens=96)
+    costs.observe(StepShape(list(range(32)), [8] * 32, 0), [2] * 32, [2] * 32, 32, stats, Charge(10e-3))
+    assert costs.draft_forward(32) > draft   # the next one does

@@ -156,23 +156,26 @@ class DecodeCosts:
             per_token = stats.catch_up_time / stats.catch_up_tokens
             self.catch_up_per_token = average(self.catch_up_per_token or 0.0, per_token,
                                               first=self.catch_up_per_token is None)
+        decoding = bool(shape.seq_ids) and not shape.num_other_tokens
+        settling = decoding and self.since_prefill < _SETTLE_STEPS
         # The fits first: the calibration below compares a step with a model in seconds (before its
-        # first update the target fit holds a prior without units).
+        # first update the target fit holds a prior without units). A settling step's phases run slow
+        # too (on an H100 its draft forwards up to 2x, its verification 5%): it teaches the global target
+        # fit (which spans steps with prefill chunks anyway) and the draft's only while that has no sample.
         # The pass may have been padded to one query length: fit on what the target really ran.
         q = stats.num_verified_tokens or shape.num_other_tokens + len(shape.seq_ids) + sum(found)
         self.target.update(q, stats.verify_time)
-        if shape.seq_ids and not shape.num_other_tokens and self.target.count and stats.verify_time > 0:
+        if decoding and not settling and self.target.count and stats.verify_time > 0:
             fit, lengths = self.local_target.setdefault(_bucket(len(shape.seq_ids)),
                                                         (LinearFit(self.target.w0, self.target.w1), set()))
             fit.update(q, stats.verify_time)
             lengths.add(q)
         forwards = max(found, default=0)
-        if forwards > 0:
+        if forwards > 0 and (not settling or not self.draft.count):
             self.draft.update(drafted, draft / forwards)
         if shape.num_other_tokens:
             self.since_prefill = 0
         elif shape.seq_ids:
-            settling = self.since_prefill < _SETTLE_STEPS
             self.since_prefill += 1
             self._observe_decoding(shape, chosen, stats, charge, draft, settling)
 
