@@ -53,7 +53,8 @@ class DecodeCosts:
     # passes of two lengths or more ran here and so gave it its own slope. A pass's cost is not linear
     # in its tokens over all batch sizes (on an H100: 1.7 ms per 128 tokens from 128 to 512, 2.9 from
     # 512 to 1280, and the attention's share grows with the batch): the global line modelled 384 tokens
-    # at batch 128 at 12.5 ms (run: 11.1 ms; this bucket's fit on 128 and 256 tokens: 11.7 ms).
+    # at batch 128 at 12.5 ms, out of reach (run: 11.1 ms; a fit on that bucket's passes of 128 and 256
+    # tokens: 10.1 ms, so it is tried and measured).
     local_target: dict[int, tuple[LinearFit, set[int]]] = field(default_factory=dict)
     # Measured seconds of all-decoding steps per (batch bucket, k): real costs
     # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
