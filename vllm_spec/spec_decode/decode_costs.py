@@ -34,6 +34,20 @@ def _bucket(n: int) -> int:
 
 
 @dataclass
+class _BucketTarget:
+    """The fit of a target pass's seconds in its query tokens over one batch-size bucket's all-decoding
+    steps, and whether passes of more than one length taught it (only then has it a slope of its own)."""
+
+    fit: LinearFit
+    first_length: int
+    lengths_differ: bool = False
+
+    def update(self, q: int, seconds: float) -> None:
+        self.fit.update(q, seconds)
+        self.lengths_differ = self.lengths_differ or q != self.first_length
+
+
+@dataclass
 class DecodeCosts:
     """Seconds of the steps the adaptive policy weighs: measured where they were run, modelled where
     not yet. draft_cost_ratio: the prior draft forward / target forward cost; explore_every: visits of
@@ -48,14 +62,14 @@ class DecodeCosts:
     # and the verification's input preparation and bookkeeping, the read of the accepted tokens):
     # a new batch size's plain steps alone do not show it.
     spec_host: LinearFit = field(init=False)
-    # Seconds of a target pass in its query tokens at one batch-size bucket (all-decoding steps), and
-    # the query lengths it was fitted on: the global fit's shape and this bucket's level, used once
-    # passes of two lengths or more ran here and so gave it its own slope. A pass's cost is not linear
+    # Seconds of a target pass in its query tokens at one batch-size bucket (all-decoding steps): the
+    # global fit's shape and this bucket's level, used once passes of two lengths or more ran here and
+    # so gave it its own slope. A pass's cost is not linear
     # in its tokens over all batch sizes (on an H100: 1.7 ms per 128 tokens from 128 to 512, 2.9 from
     # 512 to 1280, and the attention's share grows with the batch): the global line modelled 384 tokens
     # at batch 128 at 12.5 ms, out of reach (run: 11.1 ms; a fit on that bucket's passes of 128 and 256
     # tokens: 10.1 ms, so it is tried and measured).
-    local_target: dict[int, tuple[LinearFit, set[int]]] = field(default_factory=dict)
+    local_target: dict[int, _BucketTarget] = field(default_factory=dict)
     # Measured seconds of all-decoding steps per (batch bucket, k): real costs
     # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
     measured: dict[tuple[int, int], StepCost] = field(default_factory=dict)
@@ -126,7 +140,7 @@ class DecodeCosts:
     def target_at(self, n: int, q: int) -> float:
         """Seconds of a target pass of q query tokens in an all-decoding step of n sequences."""
         local = self.local_target.get(_bucket(n))
-        return local[0](q) if local is not None and len(local[1]) > 1 else self.target(q)
+        return local.fit(q) if local is not None and local.lengths_differ else self.target(q)
 
     def plain_samples(self, n: int) -> int:
         cost = self.measurement(n, 0)
@@ -167,10 +181,10 @@ class DecodeCosts:
         q = stats.num_verified_tokens or shape.num_other_tokens + len(shape.seq_ids) + sum(found)
         self.target.update(q, stats.verify_time)
         if decoding and not settling and self.target.count and stats.verify_time > 0:
-            fit, lengths = self.local_target.setdefault(_bucket(len(shape.seq_ids)),
-                                                        (LinearFit(self.target.w0, self.target.w1), set()))
-            fit.update(q, stats.verify_time)
-            lengths.add(q)
+            bucket = _bucket(len(shape.seq_ids))
+            if bucket not in self.local_target:
+                self.local_target[bucket] = _BucketTarget(LinearFit(self.target.w0, self.target.w1), q)
+            self.local_target[bucket].update(q, stats.verify_time)
         forwards = max(found, default=0)
         if forwards > 0 and (not settling or not self.draft.count):
             self.draft.update(drafted, draft / forwards)
