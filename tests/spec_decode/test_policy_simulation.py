@@ -398,10 +398,10 @@ def test_new_requests_of_mixed_acceptance_after_their_prefills(batch):
         assert np.mean(spec_steps) <= 4, spec_steps
 
 
-# An H100 with the 68M draft (session 44, batch 64-128, steady-state medians): the target's pass by
-# query tokens, a draft forward about 0.2 ms + 2.8 us a sequence, about 1 ms of host work a speculative
-# step at batch 128 the device waits for; the first plain step after a prefill 30% slower, the first two
-# speculative ones 20% and 14%.
+# An H100 with the 68M draft (session 44, batch 1-256, steady-state medians; 2304 tokens extrapolated):
+# the target's pass by query tokens, a draft forward about 0.2 ms + 2.8 us a sequence, about 1 ms of host
+# work a speculative step at batch 128 the device waits for; the first plain step after a prefill 30%
+# slower, the first two speculative ones 20% and 14%.
 _H100_VERIFY_MS = ([1, 64, 128, 256, 384, 512, 640, 768, 896, 1280, 2304],
                    [5.6, 6.0, 7.66, 8.8, 11.1, 13.3, 17.0, 19.6, 24.5, 34.0, 60.0])
 H100_68M_PREFILLS = Costs(lambda q: float(np.interp(q, *_H100_VERIFY_MS)) * 1e-3, lambda n: 0.19e-3 + 0.0028e-3 * n,
