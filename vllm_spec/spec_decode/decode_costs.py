@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_spec.spec_decode.policy import StepShape
-from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge, LinearFit, StepCost, average
+from vllm_spec.spec_decode.step_cost import BucketState, Charge, LinearFit, StepCost, average
 from vllm_spec.worker.batch import SpecStepStats
 from vllm_spec.worker.cuda_graph import bucket_for
 
@@ -64,11 +64,10 @@ class DecodeCosts:
     spec_host: LinearFit = field(init=False)
     # Seconds of a target pass in its query tokens at one batch-size bucket (all-decoding steps): the
     # global fit's shape and this bucket's level, used once passes of two lengths or more ran here and
-    # so gave it its own slope. A pass's cost is not linear
-    # in its tokens over all batch sizes (on an H100: 1.7 ms per 128 tokens from 128 to 512, 2.9 from
-    # 512 to 1280, and the attention's share grows with the batch): the global line modelled 384 tokens
-    # at batch 128 at 12.5 ms, out of reach (run: 11.1 ms; a fit on that bucket's passes of 128 and 256
-    # tokens: 10.1 ms, so it is tried and measured).
+    # so gave it its own slope. A pass's cost is not linear in its tokens over all batch sizes (on an
+    # H100: 1.7 ms per 128 tokens from 128 to 512, 2.9 from 512 to 1280, and the attention's share grows
+    # with the batch): the global line modelled 384 tokens at batch 128 at 12.5 ms, out of reach (run:
+    # 11.1 ms; a fit on that bucket's passes of 128 and 256 tokens: 10.1 ms, so it is tried and measured).
     local_target: dict[int, _BucketTarget] = field(default_factory=dict)
     # Measured seconds of all-decoding steps per (batch bucket, k): real costs
     # need not be linear in the tokens (CPU matrix kernels: 3 query rows measured slower than 5).
@@ -122,7 +121,7 @@ class DecodeCosts:
         time, plus the host time measured at this batch size); while few samples were taken, the
         lower of the two (one slow first step must not rule a choice out before it is measured again)."""
         measured = self.measurement(n, k)
-        if measured is not None and measured.samples >= MIN_SAMPLES and measured.settled:
+        if measured is not None and measured.established:
             return measured.seconds
         model = self.modelled_cost(n, k, self.buckets.get(_bucket(n)))
         return model if measured is None else min(model, measured.seconds)
@@ -190,7 +189,7 @@ class DecodeCosts:
             self.draft.update(drafted, draft / forwards)
         if shape.num_other_tokens:
             self.since_prefill = 0
-        elif shape.seq_ids:
+        elif decoding:
             self.since_prefill += 1
             self._observe_decoding(shape, chosen, stats, charge, draft, settling)
 
@@ -225,5 +224,4 @@ class DecodeCosts:
     def _known(self, n: int, k: int, state: BucketState) -> bool:
         """Whether steps of n sequences drafting k were measured enough, and recently enough."""
         cost = self.measurement(n, k)
-        return (cost is not None and cost.settled and cost.samples >= MIN_SAMPLES
-                and state.visits - cost.at < self.explore_every)
+        return cost is not None and cost.established and state.visits - cost.at < self.explore_every

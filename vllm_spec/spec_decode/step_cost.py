@@ -80,6 +80,11 @@ class StepCost:
     samples: int = 1
     settled: bool = True
 
+    @property
+    def established(self) -> bool:
+        """Measured on enough steady steps to stand for the kind's cost on its own."""
+        return self.settled and self.samples >= MIN_SAMPLES
+
     def update(self, seconds: float, at: int, settled: bool = True) -> None:
         if settled and not self.settled:   # the first steady-state sample replaces the stand-in
             self.seconds, self.at, self.settled = seconds, at, True
