@@ -242,6 +242,13 @@ class BurstsPolicy(ScriptedPolicy):
         return [min(cap, 3) if self.steps % self.period == 0 else 0 for cap in shape.caps]
 
 
+class KPerSequencePolicy(ScriptedPolicy):
+    """Drafts k = (sequence id mod 4), at most the cap: verification passes of k per sequence."""
+
+    def choose(self, shape) -> list[int]:
+        return [min(cap, sid % 4) for sid, cap in zip(shape.seq_ids, shape.caps)]
+
+
 class EagerGraph:
     """Stands in for a captured CUDA graph on the CPU: a replay re-runs the captured function into
     the same output tensor, so the static-buffer bookkeeping around graphs runs without a GPU."""

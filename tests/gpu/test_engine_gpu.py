@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BurstsPolicy, copy_with_config, make_tiny_model
+from conftest import BurstsPolicy, KPerSequencePolicy, copy_with_config, make_tiny_model
 
 from vllm_spec import LLM, SamplingParams
 from vllm_spec.worker import staging
@@ -198,3 +198,21 @@ def test_several_rows_gemv_in_graphs_matches_eager(spec_pair, monkeypatch):
     graphed = LLM(spec_pair[0], **spec)
     assert _ids(graphed.generate(prompt, GREEDY, use_tqdm=False)) == eager
     assert graphed.llm_engine.executor.worker.target.runner._graphs
+
+
+
+def test_ragged_verification_in_graphs_matches_eager(spec_pair, monkeypatch):
+    """24 sequences drafting 0-3 tokens each: verification replays ragged graphs (padding every
+    sequence to 3 drafts would run more tokens) and gives the eager engine's tokens."""
+    from vllm_spec.worker.ragged_graph import RaggedGraphedForward
+
+    prompts = [{"prompt_token_ids": list(range(3 + i, 10 + i + i % 5))} for i in range(24)]
+    reference = _ids(LLM(spec_pair[0], enforce_eager=True, **KV).generate(prompts, GREEDY, use_tqdm=False))
+    llm = LLM(spec_pair[0], speculative_model=spec_pair[0], num_speculative_tokens=3, **KV)
+    worker = llm.llm_engine.executor.worker
+    worker.policy = KPerSequencePolicy()
+    replays = []
+    replay = RaggedGraphedForward.replay
+    monkeypatch.setattr(RaggedGraphedForward, "replay", lambda self, b, s: replays.append(b) or replay(self, b, s))
+    assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    assert replays and max(replays) == 24, replays

@@ -8,6 +8,8 @@ from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
 from vllm_spec.spec_decode.policy import ALWAYS_PAD_BATCH, StepShape, pads_verification
 from vllm_spec.spec_decode.step_cost import Charge, StepCost
 from vllm_spec.worker.batch import SpecStepStats
+from vllm_spec.worker.cuda_graph import bucket_for
+from vllm_spec.worker.ragged_graph import token_bucket
 
 
 def _train(policy: AdaptivePolicy, shape: StepShape, alphas: list[float], target_fixed: float,
@@ -21,8 +23,11 @@ def _train(policy: AdaptivePolicy, shape: StepShape, alphas: list[float], target
             continue
         accepted = [min(k, round(k * a)) for k, a in zip(chosen, alphas)]
         q = shape.num_other_tokens + len(chosen) + sum(chosen)
-        if shape.num_other_tokens == 0 and pads_verification(len(chosen), max(chosen), q, graphs=True):
+        ragged = token_bucket(q, bucket_for(len(chosen)), policy.max_k + 1) if shape.ragged_graphs else None
+        if shape.num_other_tokens == 0 and pads_verification(len(chosen), max(chosen), q, True, ragged):
             q = len(chosen) * (max(chosen) + 1)   # as the worker pads it
+        elif ragged is not None:
+            q = ragged   # a ragged graph's tokens
         stats = SpecStepStats(len(chosen), sum(chosen), sum(accepted), [], max(chosen) * draft_per_forward,
                               target_fixed + target_per_token * q, num_verified_tokens=q)
         policy.observe(shape, chosen, accepted, stats, Charge(stats.draft_time + stats.verify_time))
@@ -72,6 +77,18 @@ def test_padded_verification_gives_every_sequence_the_same_k(batch):
     _train(policy, shape, alphas, target_fixed=5e-3, target_per_token=2e-5, draft_per_forward=3e-4)
     chosen = policy.choose(shape)
     assert len(set(chosen)) == 1 and chosen[0] > 0
+
+
+def test_ragged_graphs_give_low_acceptance_sequences_fewer_drafts():
+    # Every sequence decoding, and a ragged graph replays verification of k per sequence: the tokens
+    # it verifies cost, so the sequences at 0.2 draft fewer than those at 0.95 (none: their drafts do
+    # not pay for their rows of the draft's forwards either).
+    policy = AdaptivePolicy(max_k=6, draft_cost_ratio=0.05)
+    shape = StepShape(list(range(64)), [6] * 64, 0, ragged_graphs=True)
+    alphas = [0.95] * 32 + [0.2] * 32
+    _train(policy, shape, alphas, target_fixed=5e-3, target_per_token=2e-5, draft_per_forward=3e-4)
+    chosen = policy.choose(shape)
+    assert min(chosen[:32]) > max(chosen[32:])
 
 
 def test_policy_explores_after_a_long_pause():

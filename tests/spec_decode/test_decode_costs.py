@@ -63,3 +63,25 @@ def test_steps_right_after_a_prefill_teach_no_steady_state_fit():
     stats = SpecStepStats(32, 64, 0, [], 2 * 0.3e-3, _verify(96), num_verified_tokens=96)
     costs.observe(StepShape(list(range(32)), [8] * 32, 0), [2] * 32, [2] * 32, 32, stats, Charge(10e-3))
     assert costs.draft_forward(32) > draft   # the next one does
+
+
+def test_a_step_of_drafts_per_sequence_is_measured_as_the_step_of_k_for_all_it_stands_for():
+    """Half of 64 sequences draft 4, half none (a ragged graph verifies 64 + 128 tokens, the draft runs
+    for 32): the step's cost is kept as the step of k = 4 for all would have cost by the fits, the
+    target's pass at 320 tokens instead of 192 and the draft's forwards over 64 sequences instead of 32."""
+    costs = DecodeCosts(0.01)
+    for k in [0, 1, 2, 4] * 4:
+        _step(costs, 64, k)
+    n, chosen = 64, [4] * 32 + [0] * 32
+    q = n + 128
+    stats = SpecStepStats(32, 128, 0, [], 4 * 0.2e-3, _verify(q), num_verified_tokens=q)
+    seconds = stats.draft_time + stats.verify_time + 0.5e-3
+    cost, taught = costs.measurement(n, 4), []
+    update = cost.update
+    cost.update = lambda s, at, settled=True: taught.append(s) or update(s, at, settled)
+    costs.observe(StepShape(list(range(n)), [8] * n, 0, ragged_graphs=True), chosen, chosen, 32, stats,
+                  Charge(seconds))
+    # (by the fits as this step left them)
+    expected = (seconds + costs.target_at(n, 320) - costs.target_at(n, q)
+                + 4 * (costs.draft_forward(n) - costs.draft_forward(32)))
+    assert expected > seconds and taught == [pytest.approx(expected)]

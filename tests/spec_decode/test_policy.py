@@ -18,6 +18,13 @@ def test_pads_verification(seqs, k, real, padded):
     assert pads_verification(seqs, k, real, graphs=False) is False   # ragged where no graph replays
 
 
+@pytest.mark.parametrize("seqs, k, ragged_tokens, padded", [(8, 4, 32, False), (8, 4, 40, True), (64, 4, 320, True),
+                                                           (64, 4, 256, False), (16, 8, 48, False)])
+def test_a_ragged_graph_pads_only_what_it_would_run_anyway(seqs, k, ragged_tokens, padded):
+    # Padded where it runs no more tokens than the ragged graph's bucket (small batches included).
+    assert pads_verification(seqs, k, seqs + 1, graphs=True, ragged_tokens=ragged_tokens) is padded
+
+
 TABLE = [(4, 4), (16, 3), (64, 2), (128, 1)]
 
 

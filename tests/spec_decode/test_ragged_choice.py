@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from vllm_spec.spec_decode.ragged_choice import choose_ragged
+from vllm_spec.spec_decode.ragged_choice import choose_capped, choose_ragged
 from vllm_spec.spec_decode.step_cost import LinearFit
 
 MAX_K = 4
@@ -35,3 +36,19 @@ def test_a_draft_token_is_kept_only_while_its_chance_beats_its_verification_cost
 def test_caps_of_zero_draft_nothing():
     target = LinearFit(1.0, 0.001)
     assert choose_ragged(gains([0.99, 0.99]), np.array([0, 0]), 8, target, 0.001).tolist() == [0, 0]
+
+
+def test_a_sequence_drafts_only_where_its_drafts_pay_for_its_rows_of_the_draft():
+    """Capped at K = 3 with a cost per drafting sequence: the sequence at 0.3 would keep its first draft
+    on the verification cost alone (0.3 beats rate x per_token), not with its rows of the draft's 3
+    forwards too; the one at 0.9 drafts all 3."""
+    g = gains([0.9, 0.3])[:, :3]
+
+    def seconds(drafts: int, rows: int) -> float:
+        return 1.0 + 0.01 * drafts + 0.15 * rows
+
+    without_rows = choose_capped(g, np.array([4, 4]), lambda d, r: 1.0 + 0.01 * d, 0.01, 2.0)[0]
+    assert without_rows[0] == 3 and without_rows[1] > 0
+    k, tokens, secs = choose_capped(g, np.array([4, 4]), seconds, 0.01, 2.0, per_row=0.15)
+    assert k.tolist() == [3, 0]
+    assert secs == pytest.approx(seconds(3, 1)) and tokens == pytest.approx(2 + 0.9 + 0.81 + 0.729)

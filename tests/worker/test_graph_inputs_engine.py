@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FIXED, SPEC_KV, eager_capture, make_prompts, metric_values, output_ids
+from conftest import FIXED, SPEC_KV, KPerSequencePolicy, eager_capture, make_prompts, metric_values, output_ids
 
 from vllm_spec import LLM, SamplingParams
 from vllm_spec.spec_decode import draft_loop
@@ -85,3 +85,29 @@ def test_staged_graph_inputs_match_eager(spec_pair, graphs_on_cpu, engine, param
         assert [metric_values(llm)[m] for m in drafted] == [metric_values(eager)[m] for m in drafted]
     else:
         assert staged
+
+
+
+def test_ragged_verification_graph_inputs_match_eager(spec_pair, graphs_on_cpu, monkeypatch):
+    """Sequences drafting 0-3 tokens each: verification is staged into the ragged graphs' buffers (fewer
+    tokens than padding every sequence to 3 drafts) and replayed; outputs equal the eager engine's.
+    (Greedy: seeded requests draft the full k whatever the policy says.)"""
+    from vllm_spec.worker import ragged_graph
+
+    target, draft = spec_pair
+    kw = dict(SPEC_KV, dtype="float32", speculative_model=draft, num_speculative_tokens=3)
+    prompts = make_prompts(12, seed=5)
+    eager = LLM(target, enforce_eager=True, **kw)
+    eager.llm_engine.executor.worker.policy = KPerSequencePolicy()
+    reference = output_ids(eager.generate(prompts, GREEDY, use_tqdm=False))
+    llm = LLM(target, **kw)
+    graphs_on_cpu(llm)
+    worker = llm.llm_engine.executor.worker
+    worker.target.runner.capture_ragged(4, 16)
+    worker.policy = KPerSequencePolicy()
+    staged = []
+    stage = ragged_graph.RaggedGraphedForward.stage
+    monkeypatch.setattr(ragged_graph.RaggedGraphedForward, "stage",
+                        lambda self, *a: staged.append(len(a[3])) or stage(self, *a))
+    assert output_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    assert staged and max(staged) == 12, staged

@@ -35,10 +35,12 @@ import numpy as np
 
 from vllm_spec.spec_decode.acceptance import AcceptanceBeliefs, expected_drafts
 from vllm_spec.spec_decode.policy import StepShape
-from vllm_spec.spec_decode.ragged_choice import choose_ragged
+from vllm_spec.spec_decode.ragged_choice import choose_capped, choose_ragged
 from vllm_spec.spec_decode.decode_costs import DecodeCosts
 from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
+from vllm_spec.worker.cuda_graph import bucket_for
+from vllm_spec.worker.ragged_graph import token_bucket
 
 # Choices whose expected rate is within this factor of the best one are kept measured.
 _NEAR_BEST = 0.9
@@ -52,6 +54,8 @@ _PROBE_BUDGET = 0.01
 # Checks of plain steps while speculation pays are spaced within this share of the time.
 _PLAIN_CHECK_BUDGET = 0.005
 _MAX_PROBE_EVERY = 800
+# Drafts per sequence are taken over min(K, cap) for all where the model says they pay this much more.
+_PER_SEQ_MARGIN = 1.02
 
 
 @dataclass
@@ -146,7 +150,7 @@ class AdaptivePolicy:
             return [r + shift for r in beliefs]
 
         if shape.num_other_tokens == 0:
-            return self._choose_decoding(beliefs, found, drawn, shape.caps)
+            return self._choose_decoding(beliefs, found, drawn, shape.caps, shape.ragged_graphs)
         j = np.arange(1, self.max_k + 1)[None, :]
         gains = np.clip(np.array(drawn()), 0.0, 0.999)[:, None] ** j
         if found is not None:
@@ -156,11 +160,12 @@ class AdaptivePolicy:
         return _Choice(chosen, any(chosen))
 
     def _choose_decoding(self, beliefs: list[float], found: list[float] | None, drawn: Callable[[], list[float]],
-                         caps: list[int]) -> _Choice:
+                         caps: list[int], ragged: bool) -> _Choice:
         """Every sequence decoding: verification is padded to K+1 tokens per sequence where a CUDA
-        graph replays it (ragged verification runs eagerly, slower), so each sequence drafts min(K, cap) and
-        K is chosen on the measured costs of such steps. The choice's speculating is whether the
-        best choice speculates (the step itself may explore another)."""
+        graph replays it, so each sequence drafts min(K, cap) and K is chosen on the measured costs of
+        such steps; where a ragged graph replays k per sequence (`ragged`), each sequence may draft
+        fewer than K where that pays (_per_sequence). The choice's speculating is whether the best choice
+        speculates (the step itself may explore another)."""
         n = len(caps)
         choices = range(min(self.max_k, max(caps)) + 1)
 
@@ -174,15 +179,25 @@ class AdaptivePolicy:
             drafts = expected_drafts(beliefs, caps, self.max_k, found)
             return {K: n + drafts[K] for K in choices}
 
-        def goodput(tokens: dict[int, float]) -> dict[int, float]:
+        def goodput(tokens: dict[int, float], cost: dict[int, float]) -> dict[int, float]:
             return {K: t / (cost[K] + (switch if (K > 0) != self._speculating else 0.0)) for K, t in tokens.items()}
 
         expected = tokens(beliefs)
-        rates = goodput(expected)
+        # Rates of K drafts for all: what decides which kinds of step are worth measuring (drafts per
+        # sequence are measured as the step of K for all they stand for: decode_costs).
+        uniform_rates = rates = goodput(expected, cost)
+        per_seq = self._per_sequence(n, beliefs, found, caps, cost, expected) if ragged else {}
+        if per_seq:
+            expected, cost = dict(expected), dict(cost)
+            for K, (_, t, seconds) in per_seq.items():
+                expected[K], cost[K] = t, seconds
+            rates = goodput(expected, cost)
         best = max(rates, key=rates.__getitem__)
         if best == 0:
             # The mean belief says do not speculate; the drawn one may say otherwise (exploration).
-            rates = goodput(tokens(drawn()))
+            if per_seq:
+                per_seq, expected, cost = {}, tokens(beliefs), {K: self._costs.step_cost(n, K) for K in choices}
+            uniform_rates = rates = goodput(tokens(drawn()), cost)
             best = max(rates, key=rates.__getitem__)
         state.visits += 1
         if self._costs.plain_samples(n) < MIN_SAMPLES:
@@ -198,7 +213,7 @@ class AdaptivePolicy:
 
             def worth_measuring(K: int) -> bool:
                 at = self._costs.measured_at(n, K)
-                if rates[K] < _NEAR_BEST * rates[best] or state.visits - at < self.explore_every:
+                if uniform_rates[K] < _NEAR_BEST * rates[best] or state.visits - at < self.explore_every:
                     return False
                 if at == -np.inf:
                     return True
@@ -234,7 +249,36 @@ class AdaptivePolicy:
                 state.probe_every = self.explore_every
         if K > 0:
             state.last_spec = state.visits
-        return _Choice([cap if cap < K else K for cap in caps], best > 0, bucket, state)
+        drafts = per_seq[K][0] if K in per_seq else [cap if cap < K else K for cap in caps]
+        return _Choice(drafts, best > 0, bucket, state)
+
+    def _per_sequence(self, n: int, beliefs: list[float], found: list[float] | None, caps: list[int],
+                      cost: dict[int, float], expected: dict[int, float]) -> dict[int, tuple[list[int], float, float]]:
+        """K -> (drafts of at most K per sequence, their expected tokens, the step's seconds) where they
+        beat every sequence drafting min(K, cap): a ragged graph verifies k per sequence at the cost of
+        the tokens it runs. Such a step costs what drafting K for all does (measured: the draft's K
+        forwards, the host's work) with the target's pass modelled at its own tokens and the draft's
+        forwards at the sequences that draft (the draft runs for those alone) instead."""
+        rates = np.clip(np.array(beliefs), 0.0, 0.999)
+        gains = rates[:, None] ** np.arange(1, self.max_k + 1)[None, :]
+        if found is not None:
+            gains *= np.array(found)[:, None]
+        cap_arr, bucket = np.array(caps), bucket_for(n)
+        target, draft = self._costs.target_at, self._costs.draft_forward
+        out = {}
+        for K in range(1, len(cost)):
+            uniform_q = n * (K + 1)
+            base = cost[K] - target(n, uniform_q) - K * draft(n)
+
+            def seconds(drafts: int, rows: int) -> float:   # (a pass of no fewer tokens is padded: uniform_q)
+                return base + K * draft(rows) + target(n, min(token_bucket(n + drafts, bucket, self.max_k + 1), uniform_q))
+
+            per_token = target(n, uniform_q + 1) - target(n, uniform_q)
+            drafts, t, secs = choose_capped(gains[:, :K], cap_arr, seconds, per_token, expected[K] / cost[K],
+                                            per_row=K * (draft(n + 1) - draft(n)))
+            if t / secs > _PER_SEQ_MARGIN * expected[K] / cost[K]:
+                out[K] = (drafts.tolist(), t, secs)
+        return out
 
     def _probe_spacing(self, n: int, k: int, plain: float, tokens_per_seq: float) -> float:
         """Steps between probes of k from plain decoding that keep what they lose within the budget:

@@ -210,8 +210,15 @@ class DecodeCosts:
                 state.observe_switch(refill=max(charge.seconds - plain.seconds, 0.0))
             return
         step_time = charge.seconds
-        modelled = self.modelled_cost(n, K, None)
         host = max(step_time - draft - stats.verify_time, 0.0)
+        if any(k != min(cap, K) for k, cap in zip(chosen, shape.caps)):
+            # k per sequence (a ragged graph's pass): taken as the step of K for all it stands for, its
+            # target pass and draft forwards modelled at that step's tokens and sequences instead of its
+            # own (as the policy weighs it).
+            rows = sum(1 for k in chosen if k)
+            step_time += (self.target_at(n, n * (K + 1)) - self.target_at(n, stats.num_verified_tokens)
+                          + K * (self.draft_forward(n) - self.draft_forward(rows)))
+        modelled = self.modelled_cost(n, K, None)
         if K and state.observed and key in self.measured:
             # Not from a step kind's first step here: a cold one must not set the fit.
             self.spec_host.update(n, max(host - state.host, 0.0))

@@ -69,7 +69,10 @@ class MQAScorer:
         max_len = self.config.model.max_model_len
         real = len(req.seqs) + int(drafted.sum())
         cols = req.columns
-        uniform = (pads_verification(len(req.seqs), k, real, self.target.runner.cuda_graphs)
+        runner = self.target.runner
+        ragged = runner.ragged_for(len(req.seqs), k + 1)
+        uniform = (pads_verification(len(req.seqs), k, real, runner.cuda_graphs,
+                                     ragged.tokens_run(len(req.seqs), real) if ragged is not None else None)
                    and bool((cols.sample & (cols.num_new == 1)).all())
                    and int(cols.seq_len.max()) + k <= max_len)
         pads = np.full(len(req.seqs), k, dtype=np.int64) if uniform else found_np
@@ -176,7 +179,7 @@ class MQAScorer:
                                   accepted.tolist())
         per_pos = (accepted[:, None] > np.arange(k)).sum(axis=0).tolist()
         stats = SpecStepStats(int(np.count_nonzero(drafted)), int(drafted.sum()), int(accepted.sum()), per_pos,
-                              0.0, 0.0, num_verified_tokens=int(batch.input_ids.shape[0]))
+                              0.0, 0.0, num_verified_tokens=runner.tokens_run(batch))
         return StepOutput(seq_ids, emitted, logprobs, stats, prompt_logprobs, device_wait_time=wait)
 
     def _synthetic_draws(self, req: ExecuteModelRequest, rows: np.ndarray) -> SyntheticDraws:

@@ -18,18 +18,22 @@ POLICIES = ("fixed", "adaptive")
 
 
 # Verification of decoding sequences is padded to the longest draft (one query length, so a
-# CUDA graph replays) for batches this small, or when padding adds at most this factor of tokens.
-# Measured on an H200 (8B shape, batch 32): the ragged pass runs eagerly at 13-24 ms where the
-# padded graph takes 8 ms for 25% more tokens.
+# CUDA graph replays) for batches this small, or when padding adds at most this factor of tokens,
+# where no ragged graph replays a pass of k per sequence. Measured on an H200 (8B shape, batch 32):
+# the ragged pass runs eagerly at 13-24 ms where the padded graph takes 8 ms for 25% more tokens.
 ALWAYS_PAD_BATCH = 16
 MAX_PAD_RATIO = 2.0
 
 
-def pads_verification(num_seqs: int, max_k: int, real_tokens: int, graphs: bool) -> bool:
+def pads_verification(num_seqs: int, max_k: int, real_tokens: int, graphs: bool,
+                      ragged_tokens: int | None = None) -> bool:
     """Whether a verification pass of all-decoding sequences is padded to num_seqs * (max_k + 1) tokens.
     Only a target that replays CUDA graphs pads: without them (the CPU, enforce_eager) padding only adds
     work, a CPU pass's time growing with its rows (batch 16 with n-gram drafts on 2 cores: padded passes
-    made speculation 0.87x plain decoding's tokens/s)."""
+    made speculation 0.87x plain decoding's tokens/s). ragged_tokens: the tokens a ragged graph would run
+    for the pass (None: it would run eagerly); padding then runs no more tokens than it."""
+    if ragged_tokens is not None:
+        return graphs and num_seqs * (max_k + 1) <= ragged_tokens
     return graphs and (num_seqs <= ALWAYS_PAD_BATCH or num_seqs * (max_k + 1) <= MAX_PAD_RATIO * real_tokens)
 
 
@@ -40,6 +44,9 @@ class StepShape:
     seq_ids: list[int]        # decoding sequences that may speculate
     caps: list[int]           # most drafts each may take (num_speculative_tokens, the draft's limit)
     num_other_tokens: int     # query tokens the policy does not choose (prefill chunks, seeded rows)
+    # Whether an all-decoding verification with k per sequence replays a graph (ragged_graph.py); else
+    # it runs eagerly, slower than one padded to the longest draft.
+    ragged_graphs: bool = False
 
 
 class SpeculationPolicy(Protocol):

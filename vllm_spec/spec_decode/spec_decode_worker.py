@@ -112,6 +112,7 @@ class SpecDecodeWorker:
         # Plain decode, and verification of any k up to the configured one (the policy varies it).
         k = self.config.speculative.num_speculative_tokens
         self.target.runner.capture_graphs(list(range(1, k + 2)), max_batch)
+        self.target.runner.capture_ragged(k + 1, max_batch)   # verification with k per sequence
         greedy_verify.warm_up(k, self.device)
         self.target.runner.warm_logits(min(max_batch * (k + 1), self.config.scheduler.max_num_batched_tokens))
         if self.draft_runner is not None:
@@ -154,7 +155,9 @@ class SpecDecodeWorker:
         # (so a step with them is not costed as an all-decoding step of the policy's own k).
         other_tokens = int(cols.num_new.sum()) - len(rows) + int(asked.sum())
         row_list = rows.tolist()
-        shape = StepShape(cols.ids_of(row_list), room[rows].tolist(), other_tokens)
+        ragged = not other_tokens and self.target.runner.ragged_for(len(rows), spec.num_speculative_tokens + 1) \
+            is not None
+        shape = StepShape(cols.ids_of(row_list), room[rows].tolist(), other_tokens, ragged)
         asked[rows] = self.policy.choose(shape)
         return asked.tolist(), shape, row_list
 

@@ -170,6 +170,10 @@ class GraphedForward:
             max_query_len=q, max_seq_len=int(seq_lens.max()), block_size=self.block_size)
         return input_ids, positions, md, self._staged
 
+    def tokens_run(self, batch: int, tokens: int) -> int:
+        """The query tokens counted for such a batch (its bucket's padding rows are not)."""
+        return tokens
+
     @torch.inference_mode()
     def replay(self, batch: int, stage: int) -> torch.Tensor:
         """Hidden states [batch * q_len, hidden] (logits [batch * q_len, vocab] with `logits`) of the

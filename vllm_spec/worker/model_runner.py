@@ -18,6 +18,7 @@ from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.worker.batch import BatchColumns, SeqInput
 from vllm_spec.worker.block_table import BlockTableArray
 from vllm_spec.worker.cuda_graph import GraphedForward, bucket_for
+from vllm_spec.worker.ragged_graph import RaggedGraphedForward, sink_fits
 
 
 @dataclass
@@ -30,7 +31,7 @@ class PreparedBatch:
     last_rows: np.ndarray      # int64 [B]: each sequence's last row (where its next token is sampled)
     host_tokens: np.ndarray    # int64 [T]: input_ids as sent (PLACEHOLDER_TOKEN where a token is in flight)
     # The graph whose static buffers hold the inputs (views of them above), and its stage number.
-    graph: GraphedForward | None = None
+    graph: GraphedForward | RaggedGraphedForward | None = None
     stage: int = 0
 
 
@@ -44,7 +45,8 @@ class ModelRunner:
     """Owns a model and its KV cache; knows batches and blocks, not requests.
 
     With `cuda_graphs` on, uniform batches (decode, verification, draft steps) replay
-    CUDA graphs; anything else runs eagerly.
+    CUDA graphs, and so do batches of at most max_q tokens per sequence once ragged graphs for
+    max_q were captured (capture_ragged: verification with k per sequence); anything else runs eagerly.
     """
 
     def __init__(self, model: LlamaForCausalLM, device: torch.device, block_size: int,
@@ -65,6 +67,7 @@ class ModelRunner:
         if device.type == "cpu":
             model.pack_for_cpu()
         self._graphs: dict[int, GraphedForward] = {}
+        self._ragged: RaggedGraphedForward | None = None
         self._graph_pool = None
         # Kept across steps (see block_table); a speculative worker lends it to the draft's loop,
         # which drafts for the batch this runner then verifies.
@@ -149,6 +152,10 @@ class ModelRunner:
         if graph is not None:
             input_ids, pos_t, md, stage = graph.stage(tokens, positions, slots, seq_lens, tables)
             return PreparedBatch(input_ids, pos_t, md, uniform, qsl[:-1].tolist(), qsl[1:] - 1, tokens, graph, stage)
+        ragged = self.ragged_for(B, int(q_lens.max())) if use_graph and not uniform else None
+        if ragged is not None:
+            input_ids, pos_t, md, stage = ragged.stage(tokens, positions, slots, seq_lens, qsl, tables)
+            return PreparedBatch(input_ids, pos_t, md, None, qsl[:-1].tolist(), qsl[1:] - 1, tokens, ragged, stage)
         input_ids, pos_t, slot_t, qsl_t, lens_t, tables_t = to_device_aligned(
             [tokens, positions, slots, qsl, seq_lens, tables.ravel()], self.device)
         md = AttentionMetadata(
@@ -169,6 +176,31 @@ class ModelRunner:
         if graph is None and q_len <= MAX_GRAPH_QUERY_LEN:
             graph = self._new_graph(q_len)
         return graph
+
+    def ragged_for(self, num_seqs: int, max_q: int) -> RaggedGraphedForward | None:
+        """The ragged graphs for a batch of num_seqs sequences feeding at most max_q tokens each, or None
+        (none captured, or the batch is past them)."""
+        ragged = self._ragged
+        if ragged is None or max_q > ragged.max_q or bucket_for(num_seqs) is None:
+            return None
+        return ragged
+
+    @staticmethod
+    def tokens_run(batch: PreparedBatch) -> int:
+        """The query tokens the forward of a prepared batch runs (a ragged graph's padding included)."""
+        T = int(batch.input_ids.shape[0])
+        return T if batch.graph is None else batch.graph.tokens_run(batch.md.num_seqs, T)
+
+    def capture_ragged(self, max_q: int, max_batch: int) -> None:
+        """Capture up front the graphs of batches of at most max_batch sequences feeding 1..max_q tokens
+        each (every token bucket: no step pays for a capture)."""
+        if not self.cuda_graphs or not sink_fits(self.max_blocks_per_seq, self.block_size):
+            return
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        self._ragged = RaggedGraphedForward(self.model, max_q, self.max_blocks_per_seq, self.block_size,
+                                            self.max_model_len, self._graph_pool)
+        self._ragged.capture(max_batch)
 
     def _new_graph(self, q_len: int) -> GraphedForward:
         if self._graph_pool is None:
