@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_spec.spec_decode.ragged_choice import choose_capped, choose_ragged
+from vllm_spec.spec_decode.ragged_choice import choose_per_cap, choose_ragged
 from vllm_spec.spec_decode.step_cost import LinearFit
 
 MAX_K = 4
@@ -39,16 +39,17 @@ def test_caps_of_zero_draft_nothing():
 
 
 def test_a_sequence_drafts_only_where_its_drafts_pay_for_its_rows_of_the_draft():
-    """Capped at K = 3 with a cost per drafting sequence: the sequence at 0.3 would keep its first draft
+    """Caps K = 1..3 with a cost per drafting sequence: at K = 3 the sequence at 0.3 would keep a draft
     on the verification cost alone (0.3 beats rate x per_token), not with its rows of the draft's 3
-    forwards too; the one at 0.9 drafts all 3."""
+    forwards too; the one at 0.9 drafts all 3. Each cap's expected tokens and seconds are its choice's."""
     g = gains([0.9, 0.3])[:, :3]
 
-    def seconds(drafts: int, rows: int) -> float:
-        return 1.0 + 0.01 * drafts + 0.15 * rows
+    def seconds(K: int, drafts: int, rows: int) -> float:
+        return 1.0 + 0.01 * drafts + 0.05 * K * rows
 
-    without_rows = choose_capped(g, np.array([4, 4]), lambda d, r: 1.0 + 0.01 * d, 0.01, 2.0)[0]
-    assert without_rows[0] == 3 and without_rows[1] > 0
-    k, tokens, secs = choose_capped(g, np.array([4, 4]), seconds, 0.01, 2.0, per_row=0.15)
-    assert k.tolist() == [3, 0]
-    assert secs == pytest.approx(seconds(3, 1)) and tokens == pytest.approx(2 + 0.9 + 0.81 + 0.729)
+    caps, per_token, rates = np.array([4, 4]), np.full(3, 0.01), np.full(3, 2.0)
+    without_rows = choose_per_cap(g, caps, lambda K, d, r: 1.0 + 0.01 * d, per_token, rates)[0]
+    assert without_rows[2, 0] == 3 and without_rows[2, 1] > 0
+    k, tokens, secs = choose_per_cap(g, caps, seconds, per_token, rates, per_row=0.05 * np.arange(1, 4))
+    assert k[2].tolist() == [3, 0] and k[0].tolist() == [1, 1]
+    assert secs[2] == pytest.approx(seconds(3, 3, 1)) and tokens[2] == pytest.approx(2 + 0.9 + 0.81 + 0.729)

@@ -35,7 +35,7 @@ import numpy as np
 
 from vllm_spec.spec_decode.acceptance import AcceptanceBeliefs, expected_drafts
 from vllm_spec.spec_decode.policy import StepShape
-from vllm_spec.spec_decode.ragged_choice import choose_capped, choose_ragged
+from vllm_spec.spec_decode.ragged_choice import choose_per_cap, choose_ragged
 from vllm_spec.spec_decode.decode_costs import DecodeCosts
 from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
@@ -263,22 +263,21 @@ class AdaptivePolicy:
         gains = rates[:, None] ** np.arange(1, self.max_k + 1)[None, :]
         if found is not None:
             gains *= np.array(found)[:, None]
-        cap_arr, bucket = np.array(caps), bucket_for(n)
+        M, bucket = len(cost) - 1, bucket_for(n)
         target, draft = self._costs.target_at, self._costs.draft_forward
-        out = {}
-        for K in range(1, len(cost)):
-            uniform_q = n * (K + 1)
-            base = cost[K] - target(n, uniform_q) - K * draft(n)
+        uniform_q = n * (np.arange(1, M + 1) + 1)
 
-            def seconds(drafts: int, rows: int) -> float:   # (a pass of no fewer tokens is padded: uniform_q)
-                return base + K * draft(rows) + target(n, min(token_bucket(n + drafts, bucket, self.max_k + 1), uniform_q))
+        def seconds(K: int, drafts: int, rows: int) -> float:   # (a pass of no fewer tokens is padded)
+            q = min(token_bucket(n + drafts, bucket, self.max_k + 1), n * (K + 1))
+            return cost[K] - target(n, n * (K + 1)) + K * (draft(rows) - draft(n)) + target(n, q)
 
-            per_token = target(n, uniform_q + 1) - target(n, uniform_q)
-            drafts, t, secs = choose_capped(gains[:, :K], cap_arr, seconds, per_token, expected[K] / cost[K],
-                                            per_row=K * (draft(n + 1) - draft(n)))
-            if t / secs > _PER_SEQ_MARGIN * expected[K] / cost[K]:
-                out[K] = (drafts.tolist(), t, secs)
-        return out
+        uniform_rates = np.array([expected[K] / cost[K] for K in range(1, M + 1)])
+        per_token = np.array([target(n, q + 1) - target(n, q) for q in uniform_q])
+        per_row = np.arange(1, M + 1) * (draft(n + 1) - draft(n))
+        drafts, tokens, secs = choose_per_cap(gains[:, :M], np.array(caps), seconds, per_token, uniform_rates, per_row)
+        better = tokens / secs > _PER_SEQ_MARGIN * uniform_rates
+        return {K: (drafts[K - 1].tolist(), float(tokens[K - 1]), float(secs[K - 1]))
+                for K in range(1, M + 1) if better[K - 1]}
 
     def _probe_spacing(self, n: int, k: int, plain: float, tokens_per_seq: float) -> float:
         """Steps between probes of k from plain decoding that keep what they lose within the budget:

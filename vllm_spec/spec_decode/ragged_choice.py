@@ -16,30 +16,37 @@ import numpy as np
 from vllm_spec.spec_decode.step_cost import LinearFit
 
 
-def choose_capped(gains: np.ndarray, caps: np.ndarray, seconds: Callable[[int, int], float], per_token: float,
-                  rate: float, per_row: float = 0.0) -> tuple[np.ndarray, float, float]:
-    """(drafts [n], expected tokens, seconds) of the best choice found of at most K = gains.shape[1]
-    drafts per sequence (and its cap): gains [n, K] is each sequence's chance that drafts 1..j all
-    pass, seconds(drafts in all, sequences drafting) the step's cost, per_token a verified token's
-    share of it and per_row a drafting sequence's (the draft runs only for those), rate the goodput to
-    start from (tokens per second of a choice to beat)."""
-    n, K = gains.shape
-    allowed = np.arange(1, K + 1)[None, :] <= caps[:, None]
-    best: tuple[np.ndarray, float, float] | None = None
+def choose_per_cap(gains: np.ndarray, caps: np.ndarray, seconds: Callable[[int, int, int], float],
+                   per_token: np.ndarray, rates: np.ndarray, per_row: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every cap K = 1..M on the drafts (M = gains.shape[1]) at once, the best choice found of at
+    most K drafts per sequence (and its own cap): drafts [M, n], expected tokens [M], seconds [M].
+    gains [n, M] is each sequence's chance that drafts 1..j all pass; seconds(K, drafts in all,
+    sequences drafting) a step's cost; per_token [M] a verified token's share of it, per_row [M] a
+    drafting sequence's (the draft runs only for those; None: nothing); rates [M] the goodput to start
+    from (tokens per second of a choice to beat). (All caps in one set of array operations: a choice
+    runs at every step, at batch 256 too.)"""
+    n, M = gains.shape
+    j = np.arange(1, M + 1)
+    allowed = j[None, None, :] <= np.minimum(j[:, None, None], caps[None, :, None])   # [M (K), n, M (j)]
+    best_k, best_tokens, best_secs = np.zeros((M, n), dtype=np.int64), np.zeros(M), np.ones(M)
     for _ in range(3):
-        take = np.cumprod((gains >= rate * per_token) & allowed, axis=1)
-        k = take.sum(axis=1)
-        gain = (take * gains).sum(axis=1)
-        if per_row:   # a sequence drafts at all where its drafts pay for its rows of the draft too
-            k = np.where(gain >= rate * (per_token * k + per_row), k, 0)
-            gain = np.where(k > 0, gain, 0.0)
-        tokens, secs = n + float(gain.sum()), seconds(int(k.sum()), int(np.count_nonzero(k)))
-        if best is None or tokens / secs > best[1] / best[2]:
-            best = (k, tokens, secs)
-        if abs(tokens / secs - rate) < 1e-6 * rate:
+        take = np.cumprod((gains[None] >= (rates * per_token)[:, None, None]) & allowed, axis=2)
+        k = take.sum(axis=2)
+        gain = (take * gains[None]).sum(axis=2)
+        if per_row is not None:   # a sequence drafts at all where its drafts pay for its rows of the draft too
+            keep = gain >= rates[:, None] * (per_token[:, None] * k + per_row[:, None])
+            k, gain = np.where(keep, k, 0), np.where(keep, gain, 0.0)
+        drafts, rows = k.sum(axis=1), np.count_nonzero(k, axis=1)
+        tokens = n + gain.sum(axis=1)
+        secs = np.array([seconds(int(K), int(d), int(r)) for K, d, r in zip(j, drafts, rows)])
+        new = tokens / secs
+        better = new > best_tokens / best_secs
+        best_k[better], best_tokens[better], best_secs[better] = k[better], tokens[better], secs[better]
+        if np.all(np.abs(new - rates) < 1e-6 * rates):
             break
-        rate = tokens / secs
-    return best
+        rates = new
+    return best_k, best_tokens, best_secs
 
 
 def choose_ragged(gains: np.ndarray, caps: np.ndarray, num_other_tokens: int, target: LinearFit,
@@ -50,11 +57,12 @@ def choose_ragged(gains: np.ndarray, caps: np.ndarray, num_other_tokens: int, ta
     n, max_k = gains.shape
     base_q = num_other_tokens + n
     plain_rate = n / target(base_q)
+    top = int(min(max_k, caps.max()))
+    if top < 1:
+        return np.zeros(n, dtype=int)
     per_token = target(base_q + 1) - target(base_q)
-    best_k, best_rate = np.zeros(n, dtype=int), plain_rate
-    for K in range(1, int(min(max_k, caps.max())) + 1):
-        k, tokens, secs = choose_capped(gains[:, :K], caps, lambda drafts, _: K * draft_forward + target(base_q + drafts),
-                                        per_token, plain_rate)
-        if tokens / secs > best_rate and k.max() > 0:
-            best_k, best_rate = k, tokens / secs
-    return best_k
+    k, tokens, secs = choose_per_cap(gains[:, :top], caps, lambda K, drafts, _: K * draft_forward + target(base_q + drafts),
+                                     np.full(top, per_token), np.full(top, plain_rate))
+    rates = np.where(k.max(axis=1) > 0, tokens / secs, 0.0)
+    K = int(np.argmax(rates))
+    return k[K] if rates[K] > plain_rate else np.zeros(n, dtype=int)
