@@ -30,7 +30,7 @@ def test_every_ragged_batch_has_a_token_bucket_that_pads_little(max_q):
 
 class _Owners(torch.nn.Module):
     """A token's hidden state = (input id, position, slot, its sequence's row, that row's length, its
-    query length): what the replay was given, token by token."""
+    query length): what the replay (or a capture) was given, token by token."""
 
     def __init__(self, device: str):
         super().__init__()
@@ -40,6 +40,7 @@ class _Owners(torch.nn.Module):
         qsl = md.query_start_loc
         tokens = torch.arange(len(input_ids), device=input_ids.device)
         assert int(qsl[-1]) == len(input_ids), "every token belongs to a sequence"
+        assert int(md.seq_lens.max()) <= MAX_BLOCKS * BLOCK, "a row reads past its block-table row"
         row = torch.searchsorted(qsl, tokens, right=True) - 1
         lens, q = md.seq_lens[row], (qsl[1:] - qsl[:-1])[row]
         return torch.stack([input_ids, positions, md.slot_mapping, row, lens, q], dim=1).float() * self.one

@@ -115,7 +115,15 @@ class RaggedGraphedForward:
 
     def _capture(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph:
         bucket, padded = key
-        self._write(0, key, *(np.zeros(0, dtype=np.int64),) * 4, np.zeros(1, dtype=np.int64))
+        # Captured over a batch of the bucket's rows feeding `padded` tokens (at most max_q each, at
+        # positions from 0, K/V into the null block): what the graph runs depends on the shapes alone,
+        # and no row reads past a block-table row.
+        q = np.full(bucket, padded // bucket, dtype=np.int64)
+        q[: padded % bucket] += 1
+        qsl = np.concatenate([[0], np.cumsum(q)])
+        offsets = np.arange(padded) - np.repeat(qsl[:-1], q)
+        slots = NULL_BLOCK * self.block_size + offsets % self.block_size
+        self._write(bucket, key, np.zeros(padded, dtype=np.int64), offsets, slots, q, qsl)
         self._staging.send(np.zeros((0, 1), dtype=np.int64), bucket + 1)
 
         def run() -> torch.Tensor:
