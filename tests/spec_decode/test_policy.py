@@ -19,9 +19,11 @@ def test_pads_verification(seqs, k, real, padded):
 
 
 @pytest.mark.parametrize("seqs, k, ragged_tokens, padded", [(8, 4, 32, False), (8, 4, 40, True), (64, 4, 320, True),
-                                                           (64, 4, 256, False), (16, 8, 48, False)])
+                                                           (64, 4, 256, False), (16, 8, 48, False), (100, 4, 512, False),
+                                                           (100, 4, 640, True)])
 def test_a_ragged_graph_pads_only_what_it_would_run_anyway(seqs, k, ragged_tokens, padded):
-    # Padded where it runs no more tokens than the ragged graph's bucket (small batches included).
+    # Padded where its graph (the batch-size bucket's rows) runs no more tokens than the ragged graph
+    # (small batches included).
     assert pads_verification(seqs, k, seqs + 1, graphs=True, ragged_tokens=ragged_tokens) is padded
 
 

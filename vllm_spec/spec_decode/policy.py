@@ -13,6 +13,7 @@ from typing import Protocol
 
 from vllm_spec.spec_decode.step_cost import Charge
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
+from vllm_spec.worker.cuda_graph import bucket_for
 
 POLICIES = ("fixed", "adaptive")
 
@@ -31,9 +32,10 @@ def pads_verification(num_seqs: int, max_k: int, real_tokens: int, graphs: bool,
     Only a target that replays CUDA graphs pads: without them (the CPU, enforce_eager) padding only adds
     work, a CPU pass's time growing with its rows (batch 16 with n-gram drafts on 2 cores: padded passes
     made speculation 0.87x plain decoding's tokens/s). ragged_tokens: the tokens a ragged graph would run
-    for the pass (None: it would run eagerly); padding then runs no more tokens than it."""
+    for the pass (None: it would run eagerly); padding then runs no more tokens than it (the padded
+    graph runs its batch-size bucket's rows)."""
     if ragged_tokens is not None:
-        return graphs and num_seqs * (max_k + 1) <= ragged_tokens
+        return graphs and (bucket_for(num_seqs) or num_seqs) * (max_k + 1) <= ragged_tokens
     return graphs and (num_seqs <= ALWAYS_PAD_BATCH or num_seqs * (max_k + 1) <= MAX_PAD_RATIO * real_tokens)
 
 
