@@ -108,14 +108,16 @@ class SimEngine:
                 ragged = token_bucket(real, bucket_for(B), self.max_k + 1) if shape.ragged_graphs else None
                 padded = not other and pads_verification(B, K, real, self.graphs, ragged)
                 q = B * (K + 1) if padded else ragged or real
-                behind = sum(max(self.lag.get(i, 1) - 2, 0) for i in ids)
-                catch_up = c.draft(B) + c.catch_up_per_token * behind if behind else 0.0
+                # (The draft runs for the sequences that draft: those that catch up, and what it missed.)
+                behind = sum(max(self.lag.get(i, 1) - 2, 0) for i, k in zip(ids, found) if k)
+                lagging = sum(1 for i, k in zip(ids, found) if k and self.lag.get(i, 1) > 2)
+                catch_up = c.draft(lagging) + c.catch_up_per_token * behind if behind else 0.0
                 draft = K * c.draft(sum(1 for k in found if k)) * self._first((K, B))
                 verify = c.target(q)
                 stats = SpecStepStats(1, sum(found), sum(accepted), [], catch_up + draft, verify,
                                       num_verified_tokens=q, catch_up_time=catch_up, catch_up_tokens=behind)
                 for i, a, k in zip(ids, accepted, found):
-                    self.lag[i] = 2 if a == k else 1
+                    self.lag[i] = (2 if a == k else 1) if k else self.lag.get(i, 1) + 1
             device = stats.draft_time - stats.catch_up_time + stats.verify_time
             overlapped = c.pipelined and K == 0 and not previous_spec and not other
             step = device + (0.0 if overlapped else c.host(B)) + (c.spec_host(B) if K else 0.0)
@@ -199,12 +201,13 @@ def test_adaptive_under_the_benchmark_protocol(workload, costs, cost_ratio, ragg
     assert np.all(adaptive >= 0.97 * best_fixed), adaptive / best_fixed
 
 
-@pytest.mark.parametrize("costs, cost_ratio", [(H200_68M, 0.01), (H200_1B, 0.15)], ids=["68m", "1b"])
-def test_drafts_per_sequence_beat_every_fixed_k_on_a_mixed_workload(costs, cost_ratio):
-    """Half the requests at 0.9, half at 0.3, verification replaying ragged graphs: at batch 64 and up
-    (where a pass's cost grows with its tokens and the draft's with its sequences) the sequences at 0.3
-    draft fewer tokens or none, and the policy beats every fixed k by 1% or more (in these simulations
-    by 3-14%); padded to one k for all, it at best matched the best fixed k."""
+def test_drafts_per_sequence_beat_every_fixed_k_on_a_mixed_workload():
+    """Half the requests at 0.9, half at 0.3, a cheap draft, verification replaying ragged graphs: at
+    batch 64 and up (where a pass's cost grows with its tokens) the sequences at 0.3 verify fewer drafts,
+    and the policy beats every fixed k by 1% or more (in these simulations by 8-13%); padded to one k for
+    all, it at best matched the best fixed k. (With a 1B draft its forwards take most of the step, drafted
+    for every sequence alike: there fixed k is matched, as test_adaptive_under_the_benchmark_protocol checks.)"""
+    costs, cost_ratio = H200_68M, 0.01
     best_fixed = np.max([_protocol(lambda k=k: FixedPolicy(k), "mixed", costs, ragged_graphs=True)
                          for k in (1, 2, 3, 4)], axis=0)
     adaptive = _protocol(lambda: AdaptivePolicy(4, draft_cost_ratio=cost_ratio), "mixed", costs, ragged_graphs=True)

@@ -38,18 +38,20 @@ def test_caps_of_zero_draft_nothing():
     assert choose_ragged(gains([0.99, 0.99]), np.array([0, 0]), 8, target, 0.001).tolist() == [0, 0]
 
 
-def test_a_sequence_drafts_only_where_its_drafts_pay_for_its_rows_of_the_draft():
-    """Caps K = 1..3 with a cost per drafting sequence: at K = 3 the sequence at 0.3 would keep a draft
-    on the verification cost alone (0.3 beats rate x per_token), not with its rows of the draft's 3
-    forwards too; the one at 0.9 drafts all 3. Each cap's expected tokens and seconds are its choice's."""
-    g = gains([0.9, 0.3])[:, :3]
+def test_every_cap_gets_its_own_choice_and_all_decoding_steps_draft_one_at_least():
+    """Caps K = 1..3 weighed at once: at K = 3 the sequence at 0.9 drafts all 3 and the one at 0.05 none
+    (its chance is below a token's verification cost at the step's rate), or one with at_least_one (a
+    sequence that drafts none falls behind the draft). Each cap's tokens and seconds are its choice's."""
+    g = gains([0.9, 0.05])[:, :3]
 
-    def seconds(K: int, drafts: int, rows: int) -> float:
-        return 1.0 + 0.01 * drafts + 0.05 * K * rows
+    def seconds(K: int, drafts: int) -> float:
+        return 1.0 + 0.1 * K + 0.05 * drafts
 
-    caps, per_token, rates = np.array([4, 4]), np.full(3, 0.01), np.full(3, 2.0)
-    without_rows = choose_per_cap(g, caps, lambda K, d, r: 1.0 + 0.01 * d, per_token, rates)[0]
-    assert without_rows[2, 0] == 3 and without_rows[2, 1] > 0
-    k, tokens, secs = choose_per_cap(g, caps, seconds, per_token, rates, per_row=0.05 * np.arange(1, 4))
-    assert k[2].tolist() == [3, 0] and k[0].tolist() == [1, 1]
-    assert secs[2] == pytest.approx(seconds(3, 3, 1)) and tokens[2] == pytest.approx(2 + 0.9 + 0.81 + 0.729)
+    caps, per_token, rates = np.array([4, 4]), np.full(3, 0.05), np.full(3, 2.0)
+    k, tokens, secs = choose_per_cap(g, caps, seconds, per_token, rates)
+    assert k.tolist() == [[1, 0], [2, 0], [3, 0]]
+    assert secs[2] == pytest.approx(seconds(3, 3)) and tokens[2] == pytest.approx(2 + 0.9 + 0.81 + 0.729)
+    k = choose_per_cap(g, caps, seconds, per_token, rates, at_least_one=True)[0]
+    assert k.tolist() == [[1, 1], [2, 1], [3, 1]]
+    # A cap of 0 still drafts nothing.
+    assert choose_per_cap(g, np.array([4, 0]), seconds, per_token, rates, at_least_one=True)[0][2].tolist() == [3, 0]

@@ -254,27 +254,27 @@ class AdaptivePolicy:
 
     def _per_sequence(self, n: int, beliefs: list[float], found: list[float] | None, caps: list[int],
                       cost: dict[int, float], expected: dict[int, float]) -> dict[int, tuple[list[int], float, float]]:
-        """K -> (drafts of at most K per sequence, their expected tokens, the step's seconds) where they
-        beat every sequence drafting min(K, cap): a ragged graph verifies k per sequence at the cost of
-        the tokens it runs. Such a step costs what drafting K for all does (measured: the draft's K
-        forwards, the host's work) with the target's pass modelled at its own tokens and the draft's
-        forwards at the sequences that draft (the draft runs for those alone) instead."""
+        """K -> (drafts of 1..K per sequence, their expected tokens, the step's seconds) where they beat
+        every sequence drafting min(K, cap): a ragged graph verifies k per sequence at the cost of the
+        tokens it runs. Such a step costs what drafting K for all does (measured: the draft's K forwards,
+        the host's work) with the target's pass modelled at its own tokens instead. Every sequence
+        drafts one at least: one that drafted none would fall behind the draft, and its belief (no
+        trials) drift back to the global rate, so it would draft again and be caught up, over and over."""
         rates = np.clip(np.array(beliefs), 0.0, 0.999)
         gains = rates[:, None] ** np.arange(1, self.max_k + 1)[None, :]
         if found is not None:
             gains *= np.array(found)[:, None]
         M, bucket = len(cost) - 1, bucket_for(n)
-        target, draft = self._costs.target_at, self._costs.draft_forward
-        uniform_q = n * (np.arange(1, M + 1) + 1)
+        target = self._costs.target_at
 
-        def seconds(K: int, drafts: int, rows: int) -> float:   # (a pass of no fewer tokens is padded)
+        def seconds(K: int, drafts: int) -> float:   # (a pass of no fewer tokens is padded)
             q = min(token_bucket(n + drafts, bucket, self.max_k + 1), n * (K + 1))
-            return cost[K] - target(n, n * (K + 1)) + K * (draft(rows) - draft(n)) + target(n, q)
+            return cost[K] - target(n, n * (K + 1)) + target(n, q)
 
         uniform_rates = np.array([expected[K] / cost[K] for K in range(1, M + 1)])
-        per_token = np.array([target(n, q + 1) - target(n, q) for q in uniform_q])
-        per_row = np.arange(1, M + 1) * (draft(n + 1) - draft(n))
-        drafts, tokens, secs = choose_per_cap(gains[:, :M], np.array(caps), seconds, per_token, uniform_rates, per_row)
+        per_token = np.array([target(n, n * (K + 1) + 1) - target(n, n * (K + 1)) for K in range(1, M + 1)])
+        drafts, tokens, secs = choose_per_cap(gains[:, :M], np.array(caps), seconds, per_token, uniform_rates,
+                                              at_least_one=True)
         better = tokens / secs > _PER_SEQ_MARGIN * uniform_rates
         return {K: (drafts[K - 1].tolist(), float(tokens[K - 1]), float(secs[K - 1]))
                 for K in range(1, M + 1) if better[K - 1]}

@@ -213,11 +213,8 @@ class DecodeCosts:
         host = max(step_time - draft - stats.verify_time, 0.0)
         if any(k != min(cap, K) for k, cap in zip(chosen, shape.caps)):
             # k per sequence (a ragged graph's pass): taken as the step of K for all it stands for, its
-            # target pass and draft forwards modelled at that step's tokens and sequences instead of its
-            # own (as the policy weighs it).
-            rows = sum(1 for k in chosen if k)
-            step_time += (self.target_at(n, n * (K + 1)) - self.target_at(n, stats.num_verified_tokens)
-                          + K * (self.draft_forward(n) - self.draft_forward(rows)))
+            # target pass modelled at that step's tokens instead of its own (as the policy weighs it).
+            step_time += self.target_at(n, n * (K + 1)) - self.target_at(n, stats.num_verified_tokens)
         modelled = self.modelled_cost(n, K, None)
         if K and state.observed and key in self.measured:
             # Not from a step kind's first step here: a cold one must not set the fit.

@@ -16,30 +16,28 @@ import numpy as np
 from vllm_spec.spec_decode.step_cost import LinearFit
 
 
-def choose_per_cap(gains: np.ndarray, caps: np.ndarray, seconds: Callable[[int, int, int], float],
-                   per_token: np.ndarray, rates: np.ndarray, per_row: np.ndarray | None = None
+def choose_per_cap(gains: np.ndarray, caps: np.ndarray, seconds: Callable[[int, int], float],
+                   per_token: np.ndarray, rates: np.ndarray, at_least_one: bool = False
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For every cap K = 1..M on the drafts (M = gains.shape[1]) at once, the best choice found of at
     most K drafts per sequence (and its own cap): drafts [M, n], expected tokens [M], seconds [M].
-    gains [n, M] is each sequence's chance that drafts 1..j all pass; seconds(K, drafts in all,
-    sequences drafting) a step's cost; per_token [M] a verified token's share of it, per_row [M] a
-    drafting sequence's (the draft runs only for those; None: nothing); rates [M] the goodput to start
-    from (tokens per second of a choice to beat). (All caps in one set of array operations: a choice
-    runs at every step, at batch 256 too.)"""
+    gains [n, M] is each sequence's chance that drafts 1..j all pass; seconds(K, drafts in all) a
+    step's cost; per_token [M] a verified token's share of it; rates [M] the goodput to start from
+    (tokens per second of a choice to beat). at_least_one: every sequence its cap allows drafts one
+    (all-decoding steps: one that drafts none falls behind the draft, to be caught up later).
+    (All caps in one set of array operations: a choice runs at every step, at batch 256 too.)"""
     n, M = gains.shape
     j = np.arange(1, M + 1)
     allowed = j[None, None, :] <= np.minimum(j[:, None, None], caps[None, :, None])   # [M (K), n, M (j)]
     best_k, best_tokens, best_secs = np.zeros((M, n), dtype=np.int64), np.zeros(M), np.ones(M)
     for _ in range(3):
-        take = np.cumprod((gains[None] >= (rates * per_token)[:, None, None]) & allowed, axis=2)
+        keep = (gains[None] >= (rates * per_token)[:, None, None]) & allowed
+        if at_least_one:
+            keep[:, :, 0] = allowed[:, :, 0]
+        take = np.cumprod(keep, axis=2)
         k = take.sum(axis=2)
-        gain = (take * gains[None]).sum(axis=2)
-        if per_row is not None:   # a sequence drafts at all where its drafts pay for its rows of the draft too
-            keep = gain >= rates[:, None] * (per_token[:, None] * k + per_row[:, None])
-            k, gain = np.where(keep, k, 0), np.where(keep, gain, 0.0)
-        drafts, rows = k.sum(axis=1), np.count_nonzero(k, axis=1)
-        tokens = n + gain.sum(axis=1)
-        secs = np.array([seconds(int(K), int(d), int(r)) for K, d, r in zip(j, drafts, rows)])
+        tokens = n + (take * gains[None]).sum(axis=(1, 2))
+        secs = np.array([seconds(int(K), int(d)) for K, d in zip(j, k.sum(axis=1))])
         new = tokens / secs
         better = new > best_tokens / best_secs
         best_k[better], best_tokens[better], best_secs[better] = k[better], tokens[better], secs[better]
@@ -61,7 +59,7 @@ def choose_ragged(gains: np.ndarray, caps: np.ndarray, num_other_tokens: int, ta
     if top < 1:
         return np.zeros(n, dtype=int)
     per_token = target(base_q + 1) - target(base_q)
-    k, tokens, secs = choose_per_cap(gains[:, :top], caps, lambda K, drafts, _: K * draft_forward + target(base_q + drafts),
+    k, tokens, secs = choose_per_cap(gains[:, :top], caps, lambda K, drafts: K * draft_forward + target(base_q + drafts),
                                      np.full(top, per_token), np.full(top, plain_rate))
     rates = np.where(k.max(axis=1) > 0, tokens / secs, 0.0)
     K = int(np.argmax(rates))
