@@ -54,8 +54,10 @@ _PROBE_BUDGET = 0.01
 # Checks of plain steps while speculation pays are spaced within this share of the time.
 _PLAIN_CHECK_BUDGET = 0.005
 _MAX_PROBE_EVERY = 800
-# Drafts per sequence are taken over min(K, cap) for all where the model says they pay this much more.
+# Drafts per sequence are taken over min(K, cap) for all where the model says they pay this much more,
+# and weighed only where the sequences' beliefs span this much at least.
 _PER_SEQ_MARGIN = 1.02
+_ALIKE = 0.1
 
 
 @dataclass
@@ -186,7 +188,9 @@ class AdaptivePolicy:
         # Rates of K drafts for all: what decides which kinds of step are worth measuring (drafts per
         # sequence are measured as the step of K for all they stand for: decode_costs).
         uniform_rates = rates = goodput(expected, cost)
-        per_seq = self._per_sequence(n, beliefs, found, caps, cost, expected) if ragged else {}
+        # (Sequences that believe alike draft alike: nothing to weigh per sequence.)
+        alike = max(beliefs) - min(beliefs) < _ALIKE and (found is None or max(found) - min(found) < _ALIKE)
+        per_seq = self._per_sequence(n, beliefs, found, caps, cost, expected) if ragged and not alike else {}
         if per_seq:
             expected, cost = dict(expected), dict(cost)
             for K, (_, t, seconds) in per_seq.items():
