@@ -194,7 +194,7 @@ class ModelRunner:
     def capture_ragged(self, max_q: int, max_batch: int) -> None:
         """Capture up front the graphs of batches of at most max_batch sequences feeding 1..max_q tokens
         each (every token bucket: no step pays for a capture)."""
-        if not self.cuda_graphs or not sink_fits(self.max_blocks_per_seq, self.block_size):
+        if not self.cuda_graphs or not sink_fits(self.max_blocks_per_seq, self.block_size, max_q):
             return
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()

@@ -7,9 +7,9 @@ grid from host ints only (the sequences, the longest query), so one graph per (b
 token bucket) replays every such batch: query_start_loc is a static buffer like the others, rows past
 the batch feed no tokens, and the tokens past the batch's own up to the bucket's count belong to one
 more row, a sink past the bucket's (positions from 0, its K/V in the null block, outputs never read:
-the Triton kernel may skip those past max_q tokens, every attention backend accepts them). A token bucket pads fewer
-than a quarter of its batch bucket's rows in tokens, where padding to the longest draft adds up to
-K - k tokens to every sequence that drafted k.
+the Triton kernel may skip those past max_q tokens, every attention backend accepts them). A token
+bucket pads a small share of what it runs (_TOKEN_STEPS), where padding to the longest draft adds up
+to K - k tokens to every sequence that drafted k.
 """
 
 from __future__ import annotations
@@ -23,25 +23,27 @@ from vllm_spec.worker import cuda_graph
 from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for, buckets_up_to
 from vllm_spec.worker.staging import StagingBuffer
 
-# Token buckets step by a quarter of the batch bucket (at least this many tokens): what a pass pads is
-# small against what it runs, and each batch bucket has about 4K graphs (K drafts at most).
+# Token buckets split the span a batch-size bucket's passes may run (1 to max_q tokens per sequence)
+# into this many steps (of this many tokens at least): what a pass pads is small against what it runs
+# (under 1/16 of a sequence's drafts per sequence), and each batch bucket has at most 17 graphs.
+_TOKEN_STEPS = 16
 _MIN_TOKEN_STEP = 16
 
 
-def token_step(bucket: int) -> int:
+def token_step(bucket: int, max_q: int) -> int:
     """The spacing of the token buckets of a batch-size bucket."""
-    return max(_MIN_TOKEN_STEP, bucket // 4)
+    return max(_MIN_TOKEN_STEP, bucket * (max_q - 1) // _TOKEN_STEPS)
 
 
-def sink_fits(max_blocks: int, block_size: int) -> bool:
+def sink_fits(max_blocks: int, block_size: int, max_q: int) -> bool:
     """Whether a block-table row holds the sink's longest run (fewer tokens than the largest step):
     else ragged batches run eagerly (models of a few dozen tokens' context)."""
-    return max_blocks * block_size >= token_step(BATCH_BUCKETS[-1])
+    return max_blocks * block_size >= token_step(BATCH_BUCKETS[-1], max_q)
 
 
 def token_bucket(tokens: int, bucket: int, max_q: int) -> int:
     """The query tokens a batch of `tokens` in batch-size bucket `bucket` runs (at most bucket * max_q)."""
-    step = token_step(bucket)
+    step = token_step(bucket, max_q)
     return min(-(-tokens // step) * step, bucket * max_q)
 
 
