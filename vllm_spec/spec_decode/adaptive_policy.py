@@ -11,7 +11,8 @@ sequence of the step is decoding, verification is padded to one query length whe
 graph replays it (else it is ragged: mqa_scorer), and all sequences get the same k, chosen
 on measured step times per (batch-size bucket, k) - end to end, host work included, since
 that is what tokens/s pays - with a linear model of device time in the query tokens for
-what is not measured yet (decode_costs.py). Choices near the best are re-measured now and
+what is not measured yet (decode_costs.py); where a ragged graph replays verification of k per
+sequence (ragged_graph.py), sequences whose beliefs differ may draft 1..K each where that pays more. Choices near the best are re-measured now and
 then, plain steps however far from it (spaced as probes: their cost may have been measured while
 the machine ran slower); when the mean belief says not to speculate, a draw of the global rate (Thompson sampling) may
 still say to, and speculation is probed ever more rarely where it keeps not paying.
@@ -188,6 +189,7 @@ class AdaptivePolicy:
         # Rates of K drafts for all: what decides which kinds of step are worth measuring (drafts per
         # sequence are measured as the step of K for all they stand for: decode_costs).
         uniform_rates = rates = goodput(expected, cost)
+        uniform_expected, uniform_cost = expected, cost
         # (Sequences that believe alike draft alike: nothing to weigh per sequence.)
         alike = max(beliefs) - min(beliefs) < _ALIKE and (found is None or max(found) - min(found) < _ALIKE)
         per_seq = self._per_sequence(n, beliefs, found, caps, cost, expected) if ragged and not alike else {}
@@ -199,8 +201,7 @@ class AdaptivePolicy:
         best = max(rates, key=rates.__getitem__)
         if best == 0:
             # The mean belief says do not speculate; the drawn one may say otherwise (exploration).
-            if per_seq:
-                per_seq, expected, cost = {}, tokens(beliefs), {K: self._costs.step_cost(n, K) for K in choices}
+            per_seq, expected, cost = {}, uniform_expected, uniform_cost
             uniform_rates = rates = goodput(tokens(drawn()), cost)
             best = max(rates, key=rates.__getitem__)
         state.visits += 1
