@@ -60,9 +60,8 @@ class RaggedGraphedForward:
 
     The static buffers are views of one staging buffer, [ids | positions | slots | seq_lens |
     query_start_loc] then the block tables (a row more than the largest bucket's: the sink's), written
-    by `stage` and sent in one copy; `replay` runs the
-    staged batch's graph. Every graph writes its hidden states into one output buffer (its own
-    activations are pool memory the next capture reuses).
+    by `stage` and sent in one copy; `replay` runs the staged batch's graph. Every graph writes its
+    hidden states into one output buffer (its own activations are pool memory the next capture reuses).
     """
 
     logits = False   # (the graphs end with hidden states: the rows a caller needs go to the LM head)
@@ -96,7 +95,8 @@ class RaggedGraphedForward:
 
     def _write(self, batch: int, key: tuple[int, int], tokens: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, seq_lens: np.ndarray, qsl: np.ndarray) -> np.ndarray:
-        """Write a batch (or none: batch 0) and the padding of its graph into the host mirror."""
+        """Write a batch of `batch` rows into the host mirror, and its graph's padding: the bucket's
+        rows past the batch feed nothing, the sink row takes the tokens up to the token bucket."""
         bucket, padded = key
         host, T, n = self._staging.host(), self._T, len(self.seq_lens)
         real = len(tokens)
