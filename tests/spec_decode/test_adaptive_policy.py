@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_spec.spec_decode.acceptance import expected_drafts
 from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
 from vllm_spec.spec_decode.policy import ALWAYS_PAD_BATCH, StepShape, pads_verification
 from vllm_spec.spec_decode.step_cost import Charge, StepCost
@@ -89,6 +90,21 @@ def test_ragged_graphs_give_low_acceptance_sequences_fewer_drafts():
     _train(policy, shape, alphas, target_fixed=5e-3, target_per_token=2e-5, draft_per_forward=3e-4)
     chosen = policy.choose(shape)
     assert min(chosen[:32]) > max(chosen[32:]) and min(chosen) == 1
+
+
+def test_a_per_sequence_choice_drafts_its_cap_somewhere():
+    # A choice under cap K whose longest draft is shorter is a smaller cap's (K draft forwards would not
+    # run, and its step would be measured under its longest draft): every one kept reaches its cap.
+    policy = AdaptivePolicy(max_k=6, draft_cost_ratio=0.05)
+    shape = StepShape(list(range(64)), [6] * 64, 0, ragged_graphs=True)
+    alphas = [0.7] * 32 + [0.3] * 32
+    _train(policy, shape, alphas, target_fixed=5e-3, target_per_token=6e-5, draft_per_forward=3e-4)
+    n = len(shape.seq_ids)
+    cost = {K: policy._costs.step_cost(n, K) for K in range(7)}
+    beliefs = policy._acceptance.rates(shape.seq_ids)
+    expected = {K: n + e for K, e in enumerate(expected_drafts(beliefs, shape.caps, 6))}
+    choices = policy._per_sequence(n, beliefs, None, shape.caps, cost, expected)
+    assert all(max(drafts) == K for K, (drafts, _, _) in choices.items()), choices.keys()
 
 
 def test_policy_explores_after_a_long_pause():

@@ -7,7 +7,7 @@ grid from host ints only (the sequences, the longest query), so one graph per (b
 token bucket) replays every such batch: query_start_loc is a static buffer like the others, rows past
 the batch feed no tokens, and the tokens past the batch's own up to the bucket's count belong to one
 more row, a sink past the bucket's (positions from 0, its K/V in the null block, outputs never read:
-the Triton kernel may skip those past max_q tokens, every attention backend accepts them). A token
+the Triton kernel skips those past its query tiles, the CPU decoder computes them). A token
 bucket pads a small share of what it runs (_TOKEN_STEPS), where padding to the longest draft adds up
 to K - k tokens to every sequence that drafted k.
 """
