@@ -6,11 +6,9 @@ import pytest
 
 from vllm_spec.spec_decode.acceptance import expected_drafts
 from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
-from vllm_spec.spec_decode.policy import ALWAYS_PAD_BATCH, StepShape, pads_verification
+from vllm_spec.spec_decode.policy import ALWAYS_PAD_BATCH, StepShape, pads_verification, ragged_verification_tokens
 from vllm_spec.spec_decode.step_cost import Charge, StepCost
 from vllm_spec.worker.batch import SpecStepStats
-from vllm_spec.worker.cuda_graph import bucket_for
-from vllm_spec.worker.ragged_graph import token_bucket
 
 
 def _train(policy: AdaptivePolicy, shape: StepShape, alphas: list[float], target_fixed: float,
@@ -24,11 +22,10 @@ def _train(policy: AdaptivePolicy, shape: StepShape, alphas: list[float], target
             continue
         accepted = [min(k, round(k * a)) for k, a in zip(chosen, alphas)]
         q = shape.num_other_tokens + len(chosen) + sum(chosen)
-        ragged = token_bucket(q, bucket_for(len(chosen)), policy.max_k + 1) if shape.ragged_graphs else None
-        if shape.num_other_tokens == 0 and pads_verification(len(chosen), max(chosen), q, True, ragged):
+        if shape.ragged_graphs:   # padded, or a ragged graph's tokens
+            q = ragged_verification_tokens(len(chosen), max(chosen), q, policy.max_k + 1)
+        elif shape.num_other_tokens == 0 and pads_verification(len(chosen), max(chosen), q, graphs=True):
             q = len(chosen) * (max(chosen) + 1)   # as the worker pads it
-        elif ragged is not None:
-            q = ragged   # a ragged graph's tokens
         stats = SpecStepStats(len(chosen), sum(chosen), sum(accepted), [], max(chosen) * draft_per_forward,
                               target_fixed + target_per_token * q, num_verified_tokens=q)
         policy.observe(shape, chosen, accepted, stats, Charge(stats.draft_time + stats.verify_time))

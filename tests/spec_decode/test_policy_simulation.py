@@ -16,11 +16,9 @@ import numpy as np
 import pytest
 
 from vllm_spec.spec_decode.adaptive_policy import AdaptivePolicy
-from vllm_spec.spec_decode.policy import FixedPolicy, StepShape, pads_verification
+from vllm_spec.spec_decode.policy import FixedPolicy, StepShape, pads_verification, ragged_verification_tokens
 from vllm_spec.spec_decode.step_cost import Charge, StepCharges
 from vllm_spec.worker.batch import SpecStepStats
-from vllm_spec.worker.cuda_graph import bucket_for
-from vllm_spec.worker.ragged_graph import token_bucket
 
 
 @dataclass
@@ -105,9 +103,10 @@ class SimEngine:
                     self.lag[i] = self.lag.get(i, 1) + 1
             else:
                 real = B + other + sum(found)
-                ragged = token_bucket(real, bucket_for(B), self.max_k + 1) if shape.ragged_graphs else None
-                padded = not other and pads_verification(B, K, real, self.graphs, ragged)
-                q = B * (K + 1) if padded else ragged or real
+                if shape.ragged_graphs:
+                    q = ragged_verification_tokens(B, K, real, self.max_k + 1)
+                else:
+                    q = B * (K + 1) if not other and pads_verification(B, K, real, self.graphs) else real
                 # (The draft runs for the sequences that draft: those that catch up, and what it missed.)
                 behind = sum(max(self.lag.get(i, 1) - 2, 0) for i, k in zip(ids, found) if k)
                 lagging = sum(1 for i, k in zip(ids, found) if k and self.lag.get(i, 1) > 2)

@@ -35,13 +35,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_spec.spec_decode.acceptance import AcceptanceBeliefs, expected_drafts
-from vllm_spec.spec_decode.policy import StepShape, pads_verification
+from vllm_spec.spec_decode.policy import StepShape, ragged_verification_tokens
 from vllm_spec.spec_decode.ragged_choice import choose_per_cap, choose_ragged
 from vllm_spec.spec_decode.decode_costs import DecodeCosts
 from vllm_spec.spec_decode.step_cost import MIN_SAMPLES, BucketState, Charge
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
-from vllm_spec.worker.cuda_graph import bucket_for
-from vllm_spec.worker.ragged_graph import token_bucket
 
 # Choices whose expected rate is within this factor of the best one are kept measured.
 _NEAR_BEST = 0.9
@@ -156,11 +154,7 @@ class AdaptivePolicy:
 
         if shape.num_other_tokens == 0:
             return self._choose_decoding(beliefs, found, drawn, shape.caps, shape.ragged_graphs)
-        j = np.arange(1, self.max_k + 1)[None, :]
-        gains = np.clip(np.array(drawn()), 0.0, 0.999)[:, None] ** j
-        if found is not None:
-            gains *= np.array(found)[:, None]
-        chosen = choose_ragged(gains, np.array(shape.caps), shape.num_other_tokens, self._costs.target,
+        chosen = choose_ragged(self._gains(drawn(), found), np.array(shape.caps), shape.num_other_tokens, self._costs.target,
                                self._costs.draft_forward(n)).tolist()
         return _Choice(chosen, any(chosen))
 
@@ -267,26 +261,25 @@ class AdaptivePolicy:
         the host's work) with the target's pass modelled at its own tokens instead. Every sequence
         drafts one at least: one that drafted none would fall behind the draft, and its belief (no
         trials) drift back to the global rate, so it would draft again and be caught up, over and over."""
-        rates = np.clip(np.array(beliefs), 0.0, 0.999)
-        gains = rates[:, None] ** np.arange(1, self.max_k + 1)[None, :]
-        if found is not None:
-            gains *= np.array(found)[:, None]
-        M, bucket = len(cost) - 1, bucket_for(n)
-        target = self._costs.target_at
+        M, target = len(cost) - 1, self._costs.target_at
 
-        def seconds(K: int, drafts: int) -> float:   # (the pass the scorer runs: padded where no dearer)
-            ragged = token_bucket(n + drafts, bucket, self.max_k + 1)
-            q = n * (K + 1) if pads_verification(n, K, n + drafts, True, ragged) else ragged
+        def seconds(K: int, drafts: int) -> float:
+            q = ragged_verification_tokens(n, K, n + drafts, self.max_k + 1)
             return cost[K] - target(n, n * (K + 1)) + target(n, q)
 
         uniform_rates = np.array([expected[K] / cost[K] for K in range(1, M + 1)])
         per_token = np.array([target(n, n * (K + 1) + 1) - target(n, n * (K + 1)) for K in range(1, M + 1)])
-        drafts, tokens, secs = choose_per_cap(gains[:, :M], np.array(caps), seconds, per_token, uniform_rates,
+        drafts, tokens, secs = choose_per_cap(self._gains(beliefs, found)[:, :M], np.array(caps), seconds, per_token, uniform_rates,
                                               at_least_one=True)
         # (A choice whose longest draft is under its cap is a smaller cap's: K draft forwards do not run.)
         better = (tokens / secs > _PER_SEQ_MARGIN * uniform_rates) & (drafts.max(axis=1) == np.arange(1, M + 1))
         return {K: (drafts[K - 1].tolist(), float(tokens[K - 1]), float(secs[K - 1]))
                 for K in range(1, M + 1) if better[K - 1]}
+
+    def _gains(self, rates: list[float], found: list[float] | None) -> np.ndarray:
+        """[n, max_k]: each sequence's chance that drafts 1..j all pass (and that its proposer finds them)."""
+        gains = np.clip(np.array(rates), 0.0, 0.999)[:, None] ** np.arange(1, self.max_k + 1)[None, :]
+        return gains if found is None else gains * np.array(found)[:, None]
 
     def _probe_spacing(self, n: int, k: int, plain: float, tokens_per_seq: float) -> float:
         """Steps between probes of k from plain decoding that keep what they lose within the budget:

@@ -14,6 +14,7 @@ from typing import Protocol
 from vllm_spec.spec_decode.step_cost import Charge
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
 from vllm_spec.worker.cuda_graph import bucket_for
+from vllm_spec.worker.ragged_graph import token_bucket
 
 POLICIES = ("fixed", "adaptive")
 
@@ -37,6 +38,14 @@ def pads_verification(num_seqs: int, max_k: int, real_tokens: int, graphs: bool,
     if ragged_tokens is not None:
         return graphs and (bucket_for(num_seqs) or num_seqs) * (max_k + 1) <= ragged_tokens
     return graphs and (num_seqs <= ALWAYS_PAD_BATCH or num_seqs * (max_k + 1) <= MAX_PAD_RATIO * real_tokens)
+
+
+def ragged_verification_tokens(num_seqs: int, max_k: int, real_tokens: int, max_q: int) -> int:
+    """The query tokens a verification of all-decoding sequences counts where ragged graphs (of at most
+    max_q tokens a sequence) replay it: padded to num_seqs * (max_k + 1) where pads_verification says so,
+    else the ragged graph's token bucket."""
+    ragged = token_bucket(real_tokens, bucket_for(num_seqs), max_q)
+    return num_seqs * (max_k + 1) if pads_verification(num_seqs, max_k, real_tokens, True, ragged) else ragged
 
 
 @dataclass

@@ -196,17 +196,19 @@ class ModelRunner:
         each (every token bucket: no step pays for a capture)."""
         if not self.cuda_graphs or not sink_fits(self.max_blocks_per_seq, self.block_size, max_q):
             return
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
         self._ragged = RaggedGraphedForward(self.model, max_q, self.max_blocks_per_seq, self.block_size,
-                                            self.max_model_len, self._graph_pool)
+                                            self.max_model_len, self._pool())
         self._ragged.capture(max_batch)
 
-    def _new_graph(self, q_len: int) -> GraphedForward:
+    def _pool(self):
+        """The memory pool every graph of this runner is captured into (made on first use)."""
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
+
+    def _new_graph(self, q_len: int) -> GraphedForward:
         graph = self._graphs[q_len] = GraphedForward(self.model, q_len, self.max_blocks_per_seq, self.block_size,
-                                                     self.max_model_len, self._graph_pool,
+                                                     self.max_model_len, self._pool(),
                                                      logits=self.graph_logits and q_len == 1)
         return graph
 
