@@ -70,6 +70,8 @@ class Row:
     ms_per_step: float
     mean_accepted_length: float = 0.0
     repeat: int = 0        # which of the --repeats rounds
+    host_ms_per_step: float = 0.0     # the engine's host work (schedule, worker, outputs), overlapped or not
+    device_ms_per_step: float = 0.0
 
 
 @dataclass
@@ -80,6 +82,7 @@ class TracedStep:
     workload: str
     batch: int
     k: int                 # drafts of the step's longest row (0: a plain step)
+    mean_k: float          # drafts per row (under k: drafts chosen per sequence, or capped)
     step_ms: float         # what the policy was charged: end to end, catch-up excluded
     refill: bool           # a plain step that waited for the host after a speculative one
     catch_up_ms: float
@@ -101,7 +104,8 @@ def traced(policy: AdaptivePolicy, into: list[TracedStep], draft: str, workload:
 
     def record(shape, chosen, accepted, stats, charge, found=None):
         belief = policy.belief(len(shape.seq_ids))
-        into.append(TracedStep(draft, workload, batch, max(chosen, default=0), charge.seconds * 1e3, charge.refill,
+        into.append(TracedStep(draft, workload, batch, max(chosen, default=0),
+                               sum(chosen) / max(len(chosen), 1), charge.seconds * 1e3, charge.refill,
                                stats.catch_up_time * 1e3, stats.draft_time * 1e3, stats.verify_time * 1e3,
                                sum(accepted), shape.num_other_tokens,
                                [belief.step_seconds[k] * 1e3 for k in sorted(belief.step_seconds)],
@@ -175,7 +179,8 @@ def plain_rows(sweep: Sweep, target: str, max_len: int, engine_kw: dict) -> list
     for b in sweep.batch_sizes:
         for rep in range(sweep.repeats):
             r = sweep.measure(engine, b)
-            rows.append(Row(None, None, b, "plain", r["tokens_per_s"], r["ms_per_step"], repeat=rep))
+            rows.append(Row(None, None, b, "plain", r["tokens_per_s"], r["ms_per_step"], repeat=rep,
+                            host_ms_per_step=r["host_ms_per_step"], device_ms_per_step=r["device_ms_per_step"]))
             print(asdict(rows[-1]), flush=True)
     return rows
 
@@ -204,7 +209,7 @@ def spec_rows(sweep: Sweep, target: str, draft_shape: str, draft: str, acceptanc
                     worker.policy = policy
                     r = sweep.measure(engine, b, extra_args)
                     rows.append(Row(draft_shape, name, b, policy_name, r["tokens_per_s"], r["ms_per_step"],
-                                    r["mean_accepted_length"], rep))
+                                    r["mean_accepted_length"], rep, r["host_ms_per_step"], r["device_ms_per_step"]))
                     print(asdict(rows[-1]), flush=True)
     return rows
 

@@ -175,6 +175,22 @@ def test_a_switch_is_charged_to_the_choice_that_makes_it():
     assert decide(speculating=False, round_trip=0.0) == 1
 
 
+def test_drafts_next_to_prefill_chunks_pay_for_the_switch_back_to_plain_decoding():
+    """Drafting in a step with prefill chunks pays there (cheap tokens, acceptance 0.9); where the
+    all-decoding steps do not speculate it also costs a catch-up and a refill (here 0.1 s, more than it
+    brings), and is not taken; where they speculate the switch is theirs anyway, and it is."""
+    def decide(decoding_speculates: bool) -> list[int]:
+        policy = AdaptivePolicy(max_k=4, prior_acceptance=0.9, prior_strength=1e6)
+        state = policy._costs.bucket_state(8)
+        state.catch_up, state.refill = 0.05, 0.05
+        policy._costs.target.update(72, 5e-3)   # seconds: a pass of 72 tokens
+        policy._decoding_speculates = decoding_speculates
+        return policy.choose(StepShape(list(range(8)), [4] * 8, 64))
+
+    assert min(decide(decoding_speculates=True)) >= 1
+    assert decide(decoding_speculates=False) == [0] * 8
+
+
 def test_a_sequence_that_stops_drafting_forgets_its_own_trials():
     policy = AdaptivePolicy(max_k=4)
     shape = StepShape([1], [4], 0)

@@ -55,3 +55,14 @@ def test_every_cap_gets_its_own_choice_and_all_decoding_steps_draft_one_at_least
     assert k.tolist() == [[1, 1], [2, 1], [3, 1]]
     # A cap of 0 still drafts nothing.
     assert choose_per_cap(g, np.array([4, 0]), seconds, per_token, rates, at_least_one=True)[0][2].tolist() == [3, 0]
+
+
+def test_drafting_next_to_prefill_chunks_pays_for_its_switch():
+    """Drafts that pay in the step alone are not taken where the switch they cause (the draft's
+    catch-up, the refill of the plain step after them) takes what they bring, and are where it does not."""
+    target = LinearFit(1.0, 0.01)
+    g = gains([0.5] * 8)
+    caps = np.array([4] * 8)
+    assert choose_ragged(g, caps, 64, target, draft_forward=0.02).max() > 0
+    assert choose_ragged(g, caps, 64, target, draft_forward=0.02, switch=0.02).max() > 0
+    assert choose_ragged(g, caps, 64, target, draft_forward=0.02, switch=2.0).max() == 0

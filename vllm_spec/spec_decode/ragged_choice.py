@@ -48,10 +48,12 @@ def choose_per_cap(gains: np.ndarray, caps: np.ndarray, seconds: Callable[[int, 
 
 
 def choose_ragged(gains: np.ndarray, caps: np.ndarray, num_other_tokens: int, target: LinearFit,
-                  draft_forward: float) -> np.ndarray:
+                  draft_forward: float, switch: float = 0.0) -> np.ndarray:
     """[n] drafts for a step with prefill chunks: gains [n, max_k] is each sequence's chance that drafts
     1..j all pass, caps [n] the most each may draft, target the fit of a target pass's seconds in its
-    query tokens, draft_forward the seconds of one draft forward over the n sequences."""
+    query tokens, draft_forward the seconds of one draft forward over the n sequences, switch the seconds
+    drafting in this step adds after it (where all-decoding steps do not speculate: the draft's catch-up
+    and the refill of the plain step that follows)."""
     n, max_k = gains.shape
     base_q = num_other_tokens + n
     plain_rate = n / target(base_q)
@@ -59,7 +61,8 @@ def choose_ragged(gains: np.ndarray, caps: np.ndarray, num_other_tokens: int, ta
     if top < 1:
         return np.zeros(n, dtype=int)
     per_token = target(base_q + 1) - target(base_q)
-    k, tokens, secs = choose_per_cap(gains[:, :top], caps, lambda K, drafts: K * draft_forward + target(base_q + drafts),
+    k, tokens, secs = choose_per_cap(gains[:, :top], caps,
+                                     lambda K, drafts: K * draft_forward + target(base_q + drafts) + switch,
                                      np.full(top, per_token), np.full(top, plain_rate))
     rates = np.where(k.max(axis=1) > 0, tokens / secs, 0.0)
     K = int(np.argmax(rates))
