@@ -5,6 +5,7 @@ eager engine's."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import FIXED, SPEC_KV, KPerSequencePolicy, eager_capture, make_prompts, metric_values, output_ids
@@ -111,3 +112,32 @@ def test_ragged_verification_graph_inputs_match_eager(spec_pair, graphs_on_cpu, 
                         lambda self, *a: staged.append(len(a[3])) or stage(self, *a))
     assert output_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
     assert staged and max(staged) == 12, staged
+
+
+def test_uniform_verification_at_a_slow_token_count_runs_ragged(spec_pair, graphs_on_cpu, monkeypatch):
+    """Where the matmuls run a uniform verification's graph (its batch-size bucket's tokens) slowly against
+    the ragged graph's tokens for the batch (token_counts), the batch is staged into the ragged graphs
+    instead; outputs equal the eager engine's."""
+    from vllm_spec.worker import ragged_graph
+    from vllm_spec.worker.token_counts import GRID, TokenPadding
+
+    target, draft = spec_pair
+    kw = dict(SPEC_KV, dtype="float32", speculative_model=draft, num_speculative_tokens=3, speculative_policy="fixed")
+    prompts = make_prompts(12, seed=6)
+    reference = output_ids(LLM(target, enforce_eager=True, **kw).generate(prompts, GREEDY, use_tqdm=False))
+    counts = np.arange(GRID, 64 + GRID, GRID)
+    # The uniform graph of 9-16 sequences runs its bucket's 16 rows of 3 drafts + 1: 64 tokens, here
+    # slower than the ragged graph's 48 for 12 sequences by more than a ragged pass's extra cost.
+    slow = TokenPadding(counts, np.where(counts == 64, 2.0, 1.0) * counts)
+    monkeypatch.setattr(ModelRunner, "_token_padding", lambda self, max_q, max_batch: slow)
+    llm = LLM(target, **kw)
+    graphs_on_cpu(llm)
+    worker = llm.llm_engine.executor.worker
+    worker.target.runner.capture_ragged(4, 16)
+    staged = []
+    stage = ragged_graph.RaggedGraphedForward.stage
+    monkeypatch.setattr(ragged_graph.RaggedGraphedForward, "stage",
+                        lambda self, *a: staged.append((len(a[3]), len(a[0]))) or stage(self, *a))
+    assert output_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    assert (12, 48) in staged, staged
+    assert all(n * 4 == tokens for n, tokens in staged), staged   # uniform batches only (fixed k)

@@ -12,8 +12,9 @@ from vllm_spec.attention.metadata import NULL_BLOCK
 from vllm_spec.worker import cuda_graph
 from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for
 from vllm_spec.worker.ragged_graph import RaggedGraphedForward, token_bucket, token_buckets, token_step
+from vllm_spec.worker.token_counts import GRID, TokenPadding
 
-BLOCK, MAX_BLOCKS = 4, 6
+BLOCK, MAX_BLOCKS = 4, 12
 
 
 @pytest.mark.parametrize("max_q", [2, 5, 9])
@@ -48,10 +49,17 @@ class _Owners(torch.nn.Module):
         return torch.stack([input_ids, positions, md.slot_mapping, row, lens, q], dim=1).float() * self.one
 
 
-def _ragged(device: str, max_q: int, monkeypatch, max_batch: int = 24) -> RaggedGraphedForward:
+def _slow_counts(max_tokens: int) -> TokenPadding:
+    """Matmul times that grow with the tokens, every other profiled count twice as slow as its neighbours."""
+    counts = np.arange(GRID, max_tokens + GRID, GRID)
+    return TokenPadding(counts, counts * 1e-6 * np.where(counts % (2 * GRID) == GRID, 2.0, 1.0))
+
+
+def _ragged(device: str, max_q: int, monkeypatch, max_batch: int = 24,
+            padding: TokenPadding | None = None) -> RaggedGraphedForward:
     if device == "cpu":
         monkeypatch.setattr(cuda_graph, "capture_graph", eager_capture)
-    graphed = RaggedGraphedForward(_Owners(device), max_q, MAX_BLOCKS, BLOCK, 64)
+    graphed = RaggedGraphedForward(_Owners(device), max_q, MAX_BLOCKS, BLOCK, 64, padding=padding)
     graphed.capture(max_batch)
     return graphed
 
@@ -66,16 +74,19 @@ def _batch(rng: np.random.Generator, batch: int, max_q: int):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("max_q", [3, 5])
-def test_each_replay_sees_its_batch_and_padding_of_no_sequence(device, max_q, monkeypatch):
+@pytest.mark.parametrize("max_q,slow_counts", [(3, False), (5, False), (5, True)])
+def test_each_replay_sees_its_batch_and_padding_of_no_sequence(device, max_q, slow_counts, monkeypatch):
     """Batches of 1..max_q tokens per sequence that grow and shrink: a replay returns the batch's tokens
-    with their own sequence's length and query length; the graph ran the batch's token bucket, whose
-    tokens past the batch's belong to the sink row past the bucket (positions from 0, K/V into the null
-    block); rows past the batch feed nothing; every graph was captured up front; a replay of a batch
-    restaged since is refused."""
-    graphed = _ragged(device, max_q, monkeypatch)
+    with their own sequence's length and query length; the graph ran the batch's token bucket (or, where
+    the matmuls run it slowly, a faster count a little above), whose tokens past the batch's belong to
+    the sink row past the bucket (positions from 0, K/V into the null block); rows past the batch feed
+    nothing; every graph was captured up front; a replay of a batch restaged since is refused."""
+    padding = _slow_counts(24 * max_q) if slow_counts else None
+    graphed = _ragged(device, max_q, monkeypatch, padding=padding)
     captured = len(graphed.graphs)
-    assert captured == sum(len(token_buckets(b, max_q)) for b in BATCH_BUCKETS if b <= 24)
+    if padding is None:
+        assert captured == sum(len(token_buckets(b, max_q)) for b in BATCH_BUCKETS if b <= 24)
+    padded_runs = 0
     rng = np.random.default_rng(0)
     for step, batch in enumerate([5, 17, 3, 24, 24, 1, 9, 20, 2]):
         ids, positions, slots, seq_lens, qsl, tables = _batch(rng, batch, max_q)
@@ -89,8 +100,14 @@ def test_each_replay_sees_its_batch_and_padding_of_no_sequence(device, max_q, mo
         rows = np.repeat(np.arange(batch), q)
         expected = np.stack([ids, positions, slots, rows, seq_lens[rows], q[rows]], axis=1)
         assert np.array_equal(out, expected), step
-        bucket, run = bucket_for(batch), token_bucket(T, bucket_for(batch), max_q)
-        assert graphed.tokens_run(batch, T) == run
+        bucket, run = bucket_for(batch), graphed.tokens_run(batch, T)
+        own = token_bucket(T, bucket, max_q)
+        if padding is None:
+            assert run == own
+        else:   # more tokens only where they run clearly faster, never past the bucket's rows
+            assert run == own or padding.seconds_at(run) < padding.seconds_at(own)
+            assert own <= run <= bucket * max_q
+            padded_runs += run > own
         full = graphed.out[:run].long().cpu().numpy()
         pad = full[T:run]
         assert (pad[:, 3] == bucket).all() and (pad[:, 0] == 0).all(), step
@@ -98,6 +115,7 @@ def test_each_replay_sees_its_batch_and_padding_of_no_sequence(device, max_q, mo
         assert (pad[:, 2] // BLOCK == NULL_BLOCK).all(), step
         assert (graphed.seq_lens[batch:bucket] == 0).all() and (graphed.query_start_loc[batch: bucket + 1] == T).all()
     assert len(graphed.graphs) == captured
+    assert padded_runs > 0 or padding is None
     stale = graphed.stage(ids, positions, slots, seq_lens, qsl, tables)[3]
     graphed.stage(ids, positions, slots, seq_lens, qsl, tables)
     with pytest.raises(RuntimeError, match="restaged"):

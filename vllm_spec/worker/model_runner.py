@@ -17,8 +17,9 @@ from vllm_spec.model.llama import LlamaForCausalLM
 from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.worker.batch import BatchColumns, SeqInput
 from vllm_spec.worker.block_table import BlockTableArray
-from vllm_spec.worker.cuda_graph import GraphedForward, bucket_for
+from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, GraphedForward, bucket_for
 from vllm_spec.worker.ragged_graph import RaggedGraphedForward, sink_fits
+from vllm_spec.worker.token_counts import TokenPadding, profile_linear
 
 
 @dataclass
@@ -39,6 +40,9 @@ class PreparedBatch:
 # announced by capture_graphs (the draft's catch-ups): a uniform prefill runs eagerly rather than
 # capturing a graph for its prompt length.
 MAX_GRAPH_QUERY_LEN = MAX_SPECULATIVE_TOKENS + 1
+# A uniform batch runs in a ragged graph where that graph's matmuls take at most this share of the
+# uniform graph's (token_counts): a ragged pass of as many tokens cost 7-9% more on an H100.
+_RAGGED_GAIN = 0.85
 
 
 class ModelRunner:
@@ -68,6 +72,7 @@ class ModelRunner:
             model.pack_for_cpu()
         self._graphs: dict[int, GraphedForward] = {}
         self._ragged: RaggedGraphedForward | None = None
+        self._via_ragged: dict[tuple[int, int], bool] = {}   # (sequences, q) -> uniform batches run ragged
         self._graph_pool = None
         # Kept across steps (see block_table); a speculative worker lends it to the draft's loop,
         # which drafts for the batch this runner then verifies.
@@ -148,14 +153,14 @@ class ModelRunner:
             tokens[qsl[rows] + cols] = np.fromiter(new_tokens, dtype=np.int64, count=len(rows))
         seq_lens = starts + q_lens
         uniform = int(q_lens[0]) if (q_lens == q_lens[0]).all() else None
-        graph = self.graph_for(uniform, B) if uniform and use_graph else None
+        graph = self.graph_for(uniform, B) if uniform and use_graph and not self._runs_ragged(B, uniform) else None
         if graph is not None:
             input_ids, pos_t, md, stage = graph.stage(tokens, positions, slots, seq_lens, tables)
             return PreparedBatch(input_ids, pos_t, md, uniform, qsl[:-1].tolist(), qsl[1:] - 1, tokens, graph, stage)
-        ragged = self.ragged_for(B, int(q_lens.max())) if use_graph and not uniform else None
+        ragged = self.ragged_for(B, int(q_lens.max())) if use_graph and graph is None else None
         if ragged is not None:
             input_ids, pos_t, md, stage = ragged.stage(tokens, positions, slots, seq_lens, qsl, tables)
-            return PreparedBatch(input_ids, pos_t, md, None, qsl[:-1].tolist(), qsl[1:] - 1, tokens, ragged, stage)
+            return PreparedBatch(input_ids, pos_t, md, uniform, qsl[:-1].tolist(), qsl[1:] - 1, tokens, ragged, stage)
         input_ids, pos_t, slot_t, qsl_t, lens_t, tables_t = to_device_aligned(
             [tokens, positions, slots, qsl, seq_lens, tables.ravel()], self.device)
         md = AttentionMetadata(
@@ -185,6 +190,20 @@ class ModelRunner:
             return None
         return ragged
 
+    def _runs_ragged(self, num_seqs: int, q_len: int) -> bool:
+        """Whether a uniform batch of q_len > 1 tokens a sequence runs in a ragged graph rather than its
+        uniform one: where its bucket's token count is one the matmuls run slowly at and the ragged
+        graph's count is clearly faster (_RAGGED_GAIN: a ragged pass's attention costs more)."""
+        ragged = self.ragged_for(num_seqs, q_len) if q_len > 1 else None
+        if ragged is None or ragged.padding is None:
+            return False
+        key = (num_seqs, q_len)
+        if key not in self._via_ragged:
+            seconds = ragged.padding.seconds_at
+            self._via_ragged[key] = seconds(ragged.tokens_run(num_seqs, num_seqs * q_len)) \
+                < _RAGGED_GAIN * seconds(bucket_for(num_seqs) * q_len)
+        return self._via_ragged[key]
+
     @staticmethod
     def tokens_run(batch: PreparedBatch) -> int:
         """The query tokens the forward of a prepared batch runs (a ragged graph's padding included)."""
@@ -197,8 +216,16 @@ class ModelRunner:
         if not self.cuda_graphs or not sink_fits(self.max_blocks_per_seq, self.block_size, max_q):
             return
         self._ragged = RaggedGraphedForward(self.model, max_q, self.max_blocks_per_seq, self.block_size,
-                                            self.max_model_len, self._pool())
+                                            self.max_model_len, self._pool(), self._token_padding(max_q, max_batch))
         self._ragged.capture(max_batch)
+        self._via_ragged.clear()
+
+    def _token_padding(self, max_q: int, max_batch: int) -> TokenPadding | None:
+        """The model's matmul times per token count (token_counts), on a GPU with a single rank: tensor-
+        parallel ranks would time theirs apart and could pick different counts for passes that must match."""
+        if self.device.type != "cuda" or self.model.layers[0].mlp.down_proj.tp.world_size > 1:
+            return None
+        return profile_linear(self.model.layers[0], (bucket_for(max_batch) or BATCH_BUCKETS[-1]) * max_q)
 
     def _pool(self):
         """The memory pool every graph of this runner is captured into (made on first use)."""

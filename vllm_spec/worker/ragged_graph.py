@@ -22,6 +22,7 @@ from vllm_spec.model.llama import LlamaForCausalLM
 from vllm_spec.worker import cuda_graph
 from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for, buckets_up_to
 from vllm_spec.worker.staging import StagingBuffer
+from vllm_spec.worker.token_counts import TokenPadding
 
 # Token buckets split the span a batch-size bucket's passes may run (1 to max_q tokens per sequence)
 # into this many steps (of this many tokens at least): what a pass pads is small against what it runs
@@ -67,8 +68,11 @@ class RaggedGraphedForward:
     logits = False   # (the graphs end with hidden states: the rows a caller needs go to the LM head)
 
     def __init__(self, model: LlamaForCausalLM, max_q: int, max_blocks: int, block_size: int,
-                 max_seq_len: int, pool=None):
+                 max_seq_len: int, pool=None, padding: TokenPadding | None = None):
+        """padding: where a token bucket's pass runs faster at a few more tokens (token_counts), the
+        graph runs those (the sink takes them, up to what its block-table row holds)."""
         self.model, self.max_q, self.block_size, self.max_seq_len = model, max_q, block_size, max_seq_len
+        self.padding, self._row_tokens = padding, max_blocks * block_size
         dev = next(model.parameters()).device
         n, tokens = BATCH_BUCKETS[-1] + 1, BATCH_BUCKETS[-1] * max_q   # (n rows: the sink's too)
         self._staging = StagingBuffer(3 * tokens + 2 * n + 1, n, max_blocks, dev)
@@ -144,7 +148,7 @@ class RaggedGraphedForward:
         """Capture every (batch bucket, token bucket) up to max_batch, largest first (smaller ones
         reuse its pool memory)."""
         for bucket in reversed(buckets_up_to(max_batch)):
-            for padded in reversed(token_buckets(bucket, self.max_q)):
+            for padded in sorted({self._run(bucket, t) for t in token_buckets(bucket, self.max_q)}, reverse=True):
                 self._graph((bucket, padded))
 
     def _graph(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph:
@@ -154,7 +158,15 @@ class RaggedGraphedForward:
 
     def key(self, batch: int, tokens: int) -> tuple[int, int]:
         bucket = bucket_for(batch)
-        return bucket, token_bucket(tokens, bucket, self.max_q)
+        return bucket, self._run(bucket, token_bucket(tokens, bucket, self.max_q))
+
+    def _run(self, bucket: int, tokens: int) -> int:
+        """The tokens the graph of a token bucket runs: the bucket's, or more where they run faster. (The
+        sink takes up to a step's tokens below the bucket's and the padding: one block-table row holds them.)"""
+        if self.padding is None:
+            return tokens
+        limit = min(bucket * self.max_q, tokens + self._row_tokens - token_step(bucket, self.max_q))
+        return self.padding.padded(tokens, limit)
 
     @torch.inference_mode()
     def stage(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
