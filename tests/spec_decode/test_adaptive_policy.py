@@ -177,18 +177,27 @@ def test_a_switch_is_charged_to_the_choice_that_makes_it():
 
 def test_drafts_next_to_prefill_chunks_pay_for_the_switch_back_to_plain_decoding():
     """Drafting in a step with prefill chunks pays there (cheap tokens, acceptance 0.9); where the
-    all-decoding steps do not speculate it also costs a catch-up and a refill (here 0.1 s, more than it
-    brings), and is not taken; where they speculate the switch is theirs anyway, and it is."""
+    all-decoding steps of as many sequences do not speculate it also costs a catch-up and a refill (here
+    0.1 s, more than it brings), and is not taken; where they speculate the switch is theirs anyway, and
+    it is. (Whatever steps of another batch size do.)"""
     def decide(decoding_speculates: bool) -> list[int]:
         policy = AdaptivePolicy(max_k=4, prior_acceptance=0.9, prior_strength=1e6)
         state = policy._costs.bucket_state(8)
         state.catch_up, state.refill = 0.05, 0.05
+        state.speculates = decoding_speculates
+        policy._costs.bucket_state(64).speculates = not decoding_speculates
         policy._costs.target.update(72, 5e-3)   # seconds: a pass of 72 tokens
-        policy._decoding_speculates = decoding_speculates
         return policy.choose(StepShape(list(range(8)), [4] * 8, 64))
 
     assert min(decide(decoding_speculates=True)) >= 1
     assert decide(decoding_speculates=False) == [0] * 8
+
+    # A choice for all-decoding steps records whether it holds to speculation at its batch size.
+    policy = AdaptivePolicy(max_k=4, draft_cost_ratio=0.05)
+    decoding = StepShape(list(range(8)), [4] * 8, 0)
+    assert max(policy.choose(decoding)) == 0 and not policy._costs.decoding_speculates(8)   # plain steps first
+    _train(policy, decoding, [0.8] * 8, target_fixed=5e-3, target_per_token=1e-6, draft_per_forward=2e-4)
+    assert policy._costs.decoding_speculates(8) and not policy._costs.decoding_speculates(64)
 
 
 def test_a_sequence_that_stops_drafting_forgets_its_own_trials():

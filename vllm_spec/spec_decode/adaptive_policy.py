@@ -110,9 +110,6 @@ class AdaptivePolicy:
     # exploring excursion's: the way back is part of the excursion); after a step with prefill
     # chunks, whether it drafted.
     _speculating: bool = False
-    # Whether the last all-decoding step's best choice speculated: what steps with prefill chunks
-    # return to, and so whether drafting in them costs a switch.
-    _decoding_speculates: bool = False
     # The choice prepared for the next step, and the shape it was made for.
     _ahead: tuple[StepShape, _Choice] | None = None
 
@@ -132,7 +129,7 @@ class AdaptivePolicy:
         choice = ahead[1] if ahead is not None and ahead[0] == shape else self._choose(shape)
         self._speculating = choice.speculating
         if choice.bucket is not None:
-            self._decoding_speculates = choice.speculating
+            choice.bucket.speculates = choice.speculating
             choice.bucket.take_exploration(choice.explored)
         return choice.drafts
 
@@ -158,12 +155,13 @@ class AdaptivePolicy:
 
         if shape.num_other_tokens == 0:
             return self._choose_decoding(beliefs, found, drawn, shape.caps, shape.ragged_graphs)
-        # Drafting here pays for its switch where all-decoding steps do not speculate. (Uncharged, on an H100
-        # at batch 256: a 68M draft's k = 1 in the step finishing the prompts cost 4 ms, and a 4 ms refill
-        # of the plain step after it, for 0.5 tokens a sequence: 0.97x plain decoding over 32 steps.)
+        # Drafting here pays for its switch where all-decoding steps of as many sequences do not speculate.
+        # (Uncharged, on an H100 at batch 256: a 68M draft's k = 1 in the step finishing the prompts cost
+        # 4 ms, and a 4 ms refill of the plain step after it, for 0.5 tokens a sequence: 0.97x plain
+        # decoding over 32 steps.)
         chosen = choose_ragged(self._gains(drawn(), found), np.array(shape.caps), shape.num_other_tokens,
                                self._costs.target, self._costs.draft_forward(n),
-                               0.0 if self._decoding_speculates else self._costs.round_trip(n)).tolist()
+                               0.0 if self._costs.decoding_speculates(n) else self._costs.round_trip(n)).tolist()
         return _Choice(chosen, any(chosen))
 
     def _choose_decoding(self, beliefs: list[float], found: list[float] | None, drawn: Callable[[], list[float]],

@@ -89,6 +89,11 @@ class DecodeCosts:
         """The bookkeeping of all-decoding steps of n sequences' bucket."""
         return self.buckets.setdefault(_bucket(n), BucketState(probe_every=self.explore_every))
 
+    def decoding_speculates(self, n: int) -> bool:
+        """Whether the latest choice for all-decoding steps of n sequences' bucket held to speculation."""
+        state = self.buckets.get(_bucket(n))
+        return state is not None and state.speculates
+
     def round_trip(self, n: int) -> float:
         """Seconds of a switch to speculation and back at this batch size: the draft's catch-up plus
         the refill."""

@@ -117,6 +117,7 @@ class BucketState:
     last_spec: int = 0     # the visit of the last speculative step
     last_remeasure: int = 0   # the visit of the last step that re-measured a choice other than the best
     plain_until: int = 0   # a check of plain steps from speculation runs through this visit
+    speculates: bool = False   # whether the latest choice here held to speculation (its best choice did)
     host: float = 0.0      # average seconds of a plain step's host work the device does not overlap
     calibration: float = 1.0   # measured / modelled seconds of the steps measured here
     observed: int = 0      # plain steps measured here
