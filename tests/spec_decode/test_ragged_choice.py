@@ -66,3 +66,14 @@ def test_drafting_next_to_prefill_chunks_pays_for_its_switch():
     assert choose_ragged(g, caps, 64, target, draft_forward=0.02).max() > 0
     assert choose_ragged(g, caps, 64, target, draft_forward=0.02, switch=0.02).max() > 0
     assert choose_ragged(g, caps, 64, target, draft_forward=0.02, switch=2.0).max() == 0
+
+
+def test_drafts_next_to_prefill_chunks_beat_what_their_time_earns_elsewhere():
+    """A long step (many prefill tokens) has a low rate of its own, against which drafts look cheap;
+    where plain decoding of these sequences earns more per second than the drafts would, none are taken."""
+    target = LinearFit(1.0, 0.01)
+    g, caps = gains([0.5] * 8), np.array([4] * 8)
+    # One draft each: 4 tokens expected for 0.02 + 0.08 s, 40 tokens/s; the step alone, 8 tokens in 7.4 s.
+    assert choose_ragged(g, caps, 640, target, draft_forward=0.02).max() > 0
+    assert choose_ragged(g, caps, 640, target, draft_forward=0.02, worth=20.0).max() > 0
+    assert choose_ragged(g, caps, 640, target, draft_forward=0.02, worth=100.0).max() == 0
