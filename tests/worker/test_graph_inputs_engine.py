@@ -119,6 +119,7 @@ def test_uniform_verification_at_a_slow_token_count_runs_ragged(spec_pair, graph
     the ragged graph's tokens for the batch (token_counts), the batch is staged into the ragged graphs
     instead; outputs equal the eager engine's."""
     from vllm_spec.worker import ragged_graph
+    from vllm_spec.worker import token_counts
     from vllm_spec.worker.token_counts import GRID, TokenPadding
 
     target, draft = spec_pair
@@ -129,6 +130,7 @@ def test_uniform_verification_at_a_slow_token_count_runs_ragged(spec_pair, graph
     # The uniform graph of 9-16 sequences runs its bucket's 16 rows of 3 drafts + 1: 64 tokens, here
     # slower than the ragged graph's 48 for 12 sequences by more than a ragged pass's extra cost.
     slow = TokenPadding(counts, np.where(counts == 64, 2.0, 1.0) * counts)
+    monkeypatch.setattr(token_counts, "MIN_ROWS", 0)   # (tiny batches: every count profiled)
     monkeypatch.setattr(ModelRunner, "_token_padding", lambda self, max_q, max_batch: slow)
     llm = LLM(target, **kw)
     graphs_on_cpu(llm)

@@ -155,15 +155,16 @@ class AdaptivePolicy:
 
         if shape.num_other_tokens == 0:
             return self._choose_decoding(beliefs, found, drawn, shape.caps, shape.ragged_graphs)
-        # Drafting here pays for its switch where all-decoding steps of as many sequences do not speculate,
-        # and must beat plain decoding of them where that is measured. (On an H100 at batch 256, a 68M
-        # draft's k = 1-2 in the eager step finishing the prompts cost 4-14 ms, about what plain decoding
-        # takes for their tokens, and a 4-6 ms refill of the plain step after it: 0.96-0.97x plain
-        # decoding over 32 steps.)
+        # Drafting here pays for its switch where all-decoding steps of as many sequences do not speculate
+        # (unless the policy holds to speculation already: that switch is made), and must beat plain
+        # decoding of them where that is measured. (On an H100 at batch 256, a 68M draft's k = 1-2 in the
+        # eager step finishing the prompts cost 4-14 ms, about what plain decoding takes for their tokens,
+        # and a 4-6 ms refill of the plain step after it: 0.96-0.97x plain decoding over 32 steps.)
         plain = self._costs.measurement(n, 0)
         chosen = choose_ragged(self._gains(drawn(), found), np.array(shape.caps), shape.num_other_tokens,
                                self._costs.target, self._costs.draft_forward(n),
-                               0.0 if self._costs.decoding_speculates(n) else self._costs.round_trip(n),
+                               0.0 if self._speculating or self._costs.decoding_speculates(n)
+                               else self._costs.round_trip(n),
                                n / plain.seconds if plain is not None and plain.established else 0.0).tolist()
         return _Choice(chosen, any(chosen))
 

@@ -17,9 +17,9 @@ from vllm_spec.model.llama import LlamaForCausalLM
 from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.worker.batch import BatchColumns, SeqInput
 from vllm_spec.worker.block_table import BlockTableArray
-from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, GraphedForward, bucket_for
-from vllm_spec.worker.ragged_graph import RaggedGraphedForward, sink_fits
-from vllm_spec.worker.token_counts import TokenPadding, profile_linear
+from vllm_spec.worker.cuda_graph import GraphedForward, bucket_for, buckets_up_to
+from vllm_spec.worker.ragged_graph import RaggedGraphedForward, sink_fits, token_buckets
+from vllm_spec.worker.token_counts import GRID, TokenPadding, profile_linear
 
 
 @dataclass
@@ -199,9 +199,10 @@ class ModelRunner:
             return False
         key = (num_seqs, q_len)
         if key not in self._via_ragged:
-            seconds = ragged.padding.seconds_at
-            self._via_ragged[key] = seconds(ragged.tokens_run(num_seqs, num_seqs * q_len)) \
-                < _RAGGED_GAIN * seconds(bucket_for(num_seqs) * q_len)
+            profile, uniform = ragged.padding, bucket_for(num_seqs) * q_len
+            run = ragged.tokens_run(num_seqs, num_seqs * q_len)
+            self._via_ragged[key] = profile.covers(run) and profile.covers(uniform) and \
+                profile.seconds_at(run) < _RAGGED_GAIN * profile.seconds_at(uniform)
         return self._via_ragged[key]
 
     @staticmethod
@@ -225,7 +226,12 @@ class ModelRunner:
         parallel ranks would time theirs apart and could pick different counts for passes that must match."""
         if self.device.type != "cuda" or self.model.layers[0].mlp.down_proj.tp.world_size > 1:
             return None
-        return profile_linear(self.model.layers[0], (bucket_for(max_batch) or BATCH_BUCKETS[-1]) * max_q)
+        buckets = buckets_up_to(max_batch)
+        # Every count a uniform graph (q > 1) or a ragged token bucket runs, and the grid to pad to.
+        counts = {b * q for b in buckets for q in range(2, max_q + 1)}
+        counts |= {t for b in buckets for t in token_buckets(b, max_q)}
+        counts |= set(range(GRID, max(counts) + GRID, GRID))
+        return profile_linear(self.model.layers[0], counts)
 
     def _pool(self):
         """The memory pool every graph of this runner is captured into (made on first use)."""

@@ -162,10 +162,12 @@ class RaggedGraphedForward:
 
     def _run(self, bucket: int, tokens: int) -> int:
         """The tokens the graph of a token bucket runs: the bucket's, or more where they run faster. (The
-        sink takes up to a step's tokens below the bucket's and the padding: one block-table row holds them.)"""
+        sink takes up to a step's tokens below the bucket's and the padding: one block-table row holds
+        them, and the rotary tables their positions.)"""
         if self.padding is None:
             return tokens
-        limit = min(bucket * self.max_q, tokens + self._row_tokens - token_step(bucket, self.max_q))
+        room = min(self._row_tokens, self.max_seq_len)
+        limit = min(bucket * self.max_q, tokens + room - token_step(bucket, self.max_q))
         return self.padding.padded(tokens, limit)
 
     @torch.inference_mode()
