@@ -73,6 +73,7 @@ class RaggedGraphedForward:
         graph runs those (the sink takes them, up to what its block-table row holds)."""
         self.model, self.max_q, self.block_size, self.max_seq_len = model, max_q, block_size, max_seq_len
         self.padding, self._row_tokens = padding, max_blocks * block_size
+        self._runs: dict[tuple[int, int], int] = {}   # (batch bucket, token bucket) -> tokens its graph runs
         dev = next(model.parameters()).device
         n, tokens = BATCH_BUCKETS[-1] + 1, BATCH_BUCKETS[-1] * max_q   # (n rows: the sink's too)
         self._staging = StagingBuffer(3 * tokens + 2 * n + 1, n, max_blocks, dev)
@@ -166,9 +167,13 @@ class RaggedGraphedForward:
         them, and the rotary tables their positions.)"""
         if self.padding is None:
             return tokens
-        room = min(self._row_tokens, self.max_seq_len)
-        limit = min(bucket * self.max_q, tokens + room - token_step(bucket, self.max_q))
-        return self.padding.padded(tokens, limit)
+        # (Asked at every stage and by the scorer before it: a lookup on the host's path, not a search.)
+        run = self._runs.get((bucket, tokens))
+        if run is None:
+            room = min(self._row_tokens, self.max_seq_len)
+            limit = min(bucket * self.max_q, tokens + room - token_step(bucket, self.max_q))
+            run = self._runs[(bucket, tokens)] = self.padding.padded(tokens, limit)
+        return run
 
     @torch.inference_mode()
     def stage(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
