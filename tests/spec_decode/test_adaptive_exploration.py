@@ -197,3 +197,21 @@ def test_a_catch_up_not_yet_measured_is_not_taken_as_free(catches_up):
     assert len(speculative) >= 2 and speculative[0] < 50, speculative
     gaps = [b - a for a, b in zip(speculative, speculative[1:]) if b - a > 1]
     assert all(gap >= 400 for gap in gaps) if catches_up else 50 <= gaps[0] < 400, speculative
+
+
+@pytest.mark.parametrize("k1_measured", [True, False])
+def test_from_plain_decoding_only_one_draft_is_measured_for_being_new(k1_measured):
+    """Plain decoding is best, k = 2 was measured and did not pay (nor did k = 1, where measured), and
+    k = 3 is modelled within reach of the best but never measured at this batch size: a step of k = 3
+    would pay both switches for a kind that more drafts than k = 1 will not make pay, so it waits for a
+    probe. An unmeasured k = 1 is still measured: it is where speculation starts paying if anywhere."""
+    policy = AdaptivePolicy(max_k=3, prior_acceptance=0.5, prior_strength=1e6, explore_every=50)
+    plain = 4.0e-3
+    policy._costs.modelled_cost = lambda n, k, state: (1 - 0.5 ** (k + 1)) / 0.5 * plain / 0.93
+    policy._costs.measured = {(1, 0): StepCost(plain, at=99, samples=5),
+                              (1, 2): StepCost(1.75 * plain / 0.95, at=99, samples=5)}
+    if k1_measured:
+        policy._costs.measured[(1, 1)] = StepCost(1.5 * plain / 0.95, at=99, samples=5)
+    state = policy._costs.bucket_state(1)
+    state.visits, state.last_spec, state.probe_every = 100, 99, 800   # no probe is due
+    assert policy.choose(StepShape([1], [3], 0)) == ([0] if k1_measured else [1])
