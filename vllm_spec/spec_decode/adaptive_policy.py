@@ -227,8 +227,8 @@ class AdaptivePolicy:
                 if uniform_rates[K] < _NEAR_BEST * rates[best] or state.visits - at < self.explore_every:
                     return False
                 if at == -np.inf:
-                    # From plain decoding, only k = 1 is measured for being new here: k = 1 not paying says
-                    # more drafts will not either, and probes space the others. (On an H100 whose host made
+                    # From plain decoding, only k = 1 is measured for being new here: more drafts seldom pay
+                    # where k = 1 does not, and probes test them. (On an H100 whose host made
                     # k = 1 break even at batch 128, a window's first step measured k = 3 where k = 1 and 2
                     # had not paid: 18.7 ms, and the plain step after it 11.6 ms, against 7.4 ms plain steps.)
                     return best > 0 or K <= 1
