@@ -200,11 +200,11 @@ def test_a_catch_up_not_yet_measured_is_not_taken_as_free(catches_up):
 
 
 @pytest.mark.parametrize("k1_measured", [True, False])
-def test_from_plain_decoding_only_one_draft_is_measured_for_being_new(k1_measured):
+def test_from_plain_decoding_a_new_kind_is_measured_next_to_it_only(k1_measured):
     """Plain decoding is best, k = 2 was measured and did not pay (nor did k = 1, where measured), and
     k = 3 is modelled within reach of the best but never measured at this batch size: a step of k = 3
-    would pay both switches for a kind that more drafts than k = 1 will not make pay, so it waits for a
-    probe. An unmeasured k = 1 is still measured: it is where speculation starts paying if anywhere."""
+    would pay both switches for a kind past one that lost, so it waits for a probe. An unmeasured k = 1,
+    next to plain decoding, is still measured."""
     policy = AdaptivePolicy(max_k=3, prior_acceptance=0.5, prior_strength=1e6, explore_every=50)
     plain = 4.0e-3
     policy._costs.modelled_cost = lambda n, k, state: (1 - 0.5 ** (k + 1)) / 0.5 * plain / 0.93
@@ -215,3 +215,19 @@ def test_from_plain_decoding_only_one_draft_is_measured_for_being_new(k1_measure
     state = policy._costs.bucket_state(1)
     state.visits, state.last_spec, state.probe_every = 100, 99, 800   # no probe is due
     assert policy.choose(StepShape([1], [3], 0)) == ([0] if k1_measured else [1])
+
+
+@pytest.mark.parametrize("k3_measured", [True, False])
+def test_while_speculating_a_new_kind_is_measured_next_to_the_best_only(k3_measured):
+    """k = 2 is best as measured; k = 4 is modelled within reach of it but never measured. Where k = 3,
+    between them, was measured and lost to k = 2, k = 4 is not tried (the rate falls past its peak);
+    where k = 3 is new too, k = 3 is measured first."""
+    policy = AdaptivePolicy(max_k=4, prior_acceptance=0.5, prior_strength=1e6, explore_every=50)
+    plain, expected = 4.0e-3, lambda k: (1 - 0.5 ** (k + 1)) / 0.5
+    policy._costs.modelled_cost = lambda n, k, state: expected(k) * plain / (1.2 * 0.95)
+    policy._costs.measured = {(1, k): StepCost(expected(k) * plain / r, at=99, samples=5)
+                              for k, r in [(0, 1.0), (1, 1.1), (2, 1.2)] + ([(3, 1.2 * 0.97)] if k3_measured else [])}
+    policy._speculating = True
+    state = policy._costs.bucket_state(1)
+    state.visits = state.last_spec = 100
+    assert policy.choose(StepShape([1], [4], 0)) == ([2] if k3_measured else [3])

@@ -227,11 +227,12 @@ class AdaptivePolicy:
                 if uniform_rates[K] < _NEAR_BEST * rates[best] or state.visits - at < self.explore_every:
                     return False
                 if at == -np.inf:
-                    # From plain decoding, only k = 1 is measured for being new here: more drafts seldom pay
-                    # where k = 1 does not, and probes test them. (On an H100 whose host made
-                    # k = 1 break even at batch 128, a window's first step measured k = 3 where k = 1 and 2
-                    # had not paid: 18.7 ms, and the plain step after it 11.6 ms, against 7.4 ms plain steps.)
-                    return best > 0 or K <= 1
+                    # A kind new here is measured next to the best only (the rate rises to one k and falls
+                    # past it: a measured neighbour that is not the best says the kinds beyond it lose too;
+                    # probes test them from plain decoding). (On an H100 whose host made k = 1 break even at
+                    # batch 128, a window's first step measured k = 3 where k = 1 and 2 had not paid: 18.7 ms,
+                    # and the plain step after it 11.6 ms, against 7.4 ms plain steps.)
+                    return abs(K - best) <= 1
                 if not may_remeasure:
                     return False
                 # Speculating to re-measure while plain decoding is best is a probe, and spaced as one.
