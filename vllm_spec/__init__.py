@@ -11,9 +11,11 @@ from vllm_spec.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm_spec.engine.async_llm_engine import AsyncLLMEngine
 from vllm_spec.engine.llm_engine import LLMEngine
 from vllm_spec.entrypoints.llm import LLM
+from vllm_spec.inputs import PromptType, TextPrompt, TokensPrompt
 from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "AsyncEngineArgs", "SamplingParams",
-           "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
+           "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob", "PromptType", "TextPrompt",
+           "TokensPrompt"]
 __version__ = "0.1.0"

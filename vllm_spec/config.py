@@ -118,7 +118,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 @dataclass
 class SchedulerConfig:
-    """Continuous batching limits; prompts longer than the token budget are prefilled in chunks."""
+    """Continuous batching limits; prompts longer than the token budget are prefilled in chunks (unless
+    chunked_prefill is off: then a prompt waits for a step whose budget holds all of it)."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -126,10 +127,16 @@ class SchedulerConfig:
     # vLLM's scheduling_policy: "fcfs" (arrival order), or "priority" (a request's priority, lower
     # first, then arrival; preemption takes the last in that order).
     policy: str = "fcfs"
+    chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # (A prompt of max_model_len tokens could then never be scheduled.)
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when enable_chunked_prefill is False.")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}.")
 

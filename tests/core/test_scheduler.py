@@ -21,8 +21,9 @@ def make_seq(prompt_len: int, max_tokens: int = 4, rid: str = "r") -> Sequence:
 
 
 def make_scheduler(num_blocks: int, block_size: int, max_num_seqs: int = 64, budget: int = 2048,
-                   lookahead: int = 0) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=4096)
+                   lookahead: int = 0, max_model_len: int = 4096, chunked_prefill: bool = True) -> Scheduler:
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                          chunked_prefill=chunked_prefill)
     return Scheduler(cfg, BlockManager(num_blocks, block_size), lookahead)
 
 
@@ -55,6 +56,23 @@ def test_long_prompt_is_chunked_under_the_token_budget():
     assert chunks == [(10, False), (10, False), (7, True)]
     # The table covers exactly the computed prompt at every point (ceil(27 / 4) = 7 blocks).
     assert len(seq.block_table) == 7
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_room_for_all_of_it():
+    sched = make_scheduler(num_blocks=64, block_size=4, budget=12, max_model_len=12, chunked_prefill=False)
+    first, second, third = make_seq(8, max_tokens=3, rid="a"), make_seq(11, max_tokens=2, rid="b"), make_seq(2, rid="c")
+    for seq in (first, second, third):
+        sched.add(seq)
+    # 8 tokens fit; b's 11 do not fit the 4 left, and c waits behind it (arrival order).
+    assert [(i.seq.request_id, i.num_new_tokens) for i in step(sched).scheduled] == [("a", 8)]
+    # a's decode takes 1 of 12: b's 11 fit whole, c's 2 do not fit the 0 left.
+    assert [(i.seq.request_id, i.num_new_tokens) for i in step(sched).scheduled] == [("a", 1), ("b", 11)]
+    assert [(i.seq.request_id, i.num_new_tokens) for i in step(sched).scheduled] == [("a", 1), ("b", 1), ("c", 2)]
+
+
+def test_without_chunked_prefill_the_budget_must_hold_the_longest_prompt():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_model_len \(12\)"):
+        SchedulerConfig(max_num_batched_tokens=8, max_model_len=12, chunked_prefill=False)
 
 
 def test_decodes_are_scheduled_before_prefills():

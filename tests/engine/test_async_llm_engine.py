@@ -33,6 +33,7 @@ def test_config_tokenizer_and_an_awaited_abort(engine):
     async def main():
         try:
             assert (await engine.get_model_config()).max_model_len == engine.config.model.max_model_len
+            assert engine.model_config is engine.config.model and engine.vllm_config is engine.config
             assert await engine.get_tokenizer() is engine.tokenizer
             seen = 0
             with pytest.raises(RequestAbortedError):

@@ -81,6 +81,11 @@ def test_vllm_request_options_at_their_neutral_values(engine):
 def test_engine_accessors_and_custom_stat_loggers(engine, tiny_llama):
     assert engine.get_tokenizer() is engine.tokenizer
     assert engine.get_model_config().max_model_len == engine.config.model.max_model_len
+    # vLLM's attribute names for the configuration's parts.
+    cfg = engine.config
+    assert engine.vllm_config is cfg and engine.model_config is cfg.model and engine.cache_config is cfg.cache
+    assert engine.scheduler_config is cfg.scheduler and engine.parallel_config is cfg.parallel
+    assert engine.speculative_config is cfg.speculative
     with pytest.raises(ValueError, match="stat_loggers"):
         LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama)), stat_loggers={"x": object()})
 

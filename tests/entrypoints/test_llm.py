@@ -179,6 +179,9 @@ def test_eos_gives_stop(eos_model, reference, llm):
     assert ignored.token_ids == reference.token_ids and ignored.finish_reason == "length"
     delayed = model.generate(PROMPT, greedy(min_tokens=pos + 2), use_tqdm=False)[0].outputs[0]
     assert len(delayed.token_ids) > pos + 1 and eos not in delayed.token_ids[: pos + 2]
+    # As vLLM: min_tokens holds EOS back with ignore_eos too (the EOS ids are always among the stop ids).
+    both = model.generate(PROMPT, greedy(min_tokens=pos + 2, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert both.token_ids[: pos + 2] == delayed.token_ids[: pos + 2] and both.finish_reason == "length"
 
 
 # Chat --------------------------------------------------------------------------------------------------

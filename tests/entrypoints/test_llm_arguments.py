@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 from conftest import copy_with_config
 
+import vllm_spec
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.entrypoints.llm import LLM
+from vllm_spec.inputs import TextPrompt
 from vllm_spec.sampling_params import SamplingParams
 
 from .offline_llm_helpers import MAX_MODEL_LEN, PROMPT, greedy
@@ -30,6 +32,11 @@ def test_over_long_prompt_rejected_and_llm_keeps_working(llm, reference):
     assert not llm.llm_engine.scheduler.has_unfinished()
     out = llm.generate(PROMPT, greedy(ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == reference.token_ids
+
+
+def test_model_config_under_vllm_names(llm):
+    assert llm.model_config is llm.llm_engine.model_config is llm.llm_engine.config.model
+    assert llm.llm_engine.model_config.max_model_len == MAX_MODEL_LEN
 
 
 def test_prompt_of_exactly_max_model_len_gets_one_token(llm):
@@ -108,6 +115,11 @@ def test_prompt_dict_keys_as_vllm(llm, reference):
     assert out.outputs[0].token_ids == reference.token_ids
     assert (out.num_cached_tokens, out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids,
             out.kv_transfer_params, out.outputs[0].lora_request) == (0, None, None, None, None, None)
+    # vLLM's typed prompt dicts, under both of vLLM's import paths.
+    ids = llm.get_tokenizer().encode(PROMPT)
+    typed = llm.generate([TextPrompt(prompt=PROMPT), vllm_spec.TokensPrompt(prompt_token_ids=ids)], params,
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in typed] == [reference.token_ids] * 2
     with pytest.raises(ValueError, match="multi_modal_data in a prompt is not supported"):
         llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": object()}}, params, use_tqdm=False)
     with pytest.raises(ValueError, match=r"unknown prompt key 'promt'; allowed: prompt, prompt_token_ids"):
@@ -183,12 +195,25 @@ def test_vllm_flags_with_their_supported_values(tiny_llama):
     assert len(llm.generate("hi", greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="enable_prefix_caching must be True, False or None"):
         LLM(str(tiny_llama), enable_prefix_caching="yes")
-    with pytest.raises(ValueError, match="enable_chunked_prefill must be True"):
-        LLM(str(tiny_llama), enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="enable_chunked_prefill must be True or False"):
+        LLM(str(tiny_llama), enable_chunked_prefill="no")
     for name, value in [("quantization", "awq"), ("tokenizer_mode", "slow"), ("revision", "main"),
                         ("max_logprobs", 5), ("kv_cache_dtype", "fp8"), ("swap_space", -1)]:
         with pytest.raises(ValueError, match=name):
             LLM(str(tiny_llama), **{name: value})
+
+
+def test_chunked_prefill_off_prefills_prompts_whole(tiny_llama):
+    # vLLM scripts for speculative decoding often pass enable_chunked_prefill=False: same tokens, whole prompts.
+    prompts = ["a long prompt " * 12, "hi", "another prompt that is somewhat longer " * 3]
+    chunked = LLM(str(tiny_llama), max_num_batched_tokens=16, max_model_len=256)
+    whole = LLM(str(tiny_llama), speculative_model=str(tiny_llama), num_speculative_tokens=2,
+                enable_chunked_prefill=False, max_model_len=256)
+    assert whole.llm_engine.config.scheduler.max_num_batched_tokens == 2048   # max(2048, max_model_len)
+    expected = [o.outputs[0].token_ids for o in chunked.generate(prompts, greedy(6), use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in whole.generate(prompts, greedy(6), use_tqdm=False)] == expected
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) must be >= max_model_len \(256\)"):
+        LLM(str(tiny_llama), enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=256)
 
 
 @pytest.mark.parametrize("name, value", [

@@ -256,7 +256,7 @@ def test_tokenizing_runs_off_the_event_loop(tiny_llama, monkeypatch):
     assert threads == ["tokenizer_0"]
 
 
-def test_length_errors_name_the_field_sent_and_usage_streams_only_when_asked(tiny_llama):
+def test_length_errors_name_the_field_sent_and_usage_streams_as_vllm(tiny_llama):
     auth = {"Authorization": "Bearer k"}
     messages = [{"role": "user", "content": "hi"}]
     with TestClient(_server_app(tiny_llama)) as client:
@@ -273,6 +273,23 @@ def test_length_errors_name_the_field_sent_and_usage_streams_only_when_asked(tin
             chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
             with_usage = sum(1 for c in chunks if c.get("usage"))
             assert with_usage == (len(chunks) if expected is None else expected), chunks
+        # As vLLM: each chunk's usage is its own choice's (its prompt, its tokens so far); the last, the totals.
+        prompts = ["hello", "a somewhat longer prompt"]
+        lengths = [len(client.post("/tokenize", json={"model": "m", "prompt": p}, headers=auth).json()["tokens"])
+                   for p in prompts]
+        r = client.post("/v1/completions", headers=auth, json={
+            "model": "m", "prompt": prompts, "n": 2, "max_tokens": 3, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        seen = {}
+        for c in chunks[:-1]:
+            (choice,), usage = c["choices"], c["usage"]
+            assert usage["prompt_tokens"] == lengths[choice["index"] // 2], c
+            assert usage["completion_tokens"] >= seen.get(choice["index"], 0), c
+            seen[choice["index"]] = usage["completion_tokens"]
+        assert seen == {0: 3, 1: 3, 2: 3, 3: 3}
+        assert chunks[-1]["usage"] == {"prompt_tokens": sum(lengths), "completion_tokens": 12,
+                                       "total_tokens": sum(lengths) + 12, "prompt_tokens_details": None}
 
 
 def test_request_priority_with_the_priority_policy(tiny_llama):

@@ -54,8 +54,9 @@ class EngineArgs:
     async_scheduling: bool | None = _opt(
         None, "Schedule each step while the previous one runs on the device, when that step emits one token "
               "per sequence (default: on for CUDA with tensor_parallel_size 1).")
-    enable_chunked_prefill: bool = _opt(True, "Split prompts over steps to fit max_num_batched_tokens (always on, "
-                                              "as in vLLM V1; False is refused).")
+    enable_chunked_prefill: bool = _opt(True, "Split prompts over steps to fit max_num_batched_tokens; False: a "
+                                              "prompt is prefilled whole, in a step with room for all of it "
+                                              "(max_num_batched_tokens then defaults to max(2048, max_model_len)).")
     enable_prefix_caching: bool | None = _opt(False, "Share the KV blocks of prompt prefixes computed before: a "
                                                      "prompt starting with them computes only the rest (None: off).")
     # vLLM's names for what this engine does one way only, accepted at that way (checked in
@@ -143,9 +144,8 @@ class EngineArgs:
         if not self.model:
             raise ValueError("model must be given: an HF model folder or a .gguf file.")
         # Accepted under vLLM's names so that vLLM configurations run; only their supported value.
-        if self.enable_chunked_prefill is not True:
-            raise ValueError("enable_chunked_prefill must be True (prompts are always chunked to fit "
-                             f"max_num_batched_tokens), got {self.enable_chunked_prefill!r}.")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}.")
         if not isinstance(self.enable_prefix_caching, (bool, type(None))):
             raise ValueError(f"enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}.")
         self._check_fixed_choices()
@@ -156,13 +156,18 @@ class EngineArgs:
             model=model,
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes,
                               self.num_gpu_blocks_override, bool(self.enable_prefix_caching)),
-            scheduler=SchedulerConfig(self.max_num_seqs, 2048 if self.max_num_batched_tokens is None
-                                      else self.max_num_batched_tokens, model.max_model_len, self.scheduling_policy),
+            scheduler=SchedulerConfig(self.max_num_seqs, self._token_budget(model.max_model_len), model.max_model_len,
+                                      self.scheduling_policy, self.enable_chunked_prefill),
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             speculative=speculative,
             enforce_eager=self.enforce_eager,
             async_scheduling=self.async_scheduling,
         )
+
+    def _token_budget(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
 
     def _check_fixed_choices(self) -> None:
         for name, allowed in (("tokenizer_mode", ("auto",)), ("revision", (None,)), ("tokenizer_revision", (None,)),

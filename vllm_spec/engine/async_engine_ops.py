@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_spec.beam_search import one_token_params, search_async
 from vllm_spec.engine.async_stream import EngineDeadError
-from vllm_spec.engine.request_input import PromptType, check_neutral
+from vllm_spec.engine.request_input import check_neutral
+from vllm_spec.inputs import PromptType
 from vllm_spec.outputs import RequestOutput
 from vllm_spec.sampling_params import BeamSearchParams, SamplingParams
 

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, field
 
 from vllm_spec.engine.llm_engine import LLMEngine
-from vllm_spec.engine.request_input import PromptType
+from vllm_spec.inputs import PromptType
 from vllm_spec.outputs import RequestOutput
 from vllm_spec.sampling_params import SamplingParams
 

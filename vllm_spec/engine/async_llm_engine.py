@@ -29,7 +29,8 @@ from vllm_spec.engine.async_engine_ops import EngineOperations
 from vllm_spec.engine.async_iteration import IterationResult, PendingAdd, run_iteration, settle
 from vllm_spec.engine.async_stream import AsyncStream, EngineDeadError, EngineStepError, RequestAbortedError
 from vllm_spec.engine.llm_engine import LLMEngine
-from vllm_spec.engine.request_input import PromptType, check_request_id, check_request_options
+from vllm_spec.engine.request_input import check_request_id, check_request_options
+from vllm_spec.inputs import PromptType
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
 from vllm_spec.sampling_params import RequestOutputKind, SamplingParams
@@ -71,6 +72,14 @@ class AsyncLLMEngine(EngineOperations):
     @property
     def config(self):
         return self.engine.config
+
+    @property
+    def vllm_config(self):
+        return self.engine.config
+
+    @property
+    def model_config(self):
+        return self.engine.config.model
 
     @property
     def is_running(self) -> bool:

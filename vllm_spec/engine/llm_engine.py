@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from vllm_spec.config import EngineConfig
+from vllm_spec.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from vllm_spec.core.block_manager import BlockManager
 from vllm_spec.core.scheduler import Scheduler, SchedulerOutput
 from vllm_spec.core.sequence import Request, Sequence, SequenceStatus
@@ -14,11 +14,12 @@ from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.gc_tuning import tune_gc_for_serving
 from vllm_spec.engine.output_processor import OutputProcessor
 from vllm_spec.engine.request_builder import new_request
-from vllm_spec.engine.request_input import PromptType, check_neutral, check_request_id, check_request_options
+from vllm_spec.engine.request_input import check_neutral, check_request_id, check_request_options
 from vllm_spec.engine.request_output import make_request_output
 from vllm_spec.engine.stats import EngineStats
 from vllm_spec.executor import create_executor
 from vllm_spec.generation_config import model_eos_token_ids
+from vllm_spec.inputs import PromptType
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
 from vllm_spec.profiler import EngineProfiler
@@ -83,6 +84,31 @@ class LLMEngine:
     def get_model_config(self):
         """The target's ModelConfig."""
         return self.config.model
+
+    # vLLM's names for the parts of the configuration (scripts read llm.llm_engine.model_config.max_model_len).
+    @property
+    def vllm_config(self) -> EngineConfig:
+        return self.config
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.config.cache
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.config.scheduler
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return self.config.parallel
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        return self.config.speculative
 
     def update_eos_token_ids(self) -> None:
         """The ids that end a request (the model's config, its generation config, the tokenizer's) and

@@ -8,8 +8,9 @@ import time
 
 from vllm_spec.config import EngineConfig
 from vllm_spec.core.sequence import Request, Sequence
-from vllm_spec.engine.request_input import PromptType, as_token_ids, check_prompt_keys
+from vllm_spec.engine.request_input import as_token_ids, check_prompt_keys
 from vllm_spec.executor.base import check_sendable_to_ranks
+from vllm_spec.inputs import PromptType
 from vllm_spec.sampling_params import SamplingParams
 from vllm_spec.structured_output.grammar import compiler_for
 from vllm_spec.utils import check_text, is_number
@@ -74,7 +75,7 @@ def new_request(request_id: str, prompt: PromptType, params: SamplingParams | No
     if params.bad_words:
         params.update_from_tokenizer(tokenizer)
     params.check_vocab(vocab)
-    params.all_stop_token_ids |= eos_token_ids if not params.ignore_eos else set()
+    params.all_stop_token_ids |= eos_token_ids   # min_tokens holds EOS back, ignore_eos or not (as vLLM)
     max_tokens = max_len - len(ids) if params.max_tokens is None else params.max_tokens
     # The engine's clock is monotonic; a given arrival_time is on the wall clock.
     now = time.monotonic()

@@ -8,9 +8,6 @@ from typing import Any
 
 from vllm_spec.utils import is_int, is_unset
 
-# A prompt: text, {"prompt": text} / {"prompt_token_ids": ids}, or a list of token ids.
-PromptType = str | dict[str, Any] | list[int]
-
 # vLLM's prompt dict keys. Those of multi-modal and embedding inputs are refused unless empty (a text-only
 # model: an image would be silently dropped), cache_salt is harmless without prefix caching.
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")

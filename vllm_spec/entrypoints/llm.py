@@ -13,8 +13,9 @@ from tqdm import tqdm
 from vllm_spec.beam_search import BeamSearchOutput, beam_search, one_token_params
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.llm_engine import LLMEngine
-from vllm_spec.engine.request_input import PromptType, check_neutral, check_priority
+from vllm_spec.engine.request_input import check_neutral, check_priority
 from vllm_spec.entrypoints.chat_utils import render_chat
+from vllm_spec.inputs import PromptType
 from vllm_spec.metrics import Metric
 from vllm_spec.outputs import RequestOutput
 from vllm_spec.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -30,6 +31,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    @property
+    def model_config(self):
+        """The target's ModelConfig (vLLM's name)."""
+        return self.llm_engine.config.model
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() use without sampling_params: vLLM's defaults, with the fields the

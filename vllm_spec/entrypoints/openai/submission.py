@@ -236,6 +236,11 @@ class Submission:
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                          prompt_tokens_details=details)
 
+    def choice_usage(self, idx: int, completion: int) -> UsageInfo:
+        """As vLLM's continuous usage statistics: one choice's prompt and its completion tokens so far."""
+        prompt = len(self.prompt_token_ids[idx // self.params.n])
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
     def abort(self) -> None:
         self.state.engine.abort_nowait(self.ids)
 
@@ -276,8 +281,8 @@ class Submission:
         try:
             for first in opening:
                 event = chunk(choices=[first.choice], **first.fields)
-                if continuous:   # as vLLM: every chunk carries usage, the opening ones too
-                    event.usage = self.usage(last)
+                if continuous:   # as vLLM: every chunk carries its choice's usage, the opening ones too
+                    event.usage = self.choice_usage(first.choice.index, 0)
                 yield _sse(event)
             async for i, out in _merge(self.streams):
                 last[i] = out
@@ -294,7 +299,7 @@ class Submission:
                         continue
                     event = chunk(choices=[choice])
                     if continuous:
-                        event.usage = self.usage(last)
+                        event.usage = self.choice_usage(idx, len(comp.token_ids))
                     yield _sse(event)
             if include_usage:
                 yield _sse(chunk(choices=[], usage=self.usage(last)))
