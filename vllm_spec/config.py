@@ -66,13 +66,14 @@ class ModelConfig:
         arch = ArchConfig.from_hf_dict(hf_cfg)
         dev = resolve_device(device)
         limit, bound = arch.max_position_embeddings, "max_position_embeddings"
-        if rope_type(arch.rope_scaling) in ("linear", "dynamic"):
+        # (As vLLM: Gemma 3's max_position_embeddings already counts its rope scaling.)
+        scaling = rope_type(arch.rope_scaling) if arch.architecture != "Gemma3ForCausalLM" else "default"
+        if scaling in ("linear", "dynamic"):
             # As vLLM: linear and dynamic scaling stretch the positions the model was trained on (llama3's
             # max_position_embeddings already counts its scaling).
             limit = int(limit * arch.rope_scaling["factor"])
-            bound = (f"max_position_embeddings x the {rope_type(arch.rope_scaling)} rope_scaling factor "
-                     f"{arch.rope_scaling['factor']}")
-        elif rope_type(arch.rope_scaling) == "yarn":   # as vLLM: the original context, stretched by the factor
+            bound = f"max_position_embeddings x the {scaling} rope_scaling factor {arch.rope_scaling['factor']}"
+        elif scaling == "yarn":   # as vLLM: the original context, stretched by the factor
             limit = int(arch.rope_scaling["original_max_position_embeddings"] * arch.rope_scaling["factor"])
             bound = f"original_max_position_embeddings x the yarn rope_scaling factor {arch.rope_scaling['factor']}"
         if max_model_len is None:

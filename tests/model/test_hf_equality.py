@@ -296,6 +296,35 @@ def test_dynamic_ntk_rope_matches_transformers_at_the_longest_context(tmp_path):
     assert torch.allclose(ours, ref, atol=2e-4), (ours - ref).abs().max()
 
 
+def test_gemma3_config_as_shipped(tmp_path):
+    """As Gemma-3 checkpoints ship: linear rope scaling on the global layers and a max_position_embeddings that
+    already counts it (the context limit, as vLLM's), and no tie_word_embeddings key (transformers' default for
+    Gemma 3: tied)."""
+    import json
+
+    path = make_tiny_model(tmp_path / "g3", "gemma3", seed=14, head_dim=16, query_pre_attn_scalar=16,
+                           sliding_window=8, max_position_embeddings=64,
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                               "rope_theta": 1000000.0}})
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg.pop("tie_word_embeddings", True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(path), kv_cache_memory_bytes=1 << 24)
+    assert llm.llm_engine.config.model.max_model_len == 64
+    with pytest.raises(ValueError, match=r"max_model_len \(128\) must be <= the model's max_position_embeddings"):
+        LLM(str(path), kv_cache_memory_bytes=1 << 24, max_model_len=128)
+    ids = [3 + (7 * i) % 300 for i in range(20)]
+    ours = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                          use_cache=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert ours == ref
+
+
 @pytest.mark.parametrize("scaling", [{"type": "dynamic", "alpha": 2.0}, {"rope_type": "linear"},
                                      {"type": "dynamic", "factor": "2"}, {"type": "llama3", "factor": -1}])
 def test_rope_scaling_without_a_usable_factor_is_a_clear_error(tmp_path, scaling):
