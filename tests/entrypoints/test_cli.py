@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import vllm_spec
 from vllm_spec.entrypoints import cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -230,6 +231,37 @@ def test_vllm_serve_spellings_parse():
     # Values are left alone: only flag names lose their underscores.
     gen = parser.parse_args(["generate", "--max_tokens", "5", "hello_world", "--seed=3"])
     assert (gen.max_tokens, gen.prompts, gen.seed) == (5, ["hello_world"], 3)
+
+
+def test_more_vllm_serve_flags_parse(capsys):
+    """vLLM's sizes with suffixes, its dotted form of JSON flags, --help=all, --version, and its logging and
+    server flags."""
+    parser = cli.make_parser()
+    ns = parser.parse_args(["serve", "M", "--max-model-len", "1k", "--max-num-batched-tokens", "2K",
+                            "--kv-cache-memory-bytes", "1.5m", "--enable-log-requests", "--max-log-len", "5",
+                            "--disable-uvicorn-access-log", "--disable-fastapi-docs", "--enable-request-id-headers",
+                            "--disable-log-requests"])
+    assert (ns.max_model_len, ns.max_num_batched_tokens, ns.kv_cache_memory_bytes) == (1000, 2048, 1_500_000)
+    assert (ns.enable_log_requests, ns.max_log_len, ns.disable_uvicorn_access_log, ns.disable_fastapi_docs,
+            ns.enable_request_id_headers, ns.disable_log_requests) == (True, 5, True, True, True, True)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "M", "--max-model-len", "1.5K"])   # K/M/G/T: whole numbers only
+    assert "--max-model-len: invalid int value: '1.5K'" in capsys.readouterr().err
+    # Dotted keys go over the flag's own object, wherever they stand; values are JSON where they parse.
+    ns = parser.parse_args(["serve", "M", "--speculative-config.num_speculative_tokens", "3",
+                            "--speculative-config", '{"model": "D", "num_speculative_tokens": 5}',
+                            "--speculative_config.policy=fixed", "--speculative-config.extra.deep", "true"])
+    assert ns.speculative_config == {"model": "D", "num_speculative_tokens": 3, "policy": "fixed",
+                                     "extra": {"deep": True}}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "M", "--speculative-config.model"])
+    assert "--speculative-config.model: expected one argument" in capsys.readouterr().err
+    for argv in (["serve", "--help=all"], ["--version"], ["-v"]):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(argv)
+        assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--speculative-config" in out and out.strip().endswith(vllm_spec.__version__)
 
 
 def test_serve_model_given_twice_is_a_clear_error(capsys):

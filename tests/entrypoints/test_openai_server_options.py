@@ -302,3 +302,22 @@ def test_request_priority_with_the_priority_policy(tiny_llama):
             assert r.status_code == 200, r.text
             r = client.post(path, json={"model": "m", "max_tokens": 2, "priority": 1.5, **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+
+
+def test_docs_request_id_headers_and_request_log(tiny_llama, caplog):
+    """--disable-fastapi-docs, --enable-request-id-headers, --enable-log-requests with --max-log-len."""
+    with TestClient(_server_app(tiny_llama)) as client:
+        assert client.get("/openapi.json").status_code == 200 and client.get("/docs").status_code == 200
+        assert "X-Request-Id" not in client.get("/health").headers
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                        max_model_len=256))
+    state = build_state(engine, str(tiny_llama), ["m"], log_requests=True, max_log_len=4)
+    with TestClient(build_app(state, docs=False, request_id_headers=True)) as client:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert client.get(path).status_code == 404, path
+        assert client.get("/health", headers={"X-Request-Id": "abc"}).headers["X-Request-Id"] == "abc"
+        with caplog.at_level("INFO", logger="vllm_spec.api_server"):
+            r = client.post("/v1/completions", json={"model": "m", "prompt": "hello world", "max_tokens": 2})
+        assert r.status_code == 200 and len(r.headers["X-Request-Id"]) == 32
+    logged = [rec.getMessage() for rec in caplog.records if "Received request" in rec.getMessage()]
+    assert len(logged) == 1 and "'hell'" in logged[0] and "hello" not in logged[0] and "max_tokens=2" in logged[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,7 +134,7 @@ class EngineArgs:
                                     help=f.metadata["help"])
                 continue
             base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-            parser.add_argument(*flags, type=_parser_for(base), default=f.default, help=f.metadata["help"])
+            parser.add_argument(*flags, type=_parser_for(base, f.name), default=f.default, help=f.metadata["help"])
         return parser
 
     @classmethod
@@ -275,20 +276,89 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
 
         args = list(sys.argv[1:] if args is None else args)
         end = args.index("--") if "--" in args else len(args)   # past "--", arguments are values
-        return super().parse_known_args([_dashed(a) for a in args[:end]] + args[end:], namespace)
+        try:
+            head = _joined_json_args([_dashed(a) for a in args[:end]])
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            self.error(str(e))
+        return super().parse_known_args(head + args[end:], namespace)
 
 
 def _dashed(arg: str) -> str:
     if not arg.startswith("--"):
         return arg
     name, eq, value = arg.partition("=")
-    return name.replace("_", "-") + eq + value
+    if name == "--help":   # vLLM's --help=all / --help=<group>: the help here lists every flag
+        return name
+    flag, dot, keys = name.partition(".")
+    return flag.replace("_", "-") + dot + keys.replace("-", "_") + eq + value
 
 
-def _parser_for(kind: Any):
+def _joined_json_args(args: list[str]) -> list[str]:
+    """vLLM's dotted form of JSON flags: `--speculative-config.num_speculative_tokens 3` (or `=3`) sets that
+    key of the flag's JSON object, merged over the object the flag itself gives (values are read as JSON,
+    else taken as strings). A ValueError names a dotted flag without a value."""
+    heads = [a.partition("=")[0] for a in args if a.startswith("--")]
+    dotted = {h.partition(".")[0] for h in heads if "." in h}
+    if not dotted:
+        return args
+    out: list[str] = []
+    objects: dict[str, dict] = {}
+    i = 0
+    while i < len(args):
+        name, eq, value = args[i].partition("=")
+        flag, dot, keys = name.partition(".")
+        i += 1
+        if not (name.startswith("--") and flag in dotted):
+            out.append(args[i - 1])
+            continue
+        if not eq:
+            if i >= len(args):
+                raise ValueError(f"argument {name}: expected one argument")
+            value, i = args[i], i + 1
+        if flag not in objects:
+            objects[flag] = {}
+            out += [flag, ""]   # (its place; filled in below)
+        if not dot:   # the whole object, under the dotted keys wherever they stand
+            objects[flag] = {**json_object(value), **objects[flag]}
+            continue
+        node = objects[flag]
+        *path, last = keys.split(".")
+        for key in path:
+            node = node.setdefault(key, {})
+        try:
+            node[last] = json.loads(value)
+        except json.JSONDecodeError:
+            node[last] = value
+    for flag, obj in objects.items():
+        out[out.index(flag) + 1] = json.dumps(obj)
+    return out
+
+
+_HUMAN_READABLE_INTS = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes")
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's sizes: an integer, or one with a suffix: k/m/g/t powers of 1000 (decimals allowed, 25.6k),
+    K/M/G/T powers of 1024 (whole numbers only)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (an integer, or one with a suffix "
+                                             "k/m/g/t x1000 or K/M/G/T x1024)") from None
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (K/M/G/T take whole numbers)")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+
+
+def _parser_for(kind: Any, name: str = ""):
     if kind is dict or typing.get_origin(kind) is dict:
         return json_object
-    return kind
+    return human_readable_int if name in _HUMAN_READABLE_INTS else kind
 
 
 def json_object(text: str) -> dict:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
+from vllm_spec import __version__
 from vllm_spec.engine.arg_utils import DefaultsHelpFormatter, FlexibleArgumentParser
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -80,6 +81,7 @@ def make_parser() -> argparse.ArgumentParser:
         prog="vllm-spec",
         description="vLLM-style LLM engine with lossless speculative decoding (draft models, n-gram).",
     )
+    parser.add_argument("-v", "--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate_parser(sub)
     from vllm_spec.entrypoints.openai.cli_args import add_serve_args, serve_main

@@ -22,6 +22,7 @@ import secrets
 import socket
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -83,7 +84,8 @@ class CorsOptions:
 
 
 # App ------------------------------------------------------------------------------------------------------
-def build_app(state: ServerState, cors: CorsOptions | None = None) -> FastAPI:
+def build_app(state: ServerState, cors: CorsOptions | None = None, docs: bool = True,
+              request_id_headers: bool = False) -> FastAPI:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
     registry = CollectorRegistry()
@@ -100,8 +102,15 @@ def build_app(state: ServerState, cors: CorsOptions | None = None) -> FastAPI:
             await state.engine.shutdown()
             state.tokenizer_thread.shutdown(wait=False)
 
-    app = FastAPI(title="vllm_spec OpenAI-compatible server", version=VERSION, lifespan=lifespan)
+    off = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="vllm_spec OpenAI-compatible server", version=VERSION, lifespan=lifespan, **off)
     app.state.server = state
+    if request_id_headers:
+        @app.middleware("http")
+        async def _request_id(request: Request, call_next):
+            response = await call_next(request)
+            response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+            return response
 
     @app.exception_handler(OpenAIServingError)
     async def _serving_error(_: Request, exc: OpenAIServingError):
@@ -155,7 +164,7 @@ def build_app(state: ServerState, cors: CorsOptions | None = None) -> FastAPI:
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)   # (a schema entry per method: a clash)
     async def ping():   # vLLM's (SageMaker's) liveness probe: /health's answer
         return await health()
 
@@ -201,7 +210,8 @@ def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence
                 api_key: str | None = None, chat_template: str | None = None,
                 response_role: str = "assistant", enable_prompt_tokens_details: bool = False,
                 trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-                return_tokens_as_token_ids: bool = False) -> ServerState:
+                return_tokens_as_token_ids: bool = False, log_requests: bool = False,
+                max_log_len: int | None = None) -> ServerState:
     """Server state around a built engine; loads the server's own tokenizer copy (the engine's is
     used by the engine thread only)."""
     from vllm_spec.tokenizer import get_tokenizer
@@ -214,7 +224,8 @@ def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence
                        response_role=response_role, sampling_defaults=cfg.get_diff_sampling_param(),
                        enable_prompt_tokens_details=enable_prompt_tokens_details,
                        trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
-                       return_tokens_as_token_ids=return_tokens_as_token_ids)
+                       return_tokens_as_token_ids=return_tokens_as_token_ids, log_requests=log_requests,
+                       max_log_len=max_log_len)
 
 
 # Running ----------------------------------------------------------------------------------------------------
@@ -297,12 +308,15 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     state = build_state(engine, args.model, args.served_model_name, args.api_key, args.chat_template,
                         args.response_role, args.enable_prompt_tokens_details, args.trust_request_chat_template,
                         args.tool_call_parser if args.enable_auto_tool_choice else None,
-                        return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                        log_requests=args.enable_log_requests and not args.disable_log_requests,
+                        max_log_len=args.max_log_len)
     app = build_app(state, CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                                       args.allow_credentials))
+                                       args.allow_credentials),
+                    docs=not args.disable_fastapi_docs, request_id_headers=args.enable_request_id_headers)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on", root_path=args.root_path,
-                            access_log=not args.disable_log_requests)
+                            access_log=not args.disable_uvicorn_access_log)
     server = _make_uvicorn_server(config, engine)
     host, port = sock.getsockname()[:2]
     # (uvicorn says where it listens only for sockets it binds itself; --port 0 picks one.)

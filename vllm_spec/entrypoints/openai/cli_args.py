@@ -49,7 +49,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(its return_tokens_as_token_ids)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
-    server.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")
+    server.add_argument("--enable-log-requests", action="store_true",
+                        help="log each request as the engine gets it (its id, prompt and sampling parameters)")
+    server.add_argument("--disable-log-requests", action="store_true",
+                        help="no request log (vLLM's older flag; the default unless --enable-log-requests)")
+    server.add_argument("--max-log-len", type=int, default=None,
+                        help="the request log shows at most this many prompt characters / token ids")
+    server.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
+    server.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="no /docs, /redoc and /openapi.json")
+    server.add_argument("--enable-request-id-headers", action="store_true",
+                        help="responses carry X-Request-Id: the request's own, else a new one")
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before they "
                              "are aborted")

@@ -9,9 +9,15 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_serializer
 
-from vllm_spec.entrypoints.openai.protocol import (OpenAIBaseModel, OpenAIRequestModel, OpenAIServingError,
-                                                   PromptLogprobs, UsageInfo, SamplingFields)
 from vllm_spec.entrypoints.openai.forced_tool_calls import ForcedToolCalls, check_tool_choice, forced_constraint
+from vllm_spec.entrypoints.openai.protocol import (
+    OpenAIBaseModel,
+    OpenAIRequestModel,
+    OpenAIServingError,
+    PromptLogprobs,
+    SamplingFields,
+    UsageInfo,
+)
 from vllm_spec.entrypoints.openai.tool_calls import ToolCallStream
 from vllm_spec.sampling_params import SamplingParams, StructuredOutputsParams
 

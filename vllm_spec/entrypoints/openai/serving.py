@@ -47,6 +47,8 @@ class ServerState:
     return_tokens_as_token_ids: bool = False   # --return-tokens-as-token-ids: requests' default
     trust_request_chat_template: bool = False   # else a request's own chat template is refused (as vLLM)
     tool_call_parser: str | None = None   # --enable-auto-tool-choice --tool-call-parser NAME
+    log_requests: bool = False   # --enable-log-requests
+    max_log_len: int | None = None   # --max-log-len: of the prompt in the request log
     # Tokenizing and chat templates run here, one at a time, never on the event loop: a long prompt
     # or a slow template must not stall every other client's stream.
     tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from vllm_spec.entrypoints.openai.protocol import (
 from vllm_spec.entrypoints.openai.serving import ERROR_TYPES, ServerState
 from vllm_spec.outputs import CompletionOutput, RequestOutput
 from vllm_spec.sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger("vllm_spec.api_server")
 
 # Engine failures that end a request early; the other exceptions are the server's own bugs.
 _ENGINE_ERRORS = (EngineStepError, EngineDeadError, RequestAbortedError)
@@ -70,6 +73,10 @@ async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any
     try:
         for i, prompt in enumerate(prompts):
             rid = f"{base_id}-{i}"
+            if state.log_requests:
+                shown = {key: value[:state.max_log_len] if isinstance(value, (str, list)) else value
+                         for key, value in prompt.items()}
+                logger.info("Received request %s: %s, params: %s", rid, shown, params)
             streams.append(await state.engine.add_request(rid, prompt, params, priority=priority))
             ids.append(rid)
     except ValueError as e:
