@@ -240,10 +240,14 @@ def test_more_vllm_serve_flags_parse(capsys):
     ns = parser.parse_args(["serve", "M", "--max-model-len", "1k", "--max-num-batched-tokens", "2K",
                             "--kv-cache-memory-bytes", "1.5m", "--enable-log-requests", "--max-log-len", "5",
                             "--disable-uvicorn-access-log", "--disable-fastapi-docs", "--enable-request-id-headers",
-                            "--disable-log-requests"])
+                            "--disable-log-requests", "--chat-template-content-format", "string"])
     assert (ns.max_model_len, ns.max_num_batched_tokens, ns.kv_cache_memory_bytes) == (1000, 2048, 1_500_000)
     assert (ns.enable_log_requests, ns.max_log_len, ns.disable_uvicorn_access_log, ns.disable_fastapi_docs,
             ns.enable_request_id_headers, ns.disable_log_requests) == (True, 5, True, True, True, True)
+    assert ns.chat_template_content_format == "string"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "M", "--chat-template-content-format", "openai"])
+    assert "invalid choice: 'openai'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "M", "--max-model-len", "1.5K"])   # K/M/G/T: whole numbers only
     assert "--max-model-len: invalid int value: '1.5K'" in capsys.readouterr().err
