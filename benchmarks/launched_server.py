@@ -32,7 +32,7 @@ class LaunchedServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server_{label}.log"
         cmd = [sys.executable, "-m", "vllm_spec.entrypoints.openai.api_server", model, "--host", "127.0.0.1",
-               "--port", str(self.port), "--disable-log-requests", "--uvicorn-log-level", "warning", *extra]
+               "--port", str(self.port), "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *extra]
         if api_key:
             cmd += ["--api-key", api_key]
         self.cmd = cmd
