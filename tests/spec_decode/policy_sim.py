@@ -146,7 +146,8 @@ BENCH_BATCHES = (1, 8, 32, 64, 128, 256)
 
 
 def protocol(make_policy, workload: str, costs: Costs, seeds: int = 3, rounds: int = 1,
-              prefill_steps: int = 0, batches: tuple[int, ...] = BENCH_BATCHES, ragged_graphs: bool = False) -> np.ndarray:
+              prefill_steps: int = 0, batches: tuple[int, ...] = BENCH_BATCHES,
+              ragged_graphs: bool = False) -> np.ndarray:
     """benchmark_policy.py's protocol: per batch size a short warm-up and a 32-step window (each after
     prefill_steps steps with prompt chunks), one policy across batch sizes (and across rounds over them);
     tokens/s per round and batch size (per batch size for one round), averaged over seeds."""

@@ -6,7 +6,8 @@ long prompt never stalls them; prompts then take what is left of the token
 budget, in chunks. When blocks run out the newest running sequence is
 preempted: its blocks are freed and it is recomputed later from its tokens.
 With chunked prefill off, a prompt waits (in its queue's order) for a step whose
-budget left holds all of its tokens. With the "priority" policy the waiting queue is kept in (priority, arrival)
+budget left holds all of its tokens (so no running sequence is ever part-prefilled).
+With the "priority" policy the waiting queue is kept in (priority, arrival)
 order and preemption takes the running sequence last in that order.
 With async scheduling a decoding sequence may have a token in flight (sampled by
 a step whose outputs are not read yet): it counts as uncomputed, the next step
@@ -162,7 +163,7 @@ class Scheduler:
                 budget, self._returned_budget = budget + self._returned_budget, 0
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
-            if budget <= 0 or (uncomputed > budget and not self.config.chunked_prefill):
+            if budget <= 0:
                 break
             n = min(uncomputed, budget)
             slots = lookahead if n == uncomputed else 0

@@ -75,11 +75,11 @@ class AsyncLLMEngine(EngineOperations):
 
     @property
     def vllm_config(self):
-        return self.engine.config
+        return self.engine.vllm_config
 
     @property
     def model_config(self):
-        return self.engine.config.model
+        return self.engine.model_config
 
     @property
     def is_running(self) -> bool:

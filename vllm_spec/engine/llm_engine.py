@@ -83,7 +83,7 @@ class LLMEngine:
 
     def get_model_config(self):
         """The target's ModelConfig."""
-        return self.config.model
+        return self.model_config
 
     # vLLM's names for the parts of the configuration (scripts read llm.llm_engine.model_config.max_model_len).
     @property

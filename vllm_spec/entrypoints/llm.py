@@ -35,7 +35,7 @@ class LLM:
     @property
     def model_config(self):
         """The target's ModelConfig (vLLM's name)."""
-        return self.llm_engine.config.model
+        return self.llm_engine.model_config
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() use without sampling_params: vLLM's defaults, with the fields the

@@ -11,10 +11,12 @@ sequence of the step is decoding, verification is padded to one query length whe
 graph replays it (else it is ragged: mqa_scorer), and all sequences get the same k, chosen
 on measured step times per (batch-size bucket, k) - end to end, host work included, since
 that is what tokens/s pays - with a linear model of device time in the query tokens for
-what is not measured yet (decode_costs.py); where a ragged graph replays verification of k per
-sequence (ragged_graph.py), sequences whose beliefs differ may draft 1..K each where that pays more. Choices near the best are re-measured now and
-then (a k never measured at a batch size: next to the best k only), plain steps however far from it (spaced as probes: their cost may have been measured while
-the machine ran slower); when the mean belief says not to speculate, a draw of the global rate (Thompson sampling) may
+what is not measured yet (decode_costs.py); where a ragged graph replays verification of k
+per sequence (ragged_graph.py), sequences whose beliefs differ may draft 1..K each where that
+pays more. Choices near the best are re-measured now and then (a k never measured at a batch
+size: next to the best k only), plain steps however far from it (spaced as probes: their cost
+may have been measured while the machine ran slower); when the mean belief says not to
+speculate, a draw of the global rate (Thompson sampling) may
 still say to, and speculation is probed ever more rarely where it keeps not paying.
 A switch between speculating and not (the draft's catch-up, the plain step
 that cannot overlap a speculative one) is charged to the choice that makes it,
