@@ -17,24 +17,26 @@ INVALID = [
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("repetition_penalty", math.inf), ("repetition_penalty", math.nan), ("repetition_penalty", None),
     ("temperature", -0.1), ("temperature", -math.inf), ("temperature", math.nan), ("temperature", "hot"),
-    ("temperature", None),
+    ("temperature", None), ("temperature", math.inf), ("temperature", 2.01),
     ("top_p", 0.0), ("top_p", -0.5), ("top_p", 1.01), ("top_p", math.nan), ("top_p", None),
     ("top_k", -2), ("top_k", 1.5), ("top_k", True), ("top_k", "5"), ("top_k", None),
     ("min_p", -0.01), ("min_p", 1.01), ("min_p", math.nan), ("min_p", "0.1"),
     ("seed", 1.5), ("seed", "7"), ("seed", True),
     ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 2.0), ("max_tokens", True), ("max_tokens", "16"),
     ("min_tokens", -1), ("min_tokens", 1.5), ("min_tokens", None), ("min_tokens", 17),  # 17 > max_tokens 16
-    ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0), ("logprobs", True), ("logprobs", "5"),
+    ("logprobs", -2), ("logprobs", 1.0), ("logprobs", "5"), ("prompt_logprobs", -2),
+    ("n", 2, dict(temperature=0)),
     ("stop", ""), ("stop", [""]), ("stop", ["ok", ""]), ("stop", [1]), ("stop", 5), ("stop", [None]),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("stop_token_ids", [1.5]), ("stop_token_ids", [True]),
     ("stop_token_ids", 5), ("extra_args", [("synthetic_acceptance_rate", 0.5)]), ("extra_args", "x"),
 ]
 
 
-@pytest.mark.parametrize("field,value", INVALID, ids=[f"{f}={v!r}" for f, v in INVALID])
-def test_invalid_value_raises_value_error_naming_field(field, value):
+@pytest.mark.parametrize("case", INVALID, ids=[f"{c[0]}={c[1]!r}" for c in INVALID])
+def test_invalid_value_raises_value_error_naming_field(case):
+    field, value, *others = case
     with pytest.raises(ValueError, match=field):
-        SamplingParams(**{field: value})
+        SamplingParams(**{field: value}, **(others[0] if others else {}))
 
 
 def test_min_tokens_above_max_tokens_names_both():
@@ -45,10 +47,11 @@ def test_min_tokens_above_max_tokens_names_both():
 
 VALID = [
     {}, {"n": 3}, {"presence_penalty": -2.0}, {"presence_penalty": 2.0}, {"frequency_penalty": 2},
-    {"repetition_penalty": 2.0}, {"repetition_penalty": 0.01}, {"temperature": 0}, {"temperature": 5.0},
+    {"repetition_penalty": 2.0}, {"repetition_penalty": 0.01}, {"temperature": 0}, {"temperature": 2.0},
     {"top_p": 1.0}, {"top_p": 1e-6}, {"top_k": -1}, {"top_k": 0}, {"top_k": 1}, {"min_p": 0.0}, {"min_p": 1.0},
     {"seed": 0}, {"seed": -3}, {"max_tokens": None}, {"max_tokens": 1}, {"min_tokens": 16},
-    {"logprobs": 0}, {"logprobs": 20}, {"stop": "x"}, {"stop": ["a", "bc"]}, {"stop": ("a",)},
+    {"logprobs": 0}, {"logprobs": 20}, {"logprobs": 500}, {"logprobs": -1}, {"prompt_logprobs": -1},
+    {"stop": "x"}, {"stop": ["a", "bc"]}, {"stop": ("a",)},
     {"stop_token_ids": [0, 5]}, {"max_tokens": None, "min_tokens": 1000},
     {"extra_args": {"plugin": [1, 2]}}, {"extra_args": {"synthetic_acceptance_rate": 0}},
     {"extra_args": {"synthetic_acceptance_rate": 1.0}},
@@ -88,9 +91,49 @@ def test_normalisation():
     assert p.stop == ["END"] and p.stop_token_ids == [] and p.top_k == 0
     g = SamplingParams(temperature=0, top_p=0.5, top_k=3, min_p=0.2)
     assert g.is_greedy and (g.top_p, g.top_k, g.min_p) == (1.0, 0, 0.0)
-    assert SamplingParams(temperature=1e-6).is_greedy and not SamplingParams(temperature=1e-4).is_greedy
+    assert SamplingParams(temperature=0.0).is_greedy and not SamplingParams(temperature=0.01).is_greedy
     assert SamplingParams(stop_token_ids=[3, 4]).all_stop_token_ids == {3, 4}
     assert not SamplingParams().has_penalties and SamplingParams(repetition_penalty=1.1).has_penalties
+
+
+def test_vllm_normalisation():
+    """vLLM's __post_init__ rules: a tiny positive temperature is raised to 0.01, seed -1 is random,
+    logprobs True is 1, duplicate stop ids and bad words are dropped (first occurrence kept)."""
+    assert SamplingParams(temperature=0.001).temperature == 0.01
+    assert SamplingParams(temperature=0.0).temperature == 0.0
+    assert SamplingParams(temperature=1.0, seed=-1).seed is None
+    p = SamplingParams(logprobs=True, prompt_logprobs=True)
+    assert (p.logprobs, p.prompt_logprobs) == (1, 1)
+    p = SamplingParams(stop_token_ids=[5, 5, 6, 5], bad_words=["b", "a", "b"])
+    assert p.stop_token_ids == [5, 6] and p.bad_words == ["b", "a"]
+    with pytest.raises(ValueError, match="n must be 1 when using greedy sampling, got 3"):
+        SamplingParams(n=3, temperature=0)
+
+
+def test_from_optional_keeps_none_where_vllm_does():
+    p = SamplingParams.from_optional(n=None, temperature=None, top_p=None, presence_penalty=None,
+                                     frequency_penalty=None, repetition_penalty=None, max_tokens=None, seed=None)
+    assert (p.n, p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == \
+        (1, 1.0, 1.0, 0.0, 0.0, 1.0)
+    assert p.max_tokens is None and p.seed is None
+    assert SamplingParams.from_optional(max_tokens=7, logprobs=2).logprobs == 2
+
+
+def test_logprobs_bounded_by_the_engines_max_logprobs():
+    """Construction takes any count; the engine's check_vocab bounds it by max_logprobs (-1: the vocabulary)
+    and turns -1 into the vocabulary's size."""
+    p = SamplingParams(logprobs=-1, prompt_logprobs=3)
+    p.check_vocab(100, max_logprobs=-1)
+    assert (p.logprobs, p.prompt_logprobs) == (100, 3)
+    with pytest.raises(ValueError, match=r"logprobs: requested 100, which is greater than max allowed: 20"):
+        SamplingParams(logprobs=-1).check_vocab(100, max_logprobs=20)
+    with pytest.raises(ValueError, match=r"prompt_logprobs: requested 8, which is greater than max allowed: 7"):
+        SamplingParams(prompt_logprobs=8).check_vocab(100, max_logprobs=7)
+    SamplingParams(logprobs=20).check_vocab(100)
+    with pytest.raises(ValueError, match=r"^logprobs: requested 21"):
+        SamplingParams(logprobs=21).check_vocab(100)
+    with pytest.raises(ValueError, match=r"stop_token_ids has token ids outside the vocabulary \[0, 100\): \[100\]"):
+        SamplingParams(stop_token_ids=[3, 100]).check_vocab(100)
 
 
 def test_for_child_offsets_seed_and_keeps_original():
@@ -117,10 +160,11 @@ def test_vllm_names_accepted_where_they_change_nothing():
 
 
 def test_truncation_past_max_model_len_is_refused():
-    """As vLLM: truncate_prompt_tokens above max_model_len is an error naming it; -1 means max_model_len."""
+    """As vLLM: truncate_prompt_tokens above max_model_len is an error naming it; -1 keeps the most that
+    leave room for one new token."""
     ids = list(range(10))
     assert SamplingParams(truncate_prompt_tokens=4).truncate_prompt(ids, 8) == [6, 7, 8, 9]
-    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt(ids, 8) == ids[2:]
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt(ids, 8) == ids[3:]
     assert SamplingParams(truncate_prompt_tokens=8).truncate_prompt(ids, 8) == ids[2:]
     with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(9\) is greater than max_model_len \(8\)"):
         SamplingParams(truncate_prompt_tokens=9).truncate_prompt(ids, 8)

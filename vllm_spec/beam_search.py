@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
-from vllm_spec.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
+from vllm_spec.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass
@@ -89,14 +89,15 @@ def beam_search(first: list[RequestOutput], params: BeamSearchParams, eos_token_
     return results
 
 
-def one_token_params(params: BeamSearchParams) -> SamplingParams:
-    """What each beam's step asks the engine for; ValueError for parameters it cannot ask for."""
+def one_token_params(params: BeamSearchParams, max_logprobs: int) -> SamplingParams:
+    """What each beam's step asks the engine for (whose max_logprobs is given: -1, the vocabulary);
+    ValueError for parameters it cannot ask for."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
     dataclasses.replace(params)   # checked again: fields may have changed since construction
-    if 2 * params.beam_width > MAX_LOGPROBS:
-        raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // 2} (each step asks for 2 x beam_width "
-                         f"logprobs, and max_logprobs is {MAX_LOGPROBS}), got {params.beam_width}.")
+    if max_logprobs != -1 and 2 * params.beam_width > max_logprobs:
+        raise ValueError(f"beam_width must be at most {max_logprobs // 2} (each step asks for 2 x beam_width "
+                         f"logprobs, and max_logprobs is {max_logprobs}), got {params.beam_width}.")
     return SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width)
 
 

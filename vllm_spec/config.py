@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from vllm_spec.model.arch_config import ArchConfig
 from vllm_spec.model.model_source import find_model_source
 from vllm_spec.model.rotary import rope_type
 from vllm_spec.platform import resolve_device, resolve_dtype
+from vllm_spec.sampling_params import DEFAULT_MAX_LOGPROBS
 from vllm_spec.utils import check_int, is_int, is_number
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,11 @@ class ModelConfig:
     seed: int = 0
     # Sampling fields a request leaves unset take these (the model's generation config, vLLM's "auto").
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # Most logprobs / prompt_logprobs a request may ask for (-1: the whole vocabulary).
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    # The model's config as read (config.json, or what a .gguf file's metadata says): hf_config's source.
+    hf_dict: dict[str, Any] = field(default_factory=dict, repr=False)
+    runner_type: str = "generate"   # (vLLM's: the only runner here)
 
     @classmethod
     def create(cls, model: str, tokenizer: str | None, dtype: str | torch.dtype, device: str,
@@ -85,11 +92,53 @@ class ModelConfig:
         defaults = sampling_defaults(generation_config, override_generation_config, path if source == "hf" else None)
         return cls(model=model, arch=arch, source=source, path=path, tokenizer=tokenizer,
                    dtype=resolve_dtype(dtype, arch.torch_dtype, dev), device=dev,
-                   max_model_len=max_model_len, load_format=load_format, seed=seed, sampling_defaults=defaults)
+                   max_model_len=max_model_len, load_format=load_format, seed=seed, sampling_defaults=defaults,
+                   hf_dict=hf_cfg)
 
     def get_diff_sampling_param(self) -> dict[str, Any]:
         """vLLM's name: the sampling defaults from the generation config (a copy)."""
         return dict(self.sampling_defaults)
+
+    # vLLM's ModelConfig readers (scripts call them) ---------------------------------------------------
+    @functools.cached_property
+    def hf_config(self):
+        """The model's transformers config (built from what was read: no hub, no remote code)."""
+        from transformers import AutoConfig, PretrainedConfig
+
+        cfg = {k: v for k, v in self.hf_dict.items() if k != "model_type"}
+        try:
+            return AutoConfig.for_model(self.hf_dict.get("model_type", ""), **cfg)
+        except ValueError:   # a model_type transformers does not know
+            return PretrainedConfig(**self.hf_dict)
+
+    @property
+    def hf_text_config(self):
+        return self.hf_config
+
+    def get_vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    def get_hidden_size(self) -> int:
+        return self.arch.hidden_size
+
+    def get_head_size(self) -> int:
+        return self.arch.head_dim
+
+    def get_num_layers(self, parallel_config: Any = None) -> int:
+        return self.arch.num_hidden_layers
+
+    def get_num_attention_heads(self, parallel_config: Any = None) -> int:
+        """Per tensor-parallel rank where a ParallelConfig is given, as vLLM's."""
+        tp = getattr(parallel_config, "tensor_parallel_size", 1)
+        return self.arch.num_attention_heads // tp
+
+    def get_num_kv_heads(self, parallel_config: Any = None) -> int:
+        """Per tensor-parallel rank where a ParallelConfig is given (at least one, as vLLM's)."""
+        tp = getattr(parallel_config, "tensor_parallel_size", 1)
+        return max(1, self.arch.num_key_value_heads // tp)
+
+    def get_sliding_window(self) -> int | None:
+        return self.arch.sliding_window
 
 
 @dataclass
@@ -295,6 +344,27 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     enforce_eager: bool = False
     async_scheduling: bool | None = None   # None: see uses_async_scheduling
+
+    # vLLM's VllmConfig names for the parts.
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.cache
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.scheduler
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return self.parallel
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        return self.speculative
 
     def __post_init__(self) -> None:
         tp = self.parallel.tensor_parallel_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import logging
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -12,10 +13,15 @@ from typing import NamedTuple
 from vllm_spec.structured_output.params import StructuredOutputsParams
 from vllm_spec.utils import check_text, is_int, is_number
 
+logger = logging.getLogger(__name__)
+
 # Temperatures below this are treated as greedy, as in vLLM.
 SAMPLING_EPS = 1e-5
-# Most logprobs / prompt_logprobs a request may ask for (vLLM's default max_logprobs; fixed here).
-MAX_LOGPROBS = 20
+# Positive temperatures are raised to at least this (vLLM's: smaller ones overflow the scaled logits).
+MIN_TEMPERATURE = 0.01
+# Most logprobs / prompt_logprobs a request may ask for unless the engine's max_logprobs says otherwise
+# (vLLM's default).
+DEFAULT_MAX_LOGPROBS = 20
 # Penalties are applied in float32: a larger one would become inf there (0 * inf = NaN logits).
 _FLOAT32_MAX = 3.4028234663852886e38
 
@@ -111,11 +117,29 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     @classmethod
-    def from_optional(cls, **kwargs) -> "SamplingParams":
-        """vLLM's constructor for optional arguments: those given as None take their defaults."""
-        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+    def from_optional(cls, n: int | None = 1, presence_penalty: float | None = 0.0,
+                      frequency_penalty: float | None = 0.0, repetition_penalty: float | None = 1.0,
+                      temperature: float | None = 1.0, top_p: float | None = 1.0, **kwargs) -> "SamplingParams":
+        """vLLM's constructor for optional arguments: n, the penalties, temperature and top_p given as
+        None take their defaults; any other field keeps what is given (max_tokens=None: up to the
+        context's end)."""
+        return cls(n=1 if n is None else n,
+                   presence_penalty=0.0 if presence_penalty is None else presence_penalty,
+                   frequency_penalty=0.0 if frequency_penalty is None else frequency_penalty,
+                   repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+                   temperature=1.0 if temperature is None else temperature,
+                   top_p=1.0 if top_p is None else top_p, **kwargs)
 
     def __post_init__(self) -> None:
+        if is_number(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s, which may make the scaled logits inf or NaN: raised to %s.",
+                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
+        if self.seed == -1 and is_int(self.seed):
+            self.seed = None   # vLLM's: -1 asks for a random seed
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                setattr(self, name, 1)   # vLLM's: True asks for the sampled token's alone
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -125,7 +149,7 @@ class SamplingParams:
             self.stop = list(self.stop)
         _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
                "stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
         if self.top_k == -1:
             self.top_k = 0
         if is_int(self.seed):
@@ -135,7 +159,7 @@ class SamplingParams:
         _check(self.bad_words is None or (isinstance(self.bad_words, (list, tuple))
                                           and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
                "bad_words", "None or a list of non-blank strings", self.bad_words)
-        self.bad_words = list(self.bad_words) if self.bad_words else None
+        self.bad_words = list(dict.fromkeys(self.bad_words)) if self.bad_words else None
         check_text("bad_words", self.bad_words)
         check_text("stop", self.stop)
         self.logit_bias = _logit_bias(self.logit_bias)
@@ -151,6 +175,8 @@ class SamplingParams:
             # Greedy ignores the truncation knobs; normalising them lets the
             # sampler skip work for mixed batches.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
         self.all_stop_token_ids = set(self.stop_token_ids)
         self.output_text_buffer_length = (max(map(len, self.stop)) - 1
                                           if self.stop and not self.include_stop_str_in_output else 0)
@@ -163,7 +189,8 @@ class SamplingParams:
                "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
         _check(is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= _FLOAT32_MAX,
                "repetition_penalty", "a number > 0 (and finite in float32)", self.repetition_penalty)
-        _check(is_number(self.temperature) and self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _check(is_number(self.temperature) and 0.0 <= self.temperature <= 2.0, "temperature", "in [0, 2]",
+               self.temperature)
         _check(is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(is_int(self.top_k) and self.top_k >= 0, "top_k", "0 or -1 (disabled) or a positive integer", self.top_k)
         _check(is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
@@ -177,14 +204,10 @@ class SamplingParams:
         _check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
-        _check(
-            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs,
-        )
-        _check(
-            self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
-            "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs,
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (is_int(value) and value >= -1), name,
+                   "None, -1 (the whole vocabulary) or an integer >= 0", value)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them", self.stop)
         _check(
             all(is_int(t) and t >= 0 for t in self.stop_token_ids),
@@ -193,7 +216,7 @@ class SamplingParams:
         _check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens)
                                                        and (self.truncate_prompt_tokens >= 1
                                                             or self.truncate_prompt_tokens == -1)),
-               "truncate_prompt_tokens", "None, -1 (max_model_len) or an integer >= 1", self.truncate_prompt_tokens)
+               "truncate_prompt_tokens", "None, -1 (max_model_len - 1) or an integer >= 1", self.truncate_prompt_tokens)
         _check(self.best_of is None or self.best_of == self.n, "best_of",
                f"None or equal to n ({self.n}): best-of-n selection is not supported", self.best_of)
         # (Only slow tokenizers put spaces between special tokens: fast ones, the only kind here,
@@ -235,9 +258,29 @@ class SamplingParams:
             if spaced and len(spaced) == len(bare) and spaced[0] != bare[0]:
                 self.bad_words_token_ids.append(spaced)
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """ValueError naming the field whose token ids lie outside the model's vocabulary."""
+    def check_logprobs(self, max_logprobs: int, vocab_size: int | None = None) -> None:
+        """ValueError naming logprobs or prompt_logprobs where it asks for more than the engine's
+        max_logprobs (-1: the whole vocabulary, as is a request's -1, counted where vocab_size is given)."""
+        if max_logprobs == -1:
+            return
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(self, name)
+            if asked == -1 and vocab_size is not None:
+                asked = vocab_size
+            if asked is not None and (asked == -1 or asked > max_logprobs):
+                what = "the whole vocabulary (-1)" if asked == -1 else asked
+                raise ValueError(f"{name}: requested {what}, which is greater than max allowed: {max_logprobs} (the "
+                                 "engine's max_logprobs; -1 allows the whole vocabulary).")
+
+    def check_vocab(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+        """ValueError naming the field whose token ids lie outside the model's vocabulary, or that asks
+        for more logprobs than max_logprobs; logprobs of -1 become the vocabulary's size."""
+        self.check_logprobs(max_logprobs, vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) == -1:
+                setattr(self, name, vocab_size)
         for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("stop_token_ids", self.stop_token_ids),
                           ("bad_words", [t for word in self.bad_words_token_ids for t in word])):
             bad = sorted(t for t in ids if t >= vocab_size)
             if bad:
@@ -286,13 +329,14 @@ class SamplingParams:
         return params
 
     def truncate_prompt(self, token_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's last truncate_prompt_tokens ids (-1, as vLLM: max_model_len), or all of them.
+        """The prompt's last truncate_prompt_tokens ids, or all of them; -1: the most that leave room for
+        one new token (max_model_len - 1: a prompt of max_model_len tokens is refused, as vLLM's).
         ValueError, as vLLM's, where truncate_prompt_tokens exceeds max_model_len (nothing it keeps fits)."""
         n = self.truncate_prompt_tokens
         if n is not None and n > max_model_len:
             raise ValueError(f"truncate_prompt_tokens ({n}) is greater than max_model_len ({max_model_len}): "
-                             "choose a smaller truncation, or -1 for max_model_len.")
-        return token_ids if n is None else token_ids[-(max_model_len if n == -1 else n):]
+                             "choose a smaller truncation, or -1 for max_model_len - 1.")
+        return token_ids if n is None else token_ids[-(max_model_len - 1 if n == -1 else n):]
 
     def for_child(self, index: int) -> "SamplingParams":
         """Parameters for the index-th of n parallel samples (vLLM: seed + index)."""

@@ -252,7 +252,7 @@ def _random_params(r) -> SamplingParams:
         p["repetition_penalty"] = 1.3
     if r.random() < 0.3:
         p["min_tokens"] = r.randint(0, p["max_tokens"])
-    if r.random() < 0.2:
+    if r.random() < 0.2 and p["temperature"] > 0:   # (greedy takes n = 1 only, as vLLM)
         p["n"] = r.randint(2, 3)
     if r.random() < 0.2:
         p["stop"] = [r.choice(["e", "th", " a", "in"])]

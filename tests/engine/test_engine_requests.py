@@ -47,7 +47,7 @@ def test_parameters_changed_after_construction_are_checked_again(engine, changes
 
 def test_a_changed_parameter_takes_effect(engine):
     params = _params()
-    params.max_tokens, params.n = 3, 2
+    params.max_tokens, params.n, params.temperature = 3, 2, 1.0
     engine.add_request("changed", "hello world", params)
     out = _finish(engine)["changed"]
     assert [len(c.token_ids) for c in out.outputs] == [3, 3]

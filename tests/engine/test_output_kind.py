@@ -14,7 +14,8 @@ def engine(tiny_llama):
 
 
 def _run(engine, kind: RequestOutputKind, n: int = 1) -> list:
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=n, output_kind=kind, logprobs=1)
+    params = SamplingParams(temperature=0 if n == 1 else 1.0, seed=3, max_tokens=12, ignore_eos=True, n=n,
+                            output_kind=kind, logprobs=1)
     engine.add_request(kind.name, "hello world", params)
     outs = []
     while engine.has_unfinished_requests():

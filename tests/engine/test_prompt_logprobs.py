@@ -55,7 +55,7 @@ def test_prompt_logprobs_with_speculation_and_running_decodes(spec_pair, referen
     engine.add_request("busy", {"prompt_token_ids": [4, 5, 6]}, SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2, n=2)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=2, prompt_logprobs=2, n=2)
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), {"prompt_token_ids": p}, params)
     done = {}
@@ -67,10 +67,31 @@ def test_prompt_logprobs_with_speculation_and_running_decodes(spec_pair, referen
     _check([done[str(i)] for i in range(len(PROMPTS))], reference, 2)
 
 
-@pytest.mark.parametrize("value", [-1, 21, 2.5])
+@pytest.mark.parametrize("value", [-2, 2.5, "3"])
 def test_bad_prompt_logprobs(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+def test_prompt_logprobs_bounded_by_max_logprobs(tiny_llama):
+    """As vLLM: the engine's max_logprobs (default 20) bounds a request's count when it is added; -1
+    asks for the whole vocabulary, which max_logprobs=-1 allows."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), **KV))
+    for value in (21, -1):
+        with pytest.raises(ValueError, match="prompt_logprobs: requested .* greater than max allowed: 20"):
+            engine.add_request("x", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(prompt_logprobs=value))
+    whole = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), max_logprobs=-1, **KV))
+    vocab = whole.config.model.arch.vocab_size
+    whole.add_request("all", {"prompt_token_ids": PROMPTS[0]},
+                      SamplingParams(prompt_logprobs=-1, logprobs=-1, max_tokens=2))
+    while whole.has_unfinished_requests():
+        outs = whole.step()
+    out = outs[0]
+    assert [len(p) for p in out.prompt_logprobs[1:]] == [vocab] * (len(PROMPTS[0]) - 1)
+    assert [len(p) for p in out.outputs[0].logprobs] == [vocab, vocab]
+    first = out.outputs[0].logprobs[0]
+    assert sorted(lp.rank for lp in first.values()) == list(range(1, vocab + 1))
+    assert abs(sum(math.exp(lp.logprob) for lp in first.values()) - 1.0) < 1e-3
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -79,7 +100,7 @@ def test_delta_outputs_carry_prompt_logprobs_once(tiny_llama, reference, n):
     from vllm_spec.sampling_params import RequestOutputKind
 
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), max_num_batched_tokens=5, **KV))
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2, n=n,
+    params = SamplingParams(temperature=0 if n == 1 else 1.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2, n=n,
                             output_kind=RequestOutputKind.DELTA)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)

@@ -29,7 +29,8 @@ def test_per_request_histograms(tiny_llama):
     lengths = {"a": 6, "b": 1, "c": 4}
     for rid, ids in prompts.items():
         engine.add_request(rid, {"prompt_token_ids": ids},
-                           SamplingParams(temperature=0, max_tokens=lengths[rid], ignore_eos=True, n=1 + (rid == "c")))
+                           SamplingParams(temperature=0 if rid != "c" else 1.0, max_tokens=lengths[rid],
+                                          ignore_eos=True, n=1 + (rid == "c")))
     while engine.has_unfinished_requests():
         engine.step()
     h = {x.name: x for x in engine.get_metrics() if isinstance(x, Histogram)}

@@ -57,11 +57,11 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     tail = llm.generate({"prompt_token_ids": ids[-4:]}, greedy(max_tokens=6), use_tqdm=False)[0]
     assert cut.prompt_token_ids == ids[-4:]
     assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
-    # -1 (vLLM's convention): the last max_model_len tokens (which leave room for one new token).
+    # -1: the last max_model_len - 1 tokens (room for one new token).
     long_ids = [5 + i % 300 for i in range(MAX_MODEL_LEN + 7)]
     whole = llm.generate({"prompt_token_ids": long_ids}, greedy(max_tokens=6, ignore_eos=True,
                                                                  truncate_prompt_tokens=-1), use_tqdm=False)[0]
-    assert whole.prompt_token_ids == long_ids[-MAX_MODEL_LEN:] and len(whole.outputs[0].token_ids) == 1
+    assert whole.prompt_token_ids == long_ids[-(MAX_MODEL_LEN - 1):] and len(whole.outputs[0].token_ids) == 1
 
 
 def test_outputs_in_prompt_order_with_per_prompt_params(llm):
@@ -86,8 +86,8 @@ def test_n_returns_n_completions(llm):
         solo = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=11 + i, max_tokens=12, ignore_eos=True),
                             use_tqdm=False)[0].outputs[0]
         assert solo.token_ids == c.token_ids
-    greedy_n = llm.generate(PROMPT, greedy(n=3, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs
-    assert len(greedy_n) == 3 and greedy_n[0].token_ids == greedy_n[1].token_ids == greedy_n[2].token_ids
+    with pytest.raises(ValueError, match="n must be 1 when using greedy sampling, got 3"):
+        greedy(n=3)
 
 
 # Stop conditions ---------------------------------------------------------------------------------------

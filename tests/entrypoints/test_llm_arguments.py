@@ -7,6 +7,8 @@ Generation itself is tested in test_llm.py; the shared `llm` and `reference` fix
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import copy_with_config
 
@@ -17,7 +19,6 @@ from vllm_spec.inputs import TextPrompt
 from vllm_spec.sampling_params import SamplingParams
 
 from .offline_llm_helpers import MAX_MODEL_LEN, PROMPT, greedy
-
 
 # Prompts -----------------------------------------------------------------------------------------------
 
@@ -37,11 +38,57 @@ def test_over_long_prompt_rejected_and_llm_keeps_working(llm, reference):
 def test_model_config_under_vllm_names(llm):
     assert llm.model_config is llm.llm_engine.model_config is llm.llm_engine.config.model
     assert llm.llm_engine.model_config.max_model_len == MAX_MODEL_LEN
+    cfg = llm.llm_engine.get_model_config()
+    raw = json.loads((cfg.path / "config.json").read_text())
+    assert cfg.get_vocab_size() == raw["vocab_size"] and cfg.get_hidden_size() == raw["hidden_size"]
+    assert cfg.get_num_layers(llm.llm_engine.parallel_config) == raw["num_hidden_layers"]
+    assert cfg.get_num_attention_heads() == raw["num_attention_heads"]
+    assert cfg.get_num_kv_heads() == raw.get("num_key_value_heads", raw["num_attention_heads"])
+    assert cfg.get_head_size() == raw["hidden_size"] // raw["num_attention_heads"]
+    assert cfg.get_sliding_window() is None and cfg.max_logprobs == 20 and cfg.runner_type == "generate"
+    assert cfg.hf_config.vocab_size == raw["vocab_size"] and cfg.hf_text_config is cfg.hf_config
+    assert type(cfg.hf_config).__name__ == "LlamaConfig"
+    vllm_config = llm.llm_engine.vllm_config
+    assert vllm_config.model_config is cfg and vllm_config.cache_config is llm.llm_engine.cache_config
+    assert vllm_config.scheduler_config is llm.llm_engine.scheduler_config
+    assert vllm_config.parallel_config is llm.llm_engine.parallel_config and vllm_config.speculative_config is None
 
 
-def test_prompt_of_exactly_max_model_len_gets_one_token(llm):
+def test_one_priority_for_every_prompt(tiny_llama):
+    llm = LLM(str(tiny_llama), scheduling_policy="priority", kv_cache_memory_bytes=1 << 24)
+    outs = llm.generate(["a", "b c"], greedy(3), priority=1, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
+    assert len(llm.generate("a", greedy(3), priority=-2, use_tqdm=False)) == 1
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate("a", greedy(3), priority=1.5, use_tqdm=False)
+
+
+def test_vllm_engine_arguments_at_values_that_change_nothing(tiny_llama):
+    """vLLM's EngineArgs fields scripts pass at their defaults (or values that mean the same here) are
+    accepted; a value this engine cannot honour is a ValueError naming the field."""
+    llm = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, structured_outputs_config={"backend": "xgrammar"},
+              disable_sliding_window=False, enable_prompt_embeds=False, model_impl="auto",
+              max_parallel_loading_workers=2, kv_transfer_config=None, limit_mm_per_prompt={}, reasoning_parser=None,
+              attention_backend=None, enable_expert_parallel=False, max_cudagraph_capture_size=64,
+              config_format="auto", code_revision=None, calculate_kv_scales=False, stream_interval=1,
+              mm_processor_cache_gb=0, skip_mm_profiling=True, kv_sharing_fast_prefill=False,
+              disable_cascade_attn=True, pooler_config=None)
+    assert len(llm.generate("hi", greedy(3), use_tqdm=False)[0].outputs[0].token_ids) == 3
+    for name, value in [("enable_prompt_embeds", True), ("model_impl", "transformers"), ("stream_interval", 4),
+                        ("structured_outputs_config", {"backend": "nope"}), ("attention_backend", "FLASH_ATTN"),
+                        ("kv_transfer_config", {"kv_connector": "x"}), ("reasoning_parser", "deepseek_r1")]:
+        with pytest.raises(ValueError, match=name):
+            LLM(str(tiny_llama), **{name: value})
+
+
+def test_prompt_of_exactly_max_model_len_is_refused(llm):
+    """As vLLM: the prompt and at least one new token must fit in max_model_len; one token less gets one."""
     ids = [(i * 7) % 300 + 1 for i in range(MAX_MODEL_LEN)]
-    out = llm.generate({"prompt_token_ids": ids}, greedy(max_tokens=10), use_tqdm=False)[0].outputs[0]
+    with pytest.raises(ValueError, match=rf"The decoder prompt \(length {MAX_MODEL_LEN}\) plus the number of "
+                                         rf"requested output tokens \(at least 1\) is longer than the maximum model "
+                                         rf"length of {MAX_MODEL_LEN}"):
+        llm.generate({"prompt_token_ids": ids}, greedy(max_tokens=10), use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": ids[1:]}, greedy(max_tokens=10), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 1 and out.finish_reason == "length"
 
 
@@ -198,9 +245,29 @@ def test_vllm_flags_with_their_supported_values(tiny_llama):
     with pytest.raises(ValueError, match="enable_chunked_prefill must be True or False"):
         LLM(str(tiny_llama), enable_chunked_prefill="no")
     for name, value in [("quantization", "awq"), ("tokenizer_mode", "slow"), ("revision", "main"),
-                        ("max_logprobs", 5), ("kv_cache_dtype", "fp8"), ("swap_space", -1)]:
+                        ("max_logprobs", -2), ("max_logprobs", 1.5), ("kv_cache_dtype", "fp8"), ("swap_space", -1)]:
         with pytest.raises(ValueError, match=name):
             LLM(str(tiny_llama), **{name: value})
+
+
+def test_max_logprobs_bounds_requests_as_vllm(tiny_llama):
+    """max_logprobs (vLLM's: default 20, -1 the whole vocabulary) bounds logprobs and prompt_logprobs when
+    a request is added; a request of -1 gets every token's logprob; beam search's 2 x width too."""
+    from vllm_spec.sampling_params import BeamSearchParams
+
+    llm = LLM(str(tiny_llama), max_logprobs=3, kv_cache_memory_bytes=1 << 24)
+    out = llm.generate("hi", greedy(2, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 2 and all(len(lp) in (3, 4) for lp in out.logprobs)   # top 3 and the sampled
+    for kwargs, name in ((dict(logprobs=4), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs")):
+        with pytest.raises(ValueError, match=rf"^{name}: requested .* greater than max allowed: 3"):
+            llm.generate("hi", greedy(2, **kwargs), use_tqdm=False)
+    with pytest.raises(ValueError, match="beam_width must be at most 1"):
+        llm.beam_search([{"prompt": "hi"}], BeamSearchParams(beam_width=2, max_tokens=2))
+    whole = LLM(str(tiny_llama), max_logprobs=-1, kv_cache_memory_bytes=1 << 24)
+    vocab = whole.llm_engine.config.model.arch.vocab_size
+    out = whole.generate("hi", greedy(2, logprobs=-1), use_tqdm=False)[0].outputs[0]
+    assert [len(lp) for lp in out.logprobs] == [vocab, vocab]
+    assert len(whole.beam_search([{"prompt": "hi"}], BeamSearchParams(beam_width=12, max_tokens=2))[0].sequences) == 12
 
 
 def test_chunked_prefill_off_prefills_prompts_whole(tiny_llama):

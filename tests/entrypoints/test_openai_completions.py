@@ -161,16 +161,17 @@ def test_echo_with_logprobs_scores_the_prompt(server, max_tokens, prompt):
 
 
 def test_echo_of_a_whole_context_and_of_bad_token_ids(server):
-    """echo with max_tokens 0 asks for no completion: a prompt as long as the context is scored (the
-    length check counts 0 tokens, as vLLM's). A token id the model does not have is a 400 naming the
-    prompt with echo as without (it was decoded for the echo first: a 500)."""
+    """echo with max_tokens 0 asks for no completion: a prompt that fills the context but for one token
+    is scored (the length check counts 0 tokens; the engine, as vLLM's, takes prompts shorter than the
+    context). A token id the model does not have is a 400 naming the prompt with echo as without (it
+    was decoded for the echo first: a 500)."""
     max_len = server.llm.llm_engine.config.model.max_model_len
-    ids = [(7 * i) % 300 + 3 for i in range(max_len)]
+    ids = [(7 * i) % 300 + 3 for i in range(max_len - 1)]
     resp = _post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": ids, "max_tokens": 0, "echo": True,
                                              "logprobs": 1})
     assert resp.status_code == 200, resp.text
     lp = resp.json()["choices"][0]["logprobs"]
-    assert len(lp["tokens"]) == max_len and lp["token_logprobs"][0] is None
+    assert len(lp["tokens"]) == max_len - 1 and lp["token_logprobs"][0] is None
     assert resp.json()["choices"][0]["text"] == server.llm.get_tokenizer().decode(ids)
     for echo in (False, True):
         bad = _post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": [5, -1], "max_tokens": 2, "echo": echo})
@@ -215,7 +216,7 @@ def test_the_clients_request_id_names_the_response(server):
     events = [e for e in _sse_events(stream.text.splitlines()) if e != "[DONE]"]
     assert events and {e["id"] for e in events} == {"cmpl-s1"}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        same = list(pool.map(lambda _: _post(server, "/v1/completions", {**body, "n": 2},
+        same = list(pool.map(lambda _: _post(server, "/v1/completions", {**body, "n": 2, "temperature": 1.0},
                                              headers={**AUTH, "X-Request-Id": "dup"}), range(2)))
     assert [(r.status_code, r.json()["id"], len(r.json()["choices"])) for r in same] == [(200, "cmpl-dup", 2)] * 2
     bad = _post(server, "/v1/completions", {**body, "request_id": 7})

@@ -47,6 +47,14 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server):
         ("/v1/completions", {**good, "logprobs": 50}, "json", "logprobs"),
         ("/v1/completions", {**good, "min_tokens": 5, "max_tokens": 2}, "json", "min_tokens"),
         ("/v1/completions", {**good, "stop_token_ids": [-1]}, "json", "stop_token_ids"),
+        ("/v1/completions", {**good, "stop_token_ids": [100000]}, "json", "stop_token_ids"),
+        ("/v1/completions", {**good, "n": 2}, "json", "n"),   # greedy (temperature 0) takes n = 1, as vLLM
+        ("/v1/chat/completions", {**chat_good, "n": 2, "temperature": 0}, "json", "n"),
+        ("/v1/completions", {**good, "temperature": 2.5}, "json", "temperature"),
+        ("/v1/completions", {**good, "seed": 1 << 63}, "json", "seed"),
+        ("/v1/completions", {**good, "seed": -(1 << 63) - 1}, "json", "seed"),
+        ("/v1/completions", {**good, "prompt_embeds": "AAAA"}, "json", "prompt_embeds"),
+        ("/v1/chat/completions", {**chat_good, "logprobs": True, "top_logprobs": 21}, "json", "top_logprobs"),
         ("/v1/completions", {**good, "temperature": "hot"}, "json", "temperature"),
         ("/v1/completions", {**good, "prompt": "hello " * 600}, "json", "prompt"),
         ("/v1/completions", {**good, "max_tokens": 510}, "json", "max_tokens"),
@@ -117,19 +125,33 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server):
         ok = _post(server, "/v1/completions", {**good, "max_tokens": 1})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1, (body, ok.text)
     # Extras at values that change nothing, and unknown fields, are accepted.
+    # As vLLM: the seed's 400 names pydantic's check; top_logprobs 0 without logprobs asks for nothing.
+    r = _post(server, "/v1/completions", {**good, "seed": 1 << 63})
+    assert "less_than_equal" in r.json()["error"]["message"], r.text
+    r = _post(server, "/v1/chat/completions", {**chat_good, "top_logprobs": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+    r = _post(server, "/v1/chat/completions", {**chat_good, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
     for extra in ({"use_beam_search": False}, {"response_format": {"type": "text"}}, {"length_penalty": 1.0},
                   {"spaces_between_special_tokens": False}, {"some_future_field": 1}):
         assert _post(server, "/v1/completions", {**good, **extra}).status_code == 200, extra
     # truncate_prompt_tokens keeps the prompt's last tokens, before the length check.
     r = _post(server, "/v1/completions", {**good, "prompt": "hello " * 600, "truncate_prompt_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3, r.text
-    # -1 (vLLM's convention): the last max_model_len tokens, which leave no room for 4 more: as vLLM, a 400
-    # naming max_tokens (not the prompt).
+    # -1: the last max_model_len - 1 tokens, which leave no room for 4 more: as vLLM, a 400 naming
+    # max_tokens (not the prompt), in vLLM's words, which clients parse.
     r = _post(server, "/v1/completions", {**good, "prompt": "hello " * 600, "truncate_prompt_tokens": -1,
                                           "max_tokens": 4})
     max_len = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]["max_model_len"]
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
-    assert f"you requested {max_len + 4} tokens" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["message"] == (
+        f"'max_tokens' or 'max_completion_tokens' is too large: 4. This model's maximum context length is {max_len} "
+        f"tokens and your request has {max_len - 1} input tokens (4 > {max_len} - {max_len - 1})."), r.text
+    r = _post(server, "/v1/completions", {**good, "prompt": [5] * max_len, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert r.json()["error"]["message"] == (
+        f"This model's maximum context length is {max_len} tokens. However, your request has {max_len} input "
+        "tokens. Please reduce the length of the input messages."), r.text
     # The official client maps it to BadRequestError too.
     with pytest.raises(openai.BadRequestError):
         server.client().completions.create(model=MODEL_NAME, prompt="x", temperature=-2)

@@ -19,7 +19,8 @@ from vllm_spec.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from vllm_spec.utils import is_number
+from vllm_spec.sampling_params import DEFAULT_MAX_LOGPROBS
+from vllm_spec.utils import is_int, is_number
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -72,7 +73,8 @@ class EngineArgs:
     kv_cache_dtype: str = _opt("auto", "auto (the only choice: the model's dtype).")
     swap_space: float = _opt(4.0, "Accepted for vLLM compatibility: preemption recomputes, it never swaps.")
     disable_log_stats: bool = _opt(False, "Accepted for vLLM compatibility (statistics are kept in memory).")
-    max_logprobs: int = _opt(20, "Most logprobs / prompt_logprobs a request may ask for: 20 (fixed).")
+    max_logprobs: int = _opt(DEFAULT_MAX_LOGPROBS, "Most logprobs / prompt_logprobs a request may ask for "
+                             "(-1: the whole vocabulary).")
     logprobs_mode: str = _opt("raw_logprobs", "raw_logprobs (the only mode: log-softmax of the raw logits).")
     cpu_offload_gb: float = _opt(0.0, "Not supported: 0.")
     hf_overrides: dict | None = _opt(None, "Not supported: None (the model folder's config.json as it is).")
@@ -93,6 +95,32 @@ class EngineArgs:
     enable_sleep_mode: bool = _opt(False, "Not supported: False.")
     mm_processor_kwargs: dict | None = _opt(None, "Not supported: None (text-only models).")
     allowed_local_media_path: str = _opt("", "Accepted for vLLM compatibility (text-only models).")
+    limit_mm_per_prompt: dict | None = _opt(None, "Accepted for vLLM compatibility at None or {} (text-only models).")
+    mm_processor_cache_gb: float = _opt(4.0, "Accepted for vLLM compatibility (text-only models).")
+    skip_mm_profiling: bool = _opt(False, "Accepted for vLLM compatibility (text-only models).")
+    enable_prompt_embeds: bool = _opt(False, "Not supported: False (prompts are text or token ids).")
+    disable_sliding_window: bool = _opt(False, "Not supported: False (sliding-window layers attend within their "
+                                               "window).")
+    model_impl: str = _opt("auto", "auto or vllm (the only implementation: this engine's own).")
+    config_format: str = _opt("auto", "auto or hf (config.json; a .gguf file carries its own).")
+    code_revision: str | None = _opt(None, "Not supported: None (no remote code).")
+    max_parallel_loading_workers: int | None = _opt(None, "Accepted for vLLM compatibility (weights load in one "
+                                                          "pass).")
+    kv_transfer_config: dict | None = _opt(None, "Not supported: None (no disaggregated prefill).")
+    pooler_config: dict | None = _opt(None, "Not supported: None (text generation only).")
+    reasoning_parser: str | None = _opt(None, "Not supported: None (no reasoning parser).")
+    attention_backend: str | None = _opt(None, "Not supported: None (the backend is chosen by device: Triton on "
+                                               "CUDA, torch on CPU).")
+    enable_expert_parallel: bool = _opt(False, "Not supported: False (dense models only).")
+    calculate_kv_scales: bool = _opt(False, "Not supported: False (the KV cache is in the model's dtype).")
+    kv_sharing_fast_prefill: bool = _opt(False, "Not supported: False.")
+    disable_cascade_attn: bool = _opt(False, "Accepted for vLLM compatibility (no cascade attention here).")
+    max_cudagraph_capture_size: int | None = _opt(
+        None, "Accepted for vLLM compatibility: this engine's graphs cover batch buckets up to max_num_seqs.")
+    stream_interval: int = _opt(1, "1 (the only interval: every step's new tokens are streamed).")
+    structured_outputs_config: dict | None = _opt(
+        None, "Accepted for vLLM compatibility as {\"backend\": ...} with any of vLLM's backend names: "
+              "structured outputs use this engine's own grammar compiler.")
     generation_config: str = _opt(
         "auto", "auto (sampling fields a request leaves unset take the model's generation_config.json values: "
                 "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), vllm (vLLM's "
@@ -150,8 +178,12 @@ class EngineArgs:
         if not isinstance(self.enable_prefix_caching, (bool, type(None))):
             raise ValueError(f"enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}.")
         self._check_fixed_choices()
+        if not (is_int(self.max_logprobs) and self.max_logprobs >= -1):
+            raise ValueError(f"max_logprobs must be -1 (the whole vocabulary) or an integer >= 0, got "
+                             f"{self.max_logprobs!r}.")
         model = ModelConfig.create(self.model, self.tokenizer, self.dtype, self.device, self.max_model_len,
                                    self.load_format, self.seed, self.generation_config, self.override_generation_config)
+        model.max_logprobs = int(self.max_logprobs)
         speculative = self._speculative_config(model)
         return EngineConfig(
             model=model,
@@ -172,16 +204,29 @@ class EngineArgs:
 
     def _check_fixed_choices(self) -> None:
         for name, allowed in (("tokenizer_mode", ("auto",)), ("revision", (None,)), ("tokenizer_revision", (None,)),
-                              ("quantization", (None,)), ("kv_cache_dtype", ("auto",)), ("max_logprobs", (20,)),
+                              ("quantization", (None,)), ("kv_cache_dtype", ("auto",)), 
                               ("logprobs_mode", ("raw_logprobs",)), ("cpu_offload_gb", (0,)),
                               ("hf_overrides", (None, {})), ("task", ("auto", "generate")),
                               ("runner", ("auto", "generate")), ("enable_lora", (False,)),
                               ("pipeline_parallel_size", (1,)), ("data_parallel_size", (1,)),
-                              ("enable_sleep_mode", (False,)), ("mm_processor_kwargs", (None, {}))):
+                              ("enable_sleep_mode", (False,)), ("mm_processor_kwargs", (None, {})),
+                              ("limit_mm_per_prompt", (None, {})), ("enable_prompt_embeds", (False,)),
+                              ("disable_sliding_window", (False,)), ("model_impl", ("auto", "vllm")),
+                              ("config_format", ("auto", "hf")), ("code_revision", (None,)),
+                              ("kv_transfer_config", (None, {})), ("pooler_config", (None, {})),
+                              ("reasoning_parser", (None, "")), ("attention_backend", (None,)),
+                              ("enable_expert_parallel", (False,)), ("calculate_kv_scales", (False,)),
+                              ("kv_sharing_fast_prefill", (False,)), ("stream_interval", (1,))):
             value = getattr(self, name)
             # (A bool equals 0 or 1: refused where the choice is not a bool.)
             if value not in allowed or isinstance(value, bool) is not any(isinstance(a, bool) for a in allowed):
                 raise ValueError(f"{name} must be one of {list(allowed)} (the only supported choice), got {value!r}.")
+        outputs = self.structured_outputs_config
+        if outputs is not None and not (isinstance(outputs, dict) and set(outputs) <= {"backend"} and outputs.get(
+                "backend", "auto") in ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")):
+            raise ValueError("structured_outputs_config must be None or {\"backend\": one of auto, xgrammar, guidance, "
+                             "outlines, lm-format-enforcer} (this engine's own compiler serves them all), got "
+                             f"{outputs!r}.")
         if not (is_number(self.swap_space) and self.swap_space >= 0):
             raise ValueError(f"swap_space must be a number >= 0 (GiB), got {self.swap_space!r}.")
 

@@ -34,15 +34,16 @@ class EngineOperations:
         """vLLM's: the prompt's beam_width best beams as one finished RequestOutput, a completion per
         beam (vllm_spec.beam_search); its one-token steps are requests `<request_id>-<n>`."""
         check_neutral(lora_request=lora_request)
-        first = await self._last_output(prompt, f"{request_id}-0", one_token_params(params))
+        first = await self._last_output(prompt, f"{request_id}-0",
+                                        one_token_params(params, self.engine.config.model.max_logprobs))
         yield await self.continue_beam_search(first, request_id, params)
 
     async def continue_beam_search(self, first: RequestOutput, request_id: str,
                                    params: BeamSearchParams) -> RequestOutput:
         """A beam search from its first step's output (the server adds first steps as it adds other
         requests, so a bad prompt is refused before any answer starts)."""
-        one_token = one_token_params(params)
         engine = self.engine
+        one_token = one_token_params(params, engine.config.model.max_logprobs)
         return await search_async(functools.partial(self._last_output, params=one_token), first, request_id, params,
                                   engine.output_processor.eos_token_ids, engine.config.model.max_model_len,
                                   engine.tokenizer)

@@ -62,19 +62,26 @@ def new_request(request_id: str, prompt: PromptType, params: SamplingParams | No
     text, ids = tokenize_prompt(prompt, tokenizer)
     vocab, max_len = config.model.arch.vocab_size, config.model.max_model_len
     ids = params.truncate_prompt(ids, max_len)
+    # (vLLM's wording: callers match it.)
     if not ids:
-        raise ValueError("The prompt cannot be empty (prompt_token_ids has length 0).")
+        raise ValueError("The decoder prompt cannot be empty (prompt_token_ids has length 0).")
     if len(ids) > max_len:
         raise ValueError(
-            f"The prompt (length {len(ids)}) is longer than the maximum model length of {max_len} "
-            "(max_model_len). Make the prompt shorter or raise max_model_len."
+            f"The decoder prompt (length {len(ids)}) is longer than the maximum model length of {max_len}. "
+            "Make sure that `max_model_len` is no smaller than the number of text tokens."
+        )
+    if len(ids) == max_len:
+        raise ValueError(
+            f"The decoder prompt (length {len(ids)}) plus the number of requested output tokens (at least 1) is "
+            f"longer than the maximum model length of {max_len}. Make sure that `max_model_len` is no smaller "
+            "than the number of text tokens (prompt + requested output tokens)."
         )
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
-        raise ValueError(f"prompt token id {bad!r} is out of the vocabulary range [0, {vocab}).")
+        raise ValueError(f"Token id {bad!r} is out of vocabulary (the prompt's token ids must be in [0, {vocab})).")
     if params.bad_words:
         params.update_from_tokenizer(tokenizer)
-    params.check_vocab(vocab)
+    params.check_vocab(vocab, config.model.max_logprobs)
     params.all_stop_token_ids |= eos_token_ids   # min_tokens holds EOS back, ignore_eos or not (as vLLM)
     max_tokens = max_len - len(ids) if params.max_tokens is None else params.max_tokens
     # The engine's clock is monotonic; a given arrival_time is on the wall clock.

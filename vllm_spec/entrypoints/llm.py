@@ -73,7 +73,7 @@ class LLM:
         """vLLM's: the beam_width best continuations of each prompt, best first (vllm_spec.beam_search);
         concurrency_limit: how many prompts are searched at once (all by default)."""
         check_neutral(lora_request=lora_request)
-        one_token = one_token_params(params)
+        one_token = one_token_params(params, self.llm_engine.config.model.max_logprobs)
         if concurrency_limit is not None and not (is_int(concurrency_limit) and concurrency_limit >= 1):
             raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}.")
         prompt_list = _as_prompt_list(prompts)
@@ -125,14 +125,17 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: None = None,
-        priority: list[int] | None = None,
+        priority: int | list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for all prompts; outputs come back in prompt order. priority: one per
-        prompt, lower first (with scheduling_policy="priority"); lora_request: vLLM's, None only."""
+        prompt or one for all, lower first (with scheduling_policy="priority"); lora_request: vLLM's,
+        None only."""
         prompt_list = _as_prompt_list(prompts)
         if not prompt_list:
             raise ValueError("prompts must not be empty.")
         check_neutral(lora_request=lora_request)
+        if priority is not None and not isinstance(priority, (list, tuple)):
+            priority = [priority] * len(prompt_list)   # (as vLLM: one value for every prompt)
         if priority is not None:
             if len(priority) != len(prompt_list):
                 raise ValueError(f"priority must be None or one per prompt ({len(prompt_list)}), got {len(priority)}.")

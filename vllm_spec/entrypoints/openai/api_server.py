@@ -129,7 +129,7 @@ def build_app(state: ServerState, cors: CorsOptions | None = None, docs: bool = 
                 if param is None and loc:
                     param = loc[0]
                 where = ".".join(loc) or "body"
-                parts.append(f"{where}: {err.get('msg')}")
+                parts.append(f"{where}: {err.get('msg')} ({err.get('type')})")
         return error_response(400, "; ".join(parts) or "Invalid request.", param=param)
 
     @app.exception_handler(Exception)
@@ -220,7 +220,8 @@ def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence
     tokenizer = get_tokenizer(cfg) if engine.tokenizer is not None else None
     names = [n for n in (served_model_names or []) if n] or [model]
     return ServerState(engine=engine, served_model_names=names, model_path=str(model), tokenizer=tokenizer,
-                       api_key=api_key or None, max_model_len=cfg.max_model_len, chat_template=chat_template,
+                       api_key=api_key or None, max_model_len=cfg.max_model_len, max_logprobs=cfg.max_logprobs,
+                       chat_template=chat_template,
                        response_role=response_role, sampling_defaults=cfg.get_diff_sampling_param(),
                        enable_prompt_tokens_details=enable_prompt_tokens_details,
                        trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,

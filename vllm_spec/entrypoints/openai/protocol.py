@@ -7,13 +7,22 @@ import time
 import uuid
 from collections.abc import Callable
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 
 from vllm_spec.entrypoints.openai.structured_request import ConstraintError, structured_outputs_of
 from vllm_spec.sampling_params import (
-    MAX_LOGPROBS,
+    DEFAULT_MAX_LOGPROBS,
     BeamSearchParams,
     RequestOutputKind,
     SamplingParams,
@@ -29,6 +38,21 @@ def random_id(prefix: str) -> str:
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are ignored (as vLLM does), so newer clients keep working.
     model_config = ConfigDict(extra="ignore")
+
+
+class StreamedModel(OpenAIBaseModel):
+    """A stream chunk's part: the optional fields it names are left out where unset, as vLLM's chunks
+    (serialised without unset fields: clients test whether a key is present)."""
+
+    omitted_when_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        data = handler(self)
+        for name in self.omitted_when_none:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
 
 
 class OpenAIRequestModel(OpenAIBaseModel):
@@ -71,7 +95,7 @@ class OpenAIServingError(Exception):
 
 # Shared pieces ------------------------------------------------------------------------------------
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool | None = True
+    include_usage: bool | None = False   # (vLLM's default: stream_options {} asks for no usage chunk)
     continuous_usage_stats: bool | None = False
 
 
@@ -100,7 +124,8 @@ def sampling_field_of(message: str) -> str | None:
 # vLLM's request extras that change what is generated and that this server does not implement, with
 # the values that change nothing: set otherwise, they get a 400 naming them rather than an output that
 # silently ignores them. Other unknown fields are ignored, as vLLM ignores them.
-_UNSUPPORTED_EXTRAS: dict[str, Any] = {"logits_processors": None, "guided_whitespace_pattern": None}
+_UNSUPPORTED_EXTRAS: dict[str, Any] = {"logits_processors": None, "guided_whitespace_pattern": None,
+                                        "prompt_embeds": None}
 
 
 class SamplingFields(OpenAIRequestModel):
@@ -114,7 +139,7 @@ class SamplingFields(OpenAIRequestModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 63) - 1)   # (vLLM's: an int64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = 0.0
@@ -180,16 +205,13 @@ class SamplingFields(OpenAIRequestModel):
         apply, and a structured-output constraint is refused rather than ignored."""
         if not self.use_beam_search:
             return None
-        if params.n > MAX_LOGPROBS // 2:
-            raise OpenAIServingError(f"n must be at most {MAX_LOGPROBS // 2} with use_beam_search (the beam width: "
-                                     f"each step reads 2 x n logprobs), got {params.n}.", param="n")
         if self.constraint is not None:
             raise OpenAIServingError(f"use_beam_search cannot be combined with {self.constraint[1]} (beam search "
                                      "does not enforce structured outputs).", param="use_beam_search")
         if self.prompt_logprobs is not None:   # (beam steps score no prompt)
             raise OpenAIServingError("use_beam_search cannot be combined with prompt_logprobs.", param="use_beam_search")
         try:
-            return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or max_model_len,
+            return BeamSearchParams(beam_width=self.n, max_tokens=params.max_tokens or max_model_len,
                                     ignore_eos=params.ignore_eos, temperature=params.temperature,
                                     length_penalty=self.length_penalty,
                                     include_stop_str_in_output=params.include_stop_str_in_output)
@@ -212,7 +234,8 @@ class SamplingFields(OpenAIRequestModel):
         return None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any],
-                         sent_as: dict[str, str] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                         sent_as: dict[str, str] | None = None, prompt_logprobs: int | None = None,
+                         max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplingParams:
         """SamplingParams from the fields, those left unset from `defaults` (the model's generation
         config; max_tokens is the caller's); a ValueError names the request's field (sent_as maps a
         SamplingParams field to the request field it came from where the names differ)."""
@@ -222,7 +245,7 @@ class SamplingFields(OpenAIRequestModel):
             return defaults.get(name, neutral) if value is None else value
 
         kwargs: dict[str, Any] = dict(
-            n=self.n,
+            n=1 if self.use_beam_search else self.n,
             temperature=given("temperature", 1.0),
             top_p=given("top_p", 1.0),
             top_k=given("top_k", 0),
@@ -253,7 +276,13 @@ class SamplingFields(OpenAIRequestModel):
             output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
         )
         try:
-            return SamplingParams(**kwargs)
+            params = SamplingParams(**kwargs)
+            params.check_logprobs(max_logprobs)
+            if self.use_beam_search:
+                # n is the beams' width, choices per prompt (set after the check: greedy beams are not n
+                # greedy samples, which SamplingParams refuses); the beams' steps ask for one token each.
+                params.n = self.n
+            return params
         except (ValueError, TypeError) as e:
             msg = str(e)
             param = "vllm_xargs" if msg.startswith("extra_args") else sampling_field_of(msg)
@@ -277,7 +306,9 @@ class CompletionRequest(SamplingFields):
     def _echo_null_is_false(cls, value: Any) -> Any:
         return False if value is None else value   # OpenAI's schema: nullable, default false
 
-    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None,
+                           max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplingParams:
+        """max_logprobs: the engine's (-1: the whole vocabulary)."""
         self._check_unsupported()
         if self.suffix:
             raise OpenAIServingError("suffix is not supported.", param="suffix")
@@ -288,7 +319,8 @@ class CompletionRequest(SamplingFields):
         prompt_logprobs, sent_as = self.prompt_logprobs, {}
         if prompt_logprobs is None and self.echo:
             prompt_logprobs, sent_as = self.logprobs, {"prompt_logprobs": "logprobs"}
-        return self._sampling_params(max_tokens, self.logprobs, defaults or {}, sent_as, prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, defaults or {}, sent_as, prompt_logprobs,
+                                     max_logprobs)
 
     def beam_search_params(self, params: SamplingParams, max_model_len: int) -> BeamSearchParams | None:
         if self.use_beam_search and self.echo:   # (beam steps score no prompt: nothing to echo its logprobs from)
@@ -320,7 +352,9 @@ class LogprobInfo(OpenAIBaseModel):
 PromptLogprobs = list[dict[int, LogprobInfo] | None]
 
 
-class CompletionResponseStreamChoice(OpenAIBaseModel):
+class CompletionResponseStreamChoice(StreamedModel):
+    omitted_when_none = ("prompt_token_ids", "token_ids")
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -331,6 +365,8 @@ class CompletionResponseStreamChoice(OpenAIBaseModel):
 
 
 class CompletionResponseChoice(CompletionResponseStreamChoice):
+    omitted_when_none = ()   # (a whole response has every field, as vLLM's)
+
     prompt_logprobs: PromptLogprobs | None = None
 
 
@@ -343,7 +379,9 @@ class CompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
-class CompletionStreamResponse(OpenAIBaseModel):
+class CompletionStreamResponse(StreamedModel):
+    omitted_when_none = ("usage",)
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -374,7 +412,7 @@ class ModelCard(OpenAIBaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "vllm_spec"
+    owned_by: str = "vllm"   # (vLLM's: clients filter on it)
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None

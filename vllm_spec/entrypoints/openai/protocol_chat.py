@@ -16,10 +16,11 @@ from vllm_spec.entrypoints.openai.protocol import (
     OpenAIServingError,
     PromptLogprobs,
     SamplingFields,
+    StreamedModel,
     UsageInfo,
 )
 from vllm_spec.entrypoints.openai.tool_calls import ToolCallStream
-from vllm_spec.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm_spec.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 class ChatMessage(OpenAIRequestModel):
@@ -69,9 +70,10 @@ class ChatCompletionRequest(SamplingFields):
             return None
         return (lambda: forced_constraint(self.tool_choice, self.tools)), "tool_choice"
 
-    def to_sampling_params(self, defaults: dict[str, Any] | None = None,
-                           auto_tool_choice: bool = False) -> SamplingParams:
-        """auto_tool_choice: the server parses tool calls out of the output (--enable-auto-tool-choice)."""
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None, auto_tool_choice: bool = False,
+                           max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplingParams:
+        """auto_tool_choice: the server parses tool calls out of the output (--enable-auto-tool-choice);
+        max_logprobs: the engine's (-1: the whole vocabulary)."""
         self._check_unsupported()
         if not self.messages:
             raise OpenAIServingError("messages must not be empty.", param="messages")
@@ -93,7 +95,7 @@ class ChatCompletionRequest(SamplingFields):
             check_tool_choice(self.tool_choice, self.tools)
         except ValueError as e:
             raise OpenAIServingError(str(e), param="tool_choice") from e
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:   # (as vLLM: 0 without logprobs asks for nothing)
             raise OpenAIServingError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         if self.add_generation_prompt and self.continue_final_message:
             raise OpenAIServingError("add_generation_prompt and continue_final_message cannot both be true.",
@@ -107,7 +109,7 @@ class ChatCompletionRequest(SamplingFields):
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo:
             prompt_logprobs, sent_as["prompt_logprobs"] = self.top_logprobs or 0, "top_logprobs"
-        return self._sampling_params(max_tokens, logprobs, defaults or {}, sent_as, prompt_logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults or {}, sent_as, prompt_logprobs, max_logprobs)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -197,7 +199,9 @@ class DeltaMessage(_SetFieldsOnly):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+class ChatCompletionResponseStreamChoice(StreamedModel):
+    omitted_when_none = ("token_ids",)
+
     index: int
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
@@ -206,7 +210,9 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     token_ids: list[int] | None = None   # with return_token_ids: the chunk's new tokens
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
+class ChatCompletionStreamResponse(StreamedModel):
+    omitted_when_none = ("usage", "prompt_token_ids")
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))

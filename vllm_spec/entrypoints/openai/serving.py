@@ -26,6 +26,7 @@ from vllm_spec.entrypoints.openai.protocol import (
     PromptLogprobs,
 )
 from vllm_spec.outputs import Logprob
+from vllm_spec.sampling_params import DEFAULT_MAX_LOGPROBS
 from vllm_spec.structured_output.grammar import compiler_for
 
 MIN_LOGPROB = -9999.0
@@ -41,6 +42,7 @@ class ServerState:
     tokenizer: Any = None
     api_key: str | None = None
     max_model_len: int = 0
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS   # the engine's (-1: the whole vocabulary)
     chat_template: str | None = None   # --chat-template: for requests that bring none
     response_role: str = "assistant"   # --response-role: the role of generated chat messages
     enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens

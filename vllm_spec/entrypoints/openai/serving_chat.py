@@ -50,7 +50,8 @@ def _chat_logprobs(state: serving.ServerState, token_ids: Sequence[int], entries
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
     state = serving.server_state(raw_request)
     serving.check_model(state, request.model)
-    params = request.to_sampling_params(state.sampling_defaults, state.tool_call_parser is not None)
+    params = request.to_sampling_params(state.sampling_defaults, state.tool_call_parser is not None,
+                                        state.max_logprobs)
     await serving.in_tokenizer_thread(state, serving.compile_constraint, state, request)
     reader = request.tool_call_reader()
     prompt = await serving.in_tokenizer_thread(state, serving.render_messages, state, request,

@@ -89,7 +89,7 @@ def _joined(first: CompletionLogProbs, second: CompletionLogProbs) -> Completion
 async def create_completion(request: CompletionRequest, raw_request: Request):
     state = serving.server_state(raw_request)
     serving.check_model(state, request.model)
-    params = request.to_sampling_params(state.sampling_defaults)
+    params = request.to_sampling_params(state.sampling_defaults, state.max_logprobs)
     await serving.in_tokenizer_thread(state, serving.compile_constraint, state, request)
     prompts = await serving.in_tokenizer_thread(state, _completion_prompts, state, request)
     sub = await submission.submit(state, "cmpl", request.model, prompts, params, "prompt", echo_only=request.echo_only,

@@ -51,16 +51,17 @@ def _check_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | 
     max_len = state.max_model_len
     if num_prompt_tokens == 0:
         raise OpenAIServingError("The prompt cannot be empty.", param=prompt_param)
-    if num_prompt_tokens > max_len or (max_tokens is None and num_prompt_tokens >= max_len):
+    # vLLM's wording (clients parse it to lower max_tokens and retry); a prompt must leave room for
+    # one new token, echo with max_tokens 0 too (the engine still runs one step for it).
+    if num_prompt_tokens >= max_len:
         raise OpenAIServingError(
-            f"This model's maximum context length is {max_len} tokens. However, your prompt has "
-            f"{num_prompt_tokens} tokens. Please reduce the length of the prompt.", param=prompt_param)
+            f"This model's maximum context length is {max_len} tokens. However, your request has "
+            f"{num_prompt_tokens} input tokens. Please reduce the length of the input messages.", param=prompt_param)
     if max_tokens is not None and num_prompt_tokens + max_tokens > max_len:
         raise OpenAIServingError(
-            f"This model's maximum context length is {max_len} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-            f"{max_tokens} in the completion). Please reduce the length of the prompt or the "
-            f"completion ({max_tokens_param}).", param=max_tokens_param)
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+            f"length is {max_len} tokens and your request has {num_prompt_tokens} input tokens ({max_tokens} > "
+            f"{max_len} - {num_prompt_tokens}).", param=max_tokens_param)
 
 
 # Engine requests ------------------------------------------------------------------------------------
@@ -357,7 +358,11 @@ async def submit(state: ServerState, id_prefix: str, model: str | None, prompts:
     if beam is None:
         ids, streams = await _add_all(state, base_id, prompts, params, prompt_param, priority)
     else:
-        ids, firsts = await _add_all(state, base_id, prompts, one_token_params(beam), prompt_param, priority)
+        try:
+            one_token = one_token_params(beam, state.max_logprobs)
+        except ValueError as e:
+            raise OpenAIServingError(str(e).replace("beam_width", "n (the beam width)", 1), param="n") from e
+        ids, firsts = await _add_all(state, base_id, prompts, one_token, prompt_param, priority)
         streams = [_beam_stream(state, first, rid, beam) for first, rid in zip(firsts, ids)]
     return Submission(state, response_id, model or state.model_name, params,
                       [list(p["prompt_token_ids"]) for p in prompts], ids, streams)
