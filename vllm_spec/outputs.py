@@ -44,6 +44,20 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
 
+    # vLLM V1's names (its RequestStateStats).
+    @property
+    def first_token_ts(self) -> float | None:
+        return self.first_token_time
+
+    @property
+    def last_token_ts(self) -> float | None:
+        return self.last_token_time
+
+    @property
+    def first_token_latency(self) -> float | None:
+        """Seconds from arrival to the first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
 
 @dataclass
 class RequestOutput:

@@ -246,8 +246,10 @@ def test_more_vllm_serve_flags_parse(capsys):
             ns.enable_request_id_headers, ns.disable_log_requests) == (True, 5, True, True, True, True)
     assert ns.chat_template_content_format == "string"
     with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "M", "--chat-template-content-format", "openai"])
-    assert "invalid choice: 'openai'" in capsys.readouterr().err
+        parser.parse_args(["serve", "M", "--chat-template-content-format", "list"])
+    assert "invalid choice: 'list'" in capsys.readouterr().err
+    assert parser.parse_args(["serve", "M", "--chat-template-content-format", "openai"]).chat_template_content_format \
+        == "openai"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "M", "--max-model-len", "1.5K"])   # K/M/G/T: whole numbers only
     assert "--max-model-len: invalid int value: '1.5K'" in capsys.readouterr().err

@@ -247,6 +247,8 @@ def test_request_metrics_and_unsupported_methods(llm, tiny_llama):
     out = llm.generate(PROMPT, greedy(max_tokens=4), use_tqdm=False)[0]
     m = out.metrics
     assert m.arrival_time <= m.first_token_time <= m.last_token_time == m.finished_time
+    assert (m.first_token_ts, m.last_token_ts) == (m.first_token_time, m.last_token_time)   # vLLM V1's names
+    assert m.first_token_latency == m.first_token_time - m.arrival_time >= 0
     for method in ("encode", "embed", "classify", "score", "reward"):
         with pytest.raises(NotImplementedError, match=method):
             getattr(llm, method)(PROMPT)

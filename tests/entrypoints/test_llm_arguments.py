@@ -229,8 +229,36 @@ def test_vllm_keywords_at_their_neutral_values(llm, tiny_llama):
             llm.generate(PROMPT, greedy(), use_tqdm=False, priority=priority)
     with pytest.raises(ValueError, match="tools must be a list of tool definitions"):
         llm.chat(plain, use_tqdm=False, tools={"type": "function"})
-    with pytest.raises(ValueError, match="chat_template_content_format must be 'auto' or 'string'"):
-        llm.chat(plain, use_tqdm=False, chat_template_content_format="openai")
+    with pytest.raises(ValueError, match=r"chat_template_content_format must be one of \['auto', 'string', 'openai'\]"):
+        llm.chat(plain, use_tqdm=False, chat_template_content_format="list")
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% for part in m['content'] %}[{{ part['text'] }}]"
+                  "{% endfor %}{% endfor %}")
+
+
+def test_chat_content_format_follows_the_template(llm):
+    """As vLLM: "auto" hands a template that loops over a message's content a list of text parts (a
+    string becomes one part), others a string; "string" and "openai" force either."""
+    from vllm_spec.entrypoints.chat_utils import detect_content_format, render_chat
+
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert render_chat(tok, messages, False, chat_template=PARTS_TEMPLATE)["prompt"] == "<user>[hi]<user>[a][b]"
+    assert render_chat(tok, messages, False, chat_template=PARTS_TEMPLATE,
+                       content_format="openai")["prompt"] == "<user>[hi]<user>[a][b]"
+    assert render_chat(tok, messages, False, chat_template=PARTS_TEMPLATE,
+                       content_format="string")["prompt"] == "<user>[][]<user>[][][]"   # characters of "hi", "a\nb"
+    plain = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    assert render_chat(tok, messages, False, chat_template=plain)["prompt"] == "<user>hi<user>a\nb"
+    assert detect_content_format(plain) == "string"
+    assert detect_content_format("{% for m in messages %}{% set c = m.content %}{% for p in c %}{{ p.text }}"
+                                 "{% endfor %}{% endfor %}") == "openai"
+    assert detect_content_format("{% for m in messages %}{% for p in m['content'] | selectattr('type', 'equalto', "
+                                 "'text') %}{{ p.text }}{% endfor %}{% endfor %}") == "openai"
+    out = llm.chat(messages[:1], greedy(3), use_tqdm=False, chat_template=PARTS_TEMPLATE)[0]
+    assert out.prompt == "<user>[hi]" and len(out.outputs[0].token_ids) == 3
 
 
 def test_vllm_flags_with_their_supported_values(tiny_llama):

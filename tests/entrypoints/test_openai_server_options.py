@@ -44,6 +44,21 @@ def test_chat_template_and_response_role(tiny_llama):
         assert deltas[0] == {"role": "bot", "content": ""} and all("role" not in d for d in deltas[1:]), deltas
 
 
+def test_chat_template_content_format(tiny_llama):
+    """--chat-template-content-format: auto hands a template that loops over content a list of parts;
+    string forces the joined text (such a template then sees characters)."""
+    parts = "{% for m in messages %}<{{ m['role'] }}>{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}]
+    for content_format, rendered in (("auto", "<user>[hi]"), ("openai", "<user>[hi]"), ("string", "<user>[][]")):
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                            max_model_len=256))   # (an app's exit stops it)
+        state = build_state(engine, str(tiny_llama), ["m"], chat_template=parts,
+                            chat_template_content_format=content_format)
+        with TestClient(build_app(state)) as client:
+            tokens = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+            assert tokens["tokens"] == state.tokenizer(rendered, add_special_tokens=False).input_ids, content_format
+
+
 
 def test_add_special_tokens(tiny_llama):
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,

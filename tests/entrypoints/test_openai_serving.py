@@ -62,6 +62,9 @@ def test_disconnect_mid_stream_frees_blocks(server):
     _wait_all_blocks_free(server, timeout=30.0)
     text = _metrics_text(server)
     assert _metric(text, "vllm:num_requests_in_flight") == 0
+    # vLLM's cache_config_info: value 1, the configuration in its labels.
+    info = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
+    assert info.endswith(" 1.0") and f'num_gpu_blocks="{server.total_blocks}"' in info and 'block_size="16"' in info
     # Not run to completion: far fewer than 400 tokens were generated.
     r = _post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 2})
     assert r.status_code == 200

@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from vllm_spec.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from vllm_spec.config import EngineConfig
 from vllm_spec.core.block_manager import BlockManager
 from vllm_spec.core.scheduler import Scheduler, SchedulerOutput
 from vllm_spec.core.sequence import Request, Sequence, SequenceStatus
@@ -86,29 +86,12 @@ class LLMEngine:
         return self.model_config
 
     # vLLM's names for the parts of the configuration (scripts read llm.llm_engine.model_config.max_model_len).
-    @property
-    def vllm_config(self) -> EngineConfig:
-        return self.config
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.config.model
-
-    @property
-    def cache_config(self) -> CacheConfig:
-        return self.config.cache
-
-    @property
-    def scheduler_config(self) -> SchedulerConfig:
-        return self.config.scheduler
-
-    @property
-    def parallel_config(self) -> ParallelConfig:
-        return self.config.parallel
-
-    @property
-    def speculative_config(self) -> SpeculativeConfig | None:
-        return self.config.speculative
+    vllm_config = property(lambda self: self.config)
+    model_config = property(lambda self: self.config.model_config)
+    cache_config = property(lambda self: self.config.cache_config)
+    scheduler_config = property(lambda self: self.config.scheduler_config)
+    parallel_config = property(lambda self: self.config.parallel_config)
+    speculative_config = property(lambda self: self.config.speculative_config)
 
     def update_eos_token_ids(self) -> None:
         """The ids that end a request (the model's config, its generation config, the tokenizer's) and

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 import jinja2
+import jinja2.nodes
 
 from vllm_spec.utils import check_text
 
@@ -30,6 +32,49 @@ def text_content(content: Any) -> str:
     return "\n".join(parts)
 
 
+def text_parts(content: Any) -> list[dict[str, str]]:
+    """A message's content as OpenAI text parts (vLLM's "openai" content format): a string is one part."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    text_content(content)   # (the same checks)
+    return [{"type": "text", "text": part["text"]} for part in content]
+
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+@functools.lru_cache(maxsize=32)
+def detect_content_format(template: str) -> str:
+    """"openai" where the template loops over a message's content (it expects a list of parts, as
+    vLLM detects it), else "string"."""
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateError:
+        return "string"   # (rendering reports it)
+
+    def is_content(node: jinja2.nodes.Node, aliases: set[str]) -> bool:
+        if isinstance(node, jinja2.nodes.Getattr):
+            return node.attr == "content"
+        if isinstance(node, jinja2.nodes.Getitem):
+            return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+        if isinstance(node, jinja2.nodes.Filter):   # e.g. message['content'] | selectattr(...)
+            return node.node is not None and is_content(node.node, aliases)
+        return isinstance(node, jinja2.nodes.Name) and node.name in aliases
+
+    aliases = {assign.target.name for assign in tree.find_all(jinja2.nodes.Assign)
+               if isinstance(assign.target, jinja2.nodes.Name) and is_content(assign.node, set())}
+    return "openai" if any(is_content(loop.iter, aliases) for loop in tree.find_all(jinja2.nodes.For)) else "string"
+
+
+def _template_of(tokenizer, chat_template: str | None) -> str | None:
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):   # named templates: transformers uses "default"
+        template = template.get("default")
+    return template if isinstance(template, str) else None
+
+
 # Arguments of apply_chat_template that render_chat sets itself: not template variables.
 _RESERVED = ("tokenize", "conversation", "messages", "tokenizer", "add_special_tokens")
 
@@ -37,10 +82,15 @@ _RESERVED = ("tokenize", "conversation", "messages", "tokenizer", "add_special_t
 def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: str | None = None,
                 add_special_tokens: bool = False, template_kwargs: dict[str, Any] | None = None,
-                tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                tools: list[dict[str, Any]] | None = None, content_format: str = "auto") -> dict[str, Any]:
     """{"prompt", "prompt_token_ids"} of a conversation under the tokenizer's chat template (or the
     given one); add_special_tokens adds the tokenizer's own (BOS...) to the template's; tools (OpenAI
-    function definitions) are the template's to show the model. ValueError for contents it cannot render."""
+    function definitions) are the template's to show the model; content_format (vLLM's): how contents
+    reach the template, "string" (text parts joined) or "openai" (a list of text parts), "auto" as the
+    template reads them. ValueError for contents it cannot render."""
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format must be one of {list(CONTENT_FORMATS)}, got "
+                         f"{content_format!r}.")
     template_kwargs = dict(template_kwargs or {})
     if tools is not None:
         if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
@@ -57,7 +107,11 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true.")
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise ValueError(f"messages must be dicts with a string 'role' (and a 'content'), got {messages!r}.")
-    messages = [_with_parsed_tool_calls({**m, "content": text_content(m.get("content"))}) for m in messages]
+    if content_format == "auto":
+        template = _template_of(tokenizer, chat_template)
+        content_format = detect_content_format(template) if template is not None else "string"
+    as_content = text_parts if content_format == "openai" else text_content
+    messages = [_with_parsed_tool_calls({**m, "content": as_content(m.get("content"))}) for m in messages]
     check_text("messages", messages)
     if continue_final_message:
         template_kwargs["continue_final_message"] = True

@@ -205,9 +205,6 @@ class LLM:
         the chat template (the model's tool calls come back as its text, as vLLM's offline chat).
         (lora_request and mm_processor_kwargs: vLLM's, accepted at their neutral values.)"""
         check_neutral(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
-        if chat_template_content_format not in ("auto", "string"):
-            raise ValueError("chat_template_content_format must be 'auto' or 'string' (text parts are joined "
-                             f"into one string), got {chat_template_content_format!r}.")
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this LLM was built with skip_tokenizer_init=True.")
@@ -216,7 +213,7 @@ class LLM:
                             f"them, got {messages!r}.")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [render_chat(tokenizer, conv, add_generation_prompt, continue_final_message, chat_template, False,
-                               chat_template_kwargs, tools) for conv in conversations]
+                               chat_template_kwargs, tools, chat_template_content_format) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_metrics(self) -> list[Metric]:

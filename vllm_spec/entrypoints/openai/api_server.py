@@ -211,7 +211,7 @@ def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence
                 response_role: str = "assistant", enable_prompt_tokens_details: bool = False,
                 trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
                 return_tokens_as_token_ids: bool = False, log_requests: bool = False,
-                max_log_len: int | None = None) -> ServerState:
+                max_log_len: int | None = None, chat_template_content_format: str = "auto") -> ServerState:
     """Server state around a built engine; loads the server's own tokenizer copy (the engine's is
     used by the engine thread only)."""
     from vllm_spec.tokenizer import get_tokenizer
@@ -226,7 +226,7 @@ def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence
                        enable_prompt_tokens_details=enable_prompt_tokens_details,
                        trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
                        return_tokens_as_token_ids=return_tokens_as_token_ids, log_requests=log_requests,
-                       max_log_len=max_log_len)
+                       max_log_len=max_log_len, chat_template_content_format=chat_template_content_format)
 
 
 # Running ----------------------------------------------------------------------------------------------------
@@ -311,7 +311,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                         args.tool_call_parser if args.enable_auto_tool_choice else None,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         log_requests=args.enable_log_requests and not args.disable_log_requests,
-                        max_log_len=args.max_log_len)
+                        max_log_len=args.max_log_len,
+                        chat_template_content_format=args.chat_template_content_format)
     app = build_app(state, CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                        args.allow_credentials),
                     docs=not args.disable_fastapi_docs, request_id_headers=args.enable_request_id_headers)

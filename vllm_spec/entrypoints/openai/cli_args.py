@@ -34,9 +34,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--chat-template", default=None,
                         help="chat template (a file or the template itself) for chat requests that bring "
                              "none, in place of the tokenizer's")
-    server.add_argument("--chat-template-content-format", choices=["auto", "string"], default="auto",
-                        help="how message content reaches the template: a message's text parts joined into one "
-                             "string, either way (vLLM's 'openai' list form is not supported)")
+    server.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
+                        help="how message content reaches the template: string (text parts joined), openai (a "
+                             "list of text parts) or auto (as the template reads it)")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests bring their own chat template (a template is code run by the server)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -43,6 +43,7 @@ _METRIC_HELP = {
     "vllm:kv_cache_total_blocks": "Usable KV-cache blocks (free when idle).",
     "vllm:num_requests_in_flight": "Requests with an open output stream in the server.",
     "vllm:engine_step_errors": "Engine steps that raised (their in-flight requests failed).",
+    "vllm:cache_config_info": "Information of the LLMEngine CacheConfig (its labels; the value is 1).",
 }
 
 
@@ -56,6 +57,14 @@ class EngineCollector:
     def describe(self):
         return []
 
+    def _cache_labels(self) -> dict[str, str]:
+        """vLLM's cache_config_info labels (as strings, its spelling of values)."""
+        cache, model = self.engine.config.cache, self.engine.config.model
+        return {"block_size": str(cache.block_size), "cache_dtype": "auto",
+                "enable_prefix_caching": str(cache.enable_prefix_caching),
+                "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+                "num_gpu_blocks": str(self.engine.num_usable_blocks), "dtype": str(model.dtype).removeprefix("torch.")}
+
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -65,6 +74,7 @@ class EngineCollector:
             Gauge("vllm:kv_cache_total_blocks", value=self.engine.num_usable_blocks),
             Gauge("vllm:num_requests_in_flight", value=self.engine.num_in_flight),
             Counter("vllm:engine_step_errors", value=self.engine.num_step_errors),
+            Gauge("vllm:cache_config_info", value=1, labels=self._cache_labels()),
         ]
         families: dict[str, Any] = {}
         label_names: dict[str, list[str]] = {}

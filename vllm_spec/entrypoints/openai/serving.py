@@ -44,6 +44,7 @@ class ServerState:
     max_model_len: int = 0
     max_logprobs: int = DEFAULT_MAX_LOGPROBS   # the engine's (-1: the whole vocabulary)
     chat_template: str | None = None   # --chat-template: for requests that bring none
+    chat_template_content_format: str = "auto"   # --chat-template-content-format
     response_role: str = "assistant"   # --response-role: the role of generated chat messages
     enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens
     return_tokens_as_token_ids: bool = False   # --return-tokens-as-token-ids: requests' default
@@ -123,7 +124,8 @@ def render_messages(state: ServerState, request: Any, add_special_tokens: bool) 
     try:
         return render_chat(tok, [m.model_dump(exclude_none=True) for m in request.messages],
                            request.add_generation_prompt, request.continue_final_message, template,
-                           add_special_tokens, request.chat_template_kwargs, request.tools)
+                           add_special_tokens, request.chat_template_kwargs, request.tools,
+                           state.chat_template_content_format)
     except Exception as e:
         raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e
 
