@@ -344,6 +344,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     enforce_eager: bool = False
     async_scheduling: bool | None = None   # None: see uses_async_scheduling
+    log_stats: bool = False   # a statistics line in the log every LOG_STATS_INTERVAL seconds of steps
 
     # vLLM's VllmConfig names for the parts.
     @property

@@ -35,12 +35,15 @@ def test_config_tokenizer_and_an_awaited_abort(engine):
             assert (await engine.get_model_config()).max_model_len == engine.config.model.max_model_len
             assert engine.model_config is engine.config.model and engine.vllm_config is engine.config
             assert await engine.get_tokenizer() is engine.tokenizer
-            seen = 0
-            with pytest.raises(RequestAbortedError):
-                async for _ in engine.generate("hello world", LONG, "x"):
-                    seen += 1
-                    if seen == 2:
-                        await engine.abort("x")
+            seen = []
+            async for out in engine.generate("hello world", LONG, "x"):
+                seen.append(out)
+                if len(seen) == 2:
+                    await engine.abort("x")
+            # As vLLM's: the stream ends with a last output, finished "abort" (DELTA: what is new since).
+            last = seen[-1]
+            assert last.finished and last.outputs[0].finish_reason == "abort"
+            assert all(not o.finished for o in seen[:-1]) and len(seen) >= 3
             # The id is free again at once: its abort is applied before the new request is added.
             assert len(await _text(engine, "x")) == 6
         finally:
@@ -77,6 +80,7 @@ def test_one_engine_serves_one_event_loop_after_another(engine):
             return   # leaves the request running as the loop ends
 
     try:
+        assert engine.is_running and not engine.errored   # (vLLM's: serving before any request)
         first = asyncio.run(asyncio.wait_for(_text(engine, "1"), 120.0))
         asyncio.run(cut_off())
         assert not engine.errored
@@ -84,7 +88,8 @@ def test_one_engine_serves_one_event_loop_after_another(engine):
         assert first == second and len(first) == 6
         assert engine.engine.get_num_unfinished_requests() == 0   # "cut" was dropped
     finally:
-        asyncio.run(engine.shutdown())
+        engine.shutdown()   # as vLLM's: synchronous outside the event loop
+    assert engine.errored and not engine.is_running
 
 
 def test_vllms_request_options_and_ids(engine):
@@ -94,11 +99,12 @@ def test_vllms_request_options_and_ids(engine):
         try:
             out = None
             async for out in engine.generate("hello world", SHORT, "a", lora_request=None, trace_headers=None,
-                                             priority=0):
+                                             priority=0, data_parallel_rank=None, tokenization_kwargs=None):
                 pass
             assert len(out.outputs[0].token_ids) == 6
             for kwargs, field in ((dict(priority=2), "priority"), (dict(lora_request="x"), "lora_request"),
-                                  (dict(trace_headers={"a": "b"}), "trace_headers")):
+                                  (dict(trace_headers={"a": "b"}), "trace_headers"),
+                                  (dict(data_parallel_rank=1), "data_parallel_rank")):
                 with pytest.raises(ValueError, match=field):
                     async for _ in engine.generate("hello world", SHORT, "b", **kwargs):
                         pass
@@ -112,6 +118,10 @@ def test_vllms_request_options_and_ids(engine):
             async for out in stream:
                 pass
             assert out.finished and engine.engine.get_num_unfinished_requests() == 0
+            # vLLM's EngineClient methods.
+            assert await engine.reset_prefix_cache() and await engine.reset_prefix_cache(reset_running_requests=True)
+            assert (await engine.get_vllm_config()).model_config is engine.engine.model_config
+            await engine.do_log_stats()
         finally:
             await engine.shutdown()
 
@@ -143,5 +153,42 @@ def test_reset_prefix_cache_between_steps(tiny_llama):
             await engine.shutdown()
         with pytest.raises(EngineDeadError):
             await engine.reset_prefix_cache()
+
+    asyncio.run(asyncio.wait_for(main(), 120.0))
+
+
+@pytest.mark.parametrize("kind", ["DELTA", "FINAL_ONLY"])
+def test_an_aborted_stream_ends_with_its_final_output(engine, kind):
+    """As vLLM's (test_abort_final_output): abort() ends a stream with one last output, finished with
+    finish_reason "abort"; DELTA pieces still add up to what was generated, FINAL_ONLY gets just that one."""
+    from vllm_spec.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind[kind])
+
+    async def main():
+        try:
+            outs = []
+
+            async def consume():
+                async for out in engine.generate("hello world", params, "fin"):
+                    outs.append(out)
+
+            task = asyncio.ensure_future(consume())
+            for _ in range(500):   # until a few steps ran
+                await asyncio.sleep(0.005)
+                if engine.engine.requests.get("fin") and engine.engine.requests["fin"].seqs[0].output_token_ids[3:]:
+                    break
+            await engine.abort("fin")
+            await asyncio.wait_for(task, 60.0)
+            last = outs[-1]
+            assert last.finished and last.outputs[0].finish_reason == "abort"
+            assert all(not o.finished for o in outs[:-1])
+            if kind == "FINAL_ONLY":
+                assert len(outs) == 1 and 3 < len(last.outputs[0].token_ids) < 400
+            else:
+                assert 3 < sum(len(o.outputs[0].token_ids) for o in outs) < 400
+            assert engine.engine.get_num_unfinished_requests() == 0
+        finally:
+            await engine.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 120.0))

@@ -11,8 +11,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import FIXED, make_tiny_model
+
 from vllm_spec import LLM, SamplingParams, cpu_ops
 from vllm_spec.model import cpu_linear
 

@@ -250,6 +250,15 @@ def test_more_vllm_serve_flags_parse(capsys):
     assert "invalid choice: 'list'" in capsys.readouterr().err
     assert parser.parse_args(["serve", "M", "--chat-template-content-format", "openai"]).chat_template_content_format \
         == "openai"
+    # As vLLM: every interface by default, several API keys, transport and usage flags.
+    ns = parser.parse_args(["serve", "M", "--api-key", "a", "b", "--uds", "/tmp/s.sock", "--ssl-keyfile", "k.pem",
+                            "--ssl-certfile", "c.pem", "--enable-force-include-usage",
+                            "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    assert (ns.host, ns.api_key, ns.uds, ns.ssl_keyfile, ns.ssl_certfile) == (None, ["a", "b"], "/tmp/s.sock",
+                                                                               "k.pem", "c.pem")
+    assert ns.enable_force_include_usage and ns.default_chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "M", "--default-chat-template-kwargs", "[1]"])
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "M", "--max-model-len", "1.5K"])   # K/M/G/T: whole numbers only
     assert "--max-model-len: invalid int value: '1.5K'" in capsys.readouterr().err
@@ -291,9 +300,12 @@ def test_serve_on_a_port_in_use_fails_before_loading_the_model(capsys, monkeypat
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        ns = cli.make_parser().parse_args(["serve", "/no/such/model", "--port", str(port)])
+        ns = cli.make_parser().parse_args(["serve", "/no/such/model", "--host", "127.0.0.1", "--port", str(port)])
         assert serve_main(ns) == 2
-    assert f"cannot listen on 127.0.0.1:{port} (--host/--port)" in capsys.readouterr().err
+        assert f"cannot listen on 127.0.0.1:{port} (--host/--port)" in capsys.readouterr().err
+        # The default host, every interface, includes that address.
+        assert serve_main(cli.make_parser().parse_args(["serve", "/no/such/model", "--port", str(port)])) == 2
+    assert f"cannot listen on *:{port} (--host/--port)" in capsys.readouterr().err
 
 
 def test_flag_spelling_stops_at_double_dash():

@@ -188,7 +188,7 @@ def test_the_api_key_is_asked_for_under_a_root_path():
     async def receive():
         return {"type": "http.request"}
 
-    middleware = APIKeyMiddleware(app, api_key="k")
+    middleware = APIKeyMiddleware(app, api_keys=["k"])
     for path, root in (("/api/v1/models", "/api"), ("/v1/models", "")):
         scope = {"type": "http", "method": "GET", "path": path, "root_path": root, "headers": []}
         asyncio.run(middleware(scope, receive, send))

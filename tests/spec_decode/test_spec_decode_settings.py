@@ -21,7 +21,7 @@ def test_speculative_config_dict_form(spec_pair, greedy_reference):
     llm = LLM(spec_pair[0], max_model_len=128, speculative_config={
         "model": spec_pair[1], "num_speculative_tokens": 2, "method": "draft_model", "policy": "fixed",
         "quantization": None, "revision": None, "max_model_len": 128, "disable_logprobs": False,
-        "speculative_token_tree": None}, **KV)
+        "speculative_token_tree": None, "disable_padded_drafter_batch": True}, **KV)
     assert output_ids(llm.generate(make_prompts(4), GREEDY, use_tqdm=False)) == greedy_reference[:4]
 
 
@@ -45,6 +45,10 @@ def test_ngram_lookup_bounds_default_as_vllm(spec_pair, lookup, bounds):
     ({"speculative_config": {"num_speculative_tokens": 2, "speculative_token_tree": "[(0,)]"}},
      "speculative_token_tree"),
     ({"speculative_config": {"num_speculative_tokens": 2, "disable_logprobs": "yes"}}, "disable_logprobs"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "disable_padded_drafter_batch": 1}},
+     "disable_padded_drafter_batch"),
+    ({"speculative_config": {"model": "x", "num_speculative_tokens": 2, "tensor_parallel_size": 2}},
+     "'draft_tensor_parallel_size'"),
     ({"speculative_config": {"num_speculative_tokens": 2, "max_model_len": 1 << 20}}, "max_model_len"),
     ({"num_speculative_tokens": 2, "speculative_policy": "greedy"}, "speculative_policy"),
     ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 0}, "disable_by_batch_size"),
@@ -207,3 +211,19 @@ def test_the_adaptive_policy_knows_whether_the_proposer_catches_up(spec_pair, sp
     assert policy.catches_up is catches_up
     if not catches_up:
         assert policy._costs.catch_up_token(2) == 0.0 and policy._costs.catch_up_per_token == 0.0
+
+
+def test_ngram_lookup_takes_the_earliest_match_of_the_longest_ngram():
+    """As vLLM's proposer: the longest tail n-gram in [n_min, n_max] that occurred before, and the tokens
+    after its earliest occurrence (a repeating run then drafts k tokens, not one)."""
+    import numpy as np
+
+    from vllm_spec.spec_decode.ngram_proposer import ngram_lookup
+
+    def lookup(tokens, n_max, n_min, k):
+        return ngram_lookup(np.array(tokens), n_max, n_min, k).tolist()
+
+    assert lookup([1, 2, 3, 1, 2, 4, 1, 2], 2, 2, 3) == [3, 1, 2]
+    assert lookup([7, 7, 7, 7, 7], 2, 1, 4) == [7, 7, 7]
+    assert lookup([5, 1, 2, 3, 9, 2, 3, 8, 1, 2, 3], 3, 1, 2) == [9, 2]   # the 3-gram beats earlier 2-grams
+    assert lookup([1, 2, 3, 4], 3, 1, 2) == []

@@ -72,7 +72,8 @@ class EngineArgs:
     quantization: str | None = _opt(None, "Not supported: None (GGUF weights are dequantized on load).")
     kv_cache_dtype: str = _opt("auto", "auto (the only choice: the model's dtype).")
     swap_space: float = _opt(4.0, "Accepted for vLLM compatibility: preemption recomputes, it never swaps.")
-    disable_log_stats: bool = _opt(False, "Accepted for vLLM compatibility (statistics are kept in memory).")
+    disable_log_stats: bool = _opt(False, "No statistics lines in the log (else one every 10 s while requests run, "
+                                          "as vLLM's: throughput, queues, KV cache, speculative acceptance).")
     max_logprobs: int = _opt(DEFAULT_MAX_LOGPROBS, "Most logprobs / prompt_logprobs a request may ask for "
                              "(-1: the whole vocabulary).")
     logprobs_mode: str = _opt("raw_logprobs", "raw_logprobs (the only mode: log-softmax of the raw logits).")
@@ -169,7 +170,8 @@ class EngineArgs:
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
 
-    def create_engine_config(self) -> EngineConfig:
+    def create_engine_config(self, usage_context: object = None) -> EngineConfig:
+        """The engine's configuration (usage_context: vLLM's usage-statistics label, unused)."""
         if not self.model:
             raise ValueError("model must be given: an HF model folder or a .gguf file.")
         # Accepted under vLLM's names so that vLLM configurations run; only their supported value.
@@ -195,6 +197,7 @@ class EngineArgs:
             speculative=speculative,
             enforce_eager=self.enforce_eager,
             async_scheduling=self.async_scheduling,
+            log_stats=not self.disable_log_stats,
         )
 
     def _token_budget(self, max_model_len: int) -> int:
@@ -254,14 +257,16 @@ class EngineArgs:
                 if given.pop(name, None) is not None:
                     raise ValueError(f"speculative_config['{name}'] must be None (not supported), got "
                                      f"{self.speculative_config[name]!r}.")
-            # vLLM skips the draft's logprobs by default: here they are never computed either way (a
-            # request's logprobs are the target's), so both values mean the same.
-            if not isinstance(given.pop("disable_logprobs", True), bool):
-                raise ValueError(f"speculative_config['disable_logprobs'] must be a bool, got "
-                                 f"{self.speculative_config['disable_logprobs']!r}.")
+            for name in _SPEC_BOOL_KEYS:
+                if not isinstance(given.pop(name, True), bool):
+                    raise ValueError(f"speculative_config['{name}'] must be a bool, got "
+                                     f"{self.speculative_config[name]!r}.")
+            if "tensor_parallel_size" in given:
+                raise ValueError("speculative_config has no 'tensor_parallel_size': the draft's tensor-parallel "
+                                 "size is 'draft_tensor_parallel_size'.")
             unknown = set(given) - set(opts)
             if unknown:
-                allowed = sorted([*opts, "disable_logprobs", *_SPEC_NONE_KEYS])
+                allowed = sorted([*opts, *_SPEC_BOOL_KEYS, *_SPEC_NONE_KEYS])
                 raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; allowed: {allowed}.")
             given = {k: v for k, v in given.items() if v is not None}
             # The same setting given both ways must agree (one would be dropped silently).
@@ -293,6 +298,9 @@ _SPEC_FLAGS = {"model": "speculative_model", "num_speculative_tokens": "num_spec
 
 # vLLM's speculative_config keys that can only be None here.
 _SPEC_NONE_KEYS = ("quantization", "revision", "code_revision", "speculative_token_tree")
+# vLLM's boolean speculative_config keys whose values mean the same here: the draft's logprobs are never
+# computed (a request's logprobs are the target's), and padded drafter batches are EAGLE's.
+_SPEC_BOOL_KEYS = ("disable_logprobs", "disable_padded_drafter_batch")
 
 # vLLM's short spellings.
 _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}

@@ -67,7 +67,8 @@ class EngineOperations:
             raise EngineDeadError("the engine is shut down.") from self._dead_error
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
-    async def reset_prefix_cache(self, device: object = None) -> bool:
+    async def reset_prefix_cache(self, device: object = None, reset_running_requests: bool = False) -> bool:
         """As vLLM's: forget the prefix cache's registrations (in the engine thread, between steps)."""
-        return await self._in_engine_thread(self.engine.reset_prefix_cache)
+        return await self._in_engine_thread(functools.partial(self.engine.reset_prefix_cache, device,
+                                                              reset_running_requests))
 

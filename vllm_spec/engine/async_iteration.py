@@ -44,7 +44,7 @@ def run_iteration(engine: LLMEngine, loop: asyncio.AbstractEventLoop, adds: list
     not raised."""
     result = IterationResult()
     if aborts:   # first: an aborted request's id may come back in this iteration's adds
-        engine.abort_request(list(aborts))
+        result.outputs = engine.abort_with_outputs(list(aborts))
     for p in adds:
         if p.future.cancelled():
             continue
@@ -56,7 +56,7 @@ def run_iteration(engine: LLMEngine, loop: asyncio.AbstractEventLoop, adds: list
             loop.call_soon_threadsafe(settle, p.future, None)
     if engine.has_unfinished_requests() or engine.has_step_in_flight:
         try:
-            result.outputs = engine.step()
+            result.outputs += engine.step()
             result.in_flight = engine.has_step_in_flight
         except Exception as e:
             logger.exception("engine step failed; failing %d in-flight request(s)",

@@ -22,7 +22,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from vllm_spec.engine.arg_utils import EngineArgs
 from vllm_spec.engine.async_engine_ops import EngineOperations
@@ -83,11 +83,17 @@ class AsyncLLMEngine(EngineOperations):
 
     @property
     def is_running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        """vLLM's: the engine serves (its loop starts with the first request); False once shut down or dead."""
+        return not self.is_stopped
 
     @property
     def errored(self) -> bool:
-        return self._dead_error is not None
+        """vLLM's: dead or shut down."""
+        return self.is_stopped
+
+    @property
+    def _loop_running(self) -> bool:
+        return self._task is not None and not self._task.done()
 
     @property
     def is_stopped(self) -> bool:
@@ -110,7 +116,7 @@ class AsyncLLMEngine(EngineOperations):
         """Start the background loop on the running event loop (generate() calls it too)."""
         if self.is_stopped:
             raise EngineDeadError("the engine is shut down.") from self._dead_error
-        if self.is_running:
+        if self._loop_running:
             loop = asyncio.get_running_loop()
             if self._loop is not loop:
                 raise RuntimeError("AsyncLLMEngine is running on another event loop.")
@@ -254,13 +260,18 @@ class AsyncLLMEngine(EngineOperations):
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str,
                        lora_request: None = None, trace_headers: dict | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream the RequestOutputs of one request (by default each carries the full output so far).
+                       priority: int = 0, data_parallel_rank: int | None = None,
+                       tokenization_kwargs: dict | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the RequestOutputs of one request (by default each carries the full output so far;
+        data_parallel_rank: vLLM's, None or 0 only: one engine).
 
         Leaving the loop early (break, cancellation, client disconnect) aborts the request
         and frees its KV blocks before the next engine step."""
+        if data_parallel_rank not in (None, 0):
+            raise ValueError(f"data_parallel_rank must be None or 0 (one engine), got {data_parallel_rank!r}.")
         stream = await self.add_request(request_id, prompt, sampling_params, lora_request=lora_request,
-                                        trace_headers=trace_headers, priority=priority)
+                                        tokenization_kwargs=tokenization_kwargs, trace_headers=trace_headers,
+                                        priority=priority)
         finished = False
         try:
             async for out in stream:
@@ -280,15 +291,17 @@ class AsyncLLMEngine(EngineOperations):
         self.abort_nowait(request_id)
 
     def abort_nowait(self, request_id: str | list[str]) -> None:
-        """Abort request(s): their streams end with RequestAbortedError (also one still being
-        added); KV blocks are freed before the next step. Unknown or finished ids are ignored.
-        Safe from the event loop only."""
+        """Abort request(s), as vLLM's: a running request's stream ends with a last output, finished,
+        its unfinished completions' finish_reason "abort" (what they generated so far, or for DELTA
+        what is new); one still being added raises RequestAbortedError to its caller. KV blocks are
+        freed before the next step. Unknown or finished ids are ignored. Safe from the event loop only."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             error = RequestAbortedError(f"request {rid!r} was aborted.")
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
-                stream.finish(error)
+            if not self._loop_running:   # (no loop to deliver the last output)
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    stream.finish(error)
             self._abort_in_engine(rid, error)
 
     def _abort_in_engine(self, request_id: str, error: BaseException | None = None) -> None:
@@ -300,13 +313,17 @@ class AsyncLLMEngine(EngineOperations):
                 if error is not None:
                     settle(p.future, error)
                 return
-        if self._wakeup is not None and (self.is_running or self._closing):
+        if self._wakeup is not None and (self._loop_running or self._closing):
             self._pending_aborts.add(request_id)
             self._wakeup.set()
 
     async def get_model_config(self):
         """The target's ModelConfig (vLLM's coroutine)."""
         return self.engine.get_model_config()
+
+    async def get_vllm_config(self):
+        """The engine's configuration (vLLM's coroutine)."""
+        return self.engine.vllm_config
 
     async def get_tokenizer(self):
         """The tokenizer (vLLM's coroutine); None with skip_tokenizer_init."""
@@ -322,27 +339,43 @@ class AsyncLLMEngine(EngineOperations):
         with self._lock:
             return list(self._metrics), self._num_free_blocks
 
+    async def do_log_stats(self, scheduler_outputs: None = None, model_output: None = None) -> None:
+        """vLLM's: log the statistics lines now (in the engine thread, between steps)."""
+        await self._in_engine_thread(self.engine.do_log_stats)
+
     async def check_health(self) -> None:
         if self._dead_error is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead_error}") from self._dead_error
         if self._closing:
             raise EngineDeadError("the engine is shutting down.")
 
-    async def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Refuse new requests, abort the in-flight ones, let the loop apply the aborts and
-        stop, and release the engine thread. Idempotent."""
-        if self._closing and not self.is_running:
+    def shutdown(self, timeout: float | None = 30.0) -> Awaitable[None]:
+        """Refuse new requests, abort the in-flight ones, stop the loop and release the engine thread;
+        idempotent. Called as vLLM's (synchronously) or awaited: on the engine's running event loop
+        the loop first applies the aborts (awaiting the result waits for that; timeout: for how long),
+        elsewhere (no loop running) it is all done before returning."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is None or running is not self._loop:
+            self.shutdown_background_loop()
+            return _Done()
+        if self._closing and not self._loop_running:
             # The loop is over, but a step it left (a cancelled loop) may still run in the engine thread:
             # the engine is shut down once that thread is done, without blocking the event loop.
-            await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
-            self.engine.shutdown()
-            return
+            return running.create_task(self._release(running.run_in_executor(None, self._executor.shutdown, True)))
         self._closing = True
         for p in self._pending_adds:
             settle(p.future, EngineDeadError("the engine is shutting down."))
         self._pending_adds.clear()
         if self._streams:
             self.abort_nowait(list(self._streams))
+        return running.create_task(self._release(self._stopped_loop(timeout)))
+
+    async def _stopped_loop(self, timeout: float | None) -> None:
+        """Once the loop has applied the aborts and stopped (cancelled after timeout seconds), the
+        engine thread's last work is done."""
         if self._task is not None and not self._task.done():
             self._wakeup.set()
             try:
@@ -352,14 +385,25 @@ class AsyncLLMEngine(EngineOperations):
                 self._task.cancel()
             except Exception:
                 logger.debug("engine loop ended with an error (logged when it died)")
-        self._executor.shutdown(wait=True)
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+
+    async def _release(self, stopped: Awaitable[None]) -> None:
+        await stopped
         self.engine.shutdown()   # its workers (tensor-parallel ranks) and their memory
 
     def shutdown_background_loop(self) -> None:
-        """Synchronous variant for non-async callers (after the event loop has stopped)."""
+        """Synchronous shutdown for callers outside the engine's event loop (after it stopped)."""
         self._closing = True
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._executor.shutdown(wait=True)
         self.engine.shutdown()
+
+
+class _Done:
+    """An awaitable that is already done (a shutdown completed synchronously)."""
+
+    def __await__(self):
+        return
+        yield
 

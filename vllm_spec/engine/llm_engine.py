@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from vllm_spec.engine.output_processor import OutputProcessor
 from vllm_spec.engine.request_builder import new_request
 from vllm_spec.engine.request_input import check_neutral, check_request_id, check_request_options
 from vllm_spec.engine.request_output import make_request_output
+from vllm_spec.engine.stat_logger import LOG_STATS_INTERVAL, LoggingStatLogger
 from vllm_spec.engine.stats import EngineStats
 from vllm_spec.executor import create_executor
 from vllm_spec.generation_config import model_eos_token_ids
@@ -68,12 +70,15 @@ class LLMEngine:
         self.stats = EngineStats(config.model.max_model_len, config.scheduler.max_num_batched_tokens)
         self.spec_metrics = SpecDecodeMetrics(config.speculative.num_speculative_tokens) if config.speculative else None
         self._unfreeze_gc = tune_gc_for_serving(self, config.scheduler.max_num_seqs)
+        self.stat_logger = LoggingStatLogger()
+        self._next_stats_log = time.monotonic() + LOG_STATS_INTERVAL if config.log_stats else math.inf
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, usage_context: object = None,
-                         stat_loggers: dict | None = None) -> "LLMEngine":
+                         stat_loggers: dict | None = None, enable_multiprocessing: bool = False) -> "LLMEngine":
         """As vLLM's (usage_context is only a usage-statistics label; custom stat loggers are not
-        supported: get_metrics() gives the metrics)."""
+        supported: get_metrics() gives the metrics; enable_multiprocessing, vLLM's engine core in a
+        process of its own, changes nothing here: the engine's work is the same either way)."""
         check_neutral(stat_loggers=stat_loggers)
         return cls(args.create_engine_config(), skip_tokenizer_init=args.skip_tokenizer_init)
 
@@ -125,6 +130,13 @@ class LLMEngine:
         self.stats.on_new_request(len(request.prompt_token_ids), request.sampling_params.n, max_tokens)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
+        """Stop request(s) and free their KV blocks; unknown or finished ids are ignored."""
+        self.abort_with_outputs(request_ids)
+
+    def abort_with_outputs(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """abort_request, returning each aborted request's last output (finished; its unfinished
+        completions' finish_reason "abort"), as vLLM's output processor gives its streams."""
+        outputs = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             request = self.requests.pop(rid, None)
             if request is None:
@@ -132,7 +144,9 @@ class LLMEngine:
             for seq in request.seqs:
                 if not seq.is_finished:
                     self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-            self.stats.on_finished(request, time.monotonic())
+            now = time.monotonic()
+            self.stats.on_finished(request, now)
+            outputs.append(make_request_output(request, True, now))
         if not self.requests and self._in_flight is not None:
             # An idle engine holds no step (its outputs are all void now). Aborts run in error
             # paths too: a failed read is logged here, not raised over the error being handled.
@@ -143,6 +157,7 @@ class LLMEngine:
                 logger.exception("reading the step in flight failed while aborting the last requests")
         if not self.requests and self._idle_since is None:
             self._idle_since = time.perf_counter()
+        return outputs
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)
@@ -186,7 +201,7 @@ class LLMEngine:
             self._idle_time += t0 - self._idle_since
             self._idle_since = None
         try:
-            return self._step(t0)
+            outputs = self._step(t0)
         except BaseException:
             # A failed step may have left registered blocks without their K/V.
             self.block_manager.reset_prefix_cache()
@@ -194,6 +209,14 @@ class LLMEngine:
         finally:
             if not self.requests:
                 self._idle_since = time.perf_counter()
+        if time.monotonic() >= self._next_stats_log:
+            self._next_stats_log = time.monotonic() + LOG_STATS_INTERVAL
+            self.do_log_stats()
+        return outputs
+
+    def do_log_stats(self, scheduler_outputs: None = None, model_output: None = None) -> None:
+        """vLLM's: log the statistics lines now (vllm_spec.engine.stat_logger)."""
+        self.stat_logger.log(self.get_metrics())
 
     def _step(self, t0: float) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -328,9 +351,10 @@ class LLMEngine:
         self.executor.shutdown()
         self._unfreeze_gc()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, device: object = None, reset_running_requests: bool = False) -> bool:
         """Forget the prefix cache's registrations: later prompts compute every token again (blocks
-        in use keep their contents). True, as vLLM's when it succeeds."""
+        in use keep their contents, so running requests need no reset either way). True, as vLLM's when
+        it succeeds. (device: vLLM V0's, ignored.)"""
         self.block_manager.reset_prefix_cache()
         return True
 

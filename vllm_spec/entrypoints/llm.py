@@ -23,9 +23,11 @@ from vllm_spec.utils import is_int
 
 
 class LLM:
-    """Batch generation over an LLMEngine. Keyword arguments are EngineArgs fields."""
+    """Batch generation over an LLMEngine. Keyword arguments are EngineArgs fields (as vLLM's LLM,
+    disable_log_stats defaults to True: no statistics lines)."""
 
     def __init__(self, model: str, tokenizer: str | None = None, **kwargs: Any):
+        kwargs.setdefault("disable_log_stats", True)
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, tokenizer=tokenizer, **kwargs))
         self._ids = itertools.count()
 

@@ -12,13 +12,14 @@ from vllm_spec.worker.batch import ExecuteModelRequest
 
 
 def ngram_lookup(tokens: np.ndarray, n_max: int, n_min: int, k: int) -> np.ndarray:
-    """Up to k tokens that followed the most recent earlier match of the longest matching tail n-gram."""
+    """Up to k tokens that followed the earliest earlier match of the longest matching tail n-gram (as
+    vLLM's: in a repeating run, the earliest match has the most tokens after it)."""
     length = len(tokens)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
         windows = sliding_window_view(tokens[: length - 1], n)   # candidate starts 0..length-1-n
         hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
         if hits.size:
-            start = hits[-1] + n
+            start = hits[0] + n
             return tokens[start: start + k]
     return tokens[:0]
 

@@ -20,11 +20,13 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import sys
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,9 +49,9 @@ VERSION = "0.1.0"
 
 # Auth (pure ASGI, so streaming and disconnect detection are untouched) ------------------------------
 class APIKeyMiddleware:
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_keys: Sequence[str]):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope, receive, send):
         path, root = scope.get("path", ""), scope.get("root_path", "")
@@ -58,7 +60,7 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not path.startswith("/v1"):
             return await self.app(scope, receive, send)
         auth = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
-        if not secrets.compare_digest(auth, self.expected):
+        if not any(secrets.compare_digest(auth, key) for key in self.expected):
             response = error_response(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                                       "AuthenticationError")
             return await response(scope, receive, send)
@@ -196,8 +198,8 @@ def build_app(state: ServerState, cors: CorsOptions | None = None, docs: bool = 
     app.post("/tokenize", dependencies=json_only)(tokenize)
     app.post("/detokenize", dependencies=json_only)(detokenize)
 
-    if state.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
+    if state.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=state.api_keys)
     cors = cors or CorsOptions()
     # Added last, so outermost: preflight requests are answered before auth, and 4xx errors carry its
     # headers (an unexpected 500 is answered by Starlette's outermost error middleware, without them).
@@ -207,11 +209,13 @@ def build_app(state: ServerState, cors: CorsOptions | None = None, docs: bool = 
 
 
 def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence[str] | None = None,
-                api_key: str | None = None, chat_template: str | None = None,
+                api_key: str | Sequence[str] | None = None, chat_template: str | None = None,
                 response_role: str = "assistant", enable_prompt_tokens_details: bool = False,
                 trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
                 return_tokens_as_token_ids: bool = False, log_requests: bool = False,
-                max_log_len: int | None = None, chat_template_content_format: str = "auto") -> ServerState:
+                max_log_len: int | None = None, chat_template_content_format: str = "auto",
+                force_include_usage: bool = False,
+                default_chat_template_kwargs: dict[str, Any] | None = None) -> ServerState:
     """Server state around a built engine; loads the server's own tokenizer copy (the engine's is
     used by the engine thread only)."""
     from vllm_spec.tokenizer import get_tokenizer
@@ -220,13 +224,15 @@ def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence
     tokenizer = get_tokenizer(cfg) if engine.tokenizer is not None else None
     names = [n for n in (served_model_names or []) if n] or [model]
     return ServerState(engine=engine, served_model_names=names, model_path=str(model), tokenizer=tokenizer,
-                       api_key=api_key or None, max_model_len=cfg.max_model_len, max_logprobs=cfg.max_logprobs,
+                       api_keys=[api_key] if isinstance(api_key, str) else list(api_key or []), max_model_len=cfg.max_model_len, max_logprobs=cfg.max_logprobs,
                        chat_template=chat_template,
                        response_role=response_role, sampling_defaults=cfg.get_diff_sampling_param(),
                        enable_prompt_tokens_details=enable_prompt_tokens_details,
                        trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
                        return_tokens_as_token_ids=return_tokens_as_token_ids, log_requests=log_requests,
-                       max_log_len=max_log_len, chat_template_content_format=chat_template_content_format)
+                       max_log_len=max_log_len, chat_template_content_format=chat_template_content_format,
+                       force_include_usage=force_include_usage,
+                       default_chat_template_kwargs=dict(default_chat_template_kwargs or {}))
 
 
 # Running ----------------------------------------------------------------------------------------------------
@@ -264,28 +270,36 @@ def _make_uvicorn_server(config, engine: AsyncLLMEngine):
     return _Server(config)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str | None, port: int, uds: str | None = None) -> socket.socket:
     """The listening socket, taken before the engine loads (as vLLM's server): a port in use is a clear
-    error at once, not after minutes of loading; clients connecting meanwhile wait in its queue."""
+    error at once, not after minutes of loading; clients connecting meanwhile wait in its queue. host
+    None: every interface; uds: a Unix domain socket at that path instead (a stale one is replaced)."""
     sock = None
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
+        if uds is not None:
+            if os.path.exists(uds) and stat.S_ISSOCK(os.stat(uds).st_mode):
+                os.unlink(uds)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(uds)
+        else:
+            family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                                 flags=socket.AI_PASSIVE)[0]
+            sock = socket.socket(family, kind, proto)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
         sock.listen()
     except OSError as e:
         if sock is not None:
             sock.close()
-        raise ValueError(f"cannot listen on {host}:{port} (--host/--port): {e.strerror or e}.") from None
+        where = f"{uds} (--uds)" if uds is not None else f"{host or '*'}:{port} (--host/--port)"
+        raise ValueError(f"cannot listen on {where}: {e.strerror or e}.") from None
     return sock
 
 
 def run_server(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     """Load the engine from the parsed serve flags and serve on `sock` (bound here when None) until
     SIGINT/SIGTERM. Returns 0, or 1 when the server did not start."""
-    sock = sock or bind_socket(args.host, args.port)
+    sock = sock or bind_socket(args.host, args.port, args.uds)
     try:
         return _serve(args, sock)
     finally:
@@ -312,20 +326,27 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         log_requests=args.enable_log_requests and not args.disable_log_requests,
                         max_log_len=args.max_log_len,
-                        chat_template_content_format=args.chat_template_content_format)
+                        chat_template_content_format=args.chat_template_content_format,
+                        force_include_usage=args.enable_force_include_usage,
+                        default_chat_template_kwargs=args.default_chat_template_kwargs)
     app = build_app(state, CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                        args.allow_credentials),
                     docs=not args.disable_fastapi_docs, request_id_headers=args.enable_request_id_headers)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on", root_path=args.root_path,
-                            access_log=not args.disable_uvicorn_access_log)
+                            access_log=not args.disable_uvicorn_access_log, ssl_keyfile=args.ssl_keyfile,
+                            ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                            ssl_cert_reqs=args.ssl_cert_reqs)
     server = _make_uvicorn_server(config, engine)
-    host, port = sock.getsockname()[:2]
     # (uvicorn says where it listens only for sockets it binds itself; --port 0 picks one.)
-    logger.info("serving on http://%s:%d", f"[{host}]" if sock.family == socket.AF_INET6 else host, port)
+    if sock.family == socket.AF_UNIX:
+        logger.info("serving on unix:%s", sock.getsockname())
+    else:
+        host, port = sock.getsockname()[:2]
+        logger.info("serving on %s://%s:%d", "https" if args.ssl_certfile else "http",
+                    f"[{host}]" if sock.family == socket.AF_INET6 else host, port)
     server.run(sockets=[sock])
-    if engine.is_running:  # lifespan shutdown did not run (e.g. forced exit)
-        engine.shutdown_background_loop()
+    engine.shutdown()   # (done already where the lifespan's shutdown ran: a forced exit skips it)
     return 0 if server.started else 1
 
 

@@ -24,10 +24,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                         help="MODEL as a flag (vLLM's older spelling); give one or the other")
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to bind (use 0.0.0.0 to listen on all)")
+    server.add_argument("--host", default=None, help="address to bind (default: every interface, as vLLM)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
-    server.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
-                        help="require 'Authorization: Bearer <key>' on /v1 routes (default: $VLLM_API_KEY)")
+    server.add_argument("--uds", default=None, metavar="PATH", help="listen on this Unix domain socket instead")
+    server.add_argument("--ssl-keyfile", default=None, help="HTTPS: the server's private key file")
+    server.add_argument("--ssl-certfile", default=None, help="HTTPS: the server's certificate file")
+    server.add_argument("--ssl-ca-certs", default=None, help="HTTPS: CA certificates to check clients' with")
+    server.add_argument("--ssl-cert-reqs", type=int, default=0,
+                        help="HTTPS: whether a client certificate is required (Python's ssl.CERT_* value)")
+    server.add_argument("--api-key", nargs="+", default=[os.environ["VLLM_API_KEY"]] if os.environ.get(
+                        "VLLM_API_KEY") else None, metavar="KEY",
+                        help="require 'Authorization: Bearer <key>' (any of these keys) on /v1 routes "
+                             "(default: $VLLM_API_KEY)")
+    server.add_argument("--enable-force-include-usage", action="store_true",
+                        help="streams end with a usage chunk whatever their stream_options say")
+    server.add_argument("--default-chat-template-kwargs", type=_json_dict, default=None, metavar="JSON",
+                        help="chat template variables for every request (a request's chat_template_kwargs "
+                             "override them), e.g. '{\"enable_thinking\": false}'")
     server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="model name(s) clients use in the 'model' field (default: MODEL as given); "
                              "the first one is reported where a request names none")
@@ -78,6 +91,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
+
+
 def _json_list(text: str) -> list[str]:
     try:
         value = json.loads(text)
@@ -124,7 +147,7 @@ def serve_main(ns: argparse.Namespace) -> int:
     from vllm_spec.entrypoints.openai.api_server import bind_socket, run_server
 
     try:
-        sock = bind_socket(ns.host, ns.port)   # first: a port in use fails before any download or load
+        sock = bind_socket(ns.host, ns.port, ns.uds)   # first: a port in use fails before any download or load
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -82,7 +82,7 @@ class EngineCollector:
             extra = sorted(m.labels)
             if isinstance(m, Vector):
                 extra = ["position"]
-            names = ["model_name", *extra]
+            names = ["model_name", "engine", *extra]   # (vLLM V1's labels: engine is the engine's index)
             fam = families.get(m.name)
             if fam is None:
                 doc = _METRIC_HELP.get(m.name, m.name)
@@ -98,10 +98,10 @@ class EngineCollector:
                 label_names[m.name] = names
             if label_names[m.name] != names:
                 continue  # inconsistent labels for one name: keep the first form
-            values = [self.model_name, *(m.labels[k] for k in sorted(m.labels))]
+            values = [self.model_name, "0", *(m.labels[k] for k in sorted(m.labels))]
             if isinstance(m, Vector):
                 for pos, v in enumerate(m.values):
-                    fam.add_metric([self.model_name, str(pos)], v)
+                    fam.add_metric([self.model_name, "0", str(pos)], v)
             elif isinstance(m, Histogram):
                 buckets = [(b, v) for b, v in m.buckets.items()]
                 if not buckets or buckets[-1][0] != "+Inf":

@@ -40,7 +40,9 @@ class ServerState:
     served_model_names: list[str]
     model_path: str
     tokenizer: Any = None
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)   # any of them (none: no key needed)
+    force_include_usage: bool = False   # --enable-force-include-usage: every stream ends with its usage
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)   # under a request's own
     max_model_len: int = 0
     max_logprobs: int = DEFAULT_MAX_LOGPROBS   # the engine's (-1: the whole vocabulary)
     chat_template: str | None = None   # --chat-template: for requests that bring none
@@ -121,10 +123,11 @@ def render_messages(state: ServerState, request: Any, add_special_tokens: bool) 
     the chat template it may use; a 400 naming messages where they cannot be rendered."""
     tok = need_tokenizer(state)
     template = request_chat_template(state, request.chat_template, request.chat_template_kwargs)
+    template_kwargs = {**state.default_chat_template_kwargs, **(request.chat_template_kwargs or {})}
     try:
         return render_chat(tok, [m.model_dump(exclude_none=True) for m in request.messages],
                            request.add_generation_prompt, request.continue_final_message, template,
-                           add_special_tokens, request.chat_template_kwargs, request.tools,
+                           add_special_tokens, template_kwargs, request.tools,
                            state.chat_template_content_format)
     except Exception as e:
         raise OpenAIServingError(f"could not apply the chat template: {e}", param="messages") from e

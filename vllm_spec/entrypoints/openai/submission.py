@@ -96,8 +96,18 @@ async def _add_all(state: ServerState, base_id: str, prompts: list[dict[str, Any
     return ids, streams
 
 
+async def _not_aborted(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs; its last one, when the engine aborted it (a server shutting down), is
+    RequestAbortedError: the client gets the server's error for it, not a partial answer."""
+    async for out in stream:
+        if out.finished and any(c.finish_reason == "abort" for c in out.outputs):
+            raise RequestAbortedError(f"request {out.request_id!r} was aborted.")
+        yield out
+
+
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several request streams as (prompt index, output)."""
+    streams = [_not_aborted(s) for s in streams]
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
@@ -280,8 +290,8 @@ class Submission:
 
     async def _events(self, chunk_type: type, options: StreamOptions | None, opening: Sequence[Opening],
                       make_choice: MakeChoice, every_token: bool) -> AsyncIterator[str]:
-        include_usage = bool(options and options.include_usage)
-        continuous = include_usage and bool(options.continuous_usage_stats)   # as vLLM: only with usage on
+        include_usage = self.state.force_include_usage or bool(options and options.include_usage)
+        continuous = include_usage and bool(options and options.continuous_usage_stats)   # as vLLM: only with usage on
         n = self.params.n
         states = [ChoiceState() for _ in range(len(self.streams) * n)]
         last: list[RequestOutput | None] = [None] * len(self.streams)
@@ -321,7 +331,7 @@ class Submission:
 async def _beam_stream(state: ServerState, first: AsyncStream, request_id: str,
                        beam: BeamSearchParams) -> AsyncIterator[RequestOutput]:
     """A prompt's beams, searched on from its first step, as its stream's one (final) output."""
-    async for out in first:
+    async for out in _not_aborted(first):
         last = out
     yield await state.engine.continue_beam_search(last, request_id, beam)
 
