@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from vllm_spec.engine.arg_utils import DefaultsHelpFormatter, FlexibleArgumentParser
+from vllm_spec.engine.arg_utils import DefaultsHelpFormatter, FlexibleArgumentParser, json_object
 from vllm_spec.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
 
@@ -38,7 +38,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(default: $VLLM_API_KEY)")
     server.add_argument("--enable-force-include-usage", action="store_true",
                         help="streams end with a usage chunk whatever their stream_options say")
-    server.add_argument("--default-chat-template-kwargs", type=_json_dict, default=None, metavar="JSON",
+    server.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
                         help="chat template variables for every request (a request's chat_template_kwargs "
                              "override them), e.g. '{\"enable_thinking\": false}'")
     server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -89,16 +89,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine = parser.add_argument_group("engine (EngineArgs, same names as LLM(...) keywords)")
     EngineArgs.add_cli_args(engine, skip=("model", "served_model_name"))   # the server's own flags
     return parser
-
-
-def _json_dict(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
-    return value
 
 
 def _json_list(text: str) -> list[str]:
