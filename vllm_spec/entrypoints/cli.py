@@ -88,6 +88,8 @@ def make_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (vllm serve MODEL)",
                            formatter_class=DefaultsHelpFormatter)
     add_serve_args(serve).set_defaults(func=serve_main)
+    from vllm_spec.entrypoints.cli_client import add_client_parsers
+    add_client_parsers(sub)
     return parser
 
 
