@@ -357,3 +357,24 @@ def test_help_shows_each_default_once(command, shown, capsys):
     assert shown in text
     assert "(default: None)" not in text and "(default: )" not in text
     assert not re.search(r"default[^()]*\) \(default:", text)
+
+
+def test_serve_flags_from_a_yaml_config_file(tmp_path, capsys):
+    """vLLM's --config FILE: YAML keys are flag names; flags given on the command line win."""
+    path = tmp_path / "serve.yaml"
+    path.write_text("port: 8123\nmax_model_len: 2k\nenable_chunked_prefill: false\nenable-force-include-usage: true\n"
+                    "api-key: [a, b]\nspeculative_config: {num_speculative_tokens: 3}\nserved_model_name: m1\n"
+                    "host: null\n")
+    parser = cli.make_parser()
+    ns = parser.parse_args(["serve", "M", "--config", str(path), "--port", "9"])
+    assert (ns.model, ns.port, ns.max_model_len, ns.enable_chunked_prefill, ns.enable_force_include_usage) == \
+        ("M", 9, 2000, False, True)
+    assert (ns.api_key, ns.speculative_config, ns.served_model_name, ns.host) == \
+        (["a", "b"], {"num_speculative_tokens": 3}, ["m1"], None)
+    assert parser.parse_args(["serve", f"--config={path}", "M"]).port == 8123
+    for bad, message in ((tmp_path / "none.yaml", "cannot read it as YAML"), (tmp_path / "list.yaml", "mapping")):
+        if bad.name == "list.yaml":
+            bad.write_text("- 1\n")
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "M", "--config", str(bad)])
+        assert message in capsys.readouterr().err

@@ -330,10 +330,50 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         args = list(sys.argv[1:] if args is None else args)
         end = args.index("--") if "--" in args else len(args)   # past "--", arguments are values
         try:
-            head = _joined_json_args([_dashed(a) for a in args[:end]])
+            head = _joined_json_args([_dashed(a) for a in _with_config_file(args[:end])])
         except (ValueError, argparse.ArgumentTypeError) as e:
             self.error(str(e))
         return super().parse_known_args(head + args[end:], namespace)
+
+
+def _with_config_file(args: list[str]) -> list[str]:
+    """vLLM's `--config FILE`: a YAML mapping of flag names (dashes or underscores) to values, read as
+    flags placed before the others, so that flags given on the command line win. true is the bare flag,
+    false an EngineArgs switch's --no- form (else nothing), a list the flag's values, a mapping its JSON."""
+    at = next((i for i, a in enumerate(args) if a == "--config" or a.startswith("--config=")), None)
+    if at is None:
+        return args
+    if args[at] == "--config":
+        if at + 1 >= len(args):
+            raise ValueError("--config needs a YAML file.")
+        path, rest = args[at + 1], args[:at] + args[at + 2:]
+    else:
+        path, rest = args[at].partition("=")[2], args[:at] + args[at + 1:]
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: cannot read it as YAML ({e}).") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: must be a YAML mapping of flag names to values.")
+    switches = {f.name.replace("_", "-") for f in dataclasses.fields(EngineArgs) if f.type in ("bool", "bool | None")}
+    flags: list[str] = []
+    for key, value in values.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags += [f"--no-{flag[2:]}"] if flag[2:] in switches else []
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        elif value is not None:
+            flags += [flag, str(value)]
+    positionals = next((i for i, a in enumerate(rest) if a.startswith("-")), len(rest))   # (subcommand, MODEL)
+    return rest[:positionals] + flags + rest[positionals:]
 
 
 def _dashed(arg: str) -> str:
