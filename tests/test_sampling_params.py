@@ -28,7 +28,7 @@ INVALID = [
     ("n", 2, dict(temperature=0)),
     ("stop", ""), ("stop", [""]), ("stop", ["ok", ""]), ("stop", [1]), ("stop", 5), ("stop", [None]),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("stop_token_ids", [1.5]), ("stop_token_ids", [True]),
-    ("stop_token_ids", 5), ("extra_args", [("synthetic_acceptance_rate", 0.5)]), ("extra_args", "x"),
+    ("stop_token_ids", 5), ("stop_token_ids", [[1]]), ("extra_args", [("synthetic_acceptance_rate", 0.5)]), ("extra_args", "x"),
 ]
 
 
@@ -127,6 +127,9 @@ def test_logprobs_bounded_by_the_engines_max_logprobs():
     assert (p.logprobs, p.prompt_logprobs) == (100, 3)
     with pytest.raises(ValueError, match=r"logprobs: requested 100, which is greater than max allowed: 20"):
         SamplingParams(logprobs=-1).check_vocab(100, max_logprobs=20)
+    with pytest.raises(ValueError, match=r"logprobs: requested 101, which is greater than max allowed: 100"):
+        SamplingParams(logprobs=101).check_vocab(100, max_logprobs=-1)   # -1: the vocabulary bounds it
+    SamplingParams(logprobs=101).check_logprobs(-1)   # (the vocabulary not known: the engine checks)
     with pytest.raises(ValueError, match=r"prompt_logprobs: requested 8, which is greater than max allowed: 7"):
         SamplingParams(prompt_logprobs=8).check_vocab(100, max_logprobs=7)
     SamplingParams(logprobs=20).check_vocab(100)

@@ -149,7 +149,10 @@ class SamplingParams:
             self.stop = list(self.stop)
         _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
                "stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
-        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "a list of non-negative integers", self.stop_token_ids)
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         if self.top_k == -1:
             self.top_k = 0
         if is_int(self.seed):
@@ -260,16 +263,18 @@ class SamplingParams:
 
     def check_logprobs(self, max_logprobs: int, vocab_size: int | None = None) -> None:
         """ValueError naming logprobs or prompt_logprobs where it asks for more than the engine's
-        max_logprobs (-1: the whole vocabulary, as is a request's -1, counted where vocab_size is given)."""
-        if max_logprobs == -1:
+        max_logprobs (-1: the whole vocabulary, as is a request's -1; vocab_size None: not known here, the
+        engine checks against it)."""
+        most = vocab_size if max_logprobs == -1 else max_logprobs
+        if most is None:
             return
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(self, name)
             if asked == -1 and vocab_size is not None:
                 asked = vocab_size
-            if asked is not None and (asked == -1 or asked > max_logprobs):
+            if asked is not None and (asked == -1 or asked > most):
                 what = "the whole vocabulary (-1)" if asked == -1 else asked
-                raise ValueError(f"{name}: requested {what}, which is greater than max allowed: {max_logprobs} (the "
+                raise ValueError(f"{name}: requested {what}, which is greater than max allowed: {most} (the "
                                  "engine's max_logprobs; -1 allows the whole vocabulary).")
 
     def check_vocab(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:

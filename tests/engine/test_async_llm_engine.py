@@ -192,3 +192,25 @@ def test_an_aborted_stream_ends_with_its_final_output(engine, kind):
             await engine.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 120.0))
+
+
+def test_an_aborted_id_is_free_at_once_and_a_shutdown_nobody_awaits_still_happens(engine):
+    """As vLLM's: an id is free again right after abort() (its old stream still gets its last output, the
+    new request its own); shutdown() called on the engine's loop without awaiting it still shuts the engine
+    down when that loop ends."""
+    shut = []
+    release = engine.engine.shutdown
+    engine.engine.shutdown = lambda: (shut.append(1), release())
+
+    async def main():
+        old = aiter(await engine.add_request("a", "hello world", LONG))
+        first = await anext(old)
+        await engine.abort("a")
+        new = await _text(engine, "a")   # no "already in use"
+        rest = [out async for out in old]
+        assert not first.finished and rest and rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+        assert len(new) == 6 and engine.engine.get_num_unfinished_requests() == 0
+        engine.shutdown()   # vLLM's style: synchronous, not awaited
+
+    asyncio.run(asyncio.wait_for(main(), 120.0))
+    assert shut and engine.errored

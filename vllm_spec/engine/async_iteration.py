@@ -32,6 +32,8 @@ class IterationResult:
     """What one engine-thread iteration gives the event loop to dispatch."""
 
     outputs: list[RequestOutput] = field(default_factory=list)
+    # The aborted requests' last outputs (their streams are no longer under their ids: one may be reused).
+    aborted: list[RequestOutput] = field(default_factory=list)
     step_error: BaseException | None = None
     failed_ids: list[str] = field(default_factory=list)
     in_flight: bool = False   # a step was left running (async scheduling): step again at once
@@ -44,7 +46,7 @@ def run_iteration(engine: LLMEngine, loop: asyncio.AbstractEventLoop, adds: list
     not raised."""
     result = IterationResult()
     if aborts:   # first: an aborted request's id may come back in this iteration's adds
-        result.outputs = engine.abort_with_outputs(list(aborts))
+        result.aborted = engine.abort_with_outputs(list(aborts))
     for p in adds:
         if p.future.cancelled():
             continue
@@ -56,7 +58,7 @@ def run_iteration(engine: LLMEngine, loop: asyncio.AbstractEventLoop, adds: list
             loop.call_soon_threadsafe(settle, p.future, None)
     if engine.has_unfinished_requests() or engine.has_step_in_flight:
         try:
-            result.outputs += engine.step()
+            result.outputs = engine.step()
             result.in_flight = engine.has_step_in_flight
         except Exception as e:
             logger.exception("engine step failed; failing %d in-flight request(s)",

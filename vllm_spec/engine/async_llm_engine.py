@@ -44,6 +44,8 @@ class AsyncLLMEngine(EngineOperations):
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._streams: dict[str, AsyncStream] = {}
+        # Aborted streams waiting for their last output (their ids are free for new requests meanwhile).
+        self._aborting: dict[str, AsyncStream] = {}
         self._pending_adds: list[PendingAdd] = []
         self._pending_aborts: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -154,14 +156,15 @@ class AsyncLLMEngine(EngineOperations):
             if not p.future.done():
                 p.future.set_exception(exc)
         self._pending_adds.clear()
-        for stream in list(self._streams.values()):
+        for stream in [*self._streams.values(), *self._aborting.values()]:
             stream.finish(exc)
         self._streams.clear()
+        self._aborting.clear()
 
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self._pending_adds and not self._pending_aborts and not self._streams:
+            if not self._pending_adds and not self._pending_aborts and not self._streams and not self._aborting:
                 if self._closing:
                     return
                 self._wakeup.clear()
@@ -202,6 +205,14 @@ class AsyncLLMEngine(EngineOperations):
             self._num_free_blocks = self.engine.block_manager.num_free_blocks
 
     def _dispatch(self, result: IterationResult) -> None:
+        for out in result.aborted:
+            stream = self._aborting.pop(out.request_id, None)
+            if stream is not None:
+                stream.put(out)
+                stream.finish()
+        for rid in list(self._aborting):
+            if rid not in self._pending_aborts:   # applied, and the engine had nothing of it (finished meanwhile)
+                self._aborting.pop(rid).finish(RequestAbortedError(f"request {rid!r} was aborted."))
         for out in result.outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -298,9 +309,11 @@ class AsyncLLMEngine(EngineOperations):
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             error = RequestAbortedError(f"request {rid!r} was aborted.")
-            if not self._loop_running:   # (no loop to deliver the last output)
-                stream = self._streams.pop(rid, None)
-                if stream is not None:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                if self._loop_running and not any(p.request_id == rid for p in self._pending_adds):
+                    self._aborting[rid] = stream   # the loop delivers its last output
+                else:
                     stream.finish(error)
             self._abort_in_engine(rid, error)
 
@@ -388,8 +401,11 @@ class AsyncLLMEngine(EngineOperations):
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
 
     async def _release(self, stopped: Awaitable[None]) -> None:
-        await stopped
-        self.engine.shutdown()   # its workers (tensor-parallel ranks) and their memory
+        try:
+            await stopped
+        finally:   # (also where the event loop ends first, cancelling a shutdown nobody awaited)
+            self._executor.shutdown(wait=True)
+            self.engine.shutdown()   # its workers (tensor-parallel ranks) and their memory
 
     def shutdown_background_loop(self) -> None:
         """Synchronous shutdown for callers outside the engine's event loop (after it stopped)."""

@@ -215,8 +215,12 @@ class LLMEngine:
         return outputs
 
     def do_log_stats(self, scheduler_outputs: None = None, model_output: None = None) -> None:
-        """vLLM's: log the statistics lines now (vllm_spec.engine.stat_logger)."""
-        self.stat_logger.log(self.get_metrics())
+        """vLLM's: log the statistics lines now (vllm_spec.engine.stat_logger). A failure is logged, never
+        raised: statistics must not fail the step that logs them."""
+        try:
+            self.stat_logger.log(self.get_metrics())
+        except Exception:
+            logger.exception("logging the statistics failed")
 
     def _step(self, t0: float) -> list[RequestOutput]:
         sched = self.scheduler.schedule()

@@ -224,7 +224,8 @@ def build_state(engine: AsyncLLMEngine, model: str, served_model_names: Sequence
     tokenizer = get_tokenizer(cfg) if engine.tokenizer is not None else None
     names = [n for n in (served_model_names or []) if n] or [model]
     return ServerState(engine=engine, served_model_names=names, model_path=str(model), tokenizer=tokenizer,
-                       api_keys=[api_key] if isinstance(api_key, str) else list(api_key or []), max_model_len=cfg.max_model_len, max_logprobs=cfg.max_logprobs,
+                       api_keys=[k for k in ([api_key] if isinstance(api_key, str) else api_key or []) if k],
+                       max_model_len=cfg.max_model_len, max_logprobs=cfg.max_logprobs,
                        chat_template=chat_template,
                        response_role=response_role, sampling_defaults=cfg.get_diff_sampling_param(),
                        enable_prompt_tokens_details=enable_prompt_tokens_details,
