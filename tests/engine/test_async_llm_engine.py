@@ -214,3 +214,27 @@ def test_an_aborted_id_is_free_at_once_and_a_shutdown_nobody_awaits_still_happen
 
     asyncio.run(asyncio.wait_for(main(), 120.0))
     assert shut and engine.errored
+
+
+def test_shutdown_from_another_thread_than_the_engines_loop(engine):
+    """shutdown() from a thread other than the one running the engine's event loop runs the shutdown on
+    that loop (the loop's streams end as on it) and returns once it is done."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        first = asyncio.run_coroutine_threadsafe(_text(engine, "t"), loop).result(120)
+        long = asyncio.run_coroutine_threadsafe(_text(engine, "long", LONG), loop)
+        for _ in range(400):   # until it runs
+            if engine.engine.requests.get("long"):
+                break
+            threading.Event().wait(0.01)
+        engine.shutdown()
+        assert engine.errored and long.result(60) is not None and len(first) == 6
+        assert engine.engine.get_num_unfinished_requests() == 0
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

@@ -371,6 +371,10 @@ class AsyncLLMEngine(EngineOperations):
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
+        if running is not self._loop and self._loop is not None and self._loop.is_running():
+            # Called from another thread than the engine's loop: the shutdown runs there, waited for here.
+            asyncio.run_coroutine_threadsafe(self._shutdown_on_loop(timeout), self._loop).result()
+            return _Done()
         if running is None or running is not self._loop:
             self.shutdown_background_loop()
             return _Done()
@@ -385,6 +389,9 @@ class AsyncLLMEngine(EngineOperations):
         if self._streams:
             self.abort_nowait(list(self._streams))
         return running.create_task(self._release(self._stopped_loop(timeout)))
+
+    async def _shutdown_on_loop(self, timeout: float | None) -> None:
+        await self.shutdown(timeout)
 
     async def _stopped_loop(self, timeout: float | None) -> None:
         """Once the loop has applied the aborts and stopped (cancelled after timeout seconds), the
