@@ -212,10 +212,6 @@ class SamplingParams:
             _check(value is None or (is_int(value) and value >= -1), name,
                    "None, -1 (the whole vocabulary) or an integer >= 0", value)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them", self.stop)
-        _check(
-            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids", "a list of non-negative integers", self.stop_token_ids,
-        )
         _check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens)
                                                        and (self.truncate_prompt_tokens >= 1
                                                             or self.truncate_prompt_tokens == -1)),

@@ -346,3 +346,31 @@ def test_docs_request_id_headers_and_request_log(tiny_llama, caplog):
         assert r.status_code == 200 and len(r.headers["X-Request-Id"]) == 32
     logged = [rec.getMessage() for rec in caplog.records if "Received request" in rec.getMessage()]
     assert len(logged) == 1 and "'hell'" in logged[0] and "hello" not in logged[0] and "max_tokens=2" in logged[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_side_abort_is_the_servers_503_not_a_partial_answer(tiny_llama, stream):
+    """The engine ends an aborted request's stream with its last output (finish_reason "abort", as vLLM's);
+    the server answers such a request (a shutdown's abort) with its 503, not with what it had so far."""
+    import concurrent.futures
+    import time
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 24,
+                                                        max_model_len=256))
+    body = {"model": "m", "prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": stream}
+    with TestClient(build_app(build_state(engine, str(tiny_llama), ["m"]))) as client, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(client.post, "/v1/completions", json=body)
+        for _ in range(500):   # until the request runs in the engine
+            if engine.engine.requests:
+                break
+            time.sleep(0.01)
+        assert engine.engine.requests
+        engine._loop.call_soon_threadsafe(engine.abort_nowait, list(engine.engine.requests))
+        r = pending.result(60)
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == 503 and "aborted" in events[-1]["error"]["message"], r.text
+        assert all(c["finish_reason"] != "abort" for e in events[:-1] for c in e["choices"])
+    else:
+        assert r.status_code == 503 and "aborted" in r.json()["error"]["message"], r.text

@@ -158,7 +158,7 @@ class EngineArgs:
                 continue
             flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, ())]
             kind = hints[f.name]
-            if kind is bool or kind == bool | None:
+            if _is_switch(kind):
                 parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default,
                                     help=f.metadata["help"])
                 continue
@@ -207,7 +207,7 @@ class EngineArgs:
 
     def _check_fixed_choices(self) -> None:
         for name, allowed in (("tokenizer_mode", ("auto",)), ("revision", (None,)), ("tokenizer_revision", (None,)),
-                              ("quantization", (None,)), ("kv_cache_dtype", ("auto",)), 
+                              ("quantization", (None,)), ("kv_cache_dtype", ("auto",)),
                               ("logprobs_mode", ("raw_logprobs",)), ("cpu_offload_gb", (0,)),
                               ("hf_overrides", (None, {})), ("task", ("auto", "generate")),
                               ("runner", ("auto", "generate")), ("enable_lora", (False,)),
@@ -358,7 +358,7 @@ def _with_config_file(args: list[str]) -> list[str]:
         raise ValueError(f"--config {path}: cannot read it as YAML ({e}).") from None
     if not isinstance(values, dict):
         raise ValueError(f"--config {path}: must be a YAML mapping of flag names to values.")
-    switches = {f.name.replace("_", "-") for f in dataclasses.fields(EngineArgs) if f.type in ("bool", "bool | None")}
+    switches = {name.replace("_", "-") for name, kind in typing.get_type_hints(EngineArgs).items() if _is_switch(kind)}
     flags: list[str] = []
     for key, value in values.items():
         flag = "--" + str(key).replace("_", "-")
@@ -374,6 +374,11 @@ def _with_config_file(args: list[str]) -> list[str]:
             flags += [flag, str(value)]
     positionals = next((i for i, a in enumerate(rest) if a.startswith("-")), len(rest))   # (subcommand, MODEL)
     return rest[:positionals] + flags + rest[positionals:]
+
+
+def _is_switch(kind: Any) -> bool:
+    """An EngineArgs field given as --flag / --no-flag."""
+    return kind is bool or kind == bool | None
 
 
 def _dashed(arg: str) -> str:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm_spec.beam_search import one_token_params, search_async
-from vllm_spec.engine.async_stream import EngineDeadError, RequestAbortedError
+from vllm_spec.engine.async_stream import EngineDeadError, not_aborted
 from vllm_spec.engine.request_input import check_neutral
 from vllm_spec.inputs import PromptType
 from vllm_spec.outputs import RequestOutput
@@ -51,9 +51,7 @@ class EngineOperations:
     async def _last_output(self, prompt: PromptType, request_id: str, params: SamplingParams) -> RequestOutput:
         async for out in self.generate(prompt, params, request_id):
             last = out
-        if last.outputs[0].finish_reason == "abort":   # (a beam's step aborted: the search cannot go on)
-            raise RequestAbortedError(f"request {request_id!r} was aborted.")
-        return last
+        return not_aborted(last)   # (a beam's step aborted: the search cannot go on)
 
     async def start_profile(self) -> None:
         """vLLM's: start a torch profiler trace of this process (in the engine thread, between steps)."""

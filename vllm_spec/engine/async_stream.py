@@ -20,6 +20,14 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted (by abort() or shutdown()) before it finished."""
 
 
+def not_aborted(out: RequestOutput) -> RequestOutput:
+    """The output, or RequestAbortedError where it is an aborted request's last one (for callers that need
+    the request's whole answer, not what it had when aborted)."""
+    if out.finished and any(c.finish_reason == "abort" for c in out.outputs):
+        raise RequestAbortedError(f"request {out.request_id!r} was aborted.")
+    return out
+
+
 _FINISHED = object()  # end-of-stream marker
 
 

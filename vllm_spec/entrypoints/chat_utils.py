@@ -15,30 +15,24 @@ from vllm_spec.utils import check_text
 def text_content(content: Any) -> str:
     """A message's content as text: a string, None (empty), or OpenAI content parts whose text parts
     are joined by newlines, as vLLM does; any other part (an image, say) is a ValueError."""
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in text_parts(content))
+
+
+def text_parts(content: Any) -> list[dict[str, str]]:
+    """A message's content as OpenAI text parts (vLLM's "openai" content format): a string is one part,
+    None none; any part but a text part (an image, say) is a ValueError."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise ValueError(f"message content must be a string or a list of content parts, got {type(content).__name__}.")
-    parts = []
     for part in content:
         if not (isinstance(part, dict) and part.get("type") == "text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"only text content parts are supported, got type {kind!r}.")
         if not isinstance(part.get("text"), str):
             raise ValueError(f"a text content part needs a string 'text', got {part!r}.")
-        parts.append(part["text"])
-    return "\n".join(parts)
-
-
-def text_parts(content: Any) -> list[dict[str, str]]:
-    """A message's content as OpenAI text parts (vLLM's "openai" content format): a string is one part."""
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    text_content(content)   # (the same checks)
     return [{"type": "text", "text": part["text"]} for part in content]
 
 

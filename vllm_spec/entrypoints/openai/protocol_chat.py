@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_serializer
+from pydantic import ConfigDict, Field
 
 from vllm_spec.entrypoints.openai.forced_tool_calls import ForcedToolCalls, check_tool_choice, forced_constraint
 from vllm_spec.entrypoints.openai.protocol import (
@@ -141,22 +141,18 @@ class ToolCall(OpenAIBaseModel):
     function: FunctionCall
 
 
-class _SetFieldsOnly(OpenAIBaseModel):
-    """Streamed pieces carry only the fields they set, as OpenAI's and vLLM's streams."""
+class DeltaFunctionCall(StreamedModel):
+    omitted_when_none = ("name",)
 
-    @model_serializer(mode="wrap")
-    def _set_fields_only(self, handler):
-        return {name: value for name, value in handler(self).items() if value is not None}
-
-
-class DeltaFunctionCall(_SetFieldsOnly):
     name: str | None = None
     arguments: str = ""
 
 
-class DeltaToolCall(_SetFieldsOnly):
+class DeltaToolCall(StreamedModel):
     """A streamed tool call or a piece of one (clients join a call's pieces by index): a call's first
     piece carries its id, type and function name."""
+
+    omitted_when_none = ("id", "type")
 
     index: int
     id: str | None = None
@@ -190,9 +186,11 @@ class ChatCompletionResponse(OpenAIBaseModel):
     prompt_token_ids: list[int] | None = None   # with return_token_ids
 
 
-class DeltaMessage(_SetFieldsOnly):
+class DeltaMessage(StreamedModel):
     """A streamed chunk's change: only what it sets (the first carries the role; the last may be {}),
     as OpenAI's and vLLM's streams."""
+
+    omitted_when_none = ("role", "content", "tool_calls")
 
     role: str | None = None
     content: str | None = None

@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 
 from vllm_spec.beam_search import one_token_params
 from vllm_spec.engine.async_llm_engine import AsyncStream, EngineDeadError, EngineStepError, RequestAbortedError
+from vllm_spec.engine.async_stream import not_aborted
 from vllm_spec.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
@@ -100,9 +101,7 @@ async def _not_aborted(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[Re
     """A request's outputs; its last one, when the engine aborted it (a server shutting down), is
     RequestAbortedError: the client gets the server's error for it, not a partial answer."""
     async for out in stream:
-        if out.finished and any(c.finish_reason == "abort" for c in out.outputs):
-            raise RequestAbortedError(f"request {out.request_id!r} was aborted.")
-        yield out
+        yield not_aborted(out)
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
