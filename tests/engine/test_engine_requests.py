@@ -36,7 +36,7 @@ def _params(**changes) -> SamplingParams:
     (dict(prompt_logprobs=50), "prompt_logprobs"), (dict(stop=5), "stop"),
 ])
 def test_parameters_changed_after_construction_are_checked_again(engine, changes, field):
-    engine.add_request("ok", "hello world", _params())
+    assert engine.add_request("ok", "hello world", _params()) == "ok"   # (vLLM returns the id)
     engine.step()
     with pytest.raises(ValueError, match=field):
         engine.add_request("bad", "hello world", _params(**changes))

@@ -268,9 +268,14 @@ def test_vllm_flags_with_their_supported_values(tiny_llama):
               quantization=None, revision=None, tokenizer_revision=None, download_dir=None, disable_log_stats=True,
               max_logprobs=20, kv_cache_dtype="auto")
     assert len(llm.generate("hi", greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+    # vLLM's None for these is the default.
+    config = LLM(str(tiny_llama), block_size=None, max_num_seqs=None, enable_chunked_prefill=None,
+                 kv_cache_memory_bytes=1 << 24).llm_engine.vllm_config
+    assert (config.cache_config.block_size, config.scheduler_config.max_num_seqs,
+            config.scheduler_config.enable_chunked_prefill) == (16, 256, True)
     with pytest.raises(ValueError, match="enable_prefix_caching must be True, False or None"):
         LLM(str(tiny_llama), enable_prefix_caching="yes")
-    with pytest.raises(ValueError, match="enable_chunked_prefill must be True or False"):
+    with pytest.raises(ValueError, match="enable_chunked_prefill must be True, False or None"):
         LLM(str(tiny_llama), enable_chunked_prefill="no")
     for name, value in [("quantization", "awq"), ("tokenizer_mode", "slow"), ("revision", "main"),
                         ("max_logprobs", -2), ("max_logprobs", 1.5), ("kv_cache_dtype", "fp8"), ("swap_space", -1)]:

@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("pydantic")
 
-from vllm_spec.entrypoints.openai.protocol import CompletionRequest
 from vllm_spec.entrypoints.openai.protocol_chat import ChatCompletionRequest
+from vllm_spec.entrypoints.openai.protocol_completion import CompletionRequest
 from vllm_spec.sampling_params import RequestOutputKind
 
 

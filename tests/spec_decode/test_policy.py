@@ -47,3 +47,14 @@ def test_batch_size_table_respects_caps_and_empty_steps():
 def test_batch_size_table_rejects_bad_tables(table):
     with pytest.raises(ValueError, match="table"):
         BatchSizeTablePolicy(table)
+
+
+@pytest.mark.parametrize("batch, k", [(1, 3), (2, 3), (3, 3), (4, 3), (5, 2), (8, 2), (9, 0), (16, 0), (17, 0),
+                                      (500, 0)])
+def test_vllm_batch_size_schedule(batch, k):
+    """vLLM's num_speculative_tokens_per_batch_size: [first, last, k] ranges; a size between two ranges
+    takes the earlier range's k, one past the last range the last's; k capped at num_speculative_tokens."""
+    policy = BatchSizeTablePolicy.from_schedule([(1, 2, 5), (5, 8, 2), (9, 16, 0)], max_k=3)
+    assert policy.choose(StepShape(list(range(batch)), [8] * batch, 0)) == [k] * batch
+    last = BatchSizeTablePolicy.from_schedule([(1, 4, 2)], max_k=4)
+    assert last.choose(StepShape(list(range(300)), [8] * 300, 0)) == [2] * 300

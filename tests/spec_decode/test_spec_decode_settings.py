@@ -9,6 +9,8 @@ default a tiny random target and a noisy copy of it as draft (partial acceptance
 from __future__ import annotations
 
 import pytest
+import torch
+from scipy import stats
 
 from conftest import FIXED, GREEDY, copy_with_config, make_prompts, metric_values, output_ids
 from conftest import SPEC_KV as KV
@@ -21,7 +23,10 @@ def test_speculative_config_dict_form(spec_pair, greedy_reference):
     llm = LLM(spec_pair[0], max_model_len=128, speculative_config={
         "model": spec_pair[1], "num_speculative_tokens": 2, "method": "draft_model", "policy": "fixed",
         "quantization": None, "revision": None, "max_model_len": 128, "disable_logprobs": False,
-        "speculative_token_tree": None, "disable_padded_drafter_batch": True}, **KV)
+        "speculative_token_tree": None, "disable_padded_drafter_batch": True, "enforce_eager": True,
+        "parallel_drafting": False, "draft_sample_method": "probabilistic", "rejection_sample_method": "standard",
+        "kv_cache_dtype": "auto", "moe_backend": None, "attention_backend": None, "use_local_argmax_reduction": True,
+        "disable_eagle_block_drop": False, "use_heterogeneous_vocab": False}, **KV)
     assert output_ids(llm.generate(make_prompts(4), GREEDY, use_tqdm=False)) == greedy_reference[:4]
 
 
@@ -51,6 +56,27 @@ def test_ngram_lookup_bounds_default_as_vllm(spec_pair, lookup, bounds):
      "'draft_tensor_parallel_size'"),
     ({"speculative_config": {"num_speculative_tokens": 2, "max_model_len": 1 << 20}}, "max_model_len"),
     ({"num_speculative_tokens": 2, "speculative_policy": "greedy"}, "speculative_policy"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "parallel_drafting": True}}, "parallel_drafting"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "rejection_sample_method": "synthetic"}},
+     r"rejection_sample_method'\] must be one of \['standard'\]"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "draft_sample_method": "top_k"}},
+     r"draft_sample_method'\] must be one of \('greedy', 'probabilistic'\)"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "enforce_eager": "yes"}}, "enforce_eager"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "kv_cache_dtype": "fp8"}}, "kv_cache_dtype"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[2, 4, 2]]}},
+     "must start at batch size 1"),
+    ({"speculative_config": {"num_speculative_tokens": 2,
+                             "num_speculative_tokens_per_batch_size": [[1, 4, 2], [4, 8, 1]]}}, "must not overlap"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 4, -1]]}},
+     "k must be >= 0"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": []}},
+     "non-empty list"),
+    ({"speculative_config": {"num_speculative_tokens": 2,
+                             "num_speculative_tokens_per_batch_size": [[1, 4, 1, 100, 2]]}}, "context length"),
+    ({"speculative_config": {"num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 4, "2"]]}},
+     "integers"),
+    ({"num_speculative_tokens": 2, "speculative_policy": "fixed",
+      "speculative_config": {"num_speculative_tokens_per_batch_size": [[1, 4, 2]]}}, "conflicts with"),
     ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 2.5}, "disable_by_batch_size"),
     ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 1}, r"disable_by_batch_size .*>= 2"),
@@ -227,3 +253,58 @@ def test_ngram_lookup_takes_the_earliest_match_of_the_longest_ngram():
     assert lookup([7, 7, 7, 7, 7], 2, 1, 4) == [7, 7, 7]
     assert lookup([5, 1, 2, 3, 9, 2, 3, 8, 1, 2, 3], 3, 1, 2) == [9, 2]   # the 3-gram beats earlier 2-grams
     assert lookup([1, 2, 3, 4], 3, 1, 2) == []
+
+
+def test_vllm_batch_size_schedule_sets_k_by_batch(spec_pair, greedy_reference):
+    """vLLM's num_speculative_tokens_per_batch_size: k by the step's batch size (capped at
+    num_speculative_tokens); outputs stay the target's."""
+    schedule = [[1, 2, 3], [3, 100, 0]]
+    llm = LLM(spec_pair[0], speculative_config={"model": spec_pair[1], "num_speculative_tokens": 2,
+                                                 "num_speculative_tokens_per_batch_size": schedule}, **KV)
+    spec = llm.llm_engine.vllm_config.speculative_config
+    assert (spec.policy, spec.num_speculative_tokens_per_batch_size) == ("table", [(1, 2, 3), (3, 100, 0)])
+    assert output_ids(llm.generate(make_prompts(2), GREEDY, use_tqdm=False)) == greedy_reference[:2]
+    two = metric_values(llm)
+    assert two["vllm:spec_decode_num_draft_tokens"] == 2 * two["vllm:spec_decode_num_drafts"] > 0   # k = min(3, 2)
+    assert output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
+    assert metric_values(llm)["vllm:spec_decode_num_drafts"] == two["vllm:spec_decode_num_drafts"]   # none at 16
+
+
+@pytest.mark.parametrize("speculative_model", ["draft", "[ngram]"])
+def test_speculative_config_under_vllms_attribute_names(spec_pair, speculative_model):
+    draft = spec_pair[1] if speculative_model == "draft" else speculative_model
+    config = LLM(spec_pair[0], speculative_model=draft, num_speculative_tokens=2, async_scheduling=False,
+                 **KV).llm_engine.vllm_config
+    spec = config.speculative_config
+    assert spec.model == (str(spec_pair[1]) if speculative_model == "draft" else "ngram")
+    assert spec.draft_model_config is spec.draft
+    assert (spec.draft_model_config is None) is (speculative_model == "[ngram]")
+    assert spec.draft_parallel_config.tensor_parallel_size == 1
+    assert config.scheduler_config.async_scheduling is False
+    assert config.scheduler_config.enable_chunked_prefill is True
+    assert LLM(spec_pair[0], **KV).llm_engine.vllm_config.scheduler_config.async_scheduling is False   # (CPU)
+
+
+def test_greedy_drafts_keep_the_targets_distribution(spec_pair, baseline):
+    """vLLM's draft_sample_method "greedy": every draft is the draft's argmax, verified as a one-hot q
+    (accepted with probability p(x), else a token from p without x): sampled outputs keep the target's
+    distribution. The 3rd token over 1500 unseeded runs, chi-square two-sample test (p > 1e-3)."""
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    prompt = {"prompt_token_ids": [3, 17, 42, 99, 5]}
+    vocab = baseline.llm_engine.config.model.arch.vocab_size
+
+    def histogram(llm):
+        outs = llm.generate([prompt] * 1500, params, use_tqdm=False)
+        return torch.bincount(torch.tensor([o.outputs[0].token_ids[2] for o in outs]), minlength=vocab)
+
+    llm = LLM(spec_pair[0], seed=7, speculative_config={"model": spec_pair[1], "num_speculative_tokens": 2,
+                                                         "draft_sample_method": "greedy", "policy": "fixed"}, **KV)
+    assert llm.llm_engine.executor.worker.draft_proposer.greedy_drafts
+    ref, got = histogram(baseline), histogram(llm)
+    assert metric_values(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
+    keep = (ref + got) >= 10
+    table = torch.stack([torch.cat([ref[keep], ref[~keep].sum().view(1)]),
+                         torch.cat([got[keep], got[~keep].sum().view(1)])]).numpy()
+    assert stats.chi2_contingency(table[:, table.sum(0) > 0]).pvalue > 1e-3
+    assert output_ids(llm.generate(make_prompts(4), GREEDY, use_tqdm=False)) == \
+        output_ids(baseline.generate(make_prompts(4), GREEDY, use_tqdm=False))

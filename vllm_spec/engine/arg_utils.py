@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +17,7 @@ from vllm_spec.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from vllm_spec.engine.arg_parser import human_readable_int, json_object
 from vllm_spec.sampling_params import DEFAULT_MAX_LOGPROBS
 from vllm_spec.utils import is_int, is_number
 
@@ -44,11 +43,11 @@ class EngineArgs:
     distributed_executor_backend: str | None = _opt(
         None, "mp (one process per rank on this machine) or ray (Ray actors, multi-node); default mp when "
               "tensor_parallel_size > 1.")
-    block_size: int = _opt(16, "Tokens per KV-cache block.")
+    block_size: int | None = _opt(16, "Tokens per KV-cache block (None: 16).")
     gpu_memory_utilization: float = _opt(0.9, "Fraction of GPU memory for weights, activations and KV cache.")
     kv_cache_memory_bytes: int | None = _opt(None, "KV cache size in bytes (overrides gpu_memory_utilization).")
     num_gpu_blocks_override: int | None = _opt(None, "Exact number of KV-cache blocks (testing).")
-    max_num_seqs: int = _opt(256, "Maximum number of sequences per step.")
+    max_num_seqs: int | None = _opt(256, "Maximum number of sequences per step (None: 256).")
     scheduling_policy: str = _opt("fcfs", "fcfs (arrival order) or priority (requests' priority, lower first, then "
                                           "arrival; preemption takes the last in that order).")
     max_num_batched_tokens: int | None = _opt(None, "Token budget per step (default 2048; prompts are chunked).")
@@ -56,9 +55,10 @@ class EngineArgs:
     async_scheduling: bool | None = _opt(
         None, "Schedule each step while the previous one runs on the device, when that step emits one token "
               "per sequence (default: on for CUDA with tensor_parallel_size 1).")
-    enable_chunked_prefill: bool = _opt(True, "Split prompts over steps to fit max_num_batched_tokens; False: a "
-                                              "prompt is prefilled whole, in a step with room for all of it "
-                                              "(max_num_batched_tokens then defaults to max(2048, max_model_len)).")
+    enable_chunked_prefill: bool | None = _opt(
+        True, "Split prompts over steps to fit max_num_batched_tokens (None: on); False: a prompt is prefilled "
+              "whole, in a step with room for all of it (max_num_batched_tokens then defaults to max(2048, "
+              "max_model_len)).")
     enable_prefix_caching: bool | None = _opt(False, "Share the KV blocks of prompt prefixes computed before: a "
                                                      "prompt starting with them computes only the rest (None: off).")
     # vLLM's names for what this engine does one way only, accepted at that way (checked in
@@ -133,6 +133,8 @@ class EngineArgs:
     speculative_config: dict | None = _opt(
         None, "vLLM V1 form as JSON: {model, num_speculative_tokens, method, prompt_lookup_max, "
               "prompt_lookup_min, draft_tensor_parallel_size, disable_by_batch_size, max_model_len, policy, "
+              "draft_sample_method (probabilistic or greedy), enforce_eager (the draft's), "
+              "num_speculative_tokens_per_batch_size ([[first, last batch size, k], ...]), "
               "synthetic_acceptance_rate (benchmarks only)}.")
     ngram_prompt_lookup_max: int | None = _opt(None, "Longest n-gram the [ngram] proposer matches (as vLLM: 5, "
                                                      "or ngram_prompt_lookup_min when only that is given).")
@@ -145,7 +147,16 @@ class EngineArgs:
         None, "No speculation while this many or more requests are running (seeded requests included: their "
               "output then also depends on whether such steps occurred).")
     speculative_policy: str | None = _opt(
-        None, "adaptive (default: k per sequence and step maximising goodput) or fixed (always k).")
+        None, "adaptive (default: k per sequence and step maximising goodput) or fixed (always k); "
+              "speculative_config's num_speculative_tokens_per_batch_size sets a static table instead.")
+    # vLLM V0's speculative-decoding flags, at the values that mean what this engine does.
+    spec_decoding_acceptance_method: str = _opt("rejection_sampler", "rejection_sampler (the only method: "
+                                                                     "lossless).")
+    speculative_disable_mqa_scorer: bool = _opt(False, "False (verification always scores the k+1 positions of "
+                                                       "every sequence in one multi-query pass).")
+    disable_logprobs_during_spec_decoding: bool | None = _opt(
+        None, "Accepted for vLLM compatibility: logprobs are the target's, the draft computes none.")
+    use_v2_block_manager: bool = _opt(True, "True (the only block manager).")
     speculative_max_model_len: int | None = _opt(
         None, "The draft's context length, at most max_model_len (default: what the draft supports, capped "
               "at max_model_len): a sequence speculates only while its drafts stay inside it.")
@@ -175,8 +186,9 @@ class EngineArgs:
         if not self.model:
             raise ValueError("model must be given: an HF model folder or a .gguf file.")
         # Accepted under vLLM's names so that vLLM configurations run; only their supported value.
-        if not isinstance(self.enable_chunked_prefill, bool):
-            raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}.")
+        chunked_prefill = _or_default(self.enable_chunked_prefill, True)
+        if not isinstance(chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be True, False or None, got {chunked_prefill!r}.")
         if not isinstance(self.enable_prefix_caching, (bool, type(None))):
             raise ValueError(f"enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}.")
         self._check_fixed_choices()
@@ -189,21 +201,21 @@ class EngineArgs:
         speculative = self._speculative_config(model)
         return EngineConfig(
             model=model,
-            cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes,
+            cache=CacheConfig(_or_default(self.block_size, 16), self.gpu_memory_utilization, self.kv_cache_memory_bytes,
                               self.num_gpu_blocks_override, bool(self.enable_prefix_caching)),
-            scheduler=SchedulerConfig(self.max_num_seqs, self._token_budget(model.max_model_len), model.max_model_len,
-                                      self.scheduling_policy, self.enable_chunked_prefill),
+            scheduler=SchedulerConfig(_or_default(self.max_num_seqs, 256),
+                                      self._token_budget(model.max_model_len, chunked_prefill), model.max_model_len,
+                                      self.scheduling_policy, chunked_prefill, self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             speculative=speculative,
             enforce_eager=self.enforce_eager,
-            async_scheduling=self.async_scheduling,
             log_stats=not self.disable_log_stats,
         )
 
-    def _token_budget(self, max_model_len: int) -> int:
+    def _token_budget(self, max_model_len: int, chunked_prefill: bool) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        return 2048 if chunked_prefill else max(2048, max_model_len)
 
     def _check_fixed_choices(self) -> None:
         for name, allowed in (("tokenizer_mode", ("auto",)), ("revision", (None,)), ("tokenizer_revision", (None,)),
@@ -219,7 +231,9 @@ class EngineArgs:
                               ("kv_transfer_config", (None, {})), ("pooler_config", (None, {})),
                               ("reasoning_parser", (None, "")), ("attention_backend", (None,)),
                               ("enable_expert_parallel", (False,)), ("calculate_kv_scales", (False,)),
-                              ("kv_sharing_fast_prefill", (False,)), ("stream_interval", (1,))):
+                              ("kv_sharing_fast_prefill", (False,)), ("stream_interval", (1,)),
+                              ("spec_decoding_acceptance_method", ("rejection_sampler",)),
+                              ("speculative_disable_mqa_scorer", (False,)), ("use_v2_block_manager", (True,))):
             value = getattr(self, name)
             # (A bool equals 0 or 1: refused where the choice is not a bool.)
             if value not in allowed or isinstance(value, bool) is not any(isinstance(a, bool) for a in allowed):
@@ -230,6 +244,9 @@ class EngineArgs:
             raise ValueError("structured_outputs_config must be None or {\"backend\": one of auto, xgrammar, guidance, "
                              "outlines, lm-format-enforcer} (this engine's own compiler serves them all), got "
                              f"{outputs!r}.")
+        if not isinstance(self.disable_logprobs_during_spec_decoding, (bool, type(None))):
+            raise ValueError(f"disable_logprobs_during_spec_decoding must be True, False or None, got "
+                             f"{self.disable_logprobs_during_spec_decoding!r}.")
         if not (is_number(self.swap_space) and self.swap_space >= 0):
             raise ValueError(f"swap_space must be a number >= 0 (GiB), got {self.swap_space!r}.")
 
@@ -247,16 +264,19 @@ class EngineArgs:
             "synthetic_acceptance_rate": None,
             "policy": self.speculative_policy,
             "max_model_len": self.speculative_max_model_len,
+            "draft_sample_method": None,
+            "enforce_eager": None,
+            "num_speculative_tokens_per_batch_size": None,
         }
         if self.speculative_config is not None:
             if not isinstance(self.speculative_config, dict):
                 raise ValueError("speculative_config must be a dict (JSON object).")
             given = dict(self.speculative_config)
             # vLLM's keys with nothing to set here: accepted at their neutral values, as the engine's own.
-            for name in _SPEC_NONE_KEYS:
-                if given.pop(name, None) is not None:
-                    raise ValueError(f"speculative_config['{name}'] must be None (not supported), got "
-                                     f"{self.speculative_config[name]!r}.")
+            for name, allowed in _SPEC_FIXED_KEYS.items():
+                if name in given and given.pop(name) not in allowed:
+                    raise ValueError(f"speculative_config['{name}'] must be one of {list(allowed)} (the only "
+                                     f"supported values), got {self.speculative_config[name]!r}.")
             for name in _SPEC_BOOL_KEYS:
                 if not isinstance(given.pop(name, True), bool):
                     raise ValueError(f"speculative_config['{name}'] must be a bool, got "
@@ -266,7 +286,7 @@ class EngineArgs:
                                  "size is 'draft_tensor_parallel_size'.")
             unknown = set(given) - set(opts)
             if unknown:
-                allowed = sorted([*opts, *_SPEC_BOOL_KEYS, *_SPEC_NONE_KEYS])
+                allowed = sorted([*opts, *_SPEC_BOOL_KEYS, *_SPEC_FIXED_KEYS])
                 raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; allowed: {allowed}.")
             given = {k: v for k, v in given.items() if v is not None}
             # The same setting given both ways must agree (one would be dropped silently).
@@ -296,84 +316,29 @@ _SPEC_FLAGS = {"model": "speculative_model", "num_speculative_tokens": "num_spec
                "disable_by_batch_size": "speculative_disable_by_batch_size", "policy": "speculative_policy",
                "max_model_len": "speculative_max_model_len"}
 
-# vLLM's speculative_config keys that can only be None here.
-_SPEC_NONE_KEYS = ("quantization", "revision", "code_revision", "speculative_token_tree")
+# vLLM's speculative_config keys that take one setting here (None: the engine's own), and their values.
+_SPEC_FIXED_KEYS = {
+    **dict.fromkeys(("quantization", "revision", "code_revision", "speculative_token_tree", "moe_backend",
+                     "attention_backend", "index_share_for_mtp_iteration", "draft_load_config",
+                     "dspark_draft_topk", "synthetic_acceptance_rates", "synthetic_acceptance_length"), (None,)),
+    "kv_cache_dtype": (None, "auto"),
+    "rejection_sample_method": ("standard",),
+    # (these need a draft trained for them, or another method than a draft model's or n-gram lookup)
+    **dict.fromkeys(("parallel_drafting", "use_heterogeneous_vocab", "enable_adaptive_verification"), (False,)),
+}
 # vLLM's boolean speculative_config keys whose values mean the same here: the draft's logprobs are never
-# computed (a request's logprobs are the target's), and padded drafter batches are EAGLE's.
-_SPEC_BOOL_KEYS = ("disable_logprobs", "disable_padded_drafter_batch")
+# computed (a request's logprobs are the target's), padded drafter batches and block drops are EAGLE's,
+# and an argmax over a vocabulary-parallel LM head is already reduced locally.
+_SPEC_BOOL_KEYS = ("disable_logprobs", "disable_padded_drafter_batch", "disable_eagle_block_drop",
+                   "use_local_argmax_reduction")
 
 # vLLM's short spellings.
 _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}
 
 
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each flag's default after its help, unless the help already says it or there is none."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text.lower() or action.default in (None, "", argparse.SUPPRESS, False):
-            return text
-        return super()._get_help_string(action)
-
-
-class FlexibleArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser that takes --flag_name for --flag-name, as vLLM's does, and no abbreviated
-    flags (--temp would silently be --temperature, --n ambiguous among --ngram-... flags)."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def parse_known_args(self, args=None, namespace=None):
-        import sys
-
-        args = list(sys.argv[1:] if args is None else args)
-        end = args.index("--") if "--" in args else len(args)   # past "--", arguments are values
-        try:
-            head = _joined_json_args([_dashed(a) for a in _with_config_file(args[:end])])
-        except (ValueError, argparse.ArgumentTypeError) as e:
-            self.error(str(e))
-        return super().parse_known_args(head + args[end:], namespace)
-
-
-def _with_config_file(args: list[str]) -> list[str]:
-    """vLLM's `--config FILE`: a YAML mapping of flag names (dashes or underscores) to values, read as
-    flags placed before the others, so that flags given on the command line win. true is the bare flag,
-    false an EngineArgs switch's --no- form (else nothing), a list the flag's values, a mapping its JSON."""
-    at = next((i for i, a in enumerate(args) if a == "--config" or a.startswith("--config=")), None)
-    if at is None:
-        return args
-    if args[at] == "--config":
-        if at + 1 >= len(args):
-            raise ValueError("--config needs a YAML file.")
-        path, rest = args[at + 1], args[:at] + args[at + 2:]
-    else:
-        path, rest = args[at].partition("=")[2], args[:at] + args[at + 1:]
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            values = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"--config {path}: cannot read it as YAML ({e}).") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"--config {path}: must be a YAML mapping of flag names to values.")
-    switches = {name.replace("_", "-") for name, kind in typing.get_type_hints(EngineArgs).items() if _is_switch(kind)}
-    flags: list[str] = []
-    for key, value in values.items():
-        flag = "--" + str(key).replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif value is False:
-            flags += [f"--no-{flag[2:]}"] if flag[2:] in switches else []
-        elif isinstance(value, list):
-            flags += [flag, *map(str, value)]
-        elif isinstance(value, dict):
-            flags += [flag, json.dumps(value)]
-        elif value is not None:
-            flags += [flag, str(value)]
-    positionals = next((i for i, a in enumerate(rest) if a.startswith("-")), len(rest))   # (subcommand, MODEL)
-    return rest[:positionals] + flags + rest[positionals:]
+def _or_default(value: Any, default: Any) -> Any:
+    """vLLM's None for an engine option: its default."""
+    return default if value is None else value
 
 
 def _is_switch(kind: Any) -> bool:
@@ -381,93 +346,13 @@ def _is_switch(kind: Any) -> bool:
     return kind is bool or kind == bool | None
 
 
-def _dashed(arg: str) -> str:
-    if not arg.startswith("--"):
-        return arg
-    name, eq, value = arg.partition("=")
-    if name == "--help":   # vLLM's --help=all / --help=<group>: the help here lists every flag
-        return name
-    flag, dot, keys = name.partition(".")
-    return flag.replace("_", "-") + dot + keys.replace("-", "_") + eq + value
-
-
-def _joined_json_args(args: list[str]) -> list[str]:
-    """vLLM's dotted form of JSON flags: `--speculative-config.num_speculative_tokens 3` (or `=3`) sets that
-    key of the flag's JSON object, merged over the object the flag itself gives (values are read as JSON,
-    else taken as strings). A ValueError names a dotted flag without a value."""
-    heads = [a.partition("=")[0] for a in args if a.startswith("--")]
-    dotted = {h.partition(".")[0] for h in heads if "." in h}
-    if not dotted:
-        return args
-    out: list[str] = []
-    objects: dict[str, dict] = {}
-    i = 0
-    while i < len(args):
-        name, eq, value = args[i].partition("=")
-        flag, dot, keys = name.partition(".")
-        i += 1
-        if not (name.startswith("--") and flag in dotted):
-            out.append(args[i - 1])
-            continue
-        if not eq:
-            if i >= len(args):
-                raise ValueError(f"argument {name}: expected one argument")
-            value, i = args[i], i + 1
-        if flag not in objects:
-            objects[flag] = {}
-            out += [flag, ""]   # (its place; filled in below)
-        if not dot:   # the whole object, under the dotted keys wherever they stand
-            objects[flag] = {**json_object(value), **objects[flag]}
-            continue
-        node = objects[flag]
-        *path, last = keys.split(".")
-        for key in path:
-            node = node.setdefault(key, {})
-        try:
-            node[last] = json.loads(value)
-        except json.JSONDecodeError:
-            node[last] = value
-    for flag, obj in objects.items():
-        out[out.index(flag) + 1] = json.dumps(obj)
-    return out
-
-
 _HUMAN_READABLE_INTS = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes")
-
-
-def human_readable_int(text: str) -> int:
-    """vLLM's sizes: an integer, or one with a suffix: k/m/g/t powers of 1000 (decimals allowed, 25.6k),
-    K/M/G/T powers of 1024 (whole numbers only)."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
-    if match is None:
-        try:
-            return int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (an integer, or one with a suffix "
-                                             "k/m/g/t x1000 or K/M/G/T x1024)") from None
-    number, suffix = match.groups()
-    if suffix.islower():
-        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
-    if "." in number:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (K/M/G/T take whole numbers)")
-    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
 
 
 def _parser_for(kind: Any, name: str = ""):
     if kind is dict or typing.get_origin(kind) is dict:
         return json_object
     return human_readable_int if name in _HUMAN_READABLE_INTS else kind
-
-
-def json_object(text: str) -> dict:
-    """argparse type of a JSON-object flag: the parser's own message on bad JSON."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
 
 
 class AsyncEngineArgs(EngineArgs):

@@ -1,6 +1,6 @@
 """vLLM's AsyncLLM coroutines beyond generate and abort, on top of the engine loop: beam search (one-token
-requests through generate) and the operations that run in the engine thread between steps (prefix-cache
-reset, profiling)."""
+requests through generate), the engine's configuration and health, and the operations that run in the engine
+thread between steps (prefix-cache reset, profiling, statistics lines)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class EngineOperations:
     engine: LLMEngine
     _executor: concurrent.futures.ThreadPoolExecutor
     _dead_error: BaseException | None
+    _closing: bool
     is_stopped: bool
 
     async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams,
@@ -52,6 +53,28 @@ class EngineOperations:
         async for out in self.generate(prompt, params, request_id):
             last = out
         return not_aborted(last)   # (a beam's step aborted: the search cannot go on)
+
+    async def get_model_config(self):
+        """The target's ModelConfig (vLLM's coroutine)."""
+        return self.engine.get_model_config()
+
+    async def get_vllm_config(self):
+        """The engine's configuration (vLLM's coroutine)."""
+        return self.engine.vllm_config
+
+    async def get_tokenizer(self):
+        """The tokenizer (vLLM's coroutine); None with skip_tokenizer_init."""
+        return self.engine.get_tokenizer()
+
+    async def do_log_stats(self, scheduler_outputs: None = None, model_output: None = None) -> None:
+        """vLLM's: log the statistics lines now (in the engine thread, between steps)."""
+        await self._in_engine_thread(self.engine.do_log_stats)
+
+    async def check_health(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine loop died: {self._dead_error}") from self._dead_error
+        if self._closing:
+            raise EngineDeadError("the engine is shutting down.")
 
     async def start_profile(self) -> None:
         """vLLM's: start a torch profiler trace of this process (in the engine thread, between steps)."""

@@ -330,18 +330,6 @@ class AsyncLLMEngine(EngineOperations):
             self._pending_aborts.add(request_id)
             self._wakeup.set()
 
-    async def get_model_config(self):
-        """The target's ModelConfig (vLLM's coroutine)."""
-        return self.engine.get_model_config()
-
-    async def get_vllm_config(self):
-        """The engine's configuration (vLLM's coroutine)."""
-        return self.engine.vllm_config
-
-    async def get_tokenizer(self):
-        """The tokenizer (vLLM's coroutine); None with skip_tokenizer_init."""
-        return self.engine.get_tokenizer()
-
     async def get_metrics(self) -> list[Metric]:
         """The engine's metrics as of the end of the last loop iteration."""
         with self._lock:
@@ -351,16 +339,6 @@ class AsyncLLMEngine(EngineOperations):
         """(metrics, free KV blocks) as of the end of the last loop iteration."""
         with self._lock:
             return list(self._metrics), self._num_free_blocks
-
-    async def do_log_stats(self, scheduler_outputs: None = None, model_output: None = None) -> None:
-        """vLLM's: log the statistics lines now (in the engine thread, between steps)."""
-        await self._in_engine_thread(self.engine.do_log_stats)
-
-    async def check_health(self) -> None:
-        if self._dead_error is not None:
-            raise EngineDeadError(f"the engine loop died: {self._dead_error}") from self._dead_error
-        if self._closing:
-            raise EngineDeadError("the engine is shutting down.")
 
     def shutdown(self, timeout: float | None = 30.0) -> Awaitable[None]:
         """Refuse new requests, abort the in-flight ones, stop the loop and release the engine thread;

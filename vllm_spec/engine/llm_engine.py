@@ -109,9 +109,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, lora_request: None = None,
                     tokenization_kwargs: dict | None = None, trace_headers: dict | None = None,
-                    priority: int = 0) -> None:
-        """Validate and queue a request; a bad request raises ValueError (TypeError: a request_id that is
-        not a string) and changes nothing. arrival_time: when it arrived (time.time(), as vLLM's; now by
+                    priority: int = 0) -> str:
+        """Validate and queue a request, returning its id (as vLLM's); a bad request raises ValueError
+        (TypeError: a request_id that is not a string) and changes nothing. arrival_time: when it arrived (time.time(), as vLLM's; now by
         default; RequestOutput.metrics are on the monotonic clock); priority: lower runs first, with
         scheduling_policy="priority" (0 otherwise); lora_request, tokenization_kwargs and trace_headers:
         vLLM's, accepted at their neutral values (no LoRA, no tracing)."""
@@ -128,6 +128,7 @@ class LLMEngine:
             self._seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
         self.stats.on_new_request(len(request.prompt_token_ids), request.sampling_params.n, max_tokens)
+        return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop request(s) and free their KV blocks; unknown or finished ids are ignored."""

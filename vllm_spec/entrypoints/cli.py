@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 from vllm_spec import __version__
-from vllm_spec.engine.arg_utils import DefaultsHelpFormatter, FlexibleArgumentParser
+from vllm_spec.engine.arg_parser import DefaultsHelpFormatter, FlexibleArgumentParser
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4

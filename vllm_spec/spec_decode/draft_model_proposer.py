@@ -45,12 +45,14 @@ class DraftModelProposer:
     """Proposes with a draft model; tracks how much of each sequence its cache holds."""
 
     def __init__(self, runner: ModelRunner, generator: torch.Generator | None, max_positions: int,
-                 max_tokens: int, block_tables: BlockTableArray | None = None):
+                 max_tokens: int, block_tables: BlockTableArray | None = None, greedy_drafts: bool = False):
         """max_tokens: the most tokens an eager forward feeds (the scheduler's token budget, which the
         activations' memory was sized for); block_tables: the verifying runner's array, so the step's
         batch is laid out once for the draft's loop and the verification (they share the block
-        manager's tables)."""
+        manager's tables); greedy_drafts: every row drafts its argmax (vLLM's draft_sample_method
+        "greedy"), which the verifier treats as a one-hot distribution."""
         self.runner = runner
+        self.greedy_drafts = greedy_drafts
         self.max_tokens = max_tokens
         self.generator = generator
         # The draft's limit: it drafts only below it (the worker caps k), and prompts are fed up to it.
@@ -150,7 +152,8 @@ class DraftModelProposer:
             (not cols.sample[i] or cols.num_new[i] > 1 or cols.start_pos[i] < len(seqs[i].prompt_token_ids))
             and starts[i] < limit)] if len(spec) < len(seqs) else spec
         k = int(counts.max(initial=0))
-        if spec and md.all_greedy and fed == spec and len(spec) <= BATCH_BUCKETS[-1]:
+        argmax_only = bool(spec) and (self.greedy_drafts or md.all_greedy)   # (md: None without drafts)
+        if argmax_only and fed == spec and len(spec) <= BATCH_BUCKETS[-1]:
             lens = cols.seq_len[spec_np]
             if lens.min() >= 2 and (lens - starts[spec_np]).max() <= 2:
                 return self._propose_in_loop(req, spec_np, counts[spec_np], lens, k)
@@ -199,7 +202,7 @@ class DraftModelProposer:
             self._fed[seqs[i].seq_id] = num_drafts[i] - 1
             self._computed[seqs[i].seq_id] += num_drafts[i] - 1
         token_ids = torch.stack(all_tokens, dim=1)
-        stacked = None if md.all_greedy else torch.stack(all_probs, dim=1)
+        stacked = None if argmax_only else torch.stack(all_probs, dim=1)
         return Proposals(token_ids, stacked, [num_drafts[i] for i in spec])
 
     def _propose_in_loop(self, req: ExecuteModelRequest, spec: np.ndarray, num_drafts: np.ndarray, lens: np.ndarray,
@@ -240,7 +243,7 @@ class DraftModelProposer:
         """Draft tokens from logits over the draft's vocabulary (maybe a subset of the target's), and
         for sampled rows the distribution q they came from, over the target's whole vocabulary."""
         model = self.runner.model
-        if md.all_greedy:
+        if md.all_greedy or self.greedy_drafts:
             return model.token_ids_of(argmax_rows(logits)), None
         logits = apply_top_k_top_p_min_p(logits.float() / md.temperature.unsqueeze(1), md)
         probs = logits.softmax(dim=-1)

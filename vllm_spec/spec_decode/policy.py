@@ -118,6 +118,9 @@ class FixedPolicy(_StaticPolicy):
         return self.k
 
 
+_ANY_BATCH = 1 << 31   # a bound above every batch
+
+
 class BatchSizeTablePolicy(_StaticPolicy):
     """k from a static table of batch-size bounds: the hand-tuned alternative to AdaptivePolicy.
 
@@ -131,6 +134,18 @@ class BatchSizeTablePolicy(_StaticPolicy):
         if not table or len(set(bounds)) != len(bounds) or any(n < 1 or k < 0 for n, k in table):
             raise ValueError(f"table must be (max_batch >= 1, k >= 0) pairs with distinct bounds, got {table!r}.")
         self.table = sorted(table)
+
+    @classmethod
+    def from_schedule(cls, ranges: list[tuple[int, int, int]], max_k: int) -> "BatchSizeTablePolicy":
+        """vLLM's num_speculative_tokens_per_batch_size (checked [first, last, k] ranges from 1): a batch
+        size between two ranges takes the earlier's k, one past the last range the last's; k <= max_k."""
+        table, last_k, next_size = [], 0, 1
+        for first, last, k in ranges:
+            if first > next_size:
+                table.append((first - 1, last_k))
+            last_k, next_size = min(k, max_k), last + 1
+            table.append((last, last_k))
+        return cls([*table, (_ANY_BATCH, last_k)])
 
     def k_for(self, shape: StepShape) -> int:
         n = len(shape.seq_ids)

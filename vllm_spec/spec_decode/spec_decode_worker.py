@@ -25,7 +25,7 @@ from vllm_spec.spec_decode import greedy_verify
 from vllm_spec.spec_decode.draft_model_proposer import DraftModelProposer
 from vllm_spec.spec_decode.mqa_scorer import MQAScorer
 from vllm_spec.spec_decode.ngram_proposer import NgramProposer
-from vllm_spec.spec_decode.policy import FixedPolicy, SpeculationPolicy, StepShape
+from vllm_spec.spec_decode.policy import BatchSizeTablePolicy, FixedPolicy, SpeculationPolicy, StepShape
 from vllm_spec.spec_decode.proposer import Proposer
 from vllm_spec.spec_decode.step_cost import Charge, StepCharges
 from vllm_spec.spec_decode.timer import StepTimer
@@ -72,21 +72,28 @@ class SpecDecodeWorker:
                                        "with its LM head sharded (speculative_draft_tensor_parallel_size %d): it "
                                        "drafts over the whole vocabulary.", draft_tp.world_size)
                     draft.restrict_output_vocab(torch.tensor(spec.draft.arch.draft_vocab, dtype=torch.long))
+                eager = config.enforce_eager if spec.enforce_eager is None else spec.enforce_eager
                 self.draft_runner = ModelRunner(draft, self.device, config.cache.block_size,
-                                                config.model.max_model_len, cuda_graphs=not config.enforce_eager)
+                                                config.model.max_model_len, cuda_graphs=not eager)
                 proposer = self.draft_proposer = DraftModelProposer(
                     self.draft_runner, self.target.sampler.generator, spec.max_model_len,
-                    config.scheduler.max_num_batched_tokens, self.target.runner.block_tables)
+                    config.scheduler.max_num_batched_tokens, self.target.runner.block_tables,
+                    greedy_drafts=spec.draft_sample_method == "greedy")
                 cost_ratio = _num_params(draft) / _num_params(self.target.runner.model)   # per-rank shards
             self.proposer = proposer
             if self.tp.world_size > 1:
-                self.proposer = TPProposer(proposer, self.tp, draft_tp is self.tp, self.vocab_size, self.device)
+                self.proposer = TPProposer(proposer, self.tp, draft_tp is self.tp, self.vocab_size, self.device,
+                                           greedy_drafts=spec.draft_sample_method == "greedy")
         k = spec.num_speculative_tokens
         # What a draft forward costs against a target forward, before anything is measured.
         self.draft_cost_ratio = cost_ratio
-        self.policy: SpeculationPolicy = (FixedPolicy(k) if spec.policy == "fixed"
-                                          else AdaptivePolicy(k, draft_cost_ratio=cost_ratio,
-                                                              catches_up=spec.method != "ngram"))
+        self.policy: SpeculationPolicy
+        if spec.policy == "fixed":
+            self.policy = FixedPolicy(k)
+        elif spec.policy == "table":
+            self.policy = BatchSizeTablePolicy.from_schedule(spec.num_speculative_tokens_per_batch_size, k)
+        else:
+            self.policy = AdaptivePolicy(k, draft_cost_ratio=cost_ratio, catches_up=spec.method != "ngram")
         self._charges = StepCharges(config.uses_async_scheduling)   # what each step cost, for the policy
         self.scorer = MQAScorer(config, self.target, self.proposer)
         self._unread: _SpecStep | None = None   # a launched step that the next may overlap

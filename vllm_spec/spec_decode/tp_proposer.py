@@ -22,8 +22,9 @@ class TPProposer:
     """Wraps the draft proposer on draft ranks (`inner`), stands in for it on the others (inner=None)."""
 
     def __init__(self, inner: Proposer | None, tp: GroupCoordinator, draft_covers_all_ranks: bool,
-                 vocab_size: int, device: torch.device):
+                 vocab_size: int, device: torch.device, greedy_drafts: bool = False):
         self.inner = inner
+        self.greedy_drafts = greedy_drafts   # drafts are argmaxes: no distributions to send
         self.tp = tp
         self.send_probs = not draft_covers_all_ranks
         self.vocab_size = vocab_size
@@ -38,7 +39,7 @@ class TPProposer:
         if not asked:
             return own if own is not None else Proposals(torch.empty(0, 0, dtype=torch.long), None, [])
         rows, k = len(asked), max(asked)
-        sampled = not md.all_greedy
+        sampled = not (md.all_greedy or self.greedy_drafts)
         if own is not None:
             token_ids, probs = own.token_ids.contiguous(), own.probs
             probs = probs.contiguous() if probs is not None else None

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from vllm_spec.engine.arg_utils import DefaultsHelpFormatter, FlexibleArgumentParser, json_object
+from vllm_spec.engine.arg_parser import DefaultsHelpFormatter, FlexibleArgumentParser, json_object
 from vllm_spec.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
 

@@ -12,14 +12,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from vllm_spec.entrypoints.openai import serving, submission
-from vllm_spec.entrypoints.openai.protocol import (
+from vllm_spec.entrypoints.openai.protocol import OpenAIServingError
+from vllm_spec.entrypoints.openai.protocol_completion import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
-    OpenAIServingError,
 )
 from vllm_spec.outputs import CompletionOutput, Logprob, RequestOutput
 
