@@ -268,6 +268,15 @@ def test_vllm_flags_with_their_supported_values(tiny_llama):
               quantization=None, revision=None, tokenizer_revision=None, download_dir=None, disable_log_stats=True,
               max_logprobs=20, kv_cache_dtype="auto")
     assert len(llm.generate("hi", greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+    # vLLM V0's speculative-decoding flags at the values meaning what this engine does.
+    assert LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, spec_decoding_acceptance_method="rejection_sampler",
+               speculative_disable_mqa_scorer=False, disable_logprobs_during_spec_decoding=True,
+               use_v2_block_manager=True).generate("hi", greedy(2), use_tqdm=False)[0].outputs[0].token_ids
+    for name, value in [("spec_decoding_acceptance_method", "typical_acceptance_sampler"),
+                        ("speculative_disable_mqa_scorer", True), ("use_v2_block_manager", False),
+                        ("disable_logprobs_during_spec_decoding", "yes")]:
+        with pytest.raises(ValueError, match=name):
+            LLM(str(tiny_llama), **{name: value})
     # vLLM's None for these is the default.
     config = LLM(str(tiny_llama), block_size=None, max_num_seqs=None, enable_chunked_prefill=None,
                  kv_cache_memory_bytes=1 << 24).llm_engine.vllm_config

@@ -133,6 +133,24 @@ def test_whole_proposal_graph(spec_pair, eager_reference, k):
     assert loop.use_graphs and len(loop.graphs) >= k, "the whole-proposal graphs were not captured"
 
 
+def test_greedy_drafts_of_sampled_requests_run_in_the_whole_proposal_graph(spec_pair):
+    """draft_sample_method "greedy": sampled requests draft argmaxes, so their proposal is the graphed
+    loop too; seeded requests stay reproducible. The draft's own enforce_eager turns its graphs off alone."""
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True) for i in range(8)]
+    llm = LLM(spec_pair[0], speculative_config={"model": spec_pair[1], "num_speculative_tokens": 3,
+                                                 "draft_sample_method": "greedy", "policy": "fixed"}, **KV)
+    config = llm.llm_engine.vllm_config
+    assert config.scheduler_config.async_scheduling is True   # (resolved: CUDA, one process)
+    first = _ids(llm.generate(PROMPTS, sampled, use_tqdm=False))
+    assert _ids(llm.generate(PROMPTS, sampled, use_tqdm=False)) == first
+    assert all(len(t) == 24 for t in first)
+    assert llm.llm_engine.executor.worker.draft_proposer.loop.graphs, "the whole-proposal graph was not used"
+    eager = LLM(spec_pair[0], speculative_config={"model": spec_pair[1], "num_speculative_tokens": 3,
+                                                   "enforce_eager": True}, **KV)
+    worker = eager.llm_engine.executor.worker
+    assert worker.runner.cuda_graphs and not worker.draft_runner.cuda_graphs
+
+
 def test_draft_vocab_subset_in_graphs(spec_pair, eager_reference, tmp_path):
     # The whole-proposal graph maps the subset head's argmax back to token ids on the device.
     import json
