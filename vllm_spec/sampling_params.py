@@ -22,6 +22,9 @@ MIN_TEMPERATURE = 0.01
 # Most logprobs / prompt_logprobs a request may ask for unless the engine's max_logprobs says otherwise
 # (vLLM's default).
 DEFAULT_MAX_LOGPROBS = 20
+# vLLM's logprobs_mode: what logprobs hold (raw: the model's logits, processed: after the sampling
+# parameters' processing, temperature and top-k/top-p included).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # Penalties are applied in float32: a larger one would become inf there (0 * inf = NaN logits).
 _FLOAT32_MAX = 3.4028234663852886e38
 

@@ -218,7 +218,7 @@ def test_vllm_keywords_at_their_neutral_values(llm, tiny_llama):
                       chat_template_content_format="string")[0].outputs[0].token_ids == \
         llm.chat(plain, greedy(), use_tqdm=False)[0].outputs[0].token_ids
     for name, value in (("enable_lora", True), ("pipeline_parallel_size", 2), ("cpu_offload_gb", 4),
-                        ("task", "embed"), ("logprobs_mode", "processed_logprobs"), ("enable_sleep_mode", True),
+                        ("task", "embed"), ("logprobs_mode", "logits"), ("enable_sleep_mode", True),
                         ("hf_overrides", {"rope_theta": 1.0}), ("mm_processor_kwargs", {"x": 1})):
         with pytest.raises(ValueError, match=name):
             LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, **{name: value})

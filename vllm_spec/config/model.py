@@ -38,6 +38,7 @@ class ModelConfig:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # Most logprobs / prompt_logprobs a request may ask for (-1: the whole vocabulary).
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    logprobs_mode: str = "raw_logprobs"   # what logprobs hold: see LOGPROBS_MODES
     # The model's config as read (config.json, or what a .gguf file's metadata says): hf_config's source.
     hf_dict: dict[str, Any] = field(default_factory=dict, repr=False)
     runner_type: str = "generate"   # (vLLM's: the only runner here)

@@ -18,7 +18,7 @@ from vllm_spec.config import (
     SpeculativeConfig,
 )
 from vllm_spec.engine.arg_parser import human_readable_int, json_object
-from vllm_spec.sampling_params import DEFAULT_MAX_LOGPROBS
+from vllm_spec.sampling_params import DEFAULT_MAX_LOGPROBS, LOGPROBS_MODES
 from vllm_spec.utils import is_int, is_number
 
 
@@ -76,7 +76,10 @@ class EngineArgs:
                                           "as vLLM's: throughput, queues, KV cache, speculative acceptance).")
     max_logprobs: int = _opt(DEFAULT_MAX_LOGPROBS, "Most logprobs / prompt_logprobs a request may ask for "
                              "(-1: the whole vocabulary).")
-    logprobs_mode: str = _opt("raw_logprobs", "raw_logprobs (the only mode: log-softmax of the raw logits).")
+    logprobs_mode: str = _opt(
+        "raw_logprobs", "What logprobs and prompt_logprobs hold: raw_logprobs (of the model's logits, a grammar's mask "
+                        "applied), raw_logits, processed_logprobs or processed_logits (after logit_bias, penalties, "
+                        "temperature, top-k/top-p/min-p; prompt positions: the raw values).")
     cpu_offload_gb: float = _opt(0.0, "Not supported: 0.")
     hf_overrides: dict | None = _opt(None, "Not supported: None (the model folder's config.json as it is).")
     hf_token: str | None = _opt(None, "Accepted for vLLM compatibility: no model hub is contacted.")
@@ -198,6 +201,7 @@ class EngineArgs:
         model = ModelConfig.create(self.model, self.tokenizer, self.dtype, self.device, self.max_model_len,
                                    self.load_format, self.seed, self.generation_config, self.override_generation_config)
         model.max_logprobs = int(self.max_logprobs)
+        model.logprobs_mode = self.logprobs_mode
         speculative = self._speculative_config(model)
         return EngineConfig(
             model=model,
@@ -220,7 +224,7 @@ class EngineArgs:
     def _check_fixed_choices(self) -> None:
         for name, allowed in (("tokenizer_mode", ("auto",)), ("revision", (None,)), ("tokenizer_revision", (None,)),
                               ("quantization", (None,)), ("kv_cache_dtype", ("auto",)),
-                              ("logprobs_mode", ("raw_logprobs",)), ("cpu_offload_gb", (0,)),
+                              ("logprobs_mode", LOGPROBS_MODES), ("cpu_offload_gb", (0,)),
                               ("hf_overrides", (None, {})), ("task", ("auto", "generate")),
                               ("runner", ("auto", "generate")), ("enable_lora", (False,)),
                               ("pipeline_parallel_size", (1,)), ("data_parallel_size", (1,)),

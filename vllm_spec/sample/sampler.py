@@ -124,10 +124,11 @@ def sample_from_logits(logits: torch.Tensor, md: SamplingMetadata,
     return torch.where(md.greedy, greedy_tokens, random_tokens)
 
 
-def gather_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, k: int
+def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int, as_logits: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probabilities of the raw model distribution: the chosen tokens, their ranks, and the top-k."""
-    logprobs = raw_logits.log_softmax(dim=-1)
+    """Log-probabilities of these logits (as_logits: the logits themselves): the chosen tokens', their
+    ranks, and the top-k."""
+    logprobs = logits if as_logits else logits.log_softmax(dim=-1)
     chosen = logprobs.gather(-1, tokens.unsqueeze(-1))
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens.new_empty(tokens.shape[0], 0))
@@ -137,8 +138,10 @@ def gather_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, k: int
 class Sampler:
     """Samples one token per row. `generator` serves the rows without a seed."""
 
-    def __init__(self, generator: torch.Generator | None = None):
+    def __init__(self, generator: torch.Generator | None = None, logprobs_mode: str = "raw_logprobs"):
         self.generator = generator
+        self.processed_logprobs = logprobs_mode.startswith("processed")
+        self.logits_as_logprobs = logprobs_mode.endswith("logits")
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         # Greedy rows that nothing modifies take the argmax of the model-dtype logits (float32 holds
@@ -146,8 +149,10 @@ class Sampler:
         argmax_only = (md.all_greedy and md.penalties is None and md.logit_bias is None and md.banned_rows is None
                        and md.grammar_mask is None and md.max_num_logprobs is None)
         raw = logits if argmax_only else logits.float()
-        tokens = sample_from_logits(process_logits(raw, md), md, self.generator)
+        processed = process_logits(raw, md)
+        tokens = sample_from_logits(processed, md, self.generator)
         if md.max_num_logprobs is None:
             return SamplerOutput(tokens, None, None, None)
-        ids, lps, ranks = gather_logprobs(apply_grammar(raw, md), tokens, md.max_num_logprobs)
+        ids, lps, ranks = gather_logprobs(processed if self.processed_logprobs else apply_grammar(raw, md), tokens,
+                                          md.max_num_logprobs, self.logits_as_logprobs)
         return SamplerOutput(tokens, ids, lps, ranks)

@@ -83,7 +83,8 @@ class MQAScorer:
         sampled = sampled_np.tolist()
         found = found_np[sampled_np]   # drafts each sampled row verifies
         num_scored = len(sampled) + int(found.sum())   # rows of logits: each one's last token and its drafts
-        prompt_rows = PromptLogprobRows.of(req.seqs, starts)
+        sampler = self.target.sampler
+        prompt_rows = PromptLogprobRows.of(req.seqs, starts, sampler.logits_as_logprobs)
         # The verifier's per-row metadata is the draft's when every sampled sequence speculated.
         all_drafted = spec_idx == sampled
         # Each speculating sequence's row among the sampled (the sampled rows are in order).
@@ -147,7 +148,7 @@ class MQAScorer:
             exp_md = SamplingMetadata.build(exp_rows, self.vocab_size, dev)
             processed = process_logits(raw.float(), exp_md)
             if exp_md.max_num_logprobs is not None:
-                scored = apply_grammar(raw, exp_md)
+                scored = processed if sampler.processed_logprobs else apply_grammar(raw, exp_md)
             probs = processed if exp_md.all_greedy else processed.softmax(dim=-1)
             target_probs = probs.new_zeros(R, k + 1, self.vocab_size)
             target_probs[grid] = probs
@@ -218,8 +219,8 @@ class MQAScorer:
 
     def _logprobs(self, raw: torch.Tensor, emitted: list[list[int]], seqs: list[SeqInput],
                   verified: np.ndarray) -> list[list | None] | None:
-        """Raw-logit logprobs of each emitted token, at the position that emitted it (None: none asked);
-        raw holds verified[r] rows of logits per sequence, in order."""
+        """Logprobs (logprobs_mode's) of each emitted token, at the position that emitted it (None: none
+        asked); raw holds verified[r] rows of logits per sequence, in order."""
         wanted = [s.sampling_params.logprobs for s in seqs]
         if all(w is None for w in wanted):
             return None
@@ -227,7 +228,8 @@ class MQAScorer:
         keep = [n for n, (r, j) in enumerate(zip(grid_r, grid_j)) if j < len(emitted[r])]
         tokens = to_device([emitted[grid_r[n]][grid_j[n]] for n in keep], raw.device)
         ids, lps, ranks = gather_logprobs(raw[to_device(keep, raw.device)].float(), tokens,
-                                          max(w for w in wanted if w is not None))
+                                          max(w for w in wanted if w is not None),
+                                          self.target.sampler.logits_as_logprobs)
         dicts = logprob_dicts(SamplerOutput(tokens, ids, lps, ranks), [wanted[grid_r[n]] for n in keep])
         per_seq: list[list | None] = [[] if w is not None else None for w in wanted]
         for n, d in zip(keep, dicts):

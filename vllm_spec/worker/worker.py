@@ -36,7 +36,8 @@ class Worker:
                                   # A sharded LM head all-gathers: collectives stay out of graphs (as the draft loop's).
                                   graph_logits=self.tp.world_size == 1)
         self.vocab_size = config.model.arch.vocab_size
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed),
+                               config.model.logprobs_mode)
         self._generators: dict[int, torch.Generator] = {}
         self._last: SampledStep | None = None   # the latest step that sampled: in-flight tokens come from it
         self._reused_md = ReusedMetadata()
@@ -134,7 +135,7 @@ class Worker:
             ends = batch.last_rows[sampled]
         else:   # every sequence samples (decode): no per-row selection
             seqs, ends = req.seqs, batch.last_rows
-        prompt_rows = PromptLogprobRows.of(req.seqs, batch.token_starts)
+        prompt_rows = PromptLogprobRows.of(req.seqs, batch.token_starts, self.sampler.logits_as_logprobs)
         if on_pass is not None:
             on_pass()
         if not sampled and not prompt_rows.rows:
@@ -284,9 +285,10 @@ class PromptLogprobRows:
     rows: list[int]
     targets: list[int]
     spans: list[tuple[int, int, int]]
+    as_logits: bool = False   # the logits themselves (logprobs_mode *_logits; a prompt's are never processed)
 
     @classmethod
-    def of(cls, seqs: list[SeqInput], starts: list[int]) -> "PromptLogprobRows":
+    def of(cls, seqs: list[SeqInput], starts: list[int], as_logits: bool = False) -> "PromptLogprobRows":
         rows, targets, spans = [], [], []
         for i, s in enumerate(seqs):
             if s.prompt_logprobs is None:
@@ -298,7 +300,7 @@ class PromptLogprobRows:
             spans.append((i, len(rows), n))
             rows += range(starts[i], starts[i] + n)
             targets += s.prompt_token_ids[s.start_pos + 1: last + 1]
-        return cls(rows, targets, spans)
+        return cls(rows, targets, spans, as_logits)
 
     def results(self, logits: torch.Tensor, seqs: list[SeqInput]) -> list[PromptLogprobs]:
         """Per chunk: {token: Logprob} for each scored prompt token and the top prompt_logprobs others."""
@@ -306,7 +308,7 @@ class PromptLogprobRows:
             return []
         k = max(seqs[i].prompt_logprobs for i, _, _ in self.spans)
         tokens = to_device(self.targets, logits.device)
-        ids, lps, ranks = gather_logprobs(logits.float(), tokens, k)
+        ids, lps, ranks = gather_logprobs(logits.float(), tokens, k, self.as_logits)
         dicts = logprob_dicts(SamplerOutput(tokens, ids, lps, ranks),
                               [seqs[i].prompt_logprobs for i, _, n in self.spans for _ in range(n)])
         return [PromptLogprobs(seqs[i].seq_id, seqs[i].start_pos + 1, dicts[first: first + n])
