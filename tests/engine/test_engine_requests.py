@@ -110,3 +110,17 @@ def test_a_checked_copy_forgets_what_changed_fields_no_longer_imply():
     assert copy.output_text_buffer_length == 0 and not copy.batch_fields.greedy
     params.stop, params.include_stop_str_in_output = ["abcdef"], True
     assert params.checked_copy().output_text_buffer_length == 0
+
+
+def test_unfinished_count_counts_each_completion_of_a_request(engine):
+    """As vLLM V1, where a request of n > 1 runs as n child requests: each unfinished completion counts."""
+    engine.add_request("three", "hello", SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4, ignore_eos=True))
+    engine.add_request("one", "hello", _params(max_tokens=2))
+    assert engine.get_num_unfinished_requests() == 4
+    engine.step()
+    engine.step()
+    while "one" in engine.requests:   # (its last token may be read a step later)
+        engine.step()
+    assert engine.get_num_unfinished_requests() == 3
+    _finish(engine)
+    assert engine.get_num_unfinished_requests() == 0 and not engine.has_unfinished_requests()

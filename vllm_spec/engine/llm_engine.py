@@ -169,7 +169,8 @@ class LLMEngine:
         return bool(self.requests)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        """As vLLM V1's: a request of n > 1 counts each of its unfinished completions (vLLM's child requests)."""
+        return sum(not seq.is_finished for request in self.requests.values() for seq in request.seqs)
 
     # Steps --------------------------------------------------------------------------
     def _model_request(self, sched: SchedulerOutput) -> ExecuteModelRequest:
