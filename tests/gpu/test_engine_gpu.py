@@ -148,7 +148,7 @@ def test_greedy_drafts_of_sampled_requests_run_in_the_whole_proposal_graph(spec_
     eager = LLM(spec_pair[0], speculative_config={"model": spec_pair[1], "num_speculative_tokens": 3,
                                                    "enforce_eager": True}, **KV)
     worker = eager.llm_engine.executor.worker
-    assert worker.runner.cuda_graphs and not worker.draft_runner.cuda_graphs
+    assert worker.target.runner.cuda_graphs and not worker.draft_runner.cuda_graphs
 
 
 def test_draft_vocab_subset_in_graphs(spec_pair, eager_reference, tmp_path):
