@@ -1,5 +1,5 @@
 """vLLM's logprobs_mode: what logprobs hold (raw or processed; log-probabilities or logits), on plain and
-speculative decoding alike, and prompt positions (never processed)."""
+speculative decoding alike; prompt logprobs stay log-probabilities."""
 
 from __future__ import annotations
 
@@ -65,18 +65,34 @@ def test_speculative_logprobs_equal_plain_in_every_mode(spec_pair, mode, specula
     assert {m.name: getattr(m, "value", None) for m in llm.get_metrics()}["vllm:spec_decode_num_drafts"] > 0
 
 
-def test_prompt_logprobs_are_never_processed(tiny_llama):
-    """As vLLM: processed_* equal raw_* at prompt positions; *_logits differ from *_logprobs there by each
-    position's logsumexp (one offset for every token of the position)."""
+def test_prompt_logprobs_are_log_probabilities_in_every_mode(tiny_llama):
+    """As vLLM: logprobs_mode applies to sampled tokens; prompt positions always get the log-softmax of
+    the model's logits (nothing samples there)."""
     params = SamplingParams(temperature=0.3, top_k=2, max_tokens=1, prompt_logprobs=3)
     got = {mode: LLM(str(tiny_llama), logprobs_mode=mode, **KV).generate([PROMPT], params, use_tqdm=False)[0]
            for mode in MODES}
-    assert got["raw_logits"].prompt_logprobs == got["processed_logits"].prompt_logprobs
-    assert got["raw_logprobs"].prompt_logprobs == got["processed_logprobs"].prompt_logprobs
-    for logits, logprobs in zip(got["raw_logits"].prompt_logprobs[1:], got["raw_logprobs"].prompt_logprobs[1:]):
-        assert logits.keys() == logprobs.keys() and len(logits) >= 3
-        offsets = [logits[t].logprob - logprobs[t].logprob for t in logits]
-        assert max(offsets) - min(offsets) < 1e-3 and all(lp.logprob <= 0 for lp in logprobs.values())
+    reference = got["raw_logprobs"].prompt_logprobs
+    assert len(reference) == len(PROMPT["prompt_token_ids"]) and reference[0] is None
+    assert all(lp.logprob <= 0 for position in reference[1:] for lp in position.values())
+    for mode in MODES:
+        assert got[mode].prompt_logprobs == reference, mode
+
+
+def test_processed_logprobs_of_sampled_requests_under_speculation(spec_pair):
+    """The verifier's processed path: with temperature and top_k=5, a sampled token's 5 logprobs are the
+    whole processed distribution (they sum to 1, the sampled token among them), at every position."""
+    params = [SamplingParams(temperature=0.7, top_k=5, seed=s, logprobs=5, max_tokens=16, ignore_eos=True)
+              for s in range(4)]
+    llm = LLM(spec_pair[0], logprobs_mode="processed_logprobs", speculative_config={
+        "model": spec_pair[1], "num_speculative_tokens": 3, "policy": "fixed"}, **KV)
+    for out in llm.generate([PROMPT] * 4, params, use_tqdm=False):
+        completion = out.outputs[0]
+        assert len(completion.logprobs) == 16
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            finite = [lp.logprob for lp in entry.values() if math.isfinite(lp.logprob)]
+            assert token in entry and len(finite) == 5
+            assert math.isclose(sum(math.exp(v) for v in finite), 1.0, rel_tol=1e-4)
+    assert {m.name: getattr(m, "value", None) for m in llm.get_metrics()}["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
 def test_an_unknown_mode_is_named(tiny_llama):

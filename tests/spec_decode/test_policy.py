@@ -58,3 +58,8 @@ def test_vllm_batch_size_schedule(batch, k):
     assert policy.choose(StepShape(list(range(batch)), [8] * batch, 0)) == [k] * batch
     last = BatchSizeTablePolicy.from_schedule([(1, 4, 2)], max_k=4)
     assert last.choose(StepShape(list(range(300)), [8] * 300, 0)) == [2] * 300
+
+
+def test_a_schedule_up_to_any_batch_size():
+    policy = BatchSizeTablePolicy.from_schedule([(1, 1 << 31, 2)], max_k=4)
+    assert policy.k_for_batch(1) == policy.k_for_batch(1 << 31) == policy.k_for_batch((1 << 31) + 5) == 2

@@ -60,7 +60,7 @@ def test_ngram_lookup_bounds_default_as_vllm(spec_pair, lookup, bounds):
     ({"speculative_config": {"num_speculative_tokens": 2, "rejection_sample_method": "synthetic"}},
      r"rejection_sample_method'\] must be one of \['standard'\]"),
     ({"speculative_config": {"num_speculative_tokens": 2, "draft_sample_method": "top_k"}},
-     r"draft_sample_method'\] must be one of \('greedy', 'probabilistic'\)"),
+     r"draft_sample_method'\] must be one of \['greedy', 'probabilistic'\]"),
     ({"speculative_config": {"num_speculative_tokens": 2, "enforce_eager": "yes"}}, "enforce_eager"),
     ({"speculative_config": {"num_speculative_tokens": 2, "kv_cache_dtype": "fp8"}}, "kv_cache_dtype"),
     ({"speculative_config": {"num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[2, 4, 2]]}},
@@ -256,8 +256,8 @@ def test_ngram_lookup_takes_the_earliest_match_of_the_longest_ngram():
 
 
 def test_vllm_batch_size_schedule_sets_k_by_batch(spec_pair, greedy_reference):
-    """vLLM's num_speculative_tokens_per_batch_size: k by the step's batch size (capped at
-    num_speculative_tokens); outputs stay the target's."""
+    """vLLM's num_speculative_tokens_per_batch_size: k by the step's scheduled sequences (prompt chunks
+    included; capped at num_speculative_tokens), for every request, seeded ones too; outputs stay the target's."""
     schedule = [[1, 2, 3], [3, 100, 0]]
     llm = LLM(spec_pair[0], speculative_config={"model": spec_pair[1], "num_speculative_tokens": 2,
                                                  "num_speculative_tokens_per_batch_size": schedule}, **KV)
@@ -268,6 +268,14 @@ def test_vllm_batch_size_schedule_sets_k_by_batch(spec_pair, greedy_reference):
     assert two["vllm:spec_decode_num_draft_tokens"] == 2 * two["vllm:spec_decode_num_drafts"] > 0   # k = min(3, 2)
     assert output_ids(llm.generate(make_prompts(16), GREEDY, use_tqdm=False)) == greedy_reference
     assert metric_values(llm)["vllm:spec_decode_num_drafts"] == two["vllm:spec_decode_num_drafts"]   # none at 16
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
+    llm.generate(make_prompts(3), seeded, use_tqdm=False)   # 3 at once: k = 0, seeded or not
+    assert metric_values(llm)["vllm:spec_decode_num_drafts"] == two["vllm:spec_decode_num_drafts"]
+    none_at_one = LLM(spec_pair[0], speculative_config={"model": spec_pair[1], "num_speculative_tokens": 2,
+                                                         "num_speculative_tokens_per_batch_size": [[1, 1, 0],
+                                                                                                   [2, 9, 2]]}, **KV)
+    none_at_one.generate(make_prompts(1), seeded, use_tqdm=False)
+    assert metric_values(none_at_one)["vllm:spec_decode_num_drafts"] == 0
 
 
 @pytest.mark.parametrize("speculative_model", ["draft", "[ngram]"])

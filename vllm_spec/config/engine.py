@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -49,8 +50,8 @@ class SchedulerConfig:
     # first, then arrival; preemption takes the last in that order).
     policy: str = "fcfs"
     chunked_prefill: bool = True
-    # Schedule each step while the previous one runs on the device (None: EngineConfig decides).
-    async_scheduling: bool | None = None
+    # Schedule each step while the previous one runs on the device (EngineConfig resolves what was asked).
+    async_scheduling: bool = False
 
     @property
     def enable_chunked_prefill(self) -> bool:
@@ -114,6 +115,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
     enforce_eager: bool = False
+    async_scheduling: bool | None = None   # as asked (None: automatic); the resolved choice: scheduler's
     log_stats: bool = False   # a statistics line in the log every LOG_STATS_INTERVAL seconds of steps
 
     # vLLM's VllmConfig names for the parts.
@@ -141,14 +143,16 @@ class EngineConfig:
         tp = self.parallel.tensor_parallel_size
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}.")
-        asked = self.scheduler.async_scheduling
+        asked = self.async_scheduling
         if asked not in (None, True, False):
             raise ValueError(f"async_scheduling must be True, False or None (automatic), got {asked!r}.")
         if asked and tp > 1:
             raise ValueError(f"async_scheduling=True needs tensor_parallel_size=1 (got {tp}): the ranks' processes "
                              "answer a step only once it has run. Leave async_scheduling unset or False.")
-        if asked is None:   # on where it overlaps anything: CUDA, the engine's own process
-            self.scheduler.async_scheduling = self.model.device.type == "cuda" and tp == 1
+        # Unset: on where it overlaps anything (CUDA, the engine's own process). The scheduler's config is
+        # copied, not changed: another EngineConfig may share it.
+        resolved = asked if asked is not None else self.model.device.type == "cuda" and tp == 1
+        self.scheduler = dataclasses.replace(self.scheduler, async_scheduling=resolved)
         check_tensor_parallel(self.model.arch, tp, "target model", "tensor_parallel_size")
         if self.speculative is not None:
             draft_tp = self.speculative.draft_tensor_parallel_size

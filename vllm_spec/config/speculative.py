@@ -34,7 +34,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     # Benchmarks only: accept each draft token with this probability whatever the models say.
     synthetic_acceptance_rate: float | None = None
-    policy: str = "adaptive"   # or "table": k from num_speculative_tokens_per_batch_size
+    policy: str = "adaptive"   # "fixed", or "table": k from num_speculative_tokens_per_batch_size
     # vLLM's: "probabilistic" samples drafts from the draft's distribution q (verified against q);
     # "greedy" drafts its argmax, verified as a one-hot q (cheaper, accepts less at high temperature).
     draft_sample_method: str = "probabilistic"
@@ -112,8 +112,8 @@ class SpeculativeConfig:
         if policy not in (None, *SPEC_POLICIES):
             raise ValueError(f"speculative_policy must be one of {SPEC_POLICIES}, got {policy!r}.")
         if draft_sample_method not in (None, *DRAFT_SAMPLE_METHODS):
-            raise ValueError(f"speculative_config['draft_sample_method'] must be one of {DRAFT_SAMPLE_METHODS}, "
-                             f"got {draft_sample_method!r}.")
+            raise ValueError(f"speculative_config['draft_sample_method'] must be one of "
+                             f"{list(DRAFT_SAMPLE_METHODS)}, got {draft_sample_method!r}.")
         if enforce_eager not in (None, True, False):
             raise ValueError(f"speculative_config['enforce_eager'] must be True, False or None (the engine's), got "
                              f"{enforce_eager!r}.")

@@ -77,9 +77,9 @@ class EngineArgs:
     max_logprobs: int = _opt(DEFAULT_MAX_LOGPROBS, "Most logprobs / prompt_logprobs a request may ask for "
                              "(-1: the whole vocabulary).")
     logprobs_mode: str = _opt(
-        "raw_logprobs", "What logprobs and prompt_logprobs hold: raw_logprobs (of the model's logits, a grammar's mask "
+        "raw_logprobs", "What logprobs hold: raw_logprobs (of the model's logits, a grammar's mask "
                         "applied), raw_logits, processed_logprobs or processed_logits (after logit_bias, penalties, "
-                        "temperature, top-k/top-p/min-p; prompt positions: the raw values).")
+                        "temperature, top-k/top-p/min-p; prompt_logprobs: always log-probabilities).")
     cpu_offload_gb: float = _opt(0.0, "Not supported: 0.")
     hf_overrides: dict | None = _opt(None, "Not supported: None (the model folder's config.json as it is).")
     hf_token: str | None = _opt(None, "Accepted for vLLM compatibility: no model hub is contacted.")
@@ -209,10 +209,11 @@ class EngineArgs:
                               self.num_gpu_blocks_override, bool(self.enable_prefix_caching)),
             scheduler=SchedulerConfig(_or_default(self.max_num_seqs, 256),
                                       self._token_budget(model.max_model_len, chunked_prefill), model.max_model_len,
-                                      self.scheduling_policy, chunked_prefill, self.async_scheduling),
+                                      self.scheduling_policy, chunked_prefill),
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             speculative=speculative,
             enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling,
             log_stats=not self.disable_log_stats,
         )
 

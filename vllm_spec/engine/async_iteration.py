@@ -61,8 +61,7 @@ def run_iteration(engine: LLMEngine, loop: asyncio.AbstractEventLoop, adds: list
             result.outputs = engine.step()
             result.in_flight = engine.has_step_in_flight
         except Exception as e:
-            logger.exception("engine step failed; failing %d in-flight request(s)",
-                             engine.get_num_unfinished_requests())
+            logger.exception("engine step failed; failing %d in-flight request(s)", len(engine.requests))
             result.step_error = e
             result.failed_ids = list(engine.requests)
             try:

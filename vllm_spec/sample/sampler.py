@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_spec.sample.metadata import SamplingMetadata
 from vllm_spec.sample.argmax import argmax_rows
+from vllm_spec.sample.metadata import SamplingMetadata
+from vllm_spec.sampling_params import LOGPROBS_MODES
 
 
 @dataclass
@@ -140,6 +141,8 @@ class Sampler:
 
     def __init__(self, generator: torch.Generator | None = None, logprobs_mode: str = "raw_logprobs"):
         self.generator = generator
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {logprobs_mode!r}.")
         self.processed_logprobs = logprobs_mode.startswith("processed")
         self.logits_as_logprobs = logprobs_mode.endswith("logits")
 

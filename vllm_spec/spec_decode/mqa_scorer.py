@@ -84,7 +84,7 @@ class MQAScorer:
         found = found_np[sampled_np]   # drafts each sampled row verifies
         num_scored = len(sampled) + int(found.sum())   # rows of logits: each one's last token and its drafts
         sampler = self.target.sampler
-        prompt_rows = PromptLogprobRows.of(req.seqs, starts, sampler.logits_as_logprobs)
+        prompt_rows = PromptLogprobRows.of(req.seqs, starts)
         # The verifier's per-row metadata is the draft's when every sampled sequence speculated.
         all_drafted = spec_idx == sampled
         # Each speculating sequence's row among the sampled (the sampled rows are in order).

@@ -3,11 +3,13 @@
 "fixed" always drafts num_speculative_tokens; "adaptive" (adaptive_policy.py) maximises
 expected goodput on online acceptance estimates and measured step costs.
 BatchSizeTablePolicy (a static table of k per batch size, the usual hand-tuned
-heuristic) is what benchmarks compare it with.
+heuristic) is what benchmarks compare it with; its from_schedule reads vLLM's
+num_speculative_tokens_per_batch_size, which the worker applies as a cap on every row's drafts.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,9 +17,6 @@ from vllm_spec.spec_decode.step_cost import Charge
 from vllm_spec.worker.batch import PolicyEstimates, SpecStepStats
 from vllm_spec.worker.cuda_graph import bucket_for
 from vllm_spec.worker.ragged_graph import token_bucket
-
-POLICIES = ("fixed", "adaptive")
-
 
 # Verification of decoding sequences is padded to the longest draft (one query length, so a
 # CUDA graph replays) for batches this small, or when padding adds at most this factor of tokens,
@@ -118,9 +117,6 @@ class FixedPolicy(_StaticPolicy):
         return self.k
 
 
-_ANY_BATCH = 1 << 31   # a bound above every batch
-
-
 class BatchSizeTablePolicy(_StaticPolicy):
     """k from a static table of batch-size bounds: the hand-tuned alternative to AdaptivePolicy.
 
@@ -145,8 +141,10 @@ class BatchSizeTablePolicy(_StaticPolicy):
                 table.append((first - 1, last_k))
             last_k, next_size = min(k, max_k), last + 1
             table.append((last, last_k))
-        return cls([*table, (_ANY_BATCH, last_k)])
+        return cls([*table, (math.inf, last_k)])   # (past the last range)
 
     def k_for(self, shape: StepShape) -> int:
-        n = len(shape.seq_ids)
+        return self.k_for_batch(len(shape.seq_ids))
+
+    def k_for_batch(self, n: int) -> int:
         return next((k for bound, k in self.table if n <= bound), 0)

@@ -87,13 +87,12 @@ class SpecDecodeWorker:
         k = spec.num_speculative_tokens
         # What a draft forward costs against a target forward, before anything is measured.
         self.draft_cost_ratio = cost_ratio
-        self.policy: SpeculationPolicy
-        if spec.policy == "fixed":
-            self.policy = FixedPolicy(k)
-        elif spec.policy == "table":
-            self.policy = BatchSizeTablePolicy.from_schedule(spec.num_speculative_tokens_per_batch_size, k)
-        else:
-            self.policy = AdaptivePolicy(k, draft_cost_ratio=cost_ratio, catches_up=spec.method != "ngram")
+        self.policy: SpeculationPolicy = (FixedPolicy(k) if spec.policy in ("fixed", "table")
+                                          else AdaptivePolicy(k, draft_cost_ratio=cost_ratio,
+                                                              catches_up=spec.method != "ngram"))
+        # vLLM's static schedule: k by the step's scheduled sequences, for every row (seeded ones too).
+        self._schedule = (BatchSizeTablePolicy.from_schedule(spec.num_speculative_tokens_per_batch_size, k)
+                          if spec.policy == "table" else None)
         self._charges = StepCharges(config.uses_async_scheduling)   # what each step cost, for the policy
         self.scorer = MQAScorer(config, self.target, self.proposer)
         self._unread: _SpecStep | None = None   # a launched step that the next may overlap
@@ -147,6 +146,8 @@ class SpecDecodeWorker:
         lookahead, max_len = req.num_lookahead_slots, spec.max_model_len
         if spec.disable_by_batch_size is not None and len(req.seqs) >= spec.disable_by_batch_size:
             lookahead = 0   # no drafts at all (the policy still sees the step: it keeps track of what ran)
+        if self._schedule is not None:
+            lookahead = min(lookahead, self._schedule.k_for_batch(len(req.seqs)))
         cols = req.columns
         room = np.maximum(np.minimum(lookahead, max_len - cols.seq_len), 0)   # drafts inside the draft's limit
         asked = np.zeros(len(req.seqs), dtype=np.int64)

@@ -135,7 +135,7 @@ class Worker:
             ends = batch.last_rows[sampled]
         else:   # every sequence samples (decode): no per-row selection
             seqs, ends = req.seqs, batch.last_rows
-        prompt_rows = PromptLogprobRows.of(req.seqs, batch.token_starts, self.sampler.logits_as_logprobs)
+        prompt_rows = PromptLogprobRows.of(req.seqs, batch.token_starts)
         if on_pass is not None:
             on_pass()
         if not sampled and not prompt_rows.rows:
@@ -285,10 +285,9 @@ class PromptLogprobRows:
     rows: list[int]
     targets: list[int]
     spans: list[tuple[int, int, int]]
-    as_logits: bool = False   # the logits themselves (logprobs_mode *_logits; a prompt's are never processed)
 
     @classmethod
-    def of(cls, seqs: list[SeqInput], starts: list[int], as_logits: bool = False) -> "PromptLogprobRows":
+    def of(cls, seqs: list[SeqInput], starts: list[int]) -> "PromptLogprobRows":
         rows, targets, spans = [], [], []
         for i, s in enumerate(seqs):
             if s.prompt_logprobs is None:
@@ -300,7 +299,7 @@ class PromptLogprobRows:
             spans.append((i, len(rows), n))
             rows += range(starts[i], starts[i] + n)
             targets += s.prompt_token_ids[s.start_pos + 1: last + 1]
-        return cls(rows, targets, spans, as_logits)
+        return cls(rows, targets, spans)
 
     def results(self, logits: torch.Tensor, seqs: list[SeqInput]) -> list[PromptLogprobs]:
         """Per chunk: {token: Logprob} for each scored prompt token and the top prompt_logprobs others."""
@@ -308,7 +307,7 @@ class PromptLogprobRows:
             return []
         k = max(seqs[i].prompt_logprobs for i, _, _ in self.spans)
         tokens = to_device(self.targets, logits.device)
-        ids, lps, ranks = gather_logprobs(logits.float(), tokens, k, self.as_logits)
+        ids, lps, ranks = gather_logprobs(logits.float(), tokens, k)
         dicts = logprob_dicts(SamplerOutput(tokens, ids, lps, ranks),
                               [seqs[i].prompt_logprobs for i, _, n in self.spans for _ in range(n)])
         return [PromptLogprobs(seqs[i].seq_id, seqs[i].start_pos + 1, dicts[first: first + n])
