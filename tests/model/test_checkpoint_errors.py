@@ -52,7 +52,9 @@ def test_config_without_architectures_loads_by_model_type(base, tmp_path):
     ({"architectures": ["GPTNeoXForCausalLM"]}, "GPTNeoXForCausalLM"),
     ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a positive multiple of num_key_value_heads \(3\)"),
     ({"num_key_value_heads": 8}, r"num_attention_heads \(4\) .* num_key_value_heads \(8\)"),
-    ({"final_logit_softcapping": 30.0}, r"final_logit_softcapping \(30.0\) is not supported"),
+    ({"final_logit_softcapping": 30.0}, r"final_logit_softcapping \(30.0\) is not supported: it must be null \(Gemma"),
+    ({"architectures": ["Gemma3ForCausalLM"], "final_logit_softcapping": -1},
+     r"final_logit_softcapping \(-1\) is not supported: it must be null or a positive number"),
     ({"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping \(50.0\) is not supported"),
     ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"architectures": ["Gemma3ForCausalLM"], "rope_parameters": {

@@ -34,7 +34,7 @@ PROMPTS = [
 ]
 ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwen2_window", "qwen2_yarn",
          "llama_window_key", "mistral_layer_types", "qwen3", "qwen3_window_biases",
-         "gemma3", "gemma3_pattern"]
+         "gemma3", "gemma3_pattern", "gemma3_softcap"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -118,6 +118,14 @@ def tiny_gemma3(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tiny_gemma3_softcap(tmp_path_factory) -> Path:
+    # final_logit_softcapping (cap * tanh(logits / cap)), small enough to change every logprob.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_gemma3_softcap"), "gemma3", seed=14, head_dim=32,
+                           final_logit_softcapping=1.5)
+    return _random_norms(path, seed=14)
+
+
+@pytest.fixture(scope="module")
 def tiny_gemma3_pattern(tmp_path_factory) -> Path:
     # A Gemma 3 config in the older layout (rope_theta, rope_local_base_freq, sliding_window_pattern; no
     # layer_types): every second layer global, linear rope scaling on the global layers only.
@@ -150,7 +158,7 @@ _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mist
              "qwen2_window": "tiny_qwen2_window", "qwen2_yarn": "tiny_qwen2_yarn",
              "llama_window_key": "tiny_llama_window_key", "mistral_layer_types": "tiny_mistral_layer_types",
              "qwen3": "tiny_qwen3", "qwen3_window_biases": "tiny_qwen3_window_biases",
-             "gemma3": "tiny_gemma3", "gemma3_pattern": "tiny_gemma3_pattern"}
+             "gemma3": "tiny_gemma3", "gemma3_pattern": "tiny_gemma3_pattern", "gemma3_softcap": "tiny_gemma3_softcap"}
 
 
 class Case:

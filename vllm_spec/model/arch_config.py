@@ -58,6 +58,7 @@ class ArchConfig:
     sandwich_norms: bool = False
     attention_scale: float | None = None   # None: head_dim ** -0.5
     local_rope_theta: float | None = None
+    final_logit_softcapping: float | None = None   # Gemma 3's: logits = cap * tanh(logits / cap)
     sliding_window: int | None = None
     # The layers that attend within sliding_window (None: all of them, as Mistral; Qwen2 windows the
     # layers from max_window_layers on, or those its layer_types call sliding).
@@ -98,9 +99,13 @@ class ArchConfig:
             cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act not in ACTIVATIONS:
             raise ValueError(f"Unsupported hidden_act {act!r} in the model config: supported: {sorted(ACTIVATIONS)}.")
-        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if cfg.get(key) is not None:
-                raise ValueError(f"{key} ({cfg[key]!r}) is not supported: it must be null.")
+        softcap = cfg.get("final_logit_softcapping")
+        if softcap is not None and not (gemma and is_number(softcap) and softcap > 0):
+            raise ValueError(f"final_logit_softcapping ({softcap!r}) is not supported: it must be null"
+                             + (" or a positive number." if gemma else " (Gemma 3's)."))
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise ValueError(f"attn_logit_softcapping ({cfg['attn_logit_softcapping']!r}) is not supported: it must "
+                             "be null.")
         if cfg.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention is not supported: decoding attends causally.")
         quant = cfg.get("quantization_config")
@@ -170,6 +175,7 @@ class ArchConfig:
             sandwich_norms=gemma,
             attention_scale=float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5 if gemma else None,
             local_rope_theta=local_theta,
+            final_logit_softcapping=float(softcap) if softcap is not None else None,
             sliding_window=sliding,
             windowed_layers=windowed,
             bos_token_id=cfg.get("bos_token_id"),

@@ -170,9 +170,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the vocabulary, or over `output_ids` once restrict_output_vocab was called."""
-        if self.output_ids is not None:
-            return linear(hidden, self.output_weight)
-        return self.lm_head(hidden)
+        logits = linear(hidden, self.output_weight) if self.output_ids is not None else self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def restrict_output_vocab(self, ids: torch.Tensor) -> None:
         """Compute logits for these token ids only (column j of the logits is token ids[j]).
