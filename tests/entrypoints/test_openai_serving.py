@@ -94,6 +94,11 @@ def test_metrics_spec_decode_counters_move(server):
     assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1] >= per_pos[2]
     rate = _metric(after_text, "vllm:spec_decode_acceptance_rate")
     assert rate == pytest.approx(accepted / after["vllm:spec_decode_num_draft_tokens_total"], rel=1e-6)
+    assert _metric(after_text, "vllm:spec_decode_draft_acceptance_rate") == rate   # vLLM V0's names
+    drafts = after["vllm:spec_decode_num_drafts_total"]
+    assert _metric(after_text, "vllm:spec_decode_num_emitted_tokens_total") == accepted + drafts
+    assert _metric(after_text, "vllm:spec_decode_efficiency") == pytest.approx(
+        (accepted + drafts) / (after["vllm:spec_decode_num_draft_tokens_total"] + drafts), rel=1e-6)
     assert _metric(after_text, "vllm:request_success_total", finished_reason="length") >= 1
     assert _metric(after_text, "vllm:time_to_first_token_seconds_count") >= 1
     assert _metric(after_text, "vllm:e2e_request_latency_seconds_bucket", le="+Inf") >= 1

@@ -133,6 +133,9 @@ def test_draft_equal_to_target_accepts_everything(spec_pair, greedy_reference):
     m = metric_values(llm)
     assert m["vllm:spec_decode_acceptance_rate"] == 1.0
     assert m["vllm:spec_decode_mean_accepted_length"] == 5.0
+    # vLLM V0's names: every draft accepted, each speculating step emitting k + 1.
+    assert m["vllm:spec_decode_draft_acceptance_rate"] == m["vllm:spec_decode_efficiency"] == 1.0
+    assert m["vllm:spec_decode_num_emitted_tokens"] == 5 * m["vllm:spec_decode_num_drafts"] > 0
 
 
 def test_greedy_equality_with_penalties_and_min_tokens(spec_pair, baseline):

@@ -43,6 +43,18 @@ class SpecDecodeMetrics:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
+    def num_emitted_tokens(self) -> int:
+        """Tokens the speculative steps emitted: the accepted drafts and one more per speculating sequence."""
+        return self.num_accepted_tokens + self.num_drafts
+
+    @property
+    def efficiency(self) -> float:
+        """vLLM V0's system efficiency: emitted tokens over the most the drafts could have emitted (all
+        accepted, plus the bonus token)."""
+        most = self.num_draft_tokens + self.num_drafts
+        return self.num_emitted_tokens / most if most else 0.0
+
+    @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per speculating sequence and step: accepted drafts + the bonus/recovered one."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
@@ -56,6 +68,10 @@ class SpecDecodeMetrics:
             Vector("vllm:spec_decode_num_accepted_tokens_per_pos", values=list(self.accepted_per_pos)),
             Gauge("vllm:spec_decode_acceptance_rate", value=self.acceptance_rate),
             Gauge("vllm:spec_decode_mean_accepted_length", value=self.mean_accepted_length),
+            # vLLM V0's names.
+            Gauge("vllm:spec_decode_draft_acceptance_rate", value=self.acceptance_rate),
+            Gauge("vllm:spec_decode_efficiency", value=self.efficiency),
+            Counter("vllm:spec_decode_num_emitted_tokens", value=self.num_emitted_tokens),
             Gauge("vllm:spec_decode_draft_time_per_step_seconds", value=self.draft_time / steps),
             Gauge("vllm:spec_decode_verify_time_per_step_seconds", value=self.verify_time / steps),
         ] + self._policy_metrics()
