@@ -6,7 +6,6 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Container
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -31,7 +30,7 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         args = list(sys.argv[1:] if args is None else args)
         end = args.index("--") if "--" in args else len(args)   # past "--", arguments are values
         try:
-            head = _joined_json_args([_dashed(a) for a in _with_config_file(args[:end], _option_strings(self))])
+            head = _joined_json_args([_dashed(a) for a in _with_config_file(args[:end], self)])
         except (ValueError, argparse.ArgumentTypeError) as e:
             self.error(str(e))
         return super().parse_known_args(head + args[end:], namespace)
@@ -47,7 +46,7 @@ def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
     return flags
 
 
-def _with_config_file(args: list[str], switches: Container[str]) -> list[str]:
+def _with_config_file(args: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """vLLM's `--config FILE`: a YAML mapping of flag names (dashes or underscores) to values, read as
     flags placed before the others, so that flags given on the command line win. true is the bare flag,
     false a switch's --no- form (else nothing), a list the flag's values, a mapping its JSON."""
@@ -69,6 +68,7 @@ def _with_config_file(args: list[str], switches: Container[str]) -> list[str]:
         raise ValueError(f"--config {path}: cannot read it as YAML ({e}).") from None
     if not isinstance(values, dict):
         raise ValueError(f"--config {path}: must be a YAML mapping of flag names to values.")
+    switches = _option_strings(parser)   # (a false value is a switch's --no- form)
     flags: list[str] = []
     for key, value in values.items():
         flag = "--" + str(key).replace("_", "-")

@@ -61,6 +61,7 @@ class SpecDecodeWorker:
         else:
             # Tensor parallel: the draft lives on its own sub-group of these processes (None: not on this rank).
             draft_tp = get_draft_tp_group()
+            greedy_drafts = spec.draft_sample_method == "greedy"
             proposer, cost_ratio = None, 0.1   # ranks outside the sub-group follow rank 0's policy
             if draft_tp is not None:
                 draft = load_model(spec.draft, draft_tp)
@@ -78,12 +79,12 @@ class SpecDecodeWorker:
                 proposer = self.draft_proposer = DraftModelProposer(
                     self.draft_runner, self.target.sampler.generator, spec.max_model_len,
                     config.scheduler.max_num_batched_tokens, self.target.runner.block_tables,
-                    greedy_drafts=spec.draft_sample_method == "greedy")
+                    greedy_drafts=greedy_drafts)
                 cost_ratio = _num_params(draft) / _num_params(self.target.runner.model)   # per-rank shards
             self.proposer = proposer
             if self.tp.world_size > 1:
                 self.proposer = TPProposer(proposer, self.tp, draft_tp is self.tp, self.vocab_size, self.device,
-                                           greedy_drafts=spec.draft_sample_method == "greedy")
+                                           greedy_drafts=greedy_drafts)
         k = spec.num_speculative_tokens
         # What a draft forward costs against a target forward, before anything is measured.
         self.draft_cost_ratio = cost_ratio
