@@ -48,6 +48,7 @@ struct Layer {
   std::optional<torch::Tensor> pre_mlp_norm, post_mlp_norm;
   bool gelu = false;
   bool local_rope = false;
+  double softcap = 0;   // Gemma 2's attention scores soft cap (0: none)
 };
 
 // Layer by layer: (x, residual) in, (x, residual) out, the K/V of the step's tokens written into each
@@ -86,7 +87,7 @@ class Decoder {
       write_kv(k, v, k_caches[i], v_caches[i], slot_mapping);
       const torch::Tensor q32 = q.scalar_type() == at::kFloat ? q : q.to(at::kFloat);
       torch::Tensor attn = paged_attention(q32, k_caches[i], v_caches[i], block_tables, seq_lens, query_start_loc,
-                                           L.scale, L.window);
+                                           L.scale, L.window, L.softcap);
       if (attn.scalar_type() != x.scalar_type()) attn = attn.to(x.scalar_type());
       x = L.o(attn.view({T, q_size}));
       if (L.pre_mlp_norm) x = std::get<0>(add_rms_norm(x, std::nullopt, L.post_norm, L.eps));
@@ -146,12 +147,12 @@ void bind_decoder(pybind11::module& m) {
   py::class_<Layer>(m, "Layer", "one decoder layer's norms, projections and attention shape")
       .def(py::init<torch::Tensor, torch::Tensor, double, Projection, Projection, Projection, Projection, int64_t,
                     int64_t, int64_t, double, int64_t, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
-                    std::optional<torch::Tensor>, std::optional<torch::Tensor>, bool, bool>(),
+                    std::optional<torch::Tensor>, std::optional<torch::Tensor>, bool, bool, double>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv"), py::arg("o"),
            py::arg("gate_up"), py::arg("down"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
            py::arg("scale"), py::arg("window"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
            py::arg("pre_mlp_norm") = py::none(), py::arg("post_mlp_norm") = py::none(), py::arg("gelu") = false,
-           py::arg("local_rope") = false);
+           py::arg("local_rope") = false, py::arg("softcap") = 0.0);
   py::class_<Decoder>(m, "Decoder", "decoder layers run in one call for short query blocks")
       .def(py::init<>())
       .def("add_layer", &Decoder::add_layer)

@@ -15,7 +15,8 @@ torch::Tensor rows_linear_int8(const torch::Tensor& x, const torch::Tensor& weig
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                              const torch::Tensor& query_start_loc, double scale, int64_t window);
+                              const torch::Tensor& query_start_loc, double scale, int64_t window,
+                              double softcap);
 
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
                                                       const torch::Tensor& weight, double eps);

@@ -142,11 +142,12 @@ constexpr int64_t kTileTokens = 16;
 constexpr int64_t kValueKeys = 32;
 
 // Query tokens [j0, j1) of one sequence's q_len for one KV head: the `group` query heads that share it, for
-// each token (token j sits at position seq_len - q_len + j and sees keys up to it, within `window`).
+// each token (token j sits at position seq_len - q_len + j and sees keys up to it, within `window`). Scores
+// become softcap * tanh(score / softcap) where softcap > 0 (Gemma 2's).
 template <typename C>
 void attend(const float* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t seq_len,
             int64_t first_row, int64_t q_len, int64_t j0, int64_t j1, int64_t kvh, const Shape& sh, float scale,
-            int64_t window, float* out) {
+            int64_t window, float softcap, float* out) {
   const int64_t group = sh.H / sh.KVH, D = sh.D, first_pos = seq_len - q_len + j0;
   first_row += j0;
   q_len = j1 - j0;
@@ -180,6 +181,8 @@ void attend(const float* q, const C* k_cache, const C* v_cache, const int64_t* t
     float* p = probs.data() + r * S8;
     const __m256 scales = _mm256_set1_ps(scale);
     for (int64_t s = 0; s < S8; s += 8) _mm256_storeu_ps(p + s, _mm256_mul_ps(_mm256_loadu_ps(p + s), scales));
+    if (softcap > 0)
+      for (int64_t s = seen_lo[r]; s < seen_hi[r]; ++s) p[s] = softcap * std::tanh(p[s] / softcap);
     std::fill(p, p + seen_lo[r], kNegInf);
     std::fill(p + seen_hi[r], p + S8, kNegInf);
     __m256 tops = _mm256_set1_ps(kNegInf);
@@ -230,7 +233,7 @@ void attend(const float* q, const C* k_cache, const C* v_cache, const int64_t* t
 template <typename C>
 void run(const torch::Tensor& q, const C* k_cache, const C* v_cache, const torch::Tensor& block_tables,
          const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, const Shape& sh, float scale,
-         int64_t window, torch::Tensor& out) {
+         int64_t window, float softcap, torch::Tensor& out) {
   const int64_t B = seq_lens.size(0);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -252,7 +255,7 @@ void run(const torch::Tensor& q, const C* k_cache, const C* v_cache, const torch
       const int64_t t = (i - first_task[b]) / sh.KVH, kvh = (i - first_task[b]) % sh.KVH;
       const int64_t q_len = starts[b + 1] - starts[b], j0 = t * kTileTokens;
       attend(qp, k_cache, v_cache, tables + b * sh.width, lens[b], starts[b], q_len, j0,
-             std::min(q_len, j0 + kTileTokens), kvh, sh, scale, window, op);
+             std::min(q_len, j0 + kTileTokens), kvh, sh, scale, window, softcap, op);
     }
   });
 }
@@ -261,7 +264,8 @@ void run(const torch::Tensor& q, const C* k_cache, const C* v_cache, const torch
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                              const torch::Tensor& query_start_loc, double scale, int64_t window) {
+                              const torch::Tensor& query_start_loc, double scale, int64_t window,
+                              double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(),
               "paged_attention: q [T, H, D] contiguous float32 on the CPU");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type()
@@ -282,11 +286,11 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   auto out = torch::zeros_like(q);
   if (k_cache.scalar_type() == at::kFloat) {
     run(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_tables, seq_lens, query_start_loc, sh,
-        static_cast<float>(scale), window, out);
+        static_cast<float>(scale), window, static_cast<float>(softcap), out);
   } else {
     run(q, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
         reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), block_tables, seq_lens, query_start_loc,
-        sh, static_cast<float>(scale), window, out);
+        sh, static_cast<float>(scale), window, static_cast<float>(softcap), out);
   }
   return out;
 }

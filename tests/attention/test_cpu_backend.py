@@ -46,6 +46,26 @@ def test_sliding_window_as_the_torch_backend(window, dtype, tol):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("q_lens, seq_lens", [([1, 1, 1], [5, 17, 40]), ([5, 5, 3], [9, 30, 3]),
+                                              ([40, 1, 17], [40, 33, 50])])
+def test_soft_cap_matches_a_per_sequence_loop(q_lens, seq_lens, dtype, tol):
+    q, k_cache, v_cache, tables, md = _case(q_lens, seq_lens, 9, 3, 64, 16, dtype, seed=3 + sum(seq_lens))
+    out = cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3, None, 0.8)
+    ref = _loop(q, k_cache, v_cache, tables, q_lens, seq_lens, 0.3, 0.8)
+    assert (out.double() - ref).abs().max() / ref.abs().max() < tol
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [3, 21])
+def test_soft_cap_in_a_window_as_the_torch_backend(window):
+    q, k_cache, v_cache, _, md = _case([1, 5, 3, 37], [40, 33, 9, 60], 6, 2, 16, 4, torch.float32, seed=window)
+    ours = cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.3, window, 0.6)
+    theirs = torch_backend.paged_attention(q.double(), k_cache.double(), v_cache.double(), md, 0.3, window, 0.6)
+    assert (ours.double() - theirs).abs().max() / theirs.abs().max() < 1e-5
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 11])
 def test_a_token_gets_the_same_bits_in_any_block(dtype, window):

@@ -41,8 +41,8 @@ def _case(q_lens, seq_lens, H, KVH, D, block_size, dtype, seed):
     return q, k_cache, v_cache, tables, md
 
 
-def _loop(q, k_cache, v_cache, tables, q_lens, seq_lens, scale):
-    """Float64, one sequence and one head at a time."""
+def _loop(q, k_cache, v_cache, tables, q_lens, seq_lens, scale, softcap=None):
+    """Float64, one sequence and one head at a time (scores soft-capped where softcap is given)."""
     out, start = [], 0
     group = q.shape[1] // k_cache.shape[2]
     bs = k_cache.shape[1]
@@ -55,6 +55,8 @@ def _loop(q, k_cache, v_cache, tables, q_lens, seq_lens, scale):
             heads = []
             for h in range(q.shape[1]):
                 s = (k[: pos + 1, h // group] @ q[start + i, h].double()) * scale
+                if softcap is not None:
+                    s = softcap * torch.tanh(s / softcap)
                 heads.append(s.softmax(0) @ v[: pos + 1, h // group])
             out.append(torch.stack(heads))
         start += ql
@@ -74,6 +76,21 @@ def test_matches_a_per_sequence_loop(q_lens, seq_lens, dtype, tol):
     ref = _loop(q, k_cache, v_cache, tables, q_lens, seq_lens, scale)
     assert out.dtype == dtype and out.shape == q.shape
     assert (out.double() - ref).abs().max() / ref.abs().max() < tol
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("q_lens, seq_lens", [([1, 1, 1], [5, 17, 40]), ([5, 5, 3], [9, 30, 3]),
+                                              ([20, 1, 4], [20, 33, 50])])
+def test_soft_cap_matches_a_per_sequence_loop(q_lens, seq_lens, dtype, tol):
+    """Gemma 2's soft cap on every branch (the long-query one leaves SDPA for it), small enough to change every
+    score: without it the output is far off."""
+    H, KVH, D, scale, cap = 6, 2, 16, 0.25, 0.5
+    q, k_cache, v_cache, tables, md = _case(q_lens, seq_lens, H, KVH, D, 4, dtype, seed=7 + sum(seq_lens))
+    out = torch_backend.paged_attention(q, k_cache, v_cache, md, scale, None, cap)
+    ref = _loop(q, k_cache, v_cache, tables, q_lens, seq_lens, scale, cap)
+    assert (out.double() - ref).abs().max() / ref.abs().max() < tol
+    uncapped = _loop(q, k_cache, v_cache, tables, q_lens, seq_lens, scale)
+    assert (uncapped - ref).abs().max() / ref.abs().max() > 10 * tol
 
 
 def test_short_and_long_query_branches_agree():

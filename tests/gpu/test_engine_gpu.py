@@ -76,6 +76,7 @@ def test_torch_backend_matches_triton_on_gpu(spec_pair, eager_reference):
     ("llama", dict(attention_bias=True, mlp_bias=True)),                                # o_proj biased too
     ("qwen3", dict(head_dim=32, attention_bias=True)),                                  # per-head q/k norms
     ("gemma3", dict(head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    ("gemma2", dict(head_dim=32, sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
 ])
 def test_model_variants_in_graphs_match_torch_backend(tmp_path, arch, options):
     from vllm_spec.attention import torch_backend
@@ -87,7 +88,7 @@ def test_model_variants_in_graphs_match_torch_backend(tmp_path, arch, options):
     expected = _ids(reference.generate(PROMPTS, GREEDY, use_tqdm=False))
     llm = LLM(path, **KV)
     windows = {a.sliding_window for a in llm.llm_engine.executor.worker.runner.model.attention_layers()}
-    assert windows == ({None, 8} if arch in ("qwen2", "gemma3") else {None})
+    assert windows == ({None, 8} if arch in ("qwen2", "gemma3", "gemma2") else {None})
     assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
 
 

@@ -69,20 +69,22 @@ def make_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, d
     return q, (k_cache, v_cache), (k_bad, v_bad), md
 
 
-def reference(q, caches, md, scale, window):
-    return torch_backend.paged_attention(q.float(), caches[0].float(), caches[1].float(), md, scale, window)
+def reference(q, caches, md, scale, window, softcap=None):
+    return torch_backend.paged_attention(q.float(), caches[0].float(), caches[1].float(), md, scale, window, softcap)
 
 
-def check(q_lens, seq_lens, H, KVH, D, bs, dtype, seed, window=None, num_splits=None, **kw):
+def check(q_lens, seq_lens, H, KVH, D, bs, dtype, seed, window=None, num_splits=None, softcap=None, **kw):
     q, clean, bad, md = make_case(q_lens, seq_lens, H, KVH, D, bs, dtype, seed, **kw)
     scale = D ** -0.5
-    ref = reference(q, clean, md, scale, window)
+    ref = reference(q, clean, md, scale, window, softcap)
     out = torch.full_like(q, float("nan"))
-    _tb().paged_attention_out(q, bad[0], bad[1], md, scale, window, out, num_splits=num_splits)
+    _tb().paged_attention_out(q, bad[0], bad[1], md, scale, window, out, num_splits=num_splits, softcap=softcap)
     err = rel_err(out, ref)
     assert err < TOL[dtype], f"rel err {err:.2e}"
     if num_splits is None:  # the public entry point (allocates its own output) agrees
-        assert rel_err(_tb().paged_attention(q, bad[0], bad[1], md, scale, window), ref) < TOL[dtype]
+        assert rel_err(_tb().paged_attention(q, bad[0], bad[1], md, scale, window, softcap), ref) < TOL[dtype]
+    if softcap is not None:   # (a cap that changes the result: the test would see it dropped)
+        assert rel_err(reference(q, clean, md, scale, window), ref) > 10 * TOL[dtype]
     return err
 
 
@@ -157,6 +159,21 @@ def test_sliding_window(window, kind):
         q_lens = [rng.randint(1, 300) for _ in range(4)]
     seq_lens = [rng.randint(q, q + 1200) for q in q_lens]
     check(q_lens, seq_lens, 32, 8, 128, 16, torch.bfloat16, seed=rng.randint(0, 1 << 30), window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [128, 256])   # (256: Gemma's head size)
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("kind", ["decode", "verify", "prefill"])
+def test_soft_cap(kind, window, num_splits, D):
+    """Gemma 2's soft cap (scores = cap * tanh(scores / cap)) on every query kind, windowed or not, split or not."""
+    rng = random.Random(len(kind) * 7 + (window or 0) + (num_splits or 0) + D)
+    q_lens = {"decode": [1] * 9, "verify": [rng.choice([1, 5, 9]) for _ in range(9)],
+              "prefill": [rng.randint(1, 200) for _ in range(4)]}[kind]
+    seq_lens = [rng.randint(q, q + 700) for q in q_lens]
+    check(q_lens, seq_lens, 16, 8, D, 16, torch.bfloat16, seed=rng.randint(0, 1 << 30), window=window,
+          num_splits=num_splits if kind != "prefill" else None, softcap=0.7)
 
 
 @pytest.mark.gpu

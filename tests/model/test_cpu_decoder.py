@@ -68,14 +68,23 @@ def tiny_gemma3(tmp_path_factory):
                            layer_types=["sliding_attention", "full_attention"])
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory):
+    # (both soft caps small enough to change every attention score and logit)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_gemma2"), "gemma2", seed=7, head_dim=32, sliding_window=4,
+                           layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=1.0,
+                           final_logit_softcapping=2.0)
+
+
 @needs_kernel
 @pytest.mark.parametrize("model, dtype", [("tiny_llama", "float32"), ("tiny_qwen2", "float32"),
                                           ("tiny_windowed", "float32"), ("tiny_qwen2", "bfloat16"),
                                           ("tiny_qwen3", "float32"), ("tiny_qwen3", "bfloat16"),
-                                          ("tiny_gemma3", "float32"), ("tiny_gemma3", "bfloat16")])
+                                          ("tiny_gemma3", "float32"), ("tiny_gemma3", "bfloat16"),
+                                          ("tiny_gemma2", "float32"), ("tiny_gemma2", "bfloat16")])
 def test_the_decoder_gives_the_python_layers_bits(model, dtype, request, monkeypatch):
     """Plain decoding (greedy and sampled, logprobs) with biases (Qwen2), a sliding window, per-head query/key
-    norms (Qwen3), Gemma 3's layers and bfloat16: token for token and logprob for logprob the Python layers'
+    norms (Qwen3), Gemma 3's layers, Gemma 2's soft-capped attention and bfloat16: token for token and logprob for logprob the Python layers'
     run."""
     if dtype == "bfloat16" and torch.bfloat16 not in cpu_linear.dtypes():
         pytest.skip("this CPU multiplies bfloat16 in oneDNN (native bf16): the Python layers run it")

@@ -29,7 +29,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# Gemma 3's norms as llama.cpp names them (ffn_norm is the one before the MLP).
+GEMMA = ("gemma2", "gemma3")
+# Gemma's norms as llama.cpp names them (ffn_norm is the one before the MLP).
 GEMMA_TO_GGUF_LAYER = {**HF_TO_GGUF_LAYER, "post_attention_layernorm": "post_attention_norm",
                        "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
@@ -41,14 +42,14 @@ def gguf_name(hf: str, arch: str = "llama") -> str:
         return top[hf]
     _, _, layer, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{(GEMMA_TO_GGUF_LAYER if arch == 'gemma3' else HF_TO_GGUF_LAYER)[module]}.{kind}"
+    return f"blk.{layer}.{(GEMMA_TO_GGUF_LAYER if arch in GEMMA else HF_TO_GGUF_LAYER)[module]}.{kind}"
 
 
 def write_synthetic(path: Path, arch: str, *, hidden=32, heads=4, kv_heads=2, inter=48, layers=2, vocab=64,
                     bias=False, tied=True, quantize_embed=False, extra_kv=None, extra_tensors=None,
                     head_dim=None) -> dict:
     """Write a tiny GGUF like llama.cpp would; return the HF tensors it encodes (qwen3: per-head q/k norms;
-    gemma3: those and its four norms a layer, every norm stored as 1 + the HF weight)."""
+    gemma2: four norms a layer, every norm stored as 1 + the HF weight; gemma3: those and qwen3's)."""
     rng = np.random.default_rng(0)
     hd = head_dim or hidden // heads
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
@@ -66,7 +67,7 @@ def write_synthetic(path: Path, arch: str, *, hidden=32, heads=4, kv_heads=2, in
                        p + "self_attn.v_proj.bias": (kv_heads * hd,)}
         if arch in ("qwen3", "gemma3"):
             shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
-        if arch == "gemma3":
+        if arch in GEMMA:
             shapes |= {p + "pre_feedforward_layernorm.weight": (hidden,), p + "post_feedforward_layernorm.weight": (hidden,)}
     hf = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
@@ -95,7 +96,7 @@ def write_synthetic(path: Path, arch: str, *, hidden=32, heads=4, kv_heads=2, in
             data = llama_cpp_permute(arr, heads)
         elif arch == "llama" and ".k_proj." in name:
             data = llama_cpp_permute(arr, kv_heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in GEMMA and name.endswith("norm.weight"):
             data = arr + np.float32(1.0)
             hf[name] = data - np.float32(1.0)   # (what the file encodes, read back as transformers does)
         if quantize_embed and name == "model.embed_tokens.weight":
@@ -358,17 +359,22 @@ def test_real_greedy_generation_matches_transformers(smollm2_path, hf_smollm2):
         assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), conv
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "gemma2"])
 def test_synthetic_gguf_generates_as_transformers(tmp_path, arch):
-    """The engine on a Qwen3 / Gemma 3 GGUF gives transformers' greedy tokens for the weights the file encodes
-    (Gemma 3: two windowed layers of 4 tokens, the window attribute read from the file)."""
+    """The engine on a Qwen3 / Gemma 3 / Gemma 2 GGUF gives transformers' greedy tokens for the weights the file
+    encodes (Gemma: windows of 4 tokens, the window attribute read from the file; Gemma 2: its soft caps too)."""
     import transformers
 
     path = tmp_path / f"{arch}.gguf"
-    extra = {"sliding_window": 4} if arch == "gemma3" else None
+    extra = {"sliding_window": 4} if arch in GEMMA else None
+    if arch == "gemma2":
+        extra |= {"attn_logit_softcapping": 1.5, "final_logit_softcapping": 2.5}
     hf = write_synthetic(path, arch, head_dim=16, vocab=64, extra_kv=extra)
     cfg = read_gguf_config(path)
+    if arch == "gemma2":
+        assert (cfg["attn_logit_softcapping"], cfg["final_logit_softcapping"]) == (1.5, 2.5)
     classes = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+               "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
                "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[arch]
     model = classes[1](classes[0](**cfg)).eval()
     missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in hf.items()}, strict=False)
@@ -385,3 +391,15 @@ def test_synthetic_gguf_generates_as_transformers(tmp_path, arch):
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                        use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref
+
+
+@pytest.mark.parametrize("arch, layers, scalar", [("gemma2", 2, 16), ("gemma2", 46, 8), ("gemma3", 62, 8)])
+def test_gemma_settings_a_gguf_leaves_out(tmp_path, arch, layers, scalar):
+    """What llama.cpp's files do not carry, read as llama.cpp reads it: the query scale (hidden / heads for the
+    27B models, known by their layer count, else head_dim) and Gemma 2's soft caps (50 and 30)."""
+    path = tmp_path / f"{arch}.gguf"
+    write_synthetic(path, arch, head_dim=16, layers=layers, hidden=32, heads=4)
+    cfg = ArchConfig.from_hf_dict(read_gguf_config(path))
+    assert cfg.head_dim == 16 and cfg.attention_scale == scalar ** -0.5
+    caps = (50.0, 30.0) if arch == "gemma2" else (None, None)
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == caps

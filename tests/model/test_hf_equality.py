@@ -34,7 +34,7 @@ PROMPTS = [
 ]
 ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwen2_window", "qwen2_yarn",
          "llama_window_key", "mistral_layer_types", "qwen3", "qwen3_window_biases",
-         "gemma3", "gemma3_pattern", "gemma3_softcap"]
+         "gemma3", "gemma3_pattern", "gemma3_softcap", "gemma2", "gemma2_defaults"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -140,6 +140,29 @@ def tiny_gemma3_pattern(tmp_path_factory) -> Path:
     return _random_norms(path, seed=13)
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory) -> Path:
+    # Gemma 2: Gemma 3's layers without the per-head q/k norms or the local rotary base, and both soft caps:
+    # the attention scores' and the final logits', small enough here to change every score and logprob.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_gemma2"), "gemma2", seed=15, head_dim=32,
+                           query_pre_attn_scalar=24, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                           attn_logit_softcapping=1.0, final_logit_softcapping=2.0, attention_bias=True)
+    return _random_norms(path, seed=15)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2_defaults(tmp_path_factory) -> Path:
+    # A Gemma 2 config.json without the keys transformers defaults: the soft caps (50, 30), layer_types (every
+    # other layer windowed, from layer 0) and head_dim (256, not hidden_size / heads).
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_gemma2_defaults"), "gemma2", seed=16, num_hidden_layers=3,
+                           num_attention_heads=2, num_key_value_heads=1, sliding_window=8, tie_word_embeddings=False)
+    cfg = json.loads((path / "config.json").read_text())
+    for key in ("layer_types", "attn_logit_softcapping", "final_logit_softcapping", "head_dim"):
+        cfg.pop(key, None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return _random_norms(path, seed=16)
+
+
 def _random_norms(path: Path, seed: int) -> Path:
     """The checkpoint's norm weights drawn at random (make_tiny_model sets them to 1)."""
     from safetensors.torch import load_file, save_file
@@ -158,7 +181,8 @@ _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mist
              "qwen2_window": "tiny_qwen2_window", "qwen2_yarn": "tiny_qwen2_yarn",
              "llama_window_key": "tiny_llama_window_key", "mistral_layer_types": "tiny_mistral_layer_types",
              "qwen3": "tiny_qwen3", "qwen3_window_biases": "tiny_qwen3_window_biases",
-             "gemma3": "tiny_gemma3", "gemma3_pattern": "tiny_gemma3_pattern", "gemma3_softcap": "tiny_gemma3_softcap"}
+             "gemma3": "tiny_gemma3", "gemma3_pattern": "tiny_gemma3_pattern", "gemma3_softcap": "tiny_gemma3_softcap",
+             "gemma2": "tiny_gemma2", "gemma2_defaults": "tiny_gemma2_defaults"}
 
 
 class Case:

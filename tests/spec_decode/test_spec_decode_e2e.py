@@ -35,6 +35,7 @@ def test_greedy_equality_draft_model(spec_pair, greedy_reference, k):
     ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     ("mistral", dict(sliding_window=8)),
     ("gemma3", dict(head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    ("gemma2", dict(head_dim=32, sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
 ])
 def test_greedy_equality_on_each_architecture(tmp_path, arch, options):
     """Every supported family speculates losslessly: a noisy copy drafts for a tiny target of that family."""

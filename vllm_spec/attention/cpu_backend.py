@@ -29,11 +29,11 @@ def handles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bo
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: [T, H, D] -> [T, H, D], attending to keys already written into the cache."""
     if not handles(q, k_cache, v_cache):
-        return torch_backend.paged_attention(q, k_cache, v_cache, md, scale, sliding_window)
+        return torch_backend.paged_attention(q, k_cache, v_cache, md, scale, sliding_window, softcap)
     meta = [cpu_ops.contiguous_as(t, torch.long) for t in (md.block_tables, md.seq_lens, md.query_start_loc)]
     out = cpu_ops.module().paged_attention(cpu_ops.contiguous_as(q, torch.float32), k_cache, v_cache, *meta, scale,
-                                           sliding_window or 0)
+                                           sliding_window or 0, softcap or 0.0)
     return out if q.dtype == torch.float32 else out.to(q.dtype)

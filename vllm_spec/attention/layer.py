@@ -46,11 +46,12 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap   # Gemma 2's: scores become softcap * tanh(scores / softcap)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.backend = None
@@ -62,4 +63,5 @@ class Attention(nn.Module):
         """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
         backend = self.backend_for(q)
         backend.write_kv_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        return backend.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
+        return backend.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window,
+                                      self.softcap)

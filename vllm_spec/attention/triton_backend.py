@@ -96,6 +96,14 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 # Arguments that vary from step to step are not specialised on (Triton otherwise compiles a
 # new variant when one happens to be 1 or a multiple of 16: a stall in the middle of serving).
+@triton.jit
+def _tanh(x):
+    """tanh from one exp2 (exp(-2|x|)), exact in float32 and without overflow at any |x|."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
 @triton.jit(do_not_specialize=["stride_bt", "window", "num_splits"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -103,10 +111,10 @@ def _paged_attn_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
-    qk_scale, window, num_splits,
+    qk_scale, cap, window, num_splits,
     KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     D: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     H: tl.constexpr = KVH * GROUP
@@ -170,6 +178,8 @@ def _paged_attn_kernel(
                 v_mask = kmask[:, None]
             k = tl.load(k_head + k_off[None, :] + d[:, None], mask=k_mask, other=0.0)  # [D_P, BLOCK_N]
             s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
+            if SOFTCAP:   # qk_scale is scale / softcap and cap softcap * log2(e)
+                s = _tanh(s) * cap
             valid = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
             if USE_WINDOW:
                 valid = valid & (kpos[None, :] > qpos[:, None] - window)
@@ -269,7 +279,7 @@ def _plan(num_seqs: int, kvh: int, group: int, d: int, max_query_len: int, max_s
 
 def paged_attention_out(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
                         scale: float, sliding_window: int | None, out: torch.Tensor,
-                        num_splits: int | None = None) -> torch.Tensor:
+                        num_splits: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """`paged_attention` into a caller-given out [T, H, D] (rows of real tokens only are written)."""
     T, H, D = q.shape
     kvh = k_cache.shape[2]
@@ -302,9 +312,10 @@ def paged_attention_out(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         bt.stride(0),
-        scale * _LOG2E, int(sliding_window) if use_window else 0, splits,
+        scale / softcap if softcap else scale * _LOG2E, softcap * _LOG2E if softcap else 0.0,
+        int(sliding_window) if use_window else 0, splits,
         KVH=kvh, GROUP=group, GROUP_P=gp, BLOCK_Q=block_q, D=D, D_P=_padded_head_dim(D), BLOCK_N=block_n,
-        BLOCK_SIZE=k_cache.shape[1], USE_WINDOW=use_window, SPLIT=splits > 1,
+        BLOCK_SIZE=k_cache.shape[1], USE_WINDOW=use_window, SOFTCAP=bool(softcap), SPLIT=splits > 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages,
     )
@@ -316,14 +327,14 @@ def paged_attention_out(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: [T, H, D] -> [T, H, D], attending to keys already written into the cache."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return paged_attention_out(q, k_cache, v_cache, md, scale, sliding_window, out)
+    return paged_attention_out(q, k_cache, v_cache, md, scale, sliding_window, out, softcap=softcap)
 
 
 def warm_up(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-            sliding_window: int | None, dtype: torch.dtype) -> None:
+            sliding_window: int | None, dtype: torch.dtype, softcap: float | None = None) -> None:
     """Compile now every attention variant a step can ask for, instead of in the middle of serving.
 
     Variants differ by query tile (from the longest query of a batch: decode, verification,
@@ -348,4 +359,4 @@ def warm_up(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, scale:
                 slot_mapping=torch.zeros(mq, dtype=torch.long, device=dev),
                 max_query_len=mq, max_seq_len=mq, block_size=block_size)
             q = torch.zeros((mq, num_heads, D), dtype=dtype, device=dev)
-            paged_attention_out(q, k_cache, v_cache, md, scale, sliding_window, torch.empty_like(q), splits)
+            paged_attention_out(q, k_cache, v_cache, md, scale, sliding_window, torch.empty_like(q), splits, softcap)

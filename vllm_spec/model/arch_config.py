@@ -14,15 +14,19 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
     "Qwen3ForCausalLM": False,
+    "Gemma2ForCausalLM": False,
     "Gemma3ForCausalLM": False,
 }
-# transformers' sliding_window for a config.json without one: Mistral's, Gemma 3's, and Qwen2's with use_sliding_window.
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# transformers' sliding_window for a config.json without one: Mistral's, Gemma's, and Qwen2's with use_sliding_window.
 _SLIDING_WINDOW_DEFAULT = 4096
 # A config without "architectures" names its model_type (transformers loads it from that).
 _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                       "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                       "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 # Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
-_CONFIGURED_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+_CONFIGURED_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", *_GEMMA)
+# transformers' soft caps for a Gemma config.json without the keys: (attention scores, final logits).
+_GEMMA_SOFTCAPS = {"Gemma2ForCausalLM": (50.0, 30.0), "Gemma3ForCausalLM": (None, None)}
 # The MLP activations: SiLU, and Gemma's tanh-approximated GELU.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
@@ -30,7 +34,7 @@ CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 
 @dataclass
 class ArchConfig:
-    """Shapes and options of one Llama-family model (Llama, Mistral, Qwen2, Qwen3, Gemma 3, SmolLM2)."""
+    """Shapes and options of one Llama-family model (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, SmolLM2)."""
 
     architecture: str
     vocab_size: int
@@ -49,16 +53,17 @@ class ArchConfig:
     o_proj_bias: bool = False      # Llama's attention_bias biases o_proj too (Qwen2's q/k/v bias does not)
     mlp_bias: bool = False
     qk_norm: bool = False          # Qwen3, Gemma 3: an RMSNorm over each query and key head before the rotation
-    # Gemma 3: GELU (tanh) MLP, embeddings times sqrt(hidden_size), norm weights stored as offsets from 1,
-    # norms after the attention and the MLP too (before each residual add), the attention scaled by
-    # query_pre_attn_scalar ** -0.5, and the windowed layers rotated with their own base (no scaling).
+    # Gemma 2 and 3: GELU (tanh) MLP, embeddings times sqrt(hidden_size), norm weights stored as offsets from
+    # 1, norms after the attention and the MLP too (before each residual add), the attention scaled by
+    # query_pre_attn_scalar ** -0.5; Gemma 3's windowed layers rotated with their own base (no scaling).
     hidden_act: str = "silu"       # "silu" or "gelu_tanh"
     embed_scale: bool = False
     norm_unit_offset: bool = False
     sandwich_norms: bool = False
     attention_scale: float | None = None   # None: head_dim ** -0.5
     local_rope_theta: float | None = None
-    final_logit_softcapping: float | None = None   # Gemma 3's: logits = cap * tanh(logits / cap)
+    final_logit_softcapping: float | None = None   # Gemma's: logits = cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None    # Gemma 2's: attention scores = cap * tanh(scores / cap)
     sliding_window: int | None = None
     # The layers that attend within sliding_window (None: all of them, as Mistral; Qwen2 windows the
     # layers from max_window_layers on, or those its layer_types call sliding).
@@ -94,18 +99,14 @@ class ArchConfig:
                 f"Unsupported model architecture {[a for a in archs if a] or cfg.get('model_type')!r}; "
                 f"supported architectures: {sorted(SUPPORTED_ARCHITECTURES)}."
             )
-        gemma = arch == "Gemma3ForCausalLM"
+        gemma = arch in _GEMMA
         act = (cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh") if gemma else \
             cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act not in ACTIVATIONS:
             raise ValueError(f"Unsupported hidden_act {act!r} in the model config: supported: {sorted(ACTIVATIONS)}.")
-        softcap = cfg.get("final_logit_softcapping")
-        if softcap is not None and not (gemma and is_number(softcap) and softcap > 0):
-            raise ValueError(f"final_logit_softcapping ({softcap!r}) is not supported: it must be null"
-                             + (" or a positive number." if gemma else " (Gemma 3's)."))
-        if cfg.get("attn_logit_softcapping") is not None:
-            raise ValueError(f"attn_logit_softcapping ({cfg['attn_logit_softcapping']!r}) is not supported: it must "
-                             "be null.")
+        attn_softcap, softcap = (_softcap(cfg, key, arch, default)
+                                 for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"),
+                                                         _GEMMA_SOFTCAPS.get(arch, (None, None))))
         if cfg.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention is not supported: decoding attends causally.")
         quant = cfg.get("quantization_config")
@@ -129,7 +130,7 @@ class ArchConfig:
         rope_params = cfg.get("rope_parameters")  # transformers >= 5 layout
         rope_theta = cfg.get("rope_theta")
         local_theta = None
-        if gemma:
+        if arch == "Gemma3ForCausalLM":
             rope_params, local_theta = _gemma_rope(cfg, rope_params)
             rope_theta = rope_theta if rope_theta is not None else 1000000.0
         if isinstance(rope_params, dict):
@@ -156,7 +157,7 @@ class ArchConfig:
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            head_dim=cfg.get("head_dim") or (256 if gemma else hidden // heads),   # (transformers' defaults)
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
@@ -175,7 +176,8 @@ class ArchConfig:
             sandwich_norms=gemma,
             attention_scale=float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5 if gemma else None,
             local_rope_theta=local_theta,
-            final_logit_softcapping=float(softcap) if softcap is not None else None,
+            final_logit_softcapping=softcap,
+            attn_logit_softcapping=attn_softcap,
             sliding_window=sliding,
             windowed_layers=windowed,
             bos_token_id=cfg.get("bos_token_id"),
@@ -185,6 +187,18 @@ class ArchConfig:
             draft_vocab=_draft_vocab(cfg.get("vllm_spec_draft_vocab"), vocab),
             cpu_weights=_cpu_weights(cfg.get("vllm_spec_cpu_weights")),
         )
+
+
+def _softcap(cfg: dict[str, Any], key: str, arch: str, default: float | None) -> float | None:
+    """A Gemma soft cap: null or a positive number (absent: transformers' default); other models have none."""
+    value = cfg.get(key, default)
+    if value is None:
+        return None
+    if arch not in _GEMMA:
+        raise ValueError(f"{key} ({value!r}) is not supported for {arch}: it must be null (Gemma's soft caps).")
+    if not (is_number(value) and value > 0):
+        raise ValueError(f"{key} ({value!r}) is not supported: it must be null or a positive number.")
+    return float(value)
 
 
 def _draft_vocab(value: Any, vocab_size: int) -> tuple[int, ...] | None:
@@ -214,15 +228,16 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
     """(window, the layers it applies to: None for all), as transformers reads the config: Llama has none
     (its sliding_window key is ignored); Mistral windows every layer (4096 unless the key says otherwise, null:
     none), or those its layer_types call sliding (Ministral); Qwen2 and Qwen3 only with use_sliding_window, on
-    the layers layer_types call sliding, else from max_window_layers on; Gemma 3 the layers its layer_types
-    call sliding, else all but every sliding_window_pattern-th."""
+    the layers layer_types call sliding, else from max_window_layers on; Gemma the layers its layer_types
+    call sliding, else all but every sliding_window_pattern-th (Gemma 2: every other one)."""
     if arch == "LlamaForCausalLM":
         return None, None
     types = cfg.get("layer_types")
     sliding = cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULT)
-    if arch == "Gemma3ForCausalLM":
+    if arch in _GEMMA:
         if not isinstance(types, list):   # every sliding_window_pattern-th layer attends to everything
-            pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+            pattern = 2 if arch == "Gemma2ForCausalLM" else \
+                cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):

@@ -5,8 +5,8 @@ ops (the default model at batch 1: 6.6 ms of a 17 ms step outside the matmuls). 
 are all short (decode, verification of drafts, the draft's catch-up: the C++ attention's) run the layers
 in C++ instead. Its layers call the ops the Python layers call, in their order, so the bits are the same;
 prompt chunks (torch's attention), tensor parallelism, a forced attention backend and weights the CPU
-kernel does not take keep the Python layers. Gemma 3's layers (norms around the attention and the MLP,
-GELU, windowed layers rotated by their own base) run there too.
+kernel does not take keep the Python layers. Gemma's layers (norms around the attention and the MLP,
+GELU, Gemma 3's windowed layers rotated by their own base, Gemma 2's soft-capped attention) run there too.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class CpuDecoder:
                                         attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale,
                                         attn.attn.sliding_window or 0, *head,
                                         *([n.weight for n in sandwich] or [None, None]),
-                                        mlp.act == "gelu_tanh", layer.local_rope))
+                                        mlp.act == "gelu_tanh", layer.local_rope, attn.attn.softcap or 0.0))
         return cls(decoder, [layer.self_attn.attn for layer in layers], layers[0].self_attn.head_dim, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata,

@@ -1,4 +1,4 @@
-"""Read llama.cpp GGUF checkpoints (``llama``, ``qwen2``, ``qwen3``, ``gemma3``) as HF-style configs and weights.
+"""Read llama.cpp GGUF checkpoints (``llama``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``) as HF-style configs and weights.
 
 GGUF stores hyper-parameters under ``{arch}.*`` keys and tensors under llama.cpp names
 (``blk.N.attn_q.weight``). This module maps both back to the Hugging Face layout so the
@@ -20,7 +20,12 @@ from gguf.quants import dequantize
 
 # GGUF architecture -> HF architecture name.
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                      "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                                      "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                                      "gemma3": "Gemma3ForCausalLM"}
+_GEMMA = ("gemma2", "gemma3")
+# GGUF files carry no query_pre_attn_scalar: llama.cpp takes hidden / heads for the 27B models (known by their
+# layer count) and head_dim for the others, as their HF configs say.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PER_LAYER = {
@@ -36,8 +41,8 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Gemma 3 names its norms as Gemma 2 (ffn_norm is the one before the MLP; after the attention and the MLP
-# come two more), and llama.cpp stores every norm weight of the family as 1 + the checkpoint's.
+# Gemma's norms (ffn_norm is the one before the MLP; after the attention and the MLP come two more);
+# llama.cpp stores every norm weight of the family as 1 + the checkpoint's.
 _GEMMA_PER_LAYER = {**_PER_LAYER, "ffn_norm": "pre_feedforward_layernorm",
                     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Tensors that carry configuration, not parameters: rope_freqs becomes config["rope_scaling"].
@@ -85,7 +90,7 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
     """Return an HF-style config dict (for ``ArchConfig.from_hf_dict``) read from a GGUF file.
 
     Raises ``FileNotFoundError`` if the file is missing and ``ValueError`` for a GGUF
-    architecture other than ``llama`` / ``qwen2`` / ``qwen3`` / ``gemma3``.
+    architecture other than ``llama`` / ``qwen2`` / ``qwen3`` / ``gemma2`` / ``gemma3``.
     """
     reader, arch = _open(path)
     return _config(reader, arch)
@@ -117,14 +122,20 @@ def _config(reader: GGUFReader, arch: str) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         # The file says which biases it has: o_proj's need not follow q/k/v's.
         "vllm_spec_o_proj_bias": "blk.0.attn_output.bias" in tensors,
-        "hidden_act": "gelu_pytorch_tanh" if arch == "gemma3" else "silu",
+        "hidden_act": "gelu_pytorch_tanh" if arch in _GEMMA else "silu",
     }
-    if arch == "gemma3":   # (the local rotary base, the window pattern and the query scale: transformers' defaults)
-        cfg["sliding_window"] = kv("attention.sliding_window", 4096)
     # key_length is head_dim when it is not hidden/heads; llama's rotary dims always equal head_dim.
     head_dim = kv("attention.key_length") or (kv("rope.dimension_count") if arch == "llama" else None)
-    if head_dim:
-        cfg["head_dim"] = head_dim
+    if head_dim or arch in _GEMMA:   # (a Gemma config without head_dim would mean transformers' 256)
+        cfg["head_dim"] = head_dim or hidden // heads
+    if arch in _GEMMA:   # (Gemma 3's local rotary base and window pattern: transformers' defaults)
+        cfg["sliding_window"] = kv("attention.sliding_window", 4096)
+        cfg["query_pre_attn_scalar"] = hidden // heads if cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch] \
+            else cfg["head_dim"]
+    if arch == "gemma2":   # (absent: llama.cpp's and transformers' 50 and 30)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if kv(key) is not None:
+                cfg[key] = _f32(kv(key))
     bos = _value(reader, "tokenizer.ggml.bos_token_id")
     if bos is not None:
         cfg["bos_token_id"] = bos
@@ -189,7 +200,7 @@ def _hf_name(gguf_name: str, arch: str) -> str:
     base, _, kind = gguf_name.rpartition(".")  # kind: "weight" or "bias"
     if base in _TOP_LEVEL:
         return f"{_TOP_LEVEL[base]}.{kind}"
-    per_layer = _GEMMA_PER_LAYER if arch == "gemma3" else _PER_LAYER
+    per_layer = _GEMMA_PER_LAYER if arch in _GEMMA else _PER_LAYER
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if m and m.group(2) in per_layer:
         return f"model.layers.{m.group(1)}.{per_layer[m.group(2)]}.{kind}"
@@ -230,7 +241,7 @@ def _iter_weights(reader: GGUFReader, arch: str, n_head: int, n_kv_head: int) ->
         w = w.reshape([int(d) for d in reversed(t.shape)])
         if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
             w = _unpermute(w, n_head if ".attn_q." in t.name else n_kv_head)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in _GEMMA and name.endswith("norm.weight"):
             w = w - np.float32(1.0)
         yield name, torch.from_numpy(np.ascontiguousarray(w))
 

@@ -1,4 +1,4 @@
-"""One Llama-family decoder (Llama 1-3, Mistral, Qwen2, Qwen3, Gemma 3, SmolLM2) over a flat token batch."""
+"""One Llama-family decoder (Llama 1-3, Mistral, Qwen2, Qwen3, Gemma 2 and 3, SmolLM2) over a flat token batch."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = _norm(cfg, cfg.head_dim, dtype) if cfg.qk_norm else None
         self.k_norm = _norm(cfg, cfg.head_dim, dtype) if cfg.qk_norm else None
         scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.head_dim ** -0.5
-        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale, cfg.sliding_window_for(layer))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale, cfg.sliding_window_for(layer),
+                              cfg.attn_logit_softcapping)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, cos: torch.Tensor,
                 sin: torch.Tensor, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,7 +100,7 @@ class ModelRunner:
         if hasattr(backend, "warm_up"):   # compiled kernels (Triton): compile them before serving
             # Once per window the layers use (Qwen2 may window some layers only).
             for window in {a.sliding_window: None for a in self.model.attention_layers()}:
-                backend.warm_up(attn.num_heads, attn.k_cache, attn.v_cache, attn.scale, window, dtype)
+                backend.warm_up(attn.num_heads, attn.k_cache, attn.v_cache, attn.scale, window, dtype, attn.softcap)
             self._warm_up_argmax(dtype)
             self._warm_up_gate_up(dtype)
 
