@@ -257,6 +257,7 @@ def test_more_vllm_serve_flags_parse(capsys):
     assert (ns.host, ns.api_key, ns.uds, ns.ssl_keyfile, ns.ssl_certfile) == (None, ["a", "b"], "/tmp/s.sock",
                                                                                "k.pem", "c.pem")
     assert ns.enable_force_include_usage and ns.default_chat_template_kwargs == {"enable_thinking": False}
+    assert parser.parse_args(["serve", "M", "--hf-overrides", '{"rope_theta": 7.0}']).hf_overrides == {"rope_theta": 7.0}
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "M", "--default-chat-template-kwargs", "[1]"])
     with pytest.raises(SystemExit):

@@ -219,7 +219,7 @@ def test_vllm_keywords_at_their_neutral_values(llm, tiny_llama):
         llm.chat(plain, greedy(), use_tqdm=False)[0].outputs[0].token_ids
     for name, value in (("enable_lora", True), ("pipeline_parallel_size", 2), ("cpu_offload_gb", 4),
                         ("task", "embed"), ("logprobs_mode", "logits"), ("enable_sleep_mode", True),
-                        ("hf_overrides", {"rope_theta": 1.0}), ("mm_processor_kwargs", {"x": 1})):
+                        ("mm_processor_kwargs", {"x": 1})):
         with pytest.raises(ValueError, match=name):
             LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, **{name: value})
     with pytest.raises(ValueError, match="lora_request is not supported"):
@@ -231,6 +231,32 @@ def test_vllm_keywords_at_their_neutral_values(llm, tiny_llama):
         llm.chat(plain, use_tqdm=False, tools={"type": "function"})
     with pytest.raises(ValueError, match=r"chat_template_content_format must be one of \['auto', 'string', 'openai'\]"):
         llm.chat(plain, use_tqdm=False, chat_template_content_format="list")
+
+
+def test_hf_overrides_as_vllm(llm, tiny_llama, tmp_path):
+    """vLLM's hf_overrides: a dict's keys over config.json's, or a callable changing the transformers config;
+    the model runs as one whose config.json says the same."""
+    changes = {"rms_norm_eps": 0.5, "max_position_embeddings": 100}
+    edited = LLM(copy_with_config(tiny_llama, tmp_path / "edited", **changes), kv_cache_memory_bytes=1 << 24)
+    want = edited.generate(PROMPT, greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    assert want != llm.generate(PROMPT, greedy(), use_tqdm=False)[0].outputs[0].token_ids   # (the change shows)
+
+    def change(config):
+        config.rms_norm_eps, config.max_position_embeddings = 0.5, 100
+        return config
+
+    for overrides in (changes, change):
+        other = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, hf_overrides=overrides)
+        assert other.generate(PROMPT, greedy(), use_tqdm=False)[0].outputs[0].token_ids == want
+        config = other.llm_engine.model_config
+        assert config.max_model_len == 100 and config.hf_config.max_position_embeddings == 100
+    for overrides, message in (([("rms_norm_eps", 0.5)], "hf_overrides must be a dict of config.json keys"),
+                               ({1: 2}, r"hf_overrides keys must be config.json keys \(strings\), got \[1\]"),
+                               (lambda config: None, r"hf_overrides \(a callable\) must return .* got NoneType"),
+                               ({"architectures": ["GPT2LMHeadModel"]}, "Unsupported model architecture"),
+                               ({"max_position_embeddings": 100}, r"max_model_len \(200\) must be <= .*\(100\)")):
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, max_model_len=200, hf_overrides=overrides)
 
 
 PARTS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% for part in m['content'] %}[{{ part['text'] }}]"

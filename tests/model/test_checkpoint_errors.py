@@ -55,12 +55,22 @@ def test_config_without_architectures_loads_by_model_type(base, tmp_path):
     ({"final_logit_softcapping": 30.0},
      r"final_logit_softcapping \(30.0\) is not supported for LlamaForCausalLM: it must be null \(Gemma"),
     ({"architectures": ["Gemma3ForCausalLM"], "final_logit_softcapping": -1},
-     r"final_logit_softcapping \(-1\) is not supported: it must be null or a positive number"),
+     r"final_logit_softcapping \(-1\) is not supported: it must be null or a finite positive number"),
     ({"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping \(50.0\) is not supported for LlamaForCausalLM"),
     ({"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": "50"},
-     r"attn_logit_softcapping \('50'\) is not supported: it must be null or a positive number"),
+     r"attn_logit_softcapping \('50'\) is not supported: it must be null or a finite positive number"),
     ({"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 0},
-     r"attn_logit_softcapping \(0\) is not supported: it must be null or a positive number"),
+     r"attn_logit_softcapping \(0\) is not supported: it must be null or a finite positive number"),
+    ({"architectures": ["Gemma2ForCausalLM"], "final_logit_softcapping": 1e39},
+     r"final_logit_softcapping \(1e\+39\) is not supported: it must be null or a finite positive number"),
+    ({"architectures": ["Gemma2ForCausalLM"], "query_pre_attn_scalar": -4},
+     r"query_pre_attn_scalar must be a positive number \(or null: 256\), got -4"),
+    ({"architectures": ["Gemma3ForCausalLM"], "query_pre_attn_scalar": "x"}, "query_pre_attn_scalar must be"),
+    ({"head_dim": 0}, r"head_dim must be a positive integer \(or null: hidden_size / num_attention_heads\), got 0"),
+    ({"head_dim": "16"}, "head_dim must be a positive integer"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 0},
+     r"sliding_window must be a positive integer or null, got 0"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": "x"}, "sliding_window must be a positive integer"),
     ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"architectures": ["Gemma3ForCausalLM"], "rope_parameters": {
         "full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -123,7 +133,7 @@ def test_qwen2_windows_follow_transformers_defaults():
     from vllm_spec.model.arch_config import ArchConfig
 
     base = dict(architectures=["Qwen2ForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,
-                num_hidden_layers=4, num_attention_heads=4, sliding_window=8)
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, sliding_window=8)
     windows = lambda cfg: [ArchConfig.from_hf_dict(cfg).sliding_window_for(i) for i in range(4)]  # noqa: E731
     assert windows(base) == [None] * 4                                     # use_sliding_window off
     assert windows({**base, "use_sliding_window": True}) == [None] * 4     # max_window_layers 28 by default
@@ -135,7 +145,8 @@ def test_qwen2_windows_follow_transformers_defaults():
 def test_windows_of_llama_and_mistral_follow_transformers():
     from vllm_spec.model.arch_config import ArchConfig
 
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4)
     windows = lambda cfg: [ArchConfig.from_hf_dict(cfg).sliding_window_for(i) for i in range(2)]  # noqa: E731
     llama, mistral = dict(base, architectures=["LlamaForCausalLM"]), dict(base, architectures=["MistralForCausalLM"])
     assert windows({**llama, "sliding_window": 8}) == [None, None]           # Llama never windows
@@ -161,7 +172,8 @@ def test_attention_bias_field_is_read_as_transformers_does():
     """Qwen2 always has q/k/v biases and Mistral never: transformers ignores their configs' attention_bias."""
     from vllm_spec.model.arch_config import ArchConfig
 
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4)
     bias = lambda arch, value: ArchConfig.from_hf_dict(  # noqa: E731
         {**base, "architectures": [arch], "attention_bias": value}).attention_bias
     assert bias("Qwen2ForCausalLM", False) and not bias("MistralForCausalLM", True)

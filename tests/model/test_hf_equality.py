@@ -153,12 +153,15 @@ def tiny_gemma2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_gemma2_defaults(tmp_path_factory) -> Path:
     # A Gemma 2 config.json without the keys transformers defaults: the soft caps (50, 30), layer_types (every
-    # other layer windowed, from layer 0) and head_dim (256, not hidden_size / heads).
+    # other layer windowed, from layer 0), head_dim (256, not hidden_size / heads), num_key_value_heads (4) and
+    # hidden_activation (GELU: a hidden_act beside it is not read).
     path = make_tiny_model(tmp_path_factory.mktemp("tiny_gemma2_defaults"), "gemma2", seed=16, num_hidden_layers=3,
-                           num_attention_heads=2, num_key_value_heads=1, sliding_window=8, tie_word_embeddings=False)
+                           num_attention_heads=8, num_key_value_heads=4, sliding_window=8, tie_word_embeddings=False)
     cfg = json.loads((path / "config.json").read_text())
-    for key in ("layer_types", "attn_logit_softcapping", "final_logit_softcapping", "head_dim"):
+    for key in ("layer_types", "attn_logit_softcapping", "final_logit_softcapping", "head_dim", "num_key_value_heads",
+                "hidden_activation"):
         cfg.pop(key, None)
+    cfg["hidden_act"] = "silu"
     (path / "config.json").write_text(json.dumps(cfg))
     return _random_norms(path, seed=16)
 

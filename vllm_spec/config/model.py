@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -46,7 +46,8 @@ class ModelConfig:
     @classmethod
     def create(cls, model: str, tokenizer: str | None, dtype: str | torch.dtype, device: str,
                max_model_len: int | None, load_format: str, seed: int | None, generation_config: str = "auto",
-               override_generation_config: dict | None = None) -> "ModelConfig":
+               override_generation_config: dict | None = None,
+               hf_overrides: dict | Callable | None = None) -> "ModelConfig":
         if not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model must be a path (a model folder or a .gguf file), got {model!r}.")
         if tokenizer is not None:
@@ -69,6 +70,7 @@ class ModelConfig:
                 hf_cfg = json.loads((path / "config.json").read_text())
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from e
+        hf_cfg = _overridden(hf_cfg, hf_overrides)
         arch = ArchConfig.from_hf_dict(hf_cfg)
         dev = resolve_device(device)
         limit, bound = arch.max_position_embeddings, "max_position_embeddings"
@@ -102,13 +104,7 @@ class ModelConfig:
     @functools.cached_property
     def hf_config(self):
         """The model's transformers config (built from what was read: no hub, no remote code)."""
-        from transformers import AutoConfig, PretrainedConfig
-
-        cfg = {k: v for k, v in self.hf_dict.items() if k != "model_type"}
-        try:
-            return AutoConfig.for_model(self.hf_dict.get("model_type", ""), **cfg)
-        except ValueError:   # a model_type transformers does not know
-            return PretrainedConfig(**self.hf_dict)
+        return _transformers_config(self.hf_dict)
 
     @property
     def hf_text_config(self):
@@ -138,3 +134,36 @@ class ModelConfig:
 
     def get_sliding_window(self) -> int | None:
         return self.arch.sliding_window
+
+
+def _transformers_config(hf_dict: dict[str, Any]):
+    """The transformers config of a config.json's dict (no hub, no remote code)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    cfg = {k: v for k, v in hf_dict.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(hf_dict.get("model_type", ""), **cfg)
+    except ValueError:   # a model_type transformers does not know
+        return PretrainedConfig(**hf_dict)
+
+
+def _overridden(hf_dict: dict[str, Any], overrides: dict | Callable | None) -> dict[str, Any]:
+    """vLLM's hf_overrides: a dict's keys replace the config's (values whole, nested dicts too), or a callable
+    takes the transformers config and returns it changed."""
+    if overrides is None:
+        return hf_dict
+    if isinstance(overrides, dict):
+        bad = [k for k in overrides if not isinstance(k, str)]
+        if bad:
+            raise ValueError(f"hf_overrides keys must be config.json keys (strings), got {bad!r}.")
+        return {**hf_dict, **overrides}
+    if not callable(overrides):
+        raise ValueError("hf_overrides must be a dict of config.json keys and values, or a callable taking and "
+                         f"returning the model's transformers config, got {type(overrides).__name__}.")
+    from transformers import PretrainedConfig
+
+    config = overrides(_transformers_config(hf_dict))
+    if not isinstance(config, PretrainedConfig):
+        raise ValueError(f"hf_overrides (a callable) must return the transformers config it was given (a "
+                         f"PretrainedConfig), got {type(config).__name__}.")
+    return config.to_dict()

@@ -81,7 +81,9 @@ class EngineArgs:
                         "applied), raw_logits, processed_logprobs or processed_logits (after logit_bias, penalties, "
                         "temperature, top-k/top-p/min-p; prompt_logprobs: always log-probabilities).")
     cpu_offload_gb: float = _opt(0.0, "Not supported: 0.")
-    hf_overrides: dict | None = _opt(None, "Not supported: None (the model folder's config.json as it is).")
+    hf_overrides: dict | None = _opt(
+        None, "JSON object of config.json keys over the model's (the target's), e.g. '{\"max_position_embeddings\": "
+              "8192}'; in Python also a callable taking and returning the transformers config.")
     hf_token: str | None = _opt(None, "Accepted for vLLM compatibility: no model hub is contacted.")
     compilation_config: dict | None = _opt(
         None, "Accepted for vLLM compatibility: this engine's CUDA graphs and kernels are its own (enforce_eager "
@@ -199,7 +201,8 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be -1 (the whole vocabulary) or an integer >= 0, got "
                              f"{self.max_logprobs!r}.")
         model = ModelConfig.create(self.model, self.tokenizer, self.dtype, self.device, self.max_model_len,
-                                   self.load_format, self.seed, self.generation_config, self.override_generation_config)
+                                   self.load_format, self.seed, self.generation_config, self.override_generation_config,
+                                   self.hf_overrides)
         model.max_logprobs = int(self.max_logprobs)
         model.logprobs_mode = self.logprobs_mode
         speculative = self._speculative_config(model)
@@ -226,7 +229,7 @@ class EngineArgs:
         for name, allowed in (("tokenizer_mode", ("auto",)), ("revision", (None,)), ("tokenizer_revision", (None,)),
                               ("quantization", (None,)), ("kv_cache_dtype", ("auto",)),
                               ("logprobs_mode", LOGPROBS_MODES), ("cpu_offload_gb", (0,)),
-                              ("hf_overrides", (None, {})), ("task", ("auto", "generate")),
+                              ("task", ("auto", "generate")),
                               ("runner", ("auto", "generate")), ("enable_lora", (False,)),
                               ("pipeline_parallel_size", (1,)), ("data_parallel_size", (1,)),
                               ("enable_sleep_mode", (False,)), ("mm_processor_kwargs", (None, {})),

@@ -27,6 +27,15 @@ _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
 _CONFIGURED_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", *_GEMMA)
 # transformers' soft caps for a Gemma config.json without the keys: (attention scores, final logits).
 _GEMMA_SOFTCAPS = {"Gemma2ForCausalLM": (50.0, 30.0), "Gemma3ForCausalLM": (None, None)}
+# transformers' values for keys a config.json leaves out (Llama's: all heads, hidden / heads, 2048).
+_ABSENT = {
+    "MistralForCausalLM": dict(num_key_value_heads=8, max_position_embeddings=131072),
+    "Qwen2ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768),
+    "Qwen3ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768, head_dim=128),
+    "Gemma2ForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=8192, head_dim=256),
+    "Gemma3ForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=131072, head_dim=256),
+}
+_FLOAT32_MAX = 3.4028234663852886e38
 # The MLP activations: SiLU, and Gemma's tanh-approximated GELU.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
@@ -100,10 +109,12 @@ class ArchConfig:
                 f"supported architectures: {sorted(SUPPORTED_ARCHITECTURES)}."
             )
         gemma = arch in _GEMMA
-        act = (cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh") if gemma else \
+        # (transformers' Gemma reads hidden_activation alone)
+        act_key = "hidden_activation" if gemma else "hidden_act"
+        act = cfg.get("hidden_activation", "gelu_pytorch_tanh") if gemma else \
             cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-        if act not in ACTIVATIONS:
-            raise ValueError(f"Unsupported hidden_act {act!r} in the model config: supported: {sorted(ACTIVATIONS)}.")
+        if not isinstance(act, str) or act not in ACTIVATIONS:
+            raise ValueError(f"Unsupported {act_key} {act!r} in the model config: supported: {sorted(ACTIVATIONS)}.")
         attn_softcap, softcap = (_softcap(cfg, key, arch, default)
                                  for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"),
                                                          _GEMMA_SOFTCAPS.get(arch, (None, None))))
@@ -118,14 +129,28 @@ class ArchConfig:
         hidden = _required(cfg, "hidden_size")
         layers = _required(cfg, "num_hidden_layers")
         vocab = _required(cfg, "vocab_size")
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        if not (isinstance(heads, int) and isinstance(kv_heads, int) and 0 < kv_heads <= heads
-                and heads % kv_heads == 0):
+        absent = _ABSENT.get(arch, {})
+        kv_heads = cfg.get("num_key_value_heads", absent.get("num_key_value_heads"))
+        kv_heads = heads if kv_heads is None else kv_heads
+        if not (_positive_int(heads) and _positive_int(kv_heads) and kv_heads <= heads and heads % kv_heads == 0):
             raise ValueError(f"num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads "
                              f"({kv_heads}): each KV head serves the same number of query heads.")
+        if not _positive_int(hidden):
+            raise ValueError(f"hidden_size must be a positive integer, got {hidden!r}.")
+        head_dim = cfg.get("head_dim", absent.get("head_dim"))
+        head_dim = hidden // heads if head_dim is None else head_dim
+        if not _positive_int(head_dim):
+            raise ValueError(f"head_dim must be a positive integer (or null: hidden_size / num_attention_heads), "
+                             f"got {head_dim!r}.")
+        scalar = cfg.get("query_pre_attn_scalar")
+        scalar = 256 if scalar is None else scalar   # (transformers' Gemma default)
+        if gemma and not (is_number(scalar) and 0 < scalar <= _FLOAT32_MAX):
+            raise ValueError(f"query_pre_attn_scalar must be a positive number (or null: 256), got {scalar!r}.")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         sliding, windowed = _sliding_window(arch, cfg, layers)
+        if sliding is not None and not _positive_int(sliding):
+            raise ValueError(f"sliding_window must be a positive integer or null, got {sliding!r}.")
         rope_scaling = cfg.get("rope_scaling")
         rope_params = cfg.get("rope_parameters")  # transformers >= 5 layout
         rope_theta = cfg.get("rope_theta")
@@ -157,11 +182,11 @@ class ArchConfig:
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=cfg.get("head_dim") or (256 if gemma else hidden // heads),   # (transformers' defaults)
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=cfg.get("max_position_embeddings", absent.get("max_position_embeddings", 2048)),
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),   # (transformers' default for each)
             # (transformers' Qwen2 always has q/k/v biases and Mistral never: their attention_bias is ignored)
             attention_bias=(cfg.get("attention_bias", False) if arch in _CONFIGURED_BIAS
@@ -174,7 +199,7 @@ class ArchConfig:
             embed_scale=gemma,
             norm_unit_offset=gemma,
             sandwich_norms=gemma,
-            attention_scale=float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5 if gemma else None,
+            attention_scale=float(scalar) ** -0.5 if gemma else None,
             local_rope_theta=local_theta,
             final_logit_softcapping=softcap,
             attn_logit_softcapping=attn_softcap,
@@ -196,8 +221,8 @@ def _softcap(cfg: dict[str, Any], key: str, arch: str, default: float | None) ->
         return None
     if arch not in _GEMMA:
         raise ValueError(f"{key} ({value!r}) is not supported for {arch}: it must be null (Gemma's soft caps).")
-    if not (is_number(value) and value > 0):
-        raise ValueError(f"{key} ({value!r}) is not supported: it must be null or a positive number.")
+    if not (is_number(value) and 0 < value <= _FLOAT32_MAX):
+        raise ValueError(f"{key} ({value!r}) is not supported: it must be null or a finite positive number.")
     return float(value)
 
 
@@ -260,6 +285,10 @@ def _gemma_rope(cfg: dict[str, Any], params: Any) -> tuple[Any, float]:
             raise ValueError(f"rope_parameters['sliding_attention'] must be of rope_type 'default', got {local!r}.")
         return params["full_attention"], float(local.get("rope_theta", 10000.0))
     return params, float(cfg.get("rope_local_base_freq", 10000.0))
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _required(cfg: dict[str, Any], key: str) -> Any:

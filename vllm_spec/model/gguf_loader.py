@@ -122,16 +122,17 @@ def _config(reader: GGUFReader, arch: str) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         # The file says which biases it has: o_proj's need not follow q/k/v's.
         "vllm_spec_o_proj_bias": "blk.0.attn_output.bias" in tensors,
-        "hidden_act": "gelu_pytorch_tanh" if arch in _GEMMA else "silu",
     }
-    # key_length is head_dim when it is not hidden/heads; llama's rotary dims always equal head_dim.
+    cfg |= {"hidden_activation": "gelu_pytorch_tanh"} if arch in _GEMMA else {"hidden_act": "silu"}
+    # key_length is head_dim when it is not hidden/heads; llama's rotary dims always equal head_dim. (Left out,
+    # transformers' Qwen3 and Gemma would take 128 / 256.)
     head_dim = kv("attention.key_length") or (kv("rope.dimension_count") if arch == "llama" else None)
-    if head_dim or arch in _GEMMA:   # (a Gemma config without head_dim would mean transformers' 256)
+    if head_dim or (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
         cfg["head_dim"] = head_dim or hidden // heads
     if arch in _GEMMA:   # (Gemma 3's local rotary base and window pattern: transformers' defaults)
         cfg["sliding_window"] = kv("attention.sliding_window", 4096)
         cfg["query_pre_attn_scalar"] = hidden // heads if cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch] \
-            else cfg["head_dim"]
+            else cfg.get("head_dim")
     if arch == "gemma2":   # (absent: llama.cpp's and transformers' 50 and 30)
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if kv(key) is not None:
