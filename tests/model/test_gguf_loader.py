@@ -403,3 +403,23 @@ def test_gemma_settings_a_gguf_leaves_out(tmp_path, arch, layers, scalar):
     assert cfg.head_dim == 16 and cfg.attention_scale == scalar ** -0.5
     caps = (50.0, 30.0) if arch == "gemma2" else (None, None)
     assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == caps
+
+
+@pytest.mark.parametrize("arch, config_class", [("gemma3", "Gemma3TextConfig"), ("gemma2", "Gemma2Config"),
+                                                ("qwen3", "Qwen3Config")])
+def test_a_gguf_models_transformers_config(tmp_path, arch, config_class):
+    """hf_config of a GGUF model is transformers' text config of its family (Gemma 3's text-only one), and
+    hf_overrides' callable form changes it as it would a config.json."""
+    from vllm_spec import LLM
+
+    path = tmp_path / f"{arch}.gguf"
+    write_synthetic(path, arch, head_dim=16, vocab=64)
+
+    def shorter(config):
+        config.max_position_embeddings = 100
+        return config
+
+    llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, hf_overrides=shorter)
+    config = llm.llm_engine.model_config
+    assert type(config.hf_config).__name__ == config_class
+    assert config.hf_config.max_position_embeddings == 100 and config.max_model_len == 100

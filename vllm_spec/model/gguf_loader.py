@@ -108,7 +108,7 @@ def _config(reader: GGUFReader, arch: str) -> dict[str, Any]:
     vocab_size = int(tensors["token_embd.weight"].shape[-1])
     cfg: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": "gemma3_text" if arch == "gemma3" else arch,   # (transformers' text-only Gemma 3)
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": kv("feed_forward_length"),
