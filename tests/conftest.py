@@ -97,6 +97,7 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
                 bos_token_id=0, eos_token_id=0, rms_norm_eps=1e-6)
     base.update(overrides)
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+           "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
            "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
            "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM), "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[arch]
     torch.manual_seed(seed)

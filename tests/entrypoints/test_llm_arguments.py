@@ -250,6 +250,17 @@ def test_hf_overrides_as_vllm(llm, tiny_llama, tmp_path):
         assert other.generate(PROMPT, greedy(), use_tqdm=False)[0].outputs[0].token_ids == want
         config = other.llm_engine.model_config
         assert config.max_model_len == 100 and config.hf_config.max_position_embeddings == 100
+    # A callable changes what it sets, nothing else (transformers' class defaults, e.g. an eos_token_id the
+    # checkpoint does not name, stay out); the typed config's refusals fall back to the untyped one.
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    for key in ("eos_token_id", "bos_token_id"):
+        cfg.pop(key)
+    bare = copy_with_config(tiny_llama, tmp_path / "bare")
+    (tmp_path / "bare" / "config.json").write_text(json.dumps(cfg))
+    config = LLM(bare, kv_cache_memory_bytes=1 << 24, hf_overrides=lambda c: c).llm_engine.model_config
+    assert config.hf_dict == cfg and config.arch.eos_token_ids == []
+    config = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, hf_overrides={"rms_norm_eps": 1}).llm_engine.model_config
+    assert config.hf_config.rms_norm_eps == 1
     for overrides, message in (([("rms_norm_eps", 0.5)], "hf_overrides must be a dict of config.json keys"),
                                ({1: 2}, r"hf_overrides keys must be config.json keys \(strings\), got \[1\]"),
                                (lambda config: None, r"hf_overrides \(a callable\) must return .* got NoneType"),

@@ -8,7 +8,7 @@ import transformers as tf
 
 from vllm_spec.model.arch_config import ArchConfig
 
-CLASSES = {"LlamaForCausalLM": tf.LlamaConfig, "MistralForCausalLM": tf.MistralConfig,
+CLASSES = {"LlamaForCausalLM": tf.LlamaConfig, "GraniteForCausalLM": tf.GraniteConfig, "MistralForCausalLM": tf.MistralConfig,
            "Qwen2ForCausalLM": tf.Qwen2Config, "Qwen3ForCausalLM": tf.Qwen3Config,
            "Gemma2ForCausalLM": tf.Gemma2Config, "Gemma3ForCausalLM": tf.Gemma3TextConfig}
 
@@ -27,6 +27,9 @@ def test_keys_a_config_leaves_out_read_as_transformers(arch):
                                           theirs.rms_norm_eps, theirs.tie_word_embeddings)
     assert ours.attn_logit_softcapping == getattr(theirs, "attn_logit_softcapping", None)
     assert ours.final_logit_softcapping == getattr(theirs, "final_logit_softcapping", None)
+    if arch == "GraniteForCausalLM":
+        assert (ours.attention_scale, ours.embedding_multiplier, ours.residual_multiplier, ours.logits_scaling) == \
+            (theirs.attention_multiplier, theirs.embedding_multiplier, theirs.residual_multiplier, theirs.logits_scaling)
     if arch.startswith("Gemma"):
         assert ours.attention_scale == theirs.query_pre_attn_scalar ** -0.5
         assert ours.hidden_act == "gelu_tanh" and theirs.hidden_activation == "gelu_pytorch_tanh"
@@ -41,3 +44,56 @@ def test_gemma_takes_hidden_activation_alone():
     assert ArchConfig.from_hf_dict({**base, "hidden_act": "silu"}).hidden_act == "gelu_tanh"
     with pytest.raises(ValueError, match="Unsupported hidden_activation 'relu'"):
         ArchConfig.from_hf_dict({**base, "hidden_activation": "relu"})
+
+
+def test_the_others_take_hidden_act_alone():
+    """transformers' Llama, Mistral and Qwen read hidden_act; a hidden_activation key changes nothing."""
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+            "vocab_size": 100, "intermediate_size": 96, "hidden_activation": "gelu_pytorch_tanh"}
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert ArchConfig.from_hf_dict({**base, "architectures": [arch]}).hidden_act == "silu"
+
+
+BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 100, "intermediate_size": 96}
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("max_position_embeddings", None, r"max_position_embeddings must be a positive integer, got None"),
+    ("max_position_embeddings", "100", "max_position_embeddings must be a positive integer"),
+    ("max_position_embeddings", 100.5, "max_position_embeddings must be a positive integer"),
+    ("max_position_embeddings", 0, "max_position_embeddings must be a positive integer"),
+    ("max_position_embeddings", True, "max_position_embeddings must be a positive integer"),
+    ("num_hidden_layers", "2", "num_hidden_layers must be a positive integer"),
+    ("vocab_size", -3, "vocab_size must be a positive integer"),
+    ("intermediate_size", None, "intermediate_size must be a positive integer"),
+    ("num_attention_heads", "4", r"num_attention_heads \('4'\) must be a positive multiple"),
+    ("rms_norm_eps", None, r"rms_norm_eps must be a finite number >= 0, got None"),
+    ("rms_norm_eps", "x", "rms_norm_eps must be a finite number"),
+    ("rms_norm_eps", float("inf"), "rms_norm_eps must be a finite number"),
+    ("rope_scaling", "x", r"rope_scaling must be an object \(dict\) or null, got 'x'"),
+    ("rope_parameters", [1], "rope_parameters must be an object"),
+    ("eos_token_id", 1.5, r"eos_token_id \(1.5\) and bos_token_id \(None\) must be token ids"),
+    ("eos_token_id", "x", "must be token ids"),
+    ("eos_token_id", [1, -2], "must be token ids"),
+    ("bos_token_id", "1", "must be token ids"),
+    ("architectures", "LlamaForCausalLM", "architectures must be a list of architecture names"),
+])
+def test_config_values_of_the_wrong_kind_are_named(key, value, message):
+    """A config.json value (or an hf_overrides one) of the wrong type or range: a ValueError naming the key and
+    what it takes, never a TypeError from deep inside the engine."""
+    with pytest.raises(ValueError, match=message):
+        ArchConfig.from_hf_dict({**BASE, key: value})
+
+
+def test_a_gemma_3_window_pattern_of_the_wrong_kind_is_named():
+    config = {**BASE, "architectures": ["Gemma3ForCausalLM"], "sliding_window_pattern": "x"}
+    with pytest.raises(ValueError, match="sliding_window_pattern must be a positive integer, got 'x'"):
+        ArchConfig.from_hf_dict(config)
+
+
+def test_scales_float32_cannot_hold_are_refused():
+    """Soft caps and Gemma's query scale below float32's normal range would round to 0 (inf once inverted)."""
+    for key in ("final_logit_softcapping", "query_pre_attn_scalar"):
+        with pytest.raises(ValueError, match=key):
+            ArchConfig.from_hf_dict({**BASE, "architectures": ["Gemma2ForCausalLM"], key: 1e-320})

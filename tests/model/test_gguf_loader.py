@@ -92,9 +92,9 @@ def write_synthetic(path: Path, arch: str, *, hidden=32, heads=4, kv_heads=2, in
         getattr(w, f"add_{key}")(value)
     for name, arr in hf.items():
         data = arr
-        if arch == "llama" and ".q_proj." in name:
+        if arch in ("llama", "granite") and ".q_proj." in name:
             data = llama_cpp_permute(arr, heads)
-        elif arch == "llama" and ".k_proj." in name:
+        elif arch in ("llama", "granite") and ".k_proj." in name:
             data = llama_cpp_permute(arr, kv_heads)
         if arch in GEMMA and name.endswith("norm.weight"):
             data = arr + np.float32(1.0)
@@ -359,22 +359,29 @@ def test_real_greedy_generation_matches_transformers(smollm2_path, hf_smollm2):
         assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), conv
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "gemma2", "granite"])
 def test_synthetic_gguf_generates_as_transformers(tmp_path, arch):
-    """The engine on a Qwen3 / Gemma 3 / Gemma 2 GGUF gives transformers' greedy tokens for the weights the file
-    encodes (Gemma: windows of 4 tokens, the window attribute read from the file; Gemma 2: its soft caps too)."""
+    """The engine on a Qwen3 / Gemma 3 / Gemma 2 / Granite GGUF gives transformers' greedy tokens for the weights the
+    file encodes (Gemma: windows of 4 tokens, the window attribute read from the file; Gemma 2: its soft caps too;
+    Granite: its four scalars, and q/k rows in llama.cpp's permuted layout)."""
     import transformers
 
     path = tmp_path / f"{arch}.gguf"
     extra = {"sliding_window": 4} if arch in GEMMA else None
     if arch == "gemma2":
         extra |= {"attn_logit_softcapping": 1.5, "final_logit_softcapping": 2.5}
+    if arch == "granite":   # (llama.cpp's converter writes all four)
+        extra = {"embedding_scale": 3.0, "residual_scale": 0.4, "attention_scale": 0.3, "logit_scale": 2.5}
     hf = write_synthetic(path, arch, head_dim=16, vocab=64, extra_kv=extra)
     cfg = read_gguf_config(path)
     if arch == "gemma2":
         assert (cfg["attn_logit_softcapping"], cfg["final_logit_softcapping"]) == (1.5, 2.5)
+    if arch == "granite":
+        assert [cfg[k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                                 "logits_scaling")] == [3.0, 0.4, 0.3, 2.5]
     classes = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
                "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+               "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
                "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[arch]
     model = classes[1](classes[0](**cfg)).eval()
     missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in hf.items()}, strict=False)
@@ -423,3 +430,11 @@ def test_a_gguf_models_transformers_config(tmp_path, arch, config_class):
     config = llm.llm_engine.model_config
     assert type(config.hf_config).__name__ == config_class
     assert config.hf_config.max_position_embeddings == 100 and config.max_model_len == 100
+
+
+def test_a_granite_gguf_without_its_attention_scale_takes_llama_cpps(tmp_path):
+    """llama.cpp scales a Granite's attention by head_dim ** -0.5 where the file has no attention.scale."""
+    path = tmp_path / "granite.gguf"
+    write_synthetic(path, "granite", head_dim=16, extra_kv={"residual_scale": 0.5})
+    cfg = ArchConfig.from_hf_dict(read_gguf_config(path))
+    assert (cfg.attention_scale, cfg.residual_multiplier, cfg.embedding_multiplier) == (16 ** -0.5, 0.5, 1.0)

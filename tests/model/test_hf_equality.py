@@ -34,7 +34,7 @@ PROMPTS = [
 ]
 ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwen2_window", "qwen2_yarn",
          "llama_window_key", "mistral_layer_types", "qwen3", "qwen3_window_biases",
-         "gemma3", "gemma3_pattern", "gemma3_softcap", "gemma2", "gemma2_defaults"]
+         "gemma3", "gemma3_pattern", "gemma3_softcap", "gemma2", "gemma2_defaults", "granite"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -166,6 +166,15 @@ def tiny_gemma2_defaults(tmp_path_factory) -> Path:
     return _random_norms(path, seed=16)
 
 
+@pytest.fixture(scope="module")
+def tiny_granite(tmp_path_factory) -> Path:
+    # Granite: Llama with its four scalars (embeddings, each block's output before the residual add, the attention
+    # scale, the logits), all far from 1 here, and Llama's biases.
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_granite"), "granite", seed=17, embedding_multiplier=3.0,
+                           residual_multiplier=0.4, attention_multiplier=0.3, logits_scaling=2.5, attention_bias=True,
+                           mlp_bias=True, tie_word_embeddings=True)
+
+
 def _random_norms(path: Path, seed: int) -> Path:
     """The checkpoint's norm weights drawn at random (make_tiny_model sets them to 1)."""
     from safetensors.torch import load_file, save_file
@@ -185,7 +194,7 @@ _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mist
              "llama_window_key": "tiny_llama_window_key", "mistral_layer_types": "tiny_mistral_layer_types",
              "qwen3": "tiny_qwen3", "qwen3_window_biases": "tiny_qwen3_window_biases",
              "gemma3": "tiny_gemma3", "gemma3_pattern": "tiny_gemma3_pattern", "gemma3_softcap": "tiny_gemma3_softcap",
-             "gemma2": "tiny_gemma2", "gemma2_defaults": "tiny_gemma2_defaults"}
+             "gemma2": "tiny_gemma2", "gemma2_defaults": "tiny_gemma2_defaults", "granite": "tiny_granite"}
 
 
 class Case:

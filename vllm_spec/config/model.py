@@ -137,13 +137,14 @@ class ModelConfig:
 
 
 def _transformers_config(hf_dict: dict[str, Any]):
-    """The transformers config of a config.json's dict (no hub, no remote code)."""
+    """The transformers config of a config.json's dict (no hub, no remote code): its family's, else (a model_type
+    transformers does not know, or values its typed fields refuse, such as an int for a float) the base class."""
     from transformers import AutoConfig, PretrainedConfig
 
     cfg = {k: v for k, v in hf_dict.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(hf_dict.get("model_type", ""), **cfg)
-    except ValueError:   # a model_type transformers does not know
+    except Exception:   # (ValueError, TypeError, huggingface_hub's StrictDataclassError: no common base)
         return PretrainedConfig(**hf_dict)
 
 
@@ -162,8 +163,13 @@ def _overridden(hf_dict: dict[str, Any], overrides: dict | Callable | None) -> d
                          f"returning the model's transformers config, got {type(overrides).__name__}.")
     from transformers import PretrainedConfig
 
-    config = overrides(_transformers_config(hf_dict))
+    config = _transformers_config(hf_dict)
+    before = config.to_dict()
+    config = overrides(config)
     if not isinstance(config, PretrainedConfig):
         raise ValueError(f"hf_overrides (a callable) must return the transformers config it was given (a "
                          f"PretrainedConfig), got {type(config).__name__}.")
-    return config.to_dict()
+    # Only what the callable changed: the rest of to_dict() holds transformers' class defaults (e.g. an
+    # eos_token_id the checkpoint does not name), which would change what the model is.
+    after = config.to_dict()
+    return {**hf_dict, **{k: v for k, v in after.items() if k not in before or before[k] != v}}

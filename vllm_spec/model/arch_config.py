@@ -6,11 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_spec.model.rotary import SUPPORTED_ROPE_TYPES, rope_type
-from vllm_spec.utils import is_number
+from vllm_spec.utils import is_int, is_number
 
 # HF architecture name -> whether q/k/v projections carry a bias by default.
 SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "LlamaForCausalLM": False,
+    "GraniteForCausalLM": False,
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
     "Qwen3ForCausalLM": False,
@@ -21,10 +22,14 @@ _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # transformers' sliding_window for a config.json without one: Mistral's, Gemma's, and Qwen2's with use_sliding_window.
 _SLIDING_WINDOW_DEFAULT = 4096
 # A config without "architectures" names its model_type (transformers loads it from that).
-_ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+_ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 # Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
-_CONFIGURED_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", *_GEMMA)
+_CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "Qwen3ForCausalLM", *_GEMMA)
+# Granite's scalars (transformers' defaults 1): embeddings times embedding_multiplier, each block's output times
+# residual_multiplier before its residual add, attention scaled by attention_multiplier, logits / logits_scaling.
+_GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 # transformers' soft caps for a Gemma config.json without the keys: (attention scores, final logits).
 _GEMMA_SOFTCAPS = {"Gemma2ForCausalLM": (50.0, 30.0), "Gemma3ForCausalLM": (None, None)}
 # transformers' values for keys a config.json leaves out (Llama's: all heads, hidden / heads, 2048).
@@ -36,6 +41,7 @@ _ABSENT = {
     "Gemma3ForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=131072, head_dim=256),
 }
 _FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38   # (the least normal float32: below it a scale rounds to 0 or its inverse to inf)
 # The MLP activations: SiLU, and Gemma's tanh-approximated GELU.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
@@ -43,7 +49,7 @@ CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 
 @dataclass
 class ArchConfig:
-    """Shapes and options of one Llama-family model (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, SmolLM2)."""
+    """Shapes and options of one Llama-family model (Llama, Granite, Mistral, Qwen2, Qwen3, Gemma 2 and 3, SmolLM2)."""
 
     architecture: str
     vocab_size: int
@@ -73,6 +79,9 @@ class ArchConfig:
     local_rope_theta: float | None = None
     final_logit_softcapping: float | None = None   # Gemma's: logits = cap * tanh(logits / cap)
     attn_logit_softcapping: float | None = None    # Gemma 2's: attention scores = cap * tanh(scores / cap)
+    embedding_multiplier: float = 1.0   # Granite's (see _GRANITE_SCALARS)
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     sliding_window: int | None = None
     # The layers that attend within sliding_window (None: all of them, as Mistral; Qwen2 windows the
     # layers from max_window_layers on, or those its layer_types call sliding).
@@ -102,6 +111,8 @@ class ArchConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ArchConfig":
         archs = cfg.get("architectures") or [_ARCH_OF_MODEL_TYPE.get(cfg.get("model_type"), "")]
+        if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+            raise ValueError(f"architectures must be a list of architecture names, got {archs!r}.")
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -109,10 +120,9 @@ class ArchConfig:
                 f"supported architectures: {sorted(SUPPORTED_ARCHITECTURES)}."
             )
         gemma = arch in _GEMMA
-        # (transformers' Gemma reads hidden_activation alone)
+        # (transformers' Gemma reads hidden_activation alone, the others hidden_act alone)
         act_key = "hidden_activation" if gemma else "hidden_act"
-        act = cfg.get("hidden_activation", "gelu_pytorch_tanh") if gemma else \
-            cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+        act = cfg.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
         if not isinstance(act, str) or act not in ACTIVATIONS:
             raise ValueError(f"Unsupported {act_key} {act!r} in the model config: supported: {sorted(ACTIVATIONS)}.")
         attn_softcap, softcap = (_softcap(cfg, key, arch, default)
@@ -133,10 +143,17 @@ class ArchConfig:
         kv_heads = cfg.get("num_key_value_heads", absent.get("num_key_value_heads"))
         kv_heads = heads if kv_heads is None else kv_heads
         if not (_positive_int(heads) and _positive_int(kv_heads) and kv_heads <= heads and heads % kv_heads == 0):
-            raise ValueError(f"num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads "
-                             f"({kv_heads}): each KV head serves the same number of query heads.")
-        if not _positive_int(hidden):
-            raise ValueError(f"hidden_size must be a positive integer, got {hidden!r}.")
+            raise ValueError(f"num_attention_heads ({heads!r}) must be a positive multiple of num_key_value_heads "
+                             f"({kv_heads!r}): each KV head serves the same number of query heads.")
+        inter = _required(cfg, "intermediate_size")
+        max_positions = cfg.get("max_position_embeddings", absent.get("max_position_embeddings", 2048))
+        for key, value in (("hidden_size", hidden), ("num_hidden_layers", layers), ("vocab_size", vocab),
+                           ("intermediate_size", inter), ("max_position_embeddings", max_positions)):
+            if not _positive_int(value):
+                raise ValueError(f"{key} must be a positive integer, got {value!r}.")
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        if not (is_number(eps) and 0 <= eps <= _FLOAT32_MAX):
+            raise ValueError(f"rms_norm_eps must be a finite number >= 0, got {eps!r}.")
         head_dim = cfg.get("head_dim", absent.get("head_dim"))
         head_dim = hidden // heads if head_dim is None else head_dim
         if not _positive_int(head_dim):
@@ -144,15 +161,23 @@ class ArchConfig:
                              f"got {head_dim!r}.")
         scalar = cfg.get("query_pre_attn_scalar")
         scalar = 256 if scalar is None else scalar   # (transformers' Gemma default)
-        if gemma and not (is_number(scalar) and 0 < scalar <= _FLOAT32_MAX):
+        if gemma and not _finite_positive(scalar):
             raise ValueError(f"query_pre_attn_scalar must be a positive number (or null: 256), got {scalar!r}.")
         eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        eos_ids = [] if eos is None else ([eos] if not isinstance(eos, list) else list(eos))
+        bos = cfg.get("bos_token_id")
+        if not all(_token_id(t) for t in eos_ids) or not (bos is None or _token_id(bos)):
+            raise ValueError(f"eos_token_id ({eos!r}) and bos_token_id ({bos!r}) must be token ids (integers >= 0), "
+                             "eos_token_id also a list of them, or null.")
         sliding, windowed = _sliding_window(arch, cfg, layers)
+        granite = _granite_scalars(cfg) if arch == "GraniteForCausalLM" else {}
         if sliding is not None and not _positive_int(sliding):
             raise ValueError(f"sliding_window must be a positive integer or null, got {sliding!r}.")
         rope_scaling = cfg.get("rope_scaling")
         rope_params = cfg.get("rope_parameters")  # transformers >= 5 layout
+        for key, value in (("rope_scaling", rope_scaling), ("rope_parameters", rope_params)):
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"{key} must be an object (dict) or null, got {value!r}.")
         rope_theta = cfg.get("rope_theta")
         local_theta = None
         if arch == "Gemma3ForCausalLM":
@@ -178,34 +203,37 @@ class ArchConfig:
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=_required(cfg, "intermediate_size"),
+            intermediate_size=inter,
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=eps,
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", absent.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),   # (transformers' default for each)
             # (transformers' Qwen2 always has q/k/v biases and Mistral never: their attention_bias is ignored)
             attention_bias=(cfg.get("attention_bias", False) if arch in _CONFIGURED_BIAS
                             else SUPPORTED_ARCHITECTURES[arch]),
             o_proj_bias=bool(cfg.get("vllm_spec_o_proj_bias",
                                      arch in _CONFIGURED_BIAS and cfg.get("attention_bias", False))),
-            mlp_bias=cfg.get("mlp_bias", False) if arch == "LlamaForCausalLM" else False,
+            mlp_bias=cfg.get("mlp_bias", False) if arch in ("LlamaForCausalLM", "GraniteForCausalLM") else False,
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             hidden_act=ACTIVATIONS[act],
             embed_scale=gemma,
             norm_unit_offset=gemma,
             sandwich_norms=gemma,
-            attention_scale=float(scalar) ** -0.5 if gemma else None,
+            attention_scale=float(scalar) ** -0.5 if gemma else granite.get("attention_multiplier"),
             local_rope_theta=local_theta,
             final_logit_softcapping=softcap,
             attn_logit_softcapping=attn_softcap,
+            embedding_multiplier=granite.get("embedding_multiplier", 1.0),
+            residual_multiplier=granite.get("residual_multiplier", 1.0),
+            logits_scaling=granite.get("logits_scaling", 1.0),
             sliding_window=sliding,
             windowed_layers=windowed,
-            bos_token_id=cfg.get("bos_token_id"),
+            bos_token_id=bos,
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             embeddings_from_target=bool(cfg.get("vllm_spec_embeddings_from_target", False)),
@@ -221,7 +249,7 @@ def _softcap(cfg: dict[str, Any], key: str, arch: str, default: float | None) ->
         return None
     if arch not in _GEMMA:
         raise ValueError(f"{key} ({value!r}) is not supported for {arch}: it must be null (Gemma's soft caps).")
-    if not (is_number(value) and 0 < value <= _FLOAT32_MAX):
+    if not _finite_positive(value):
         raise ValueError(f"{key} ({value!r}) is not supported: it must be null or a finite positive number.")
     return float(value)
 
@@ -250,12 +278,12 @@ def _cpu_weights(value: Any) -> str | None:
 
 
 def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | None, tuple[int, ...] | None]:
-    """(window, the layers it applies to: None for all), as transformers reads the config: Llama has none
-    (its sliding_window key is ignored); Mistral windows every layer (4096 unless the key says otherwise, null:
+    """(window, the layers it applies to: None for all), as transformers reads the config: Llama and Granite
+    have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says otherwise, null:
     none), or those its layer_types call sliding (Ministral); Qwen2 and Qwen3 only with use_sliding_window, on
     the layers layer_types call sliding, else from max_window_layers on; Gemma the layers its layer_types
     call sliding, else all but every sliding_window_pattern-th (Gemma 2: every other one)."""
-    if arch == "LlamaForCausalLM":
+    if arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
         return None, None
     types = cfg.get("layer_types")
     sliding = cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULT)
@@ -263,6 +291,8 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
         if not isinstance(types, list):   # every sliding_window_pattern-th layer attends to everything
             pattern = 2 if arch == "Gemma2ForCausalLM" else \
                 cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+            if not _positive_int(pattern):
+                raise ValueError(f"sliding_window_pattern must be a positive integer, got {pattern!r}.")
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
@@ -287,8 +317,29 @@ def _gemma_rope(cfg: dict[str, Any], params: Any) -> tuple[Any, float]:
     return params, float(cfg.get("rope_local_base_freq", 10000.0))
 
 
+def _granite_scalars(cfg: dict[str, Any]) -> dict[str, float]:
+    """Granite's four scalars, each a finite positive number (absent or null: 1)."""
+    out = {}
+    for key in _GRANITE_SCALARS:
+        value = cfg.get(key)
+        value = 1.0 if value is None else value
+        if not _finite_positive(value):
+            raise ValueError(f"{key} must be a finite positive number (or null: 1), got {value!r}.")
+        out[key] = float(value)
+    return out
+
+
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _token_id(value: Any) -> bool:
+    return is_int(value) and value >= 0
+
+
+def _finite_positive(value: Any) -> bool:
+    """A scale float32 holds as a normal number (its inverse too)."""
+    return is_number(value) and _FLOAT32_TINY <= value <= _FLOAT32_MAX
 
 
 def _required(cfg: dict[str, Any], key: str) -> Any:

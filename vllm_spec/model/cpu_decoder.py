@@ -5,8 +5,9 @@ ops (the default model at batch 1: 6.6 ms of a 17 ms step outside the matmuls). 
 are all short (decode, verification of drafts, the draft's catch-up: the C++ attention's) run the layers
 in C++ instead. Its layers call the ops the Python layers call, in their order, so the bits are the same;
 prompt chunks (torch's attention), tensor parallelism, a forced attention backend and weights the CPU
-kernel does not take keep the Python layers. Gemma's layers (norms around the attention and the MLP,
-GELU, Gemma 3's windowed layers rotated by their own base, Gemma 2's soft-capped attention) run there too.
+kernel does not take keep the Python layers, as do Granite's (residual multipliers). Gemma's layers (norms
+around the attention and the MLP, GELU, Gemma 3's windowed layers rotated by their own base, Gemma 2's
+soft-capped attention) run there too.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class CpuDecoder:
             head_norms = () if attn.q_norm is None else (attn.q_norm, attn.k_norm)
             every_norm = norms + sandwich + head_norms
             if (attn.head_dim != layers[0].self_attn.head_dim or attn.head_dim % 2
+                    or layer.residual_multiplier is not None
                     or any(m.tp.world_size > 1 for m in linears)
                     or any(n.weight.dtype != dtype or not n.weight.is_contiguous() or n.weight.requires_grad
                            for n in every_norm)

@@ -1,4 +1,5 @@
-"""Read llama.cpp GGUF checkpoints (``llama``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``) as HF-style configs and weights.
+"""Read llama.cpp GGUF checkpoints (``llama``, ``granite``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``) as HF-style
+configs and weights.
 
 GGUF stores hyper-parameters under ``{arch}.*`` keys and tensors under llama.cpp names
 (``blk.N.attn_q.weight``). This module maps both back to the Hugging Face layout so the
@@ -19,13 +20,18 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 # GGUF architecture -> HF architecture name.
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                      "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausalLM",
+                                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                                       "gemma3": "Gemma3ForCausalLM"}
 _GEMMA = ("gemma2", "gemma3")
 # GGUF files carry no query_pre_attn_scalar: llama.cpp takes hidden / heads for the 27B models (known by their
 # layer count) and head_dim for the others, as their HF configs say.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# Architectures whose q/k rows llama.cpp's converter permutes (its Llama rotation layout).
+_PERMUTED = ("llama", "granite")
+# Granite's scalars: GGUF key -> config.json key.
+_GRANITE_KEYS = {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                 "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
 
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PER_LAYER = {
@@ -90,7 +96,7 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
     """Return an HF-style config dict (for ``ArchConfig.from_hf_dict``) read from a GGUF file.
 
     Raises ``FileNotFoundError`` if the file is missing and ``ValueError`` for a GGUF
-    architecture other than ``llama`` / ``qwen2`` / ``qwen3`` / ``gemma2`` / ``gemma3``.
+    architecture other than those of GGUF_ARCHITECTURES.
     """
     reader, arch = _open(path)
     return _config(reader, arch)
@@ -126,13 +132,17 @@ def _config(reader: GGUFReader, arch: str) -> dict[str, Any]:
     cfg |= {"hidden_activation": "gelu_pytorch_tanh"} if arch in _GEMMA else {"hidden_act": "silu"}
     # key_length is head_dim when it is not hidden/heads; llama's rotary dims always equal head_dim. (Left out,
     # transformers' Qwen3 and Gemma would take 128 / 256.)
-    head_dim = kv("attention.key_length") or (kv("rope.dimension_count") if arch == "llama" else None)
+    head_dim = kv("attention.key_length") or (kv("rope.dimension_count") if arch in _PERMUTED else None)
     if head_dim or (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
         cfg["head_dim"] = head_dim or hidden // heads
     if arch in _GEMMA:   # (Gemma 3's local rotary base and window pattern: transformers' defaults)
         cfg["sliding_window"] = kv("attention.sliding_window", 4096)
         cfg["query_pre_attn_scalar"] = hidden // heads if cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch] \
             else cfg.get("head_dim")
+    if arch == "granite":   # (absent, llama.cpp scales the attention by head_dim ** -0.5, the rest by 1)
+        cfg |= {hf: _f32(kv(key)) for key, hf in _GRANITE_KEYS.items() if kv(key) is not None}
+        if "attention_multiplier" not in cfg and cfg.get("head_dim"):
+            cfg["attention_multiplier"] = cfg["head_dim"] ** -0.5
     if arch == "gemma2":   # (absent: llama.cpp's and transformers' 50 and 30)
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if kv(key) is not None:
@@ -240,7 +250,7 @@ def _iter_weights(reader: GGUFReader, arch: str, n_head: int, n_kv_head: int) ->
         if np.may_share_memory(w, t.data):  # F32 tensors come back as views of the read-only map
             w = w.copy()
         w = w.reshape([int(d) for d in reversed(t.shape)])
-        if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+        if arch in _PERMUTED and (".attn_q." in t.name or ".attn_k." in t.name):
             w = _unpermute(w, n_head if ".attn_q." in t.name else n_kv_head)
         if arch in _GEMMA and name.endswith("norm.weight"):
             w = w - np.float32(1.0)

@@ -1,4 +1,5 @@
-"""One Llama-family decoder (Llama 1-3, Mistral, Qwen2, Qwen3, Gemma 2 and 3, SmolLM2) over a flat token batch."""
+"""One Llama-family decoder (Llama 1-3, Granite, Mistral, Qwen2, Qwen3, Gemma 2 and 3, SmolLM2) over a flat token
+batch."""
 
 from __future__ import annotations
 
@@ -112,6 +113,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size, dtype)
         self.local_rope = cfg.rotates_locally(layer)   # rotated by the model's local cos / sin
         self.sandwich = cfg.sandwich_norms
+        # Granite's: the attention's and the MLP's outputs scaled before their residual adds.
+        self.residual_multiplier = cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else None
         if self.sandwich:
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size, dtype)
             self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size, dtype)
@@ -121,6 +124,10 @@ class LlamaDecoderLayer(nn.Module):
         """Residual stream kept apart: each norm adds the previous block's output to it first (and runs
         inside the projection after it where the gemv kernels take the row)."""
         x, residual = self.self_attn(x, residual, self.input_layernorm, cos, sin, md)
+        if self.residual_multiplier is not None:
+            x = x * self.residual_multiplier
+            x, residual = self.mlp(x, residual, self.post_attention_layernorm)
+            return x * self.residual_multiplier, residual
         if not self.sandwich:
             return self.mlp(x, residual, self.post_attention_layernorm)
         x, residual = self.mlp(self.post_attention_layernorm(x)[0], residual, self.pre_feedforward_layernorm)
@@ -158,6 +165,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if self.config.embedding_multiplier != 1.0:   # (Granite's)
+            x = x * self.config.embedding_multiplier
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         local = self.local_rope.cos_sin(positions, x.dtype) if self.local_rope is not None else None
         done = self.cpu_decoder.forward(x, cos, sin, md, local) if self.cpu_decoder is not None else None
@@ -172,6 +181,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the vocabulary, or over `output_ids` once restrict_output_vocab was called."""
         logits = linear(hidden, self.output_weight) if self.output_ids is not None else self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:   # (Granite's)
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
