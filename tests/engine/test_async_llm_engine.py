@@ -122,6 +122,10 @@ def test_vllms_request_options_and_ids(engine):
             assert await engine.reset_prefix_cache() and await engine.reset_prefix_cache(reset_running_requests=True)
             assert (await engine.get_vllm_config()).model_config is engine.engine.model_config
             await engine.do_log_stats()
+            assert await engine.collective_rpc(lambda worker, x: (type(worker).__name__, x), args=(3,)) == \
+                [("Worker", 3)]
+            with pytest.raises(ValueError, match="has no method 'nothing'"):
+                await engine.collective_rpc("nothing")
         finally:
             await engine.shutdown()
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from vllm_spec.config import EngineConfig
 from vllm_spec.core.block_manager import BlockManager
@@ -20,6 +25,7 @@ from vllm_spec.engine.request_output import make_request_output
 from vllm_spec.engine.stat_logger import LOG_STATS_INTERVAL, LoggingStatLogger
 from vllm_spec.engine.stats import EngineStats
 from vllm_spec.executor import create_executor
+from vllm_spec.executor.base import apply_to_model, rpc_call
 from vllm_spec.generation_config import model_eos_token_ids
 from vllm_spec.inputs import PromptType
 from vllm_spec.metrics import Metric
@@ -356,6 +362,18 @@ class LLMEngine:
         this process, freed when the engine is.)"""
         self.executor.shutdown()
         self._unfreeze_gc()
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's: every worker (one per tensor-parallel rank) runs `method` (its own method of that name, or a
+        callable given the worker first, then args and kwargs); their results by rank. Between steps."""
+        return self.executor.collective_rpc(*rpc_call(method, timeout, args, kwargs))
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list:
+        """vLLM's: func(model) on every rank's (target) model; the results by rank."""
+        if not callable(func):
+            raise ValueError(f"apply_model: func must be a callable taking the model, got {type(func).__name__}.")
+        return self.collective_rpc(functools.partial(apply_to_model, func))
 
     def reset_prefix_cache(self, device: object = None, reset_running_requests: bool = False) -> bool:
         """Forget the prefix cache's registrations: later prompts compute every token again (blocks

@@ -221,6 +221,15 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()
 
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None) -> list:
+        """vLLM's: `method` (a worker method's name, or a callable taking the worker first) on every
+        tensor-parallel rank's worker; the results by rank."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func) -> list:
+        """vLLM's: func(model) on every rank's (target) model; the results by rank."""
+        return self.llm_engine.apply_model(func)
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's registrations (vLLM's; True when done)."""
         return self.llm_engine.reset_prefix_cache()

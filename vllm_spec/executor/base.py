@@ -7,6 +7,9 @@ import logging
 import os
 import pickle
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from vllm_spec.config import EngineConfig
 from vllm_spec.worker.batch import ExecuteModelRequest, StepOutput
@@ -49,6 +52,44 @@ class WorkerError(RuntimeError):
     """A tensor-parallel worker died or failed; the executor cannot run any more steps."""
 
 
+@dataclass
+class RpcFailure:
+    """What a collective_rpc call raised on a rank (the rank goes on serving; the caller gets the error)."""
+
+    error: str
+
+
+def rpc_call(method: Any, timeout: Any, args: Any, kwargs: Any) -> tuple[str | Callable, float | None, tuple, dict]:
+    """collective_rpc's arguments checked (a ValueError naming the one that is wrong), in the executors' form."""
+    if not (isinstance(method, str) or callable(method)):
+        raise ValueError(f"collective_rpc: method must be a worker method's name or a callable taking the worker "
+                         f"first, got {type(method).__name__}.")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                    and timeout > 0):
+        raise ValueError(f"collective_rpc: timeout must be a positive number of seconds or None, got {timeout!r}.")
+    if not isinstance(args, (tuple, list)):
+        raise ValueError(f"collective_rpc: args must be a tuple or a list, got {type(args).__name__}.")
+    if not (kwargs is None or isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise ValueError(f"collective_rpc: kwargs must be a dict of keyword names or None, got {kwargs!r}.")
+    return method, timeout, tuple(args), dict(kwargs or {})
+
+
+def apply_to_model(func: Callable, worker: Any) -> Any:
+    """apply_model's call on one worker (collective_rpc's callable: functools.partial(apply_to_model, func))."""
+    return func(worker.get_model())
+
+
+def call_worker(worker: Any, method: str | Callable, args: tuple, kwargs: dict) -> Any:
+    """vLLM's collective_rpc on one worker: the worker's method of that name, or the callable given the worker
+    first."""
+    if isinstance(method, str):
+        fn = getattr(worker, method, None)
+        if method.startswith("_") or not callable(fn):
+            raise ValueError(f"collective_rpc: the worker ({type(worker).__name__}) has no method {method!r}.")
+        return fn(*args, **kwargs)
+    return method(worker, *args, **kwargs)
+
+
 def _timeout_from_env(name: str, default: float | None) -> float | None:
     value = os.environ.get(name)
     if value is None:
@@ -81,6 +122,25 @@ class RankExecutor:
     def launch(self, req: ExecuteModelRequest) -> StepHandle:
         """Ranks in other processes answer a step only once it has run: no overlap with the next one."""
         return DoneStep(self.execute_model(req))
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None, args: tuple, kwargs: dict) -> list:
+        """Every rank's worker runs the call (call_worker); their results by rank. The call travels as
+        cloudpickle's bytes (a lambda does), and what a rank raises is raised here, the ranks serving on."""
+        import cloudpickle
+
+        try:
+            payload = cloudpickle.dumps((method, args, kwargs))
+        except Exception as e:
+            raise ValueError(f"collective_rpc: the method and its arguments must pickle (cloudpickle) to reach the "
+                             f"tensor-parallel ranks: {type(e).__name__}: {e}") from None
+        results = self._rpc(payload, timeout)
+        for rank, result in enumerate(results):
+            if isinstance(result, RpcFailure):
+                raise RuntimeError(f"collective_rpc failed on tensor-parallel rank {rank}: {result.error}")
+        return results
+
+    def _rpc(self, payload: bytes, timeout: float | None) -> list:
+        raise NotImplementedError
 
     def _fail(self, message: str) -> WorkerError:
         logger.error("%s Stopping all tensor-parallel workers.", message)

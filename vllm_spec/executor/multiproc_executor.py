@@ -141,6 +141,9 @@ class MultiprocExecutor(RankExecutor):
         _stop(self.procs, self.conns, None, grace=0.0)   # the survivors wait in a collective: no use waiting
 
     # Executor interface ---------------------------------------------------------------------
+    def _rpc(self, payload: bytes, timeout: float | None) -> list:
+        return self._call_all("collective_rpc", (payload,), timeout)
+
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
         self._check()
         self._send("execute_model", (req,))

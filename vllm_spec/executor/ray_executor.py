@@ -108,6 +108,9 @@ class RayExecutor(RankExecutor):
     def _stop_workers(self) -> None:
         self._finalizer()
 
+    def _rpc(self, payload: bytes, timeout: float | None) -> list:
+        return self._get([a.collective_rpc.remote(payload) for a in self.actors], "collective_rpc", timeout)
+
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
         self._check()
         ref = self.ray.put(req)                       # serialised once, read by every rank

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vllm_spec.config import EngineConfig
+from vllm_spec.executor.base import call_worker
 from vllm_spec.spec_decode.spec_decode_worker import SpecDecodeWorker
 from vllm_spec.worker.batch import ExecuteModelRequest, StepOutput
 from vllm_spec.worker.step_handle import StepHandle
@@ -57,6 +60,10 @@ class UniProcExecutor:
 
     def launch(self, req: ExecuteModelRequest) -> StepHandle:
         return self.worker.launch(req)
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None, args: tuple, kwargs: dict) -> list:
+        """The call on this process's worker (timeout: the ranks', none here); what it raises is raised."""
+        return [call_worker(self.worker, method, args, kwargs)]
 
     def shutdown(self) -> None:
         pass

@@ -110,6 +110,10 @@ class SpecDecodeWorker:
         draft = self.draft_runner.kv_bytes_per_block(self.config.model.dtype) if self.draft_runner else 0
         return self.target.kv_bytes_per_block() + draft
 
+    def get_model(self) -> torch.nn.Module:
+        """The target model (vLLM's worker method)."""
+        return self.target.get_model()
+
     def available_kv_bytes(self) -> int:
         return self.target.available_kv_bytes()
 

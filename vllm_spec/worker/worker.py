@@ -47,6 +47,10 @@ class Worker:
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block(self.config.model.dtype)
 
+    def get_model(self) -> torch.nn.Module:
+        """The model (vLLM's worker method: collective_rpc and apply_model reach it through this)."""
+        return self.runner.model
+
     def available_kv_bytes(self) -> int:
         """Memory the KV caches may take: the explicit setting, else what the device can spare."""
         cache = self.config.cache
