@@ -271,3 +271,22 @@ def eager_capture(run, pool=None):
     """cuda_graph.capture_graph's stand-in: (graph, its output)."""
     graph = EagerGraph(run)
     return graph, graph.out
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster for the Ray executor's tests (skipped where Ray cannot start one)."""
+    try:
+        import ray
+    except ImportError:
+        pytest.skip("Ray is not installed (pip install ray): the Ray executor tests cannot run here.")
+    started = not ray.is_initialized()
+    if started:
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20,
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        except Exception as e:  # noqa: BLE001 - reported as the skip reason
+            pytest.skip(f"Ray could not start a local cluster here: {type(e).__name__}: {e}")
+    yield ray
+    if started:
+        ray.shutdown()

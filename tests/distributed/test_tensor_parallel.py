@@ -143,24 +143,6 @@ def test_tp2_logit_bias_allowed_token_ids_bad_words_and_grammars(spec_pair):
         _shutdown(llm)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    try:
-        import ray
-    except ImportError:
-        pytest.skip("Ray is not installed (pip install ray): the Ray executor tests cannot run here.")
-    started = not ray.is_initialized()
-    if started:
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20,
-                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-        except Exception as e:  # noqa: BLE001 - reported as the skip reason
-            pytest.skip(f"Ray could not start a local cluster here: {type(e).__name__}: {e}")
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_tp2_ray_matches_tp1(spec_pair, reference, ray_cluster, case):
     spec = {"speculative_model": spec_pair[1], **SPEC, **case} if case else {}

@@ -4,6 +4,7 @@ raises reaches the caller and the engine serves on; bad arguments are named."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from conftest import output_ids
@@ -17,12 +18,6 @@ PROMPTS = [{"prompt_token_ids": [5, 9, 17, 33]}, {"prompt_token_ids": [40, 2, 7]
 
 def _boom(worker):
     raise KeyError("boom")
-
-
-def _rank_one_fails(worker):
-    if worker.tp.rank == 1:
-        raise ZeroDivisionError("rank 1's bug")
-    return worker.tp.rank
 
 
 @pytest.fixture(scope="module")
@@ -59,22 +54,45 @@ def test_what_a_call_raises_reaches_the_caller_and_the_engine_serves_on(llm):
     assert output_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == before
 
 
-def test_every_rank_answers_with_tensor_parallelism(spec_pair):
-    """tp=2 (one process per rank): results by rank (each rank's shard), a lambda travels (cloudpickle), a
-    rank's error and an answer that cannot travel back are raised here while the ranks serve on, and
-    arguments that cannot reach the ranks are refused before anything is sent."""
-    llm = LLM(spec_pair[0], tensor_parallel_size=2, **OPTS)
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_every_rank_answers_with_tensor_parallelism(spec_pair, backend, request):
+    """tp=2 (a process or a Ray actor per rank): results by rank (each rank's shard, copies of its tensors), a
+    lambda travels both ways (cloudpickle), a rank's error (SystemExit too), an answer that cannot travel back
+    and a timeout are raised here while the ranks serve on, and arguments that cannot reach the ranks are
+    refused before anything is sent."""
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+
+    def rank_one_fails(worker):   # (nested: cloudpickle sends it by value, as Ray's actors cannot import tests)
+        if worker.tp.rank == 1:
+            raise ZeroDivisionError("rank 1's bug")
+        return worker.tp.rank
+
+    def exits(worker):
+        raise SystemExit(3)
+
+    llm = LLM(spec_pair[0], tensor_parallel_size=2, distributed_executor_backend=backend, **OPTS)
     try:
         before = output_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
         rows = llm.apply_model(lambda model: model.layers[0].self_attn.qkv_proj.weight.shape[0])
         assert len(rows) == 2 and rows[0] == rows[1]
+        for weight in llm.apply_model(lambda model: model.layers[0].mlp.down_proj.weight.detach()):
+            weight.zero_()   # (a copy: the ranks' weights stay)
         assert llm.collective_rpc(lambda worker, x: (worker.tp.rank, x), args=(7,)) == [(0, 7), (1, 7)]
+        assert [f() for f in llm.collective_rpc(lambda worker: lambda: 5)] == [5, 5]
         with pytest.raises(RuntimeError, match="failed on tensor-parallel rank 1: ZeroDivisionError: rank 1's bug"):
-            llm.collective_rpc(_rank_one_fails)
+            llm.collective_rpc(rank_one_fails)
+        with pytest.raises(RuntimeError, match="failed on tensor-parallel rank 0: SystemExit: 3"):
+            llm.collective_rpc(exits)
         with pytest.raises(RuntimeError, match="failed on tensor-parallel rank 0"):
             llm.collective_rpc(lambda worker: threading.Lock())
         with pytest.raises(ValueError, match="must pickle"):
             llm.collective_rpc("get_model", args=(threading.Lock(),))
+        with pytest.raises(TimeoutError, match="did not finish collective_rpc within 0.5 s"):
+            llm.collective_rpc(lambda worker: time.sleep(2), timeout=0.5)
+        assert llm.collective_rpc(lambda worker: worker.tp.rank, timeout=float("inf")) == [0, 1]
         assert output_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == before
     finally:
         llm.llm_engine.executor.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.collective_rpc("get_model")

@@ -78,6 +78,8 @@ BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention
     ("eos_token_id", [1, -2], "must be token ids"),
     ("bos_token_id", "1", "must be token ids"),
     ("architectures", "LlamaForCausalLM", "architectures must be a list of architecture names"),
+    ("tie_word_embeddings", "false", r"tie_word_embeddings must be true or false, got 'false'"),
+    ("attention_bias", 1, "attention_bias must be true or false"),
 ])
 def test_config_values_of_the_wrong_kind_are_named(key, value, message):
     """A config.json value (or an hf_overrides one) of the wrong type or range: a ValueError naming the key and

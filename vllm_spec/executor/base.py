@@ -8,7 +8,6 @@ import os
 import pickle
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from vllm_spec.config import EngineConfig
@@ -52,11 +51,6 @@ class WorkerError(RuntimeError):
     """A tensor-parallel worker died or failed; the executor cannot run any more steps."""
 
 
-@dataclass
-class RpcFailure:
-    """What a collective_rpc call raised on a rank (the rank goes on serving; the caller gets the error)."""
-
-    error: str
 
 
 def rpc_call(method: Any, timeout: Any, args: Any, kwargs: Any) -> tuple[str | Callable, float | None, tuple, dict]:
@@ -67,11 +61,33 @@ def rpc_call(method: Any, timeout: Any, args: Any, kwargs: Any) -> tuple[str | C
     if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
                                     and timeout > 0):
         raise ValueError(f"collective_rpc: timeout must be a positive number of seconds or None, got {timeout!r}.")
+    if timeout is not None and timeout > _MAX_RPC_TIMEOUT:
+        timeout = None   # (inf and the like: no bound; the waits refuse such numbers)
     if not isinstance(args, (tuple, list)):
         raise ValueError(f"collective_rpc: args must be a tuple or a list, got {type(args).__name__}.")
     if not (kwargs is None or isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
         raise ValueError(f"collective_rpc: kwargs must be a dict of keyword names or None, got {kwargs!r}.")
     return method, timeout, tuple(args), dict(kwargs or {})
+
+
+_MAX_RPC_TIMEOUT = 1e6
+
+
+def rank_rpc(worker: Any, payload: bytes) -> bytes:
+    """A rank's side of collective_rpc: the call's ("ok", result) or ("error", what it raised, with its
+    traceback), as cloudpickle's bytes (the caller gets copies, never tensors shared with the rank; anything
+    cloudpickle carries). A call that fails, or a result that cannot travel, must not stop the rank."""
+    import traceback
+
+    import cloudpickle
+
+    try:
+        method, args, kwargs = cloudpickle.loads(payload)
+        return cloudpickle.dumps(("ok", call_worker(worker, method, args, kwargs)))
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - SystemExit too: reported to the caller
+        return cloudpickle.dumps(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
 def apply_to_model(func: Callable, worker: Any) -> Any:
@@ -133,11 +149,12 @@ class RankExecutor:
         except Exception as e:
             raise ValueError(f"collective_rpc: the method and its arguments must pickle (cloudpickle) to reach the "
                              f"tensor-parallel ranks: {type(e).__name__}: {e}") from None
-        results = self._rpc(payload, timeout)
-        for rank, result in enumerate(results):
-            if isinstance(result, RpcFailure):
-                raise RuntimeError(f"collective_rpc failed on tensor-parallel rank {rank}: {result.error}")
-        return results
+        self._check()
+        replies = [cloudpickle.loads(reply) for reply in self._rpc(payload, timeout)]
+        for rank, (status, value) in enumerate(replies):
+            if status == "error":
+                raise RuntimeError(f"collective_rpc failed on tensor-parallel rank {rank}: {value}")
+        return [value for _, value in replies]
 
     def _rpc(self, payload: bytes, timeout: float | None) -> list:
         raise NotImplementedError

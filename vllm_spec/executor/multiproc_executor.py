@@ -73,13 +73,15 @@ class MultiprocExecutor(RankExecutor):
                        "longer agree on what to run.")
             raise
 
-    def _call_all(self, method: str, args: tuple, timeout: float | None) -> list:
+    def _call_all(self, method: str, args: tuple, timeout: float | None, fatal_timeout: bool = True) -> list:
         """Every rank runs method(*args); their results, by rank."""
         self._check()
         self._send(method, args)
-        return self._collect(set(range(self.world_size)), method, timeout)
+        return self._collect(set(range(self.world_size)), method, timeout, fatal_timeout)
 
-    def _collect(self, waiting: set[int], method: str, timeout: float | None) -> list:
+    def _collect(self, waiting: set[int], method: str, timeout: float | None, fatal_timeout: bool = True) -> list:
+        """The ranks' replies. Past the timeout: a WorkerError that stops the ranks, or (not fatal_timeout) a
+        TimeoutError, the late replies then read and dropped before the next call's (see _owed)."""
         results: list = [None] * self.world_size
         deadline = None if timeout is None else time.monotonic() + timeout
         by_conn = {c: r for r, c in enumerate(self.conns)}
@@ -87,8 +89,10 @@ class MultiprocExecutor(RankExecutor):
         while waiting:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise self._fail(f"tensor-parallel workers {sorted(waiting)} did not finish {method} within "
-                                 f"{timeout:.0f} s.")
+                message = f"tensor-parallel workers {sorted(waiting)} did not finish {method} within {timeout:g} s."
+                if not fatal_timeout:
+                    raise TimeoutError(message)
+                raise self._fail(message)
             # Every rank's pipe (errors come from any rank) and every process's sentinel (death).
             ready = wait(list(self.conns) + list(by_sentinel), timeout=left)
             for obj in ready:
@@ -142,7 +146,7 @@ class MultiprocExecutor(RankExecutor):
 
     # Executor interface ---------------------------------------------------------------------
     def _rpc(self, payload: bytes, timeout: float | None) -> list:
-        return self._call_all("collective_rpc", (payload,), timeout)
+        return self._call_all("collective_rpc", (payload,), timeout, fatal_timeout=False)
 
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
         self._check()

@@ -17,13 +17,12 @@ import os
 import pickle
 import sys
 import traceback
-from typing import Any
 
 import torch
 
 from vllm_spec.config import EngineConfig
 from vllm_spec.distributed.parallel_state import destroy_distributed, init_distributed
-from vllm_spec.executor.base import RpcFailure, call_worker
+from vllm_spec.executor.base import rank_rpc
 from vllm_spec.executor.uniproc_executor import num_kv_blocks
 from vllm_spec.worker.batch import ExecuteModelRequest, StepOutput
 
@@ -60,16 +59,8 @@ class RankWorker:
         out = self.worker.execute_model(req)
         return out if self.rank == 0 else None
 
-    def collective_rpc(self, payload: bytes) -> Any:
-        """A collective_rpc call (RankExecutor.collective_rpc's bytes): its result, or an RpcFailure with what
-        it raised or a result that cannot travel back (a bad call must not stop the rank)."""
-        try:
-            method, args, kwargs = pickle.loads(payload)
-            result = call_worker(self.worker, method, args, kwargs)
-            pickle.dumps(result)
-            return result
-        except Exception as e:  # noqa: BLE001 - reported to the caller
-            return RpcFailure(f"{type(e).__name__}: {e}")
+    def collective_rpc(self, payload: bytes) -> bytes:
+        return rank_rpc(self.worker, payload)
 
     def ping(self) -> int:
         return os.getpid()

@@ -67,8 +67,10 @@ class RayExecutor(RankExecutor):
             self._finalizer()
             raise
 
-    def _get(self, refs: list, method: str, timeout: float | None) -> list:
-        """Results of one call per rank, by rank; a rank that dies or fails fails them all at once."""
+    def _get(self, refs: list, method: str, timeout: float | None, fatal_timeout: bool = True) -> list:
+        """Results of one call per rank, by rank; a rank that dies or fails fails them all at once. Past the
+        timeout: a WorkerError that stops the ranks, or (not fatal_timeout) a TimeoutError, the actors' queues
+        running the call on."""
         ray = self.ray
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: list = [None] * len(refs)
@@ -78,8 +80,11 @@ class RayExecutor(RankExecutor):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, pending = ray.wait(pending, num_returns=1, timeout=left)
             if not ready:
-                raise self._fail(f"tensor-parallel workers {sorted(rank_of[r] for r in pending)} did not finish "
-                                 f"{method} within {timeout:.0f} s.")
+                message = (f"tensor-parallel workers {sorted(rank_of[r] for r in pending)} did not finish {method} "
+                           f"within {timeout:g} s.")
+                if not fatal_timeout:
+                    raise TimeoutError(message)
+                raise self._fail(message)
             for ref in ready:
                 rank = rank_of[ref]
                 try:
@@ -109,7 +114,8 @@ class RayExecutor(RankExecutor):
         self._finalizer()
 
     def _rpc(self, payload: bytes, timeout: float | None) -> list:
-        return self._get([a.collective_rpc.remote(payload) for a in self.actors], "collective_rpc", timeout)
+        return self._get([a.collective_rpc.remote(payload) for a in self.actors], "collective_rpc", timeout,
+                         fatal_timeout=False)
 
     def execute_model(self, req: ExecuteModelRequest) -> StepOutput:
         self._check()

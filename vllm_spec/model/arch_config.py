@@ -151,6 +151,9 @@ class ArchConfig:
                            ("intermediate_size", inter), ("max_position_embeddings", max_positions)):
             if not _positive_int(value):
                 raise ValueError(f"{key} must be a positive integer, got {value!r}.")
+        for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+            if not isinstance(cfg.get(key, False), bool):
+                raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
         eps = cfg.get("rms_norm_eps", 1e-6)
         if not (is_number(eps) and 0 <= eps <= _FLOAT32_MAX):
             raise ValueError(f"rms_norm_eps must be a finite number >= 0, got {eps!r}.")

@@ -139,8 +139,8 @@ def _config(reader: GGUFReader, arch: str) -> dict[str, Any]:
         cfg["sliding_window"] = kv("attention.sliding_window", 4096)
         cfg["query_pre_attn_scalar"] = hidden // heads if cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch] \
             else cfg.get("head_dim")
-    if arch == "granite":   # (absent, llama.cpp scales the attention by head_dim ** -0.5, the rest by 1)
-        cfg |= {hf: _f32(kv(key)) for key, hf in _GRANITE_KEYS.items() if kv(key) is not None}
+    if arch == "granite":   # (absent or 0, llama.cpp scales the attention by head_dim ** -0.5, the rest by 1)
+        cfg |= {hf: _f32(kv(key)) for key, hf in _GRANITE_KEYS.items() if kv(key)}
         if "attention_multiplier" not in cfg and cfg.get("head_dim"):
             cfg["attention_multiplier"] = cfg["head_dim"] ** -0.5
     if arch == "gemma2":   # (absent: llama.cpp's and transformers' 50 and 30)
