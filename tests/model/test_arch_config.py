@@ -59,14 +59,14 @@ BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("max_position_embeddings", None, r"max_position_embeddings must be a positive integer, got None"),
-    ("max_position_embeddings", "100", "max_position_embeddings must be a positive integer"),
-    ("max_position_embeddings", 100.5, "max_position_embeddings must be a positive integer"),
-    ("max_position_embeddings", 0, "max_position_embeddings must be a positive integer"),
-    ("max_position_embeddings", True, "max_position_embeddings must be a positive integer"),
-    ("num_hidden_layers", "2", "num_hidden_layers must be a positive integer"),
-    ("vocab_size", -3, "vocab_size must be a positive integer"),
-    ("intermediate_size", None, "intermediate_size must be a positive integer"),
+    ("max_position_embeddings", None, r"max_position_embeddings must be an integer >= 1, got None"),
+    ("max_position_embeddings", "100", "max_position_embeddings must be an integer >= 1"),
+    ("max_position_embeddings", 100.5, "max_position_embeddings must be an integer >= 1"),
+    ("max_position_embeddings", 0, "max_position_embeddings must be an integer >= 1"),
+    ("max_position_embeddings", True, "max_position_embeddings must be an integer >= 1"),
+    ("num_hidden_layers", "2", "num_hidden_layers must be an integer >= 1"),
+    ("vocab_size", -3, "vocab_size must be an integer >= 1"),
+    ("intermediate_size", None, "intermediate_size must be an integer >= 1"),
     ("num_attention_heads", "4", r"num_attention_heads \('4'\) must be a positive multiple"),
     ("rms_norm_eps", None, r"rms_norm_eps must be a finite number >= 0, got None"),
     ("rms_norm_eps", "x", "rms_norm_eps must be a finite number"),
@@ -90,7 +90,7 @@ def test_config_values_of_the_wrong_kind_are_named(key, value, message):
 
 def test_a_gemma_3_window_pattern_of_the_wrong_kind_is_named():
     config = {**BASE, "architectures": ["Gemma3ForCausalLM"], "sliding_window_pattern": "x"}
-    with pytest.raises(ValueError, match="sliding_window_pattern must be a positive integer, got 'x'"):
+    with pytest.raises(ValueError, match="sliding_window_pattern must be an integer >= 1, got 'x'"):
         ArchConfig.from_hf_dict(config)
 
 

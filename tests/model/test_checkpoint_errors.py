@@ -72,8 +72,8 @@ def test_config_without_architectures_loads_by_model_type(base, tmp_path):
     ({"head_dim": 0}, r"head_dim must be a positive integer \(or null: hidden_size / num_attention_heads\), got 0"),
     ({"head_dim": "16"}, "head_dim must be a positive integer"),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 0},
-     r"sliding_window must be a positive integer or null, got 0"),
-    ({"architectures": ["MistralForCausalLM"], "sliding_window": "x"}, "sliding_window must be a positive integer"),
+     r"sliding_window must be an integer >= 1 or None, got 0"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": "x"}, "sliding_window must be an integer >= 1 or None"),
     ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"architectures": ["Gemma3ForCausalLM"], "rope_parameters": {
         "full_attention": {"rope_type": "default", "rope_theta": 1e6},

@@ -95,7 +95,6 @@ class EngineOperations:
         return await self._in_engine_thread(functools.partial(self.engine.reset_prefix_cache, device,
                                                               reset_running_requests))
 
-
     async def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                              kwargs: dict | None = None) -> list:
         """vLLM's: LLMEngine.collective_rpc in the engine thread, between steps."""

@@ -8,9 +8,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vllm_spec.config import EngineConfig
 from vllm_spec.core.block_manager import BlockManager
@@ -36,6 +34,9 @@ from vllm_spec.spec_decode.metrics import SpecDecodeMetrics
 from vllm_spec.tokenizer import get_tokenizer
 from vllm_spec.worker.batch import PLACEHOLDER_TOKEN, ExecuteModelRequest, SeqInput
 from vllm_spec.worker.step_handle import StepHandle
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -221,7 +221,8 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()
 
-    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None) -> list:
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
         """vLLM's: `method` (a worker method's name, or a callable taking the worker first) on every
         tensor-parallel rank's worker; the results by rank."""
         return self.llm_engine.collective_rpc(method, timeout, args, kwargs)

@@ -1,4 +1,5 @@
-"""What the multi-process and Ray executors share: start-up/step timeouts and failing for good."""
+"""What the multi-process and Ray executors share: start-up/step timeouts and failing for good; and the
+collective_rpc calls every executor makes on its workers."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import logging
 import os
 import pickle
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
+import cloudpickle
+
 from vllm_spec.config import EngineConfig
+from vllm_spec.utils import is_number
 from vllm_spec.worker.batch import ExecuteModelRequest, StepOutput
 from vllm_spec.worker.step_handle import DoneStep, StepHandle
 
@@ -51,6 +56,8 @@ class WorkerError(RuntimeError):
     """A tensor-parallel worker died or failed; the executor cannot run any more steps."""
 
 
+# A collective_rpc timeout above this is none (the waits refuse inf and the like).
+_MAX_RPC_TIMEOUT = 1e6
 
 
 def rpc_call(method: Any, timeout: Any, args: Any, kwargs: Any) -> tuple[str | Callable, float | None, tuple, dict]:
@@ -58,11 +65,10 @@ def rpc_call(method: Any, timeout: Any, args: Any, kwargs: Any) -> tuple[str | C
     if not (isinstance(method, str) or callable(method)):
         raise ValueError(f"collective_rpc: method must be a worker method's name or a callable taking the worker "
                          f"first, got {type(method).__name__}.")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-                                    and timeout > 0):
+    if timeout is not None and not (is_number(timeout) and timeout > 0):
         raise ValueError(f"collective_rpc: timeout must be a positive number of seconds or None, got {timeout!r}.")
     if timeout is not None and timeout > _MAX_RPC_TIMEOUT:
-        timeout = None   # (inf and the like: no bound; the waits refuse such numbers)
+        timeout = None
     if not isinstance(args, (tuple, list)):
         raise ValueError(f"collective_rpc: args must be a tuple or a list, got {type(args).__name__}.")
     if not (kwargs is None or isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
@@ -70,17 +76,10 @@ def rpc_call(method: Any, timeout: Any, args: Any, kwargs: Any) -> tuple[str | C
     return method, timeout, tuple(args), dict(kwargs or {})
 
 
-_MAX_RPC_TIMEOUT = 1e6
-
-
 def rank_rpc(worker: Any, payload: bytes) -> bytes:
     """A rank's side of collective_rpc: the call's ("ok", result) or ("error", what it raised, with its
     traceback), as cloudpickle's bytes (the caller gets copies, never tensors shared with the rank; anything
     cloudpickle carries). A call that fails, or a result that cannot travel, must not stop the rank."""
-    import traceback
-
-    import cloudpickle
-
     try:
         method, args, kwargs = cloudpickle.loads(payload)
         return cloudpickle.dumps(("ok", call_worker(worker, method, args, kwargs)))
@@ -142,8 +141,6 @@ class RankExecutor:
     def collective_rpc(self, method: str | Callable, timeout: float | None, args: tuple, kwargs: dict) -> list:
         """Every rank's worker runs the call (call_worker); their results by rank. The call travels as
         cloudpickle's bytes (a lambda does), and what a rank raises is raised here, the ranks serving on."""
-        import cloudpickle
-
         try:
             payload = cloudpickle.dumps((method, args, kwargs))
         except Exception as e:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_spec.model.rotary import SUPPORTED_ROPE_TYPES, rope_type
-from vllm_spec.utils import is_int, is_number
+from vllm_spec.utils import check_int, is_int, is_number
 
 # HF architecture name -> whether q/k/v projections carry a bias by default.
 SUPPORTED_ARCHITECTURES: dict[str, bool] = {
@@ -23,8 +23,8 @@ _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _SLIDING_WINDOW_DEFAULT = 4096
 # A config without "architectures" names its model_type (transformers loads it from that).
 _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM",
-                       "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                       "gemma3_text": "Gemma3ForCausalLM"}
 # Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
 _CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "Qwen3ForCausalLM", *_GEMMA)
 # Granite's scalars (transformers' defaults 1): embeddings times embedding_multiplier, each block's output times
@@ -41,7 +41,8 @@ _ABSENT = {
     "Gemma3ForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=131072, head_dim=256),
 }
 _FLOAT32_MAX = 3.4028234663852886e38
-_FLOAT32_TINY = 1.1754943508222875e-38   # (the least normal float32: below it a scale rounds to 0 or its inverse to inf)
+# The least normal float32: below it a scale rounds to 0 (its inverse to inf).
+_FLOAT32_TINY = 1.1754943508222875e-38
 # The MLP activations: SiLU, and Gemma's tanh-approximated GELU.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
@@ -142,15 +143,14 @@ class ArchConfig:
         absent = _ABSENT.get(arch, {})
         kv_heads = cfg.get("num_key_value_heads", absent.get("num_key_value_heads"))
         kv_heads = heads if kv_heads is None else kv_heads
-        if not (_positive_int(heads) and _positive_int(kv_heads) and kv_heads <= heads and heads % kv_heads == 0):
+        if not (is_int(heads) and is_int(kv_heads) and 0 < kv_heads <= heads and heads % kv_heads == 0):
             raise ValueError(f"num_attention_heads ({heads!r}) must be a positive multiple of num_key_value_heads "
                              f"({kv_heads!r}): each KV head serves the same number of query heads.")
         inter = _required(cfg, "intermediate_size")
         max_positions = cfg.get("max_position_embeddings", absent.get("max_position_embeddings", 2048))
         for key, value in (("hidden_size", hidden), ("num_hidden_layers", layers), ("vocab_size", vocab),
                            ("intermediate_size", inter), ("max_position_embeddings", max_positions)):
-            if not _positive_int(value):
-                raise ValueError(f"{key} must be a positive integer, got {value!r}.")
+            check_int(key, value, 1)
         for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
             if not isinstance(cfg.get(key, False), bool):
                 raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
@@ -159,7 +159,7 @@ class ArchConfig:
             raise ValueError(f"rms_norm_eps must be a finite number >= 0, got {eps!r}.")
         head_dim = cfg.get("head_dim", absent.get("head_dim"))
         head_dim = hidden // heads if head_dim is None else head_dim
-        if not _positive_int(head_dim):
+        if not (is_int(head_dim) and head_dim > 0):
             raise ValueError(f"head_dim must be a positive integer (or null: hidden_size / num_attention_heads), "
                              f"got {head_dim!r}.")
         scalar = cfg.get("query_pre_attn_scalar")
@@ -174,8 +174,7 @@ class ArchConfig:
                              "eos_token_id also a list of them, or null.")
         sliding, windowed = _sliding_window(arch, cfg, layers)
         granite = _granite_scalars(cfg) if arch == "GraniteForCausalLM" else {}
-        if sliding is not None and not _positive_int(sliding):
-            raise ValueError(f"sliding_window must be a positive integer or null, got {sliding!r}.")
+        check_int("sliding_window", sliding, 1, optional=True)
         rope_scaling = cfg.get("rope_scaling")
         rope_params = cfg.get("rope_parameters")  # transformers >= 5 layout
         for key, value in (("rope_scaling", rope_scaling), ("rope_parameters", rope_params)):
@@ -294,8 +293,7 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
         if not isinstance(types, list):   # every sliding_window_pattern-th layer attends to everything
             pattern = 2 if arch == "Gemma2ForCausalLM" else \
                 cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
-            if not _positive_int(pattern):
-                raise ValueError(f"sliding_window_pattern must be a positive integer, got {pattern!r}.")
+            check_int("sliding_window_pattern", pattern, 1)
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
@@ -330,10 +328,6 @@ def _granite_scalars(cfg: dict[str, Any]) -> dict[str, float]:
             raise ValueError(f"{key} must be a finite positive number (or null: 1), got {value!r}.")
         out[key] = float(value)
     return out
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _token_id(value: Any) -> bool:

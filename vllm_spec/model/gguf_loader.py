@@ -21,8 +21,8 @@ from gguf.quants import dequantize
 
 # GGUF architecture -> HF architecture name.
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausalLM",
-                                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                                      "gemma3": "Gemma3ForCausalLM"}
+                                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 _GEMMA = ("gemma2", "gemma3")
 # GGUF files carry no query_pre_attn_scalar: llama.cpp takes hidden / heads for the 27B models (known by their
 # layer count) and head_dim for the others, as their HF configs say.
@@ -140,13 +140,12 @@ def _config(reader: GGUFReader, arch: str) -> dict[str, Any]:
         cfg["query_pre_attn_scalar"] = hidden // heads if cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch] \
             else cfg.get("head_dim")
     if arch == "granite":   # (absent or 0, llama.cpp scales the attention by head_dim ** -0.5, the rest by 1)
-        cfg |= {hf: _f32(kv(key)) for key, hf in _GRANITE_KEYS.items() if kv(key)}
+        cfg |= {hf: _f32(value) for key, hf in _GRANITE_KEYS.items() if (value := kv(key))}
         if "attention_multiplier" not in cfg and cfg.get("head_dim"):
             cfg["attention_multiplier"] = cfg["head_dim"] ** -0.5
     if arch == "gemma2":   # (absent: llama.cpp's and transformers' 50 and 30)
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if kv(key) is not None:
-                cfg[key] = _f32(kv(key))
+        cfg |= {key: _f32(value) for key in ("attn_logit_softcapping", "final_logit_softcapping")
+                if (value := kv(key)) is not None}
     bos = _value(reader, "tokenizer.ggml.bos_token_id")
     if bos is not None:
         cfg["bos_token_id"] = bos
