@@ -99,7 +99,10 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
            "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
            "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
-           "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM), "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[arch]
+           "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM), "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+           "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}[arch]
+    if arch == "phi3":
+        base.setdefault("pad_token_id", 0)   # (Phi-3's default, 32000, is no tiny vocabulary's row)
     torch.manual_seed(seed)
     model = cls[1](cls[0](**base)).eval()
     with torch.no_grad():

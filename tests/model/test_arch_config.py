@@ -10,7 +10,8 @@ from vllm_spec.model.arch_config import ArchConfig
 
 CLASSES = {"LlamaForCausalLM": tf.LlamaConfig, "GraniteForCausalLM": tf.GraniteConfig, "MistralForCausalLM": tf.MistralConfig,
            "Qwen2ForCausalLM": tf.Qwen2Config, "Qwen3ForCausalLM": tf.Qwen3Config,
-           "Gemma2ForCausalLM": tf.Gemma2Config, "Gemma3ForCausalLM": tf.Gemma3TextConfig}
+           "Gemma2ForCausalLM": tf.Gemma2Config, "Gemma3ForCausalLM": tf.Gemma3TextConfig,
+           "Phi3ForCausalLM": tf.Phi3Config}
 
 
 @pytest.mark.parametrize("arch", sorted(CLASSES))

@@ -76,8 +76,15 @@ def tiny_gemma2(tmp_path_factory):
                            final_logit_softcapping=2.0)
 
 
+@pytest.fixture(scope="module")
+def tiny_phi3(tmp_path_factory):
+    # (its fused checkpoint tensors split on load; every layer windowed)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_phi3"), "phi3", seed=8, sliding_window=6)
+
+
 @needs_kernel
 @pytest.mark.parametrize("model, dtype", [("tiny_llama", "float32"), ("tiny_qwen2", "float32"),
+                                          ("tiny_phi3", "float32"),
                                           ("tiny_windowed", "float32"), ("tiny_qwen2", "bfloat16"),
                                           ("tiny_qwen3", "float32"), ("tiny_qwen3", "bfloat16"),
                                           ("tiny_gemma3", "float32"), ("tiny_gemma3", "bfloat16"),
@@ -223,6 +230,8 @@ def test_layers_it_cannot_run_are_not_built(tiny_llama):
     norm.requires_grad_()   # (the Python path's ops then are torch's)
     assert CpuDecoder.build(layers) is None
     norm.requires_grad_(False)
+    layers[1].self_attn.rotary_dim = layers[1].self_attn.head_dim // 2   # (Phi-3's partial rotation)
+    assert CpuDecoder.build(layers) is None
 
 
 @needs_kernel

@@ -34,7 +34,8 @@ PROMPTS = [
 ]
 ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwen2_window", "qwen2_yarn",
          "llama_window_key", "mistral_layer_types", "qwen3", "qwen3_window_biases",
-         "gemma3", "gemma3_pattern", "gemma3_softcap", "gemma2", "gemma2_defaults", "granite"]
+         "gemma3", "gemma3_pattern", "gemma3_softcap", "gemma2", "gemma2_defaults", "granite", "phi3",
+         "phi3_longrope"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -175,6 +176,30 @@ def tiny_granite(tmp_path_factory) -> Path:
                            mlp_bias=True, tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="module")
+def tiny_phi3(tmp_path_factory) -> Path:
+    # Phi-3: q/k/v and gate/up stored fused; half of each head rotated (partial_rotary_factor), the other half
+    # passed as it is; every layer windowed (8 tokens).
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_phi3"), "phi3", seed=18, partial_rotary_factor=0.5,
+                           sliding_window=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3_longrope(tmp_path_factory) -> Path:
+    # LongRoPE (Phi-3.5's 128k setting) within the original context: its short factors divide the frequencies and
+    # cos/sin scale by sqrt(1 + ln 4 / ln 128) (the engine's context, 128, stays within the original one: see
+    # _ENGINE_OPTIONS).
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_phi3_longrope"), "phi3", seed=19, max_position_embeddings=512,
+                           original_max_position_embeddings=128, rope_scaling=longrope_scaling(8, seed=19))
+
+
+def longrope_scaling(n: int, seed: int) -> dict:
+    """LongRoPE settings for n frequencies: short factors near 1, long ones up to ~8, drawn at random."""
+    gen = torch.Generator().manual_seed(seed)
+    return {"rope_type": "longrope", "short_factor": (1 + 0.5 * torch.rand(n, generator=gen)).tolist(),
+            "long_factor": (1 + 7 * torch.rand(n, generator=gen)).tolist()}
+
+
 def _random_norms(path: Path, seed: int) -> Path:
     """The checkpoint's norm weights drawn at random (make_tiny_model sets them to 1)."""
     from safetensors.torch import load_file, save_file
@@ -194,17 +219,20 @@ _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mist
              "llama_window_key": "tiny_llama_window_key", "mistral_layer_types": "tiny_mistral_layer_types",
              "qwen3": "tiny_qwen3", "qwen3_window_biases": "tiny_qwen3_window_biases",
              "gemma3": "tiny_gemma3", "gemma3_pattern": "tiny_gemma3_pattern", "gemma3_softcap": "tiny_gemma3_softcap",
-             "gemma2": "tiny_gemma2", "gemma2_defaults": "tiny_gemma2_defaults", "granite": "tiny_granite"}
+             "gemma2": "tiny_gemma2", "gemma2_defaults": "tiny_gemma2_defaults", "granite": "tiny_granite",
+             "phi3": "tiny_phi3", "phi3_longrope": "tiny_phi3_longrope"}
+# Engine options of a variant (all of its runs: the LLM's and the Worker's).
+_ENGINE_OPTIONS = {"phi3_longrope": dict(max_model_len=128)}
 
 
 class Case:
     """One architecture: our LLM's greedy run (with logprobs) and the HF model."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, options: dict | None = None):
+        self.path, self.options = path, options or {}
         # Eager attention: the reference for sliding windows in every transformers version.
         self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-        self.llm = LLM(str(path), kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=MAX_BATCHED)
+        self.llm = LLM(str(path), kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=MAX_BATCHED, **self.options)
         tok = self.llm.get_tokenizer()
         self.prompt_ids = [tok(p).input_ids for p in PROMPTS]
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=20)
@@ -227,7 +255,7 @@ class Case:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def case(request) -> Case:
-    return Case(request.getfixturevalue(_FIXTURES[request.param]))
+    return Case(request.getfixturevalue(_FIXTURES[request.param]), _ENGINE_OPTIONS.get(request.param))
 
 
 def test_prompts_cover_blocks_and_chunking(case):
@@ -259,8 +287,8 @@ def test_decode_logprobs_match_hf(case):
             assert set(entry) == set(top)
 
 
-def _worker(path: Path, block_size: int, num_blocks: int) -> Worker:
-    cfg = EngineArgs(model=str(path), block_size=block_size).create_engine_config()
+def _worker(case: Case, block_size: int, num_blocks: int) -> Worker:
+    cfg = EngineArgs(model=str(case.path), block_size=block_size, **case.options).create_engine_config()
     worker = Worker(cfg)
     worker.init_kv_cache(num_blocks)
     return worker
@@ -274,7 +302,7 @@ def _forward_all(worker: Worker, seqs: list[SeqInput]) -> torch.Tensor:
 def test_prefill_logits_match_hf(case):
     """One batched prefill of all prompts through Worker/ModelRunner: every position's logits match HF."""
     bs = 16
-    worker = _worker(case.path, bs, 64)
+    worker = _worker(case, bs, 64)
     next_block, seqs = 1, []
     for i, ids in enumerate(case.prompt_ids):
         nb = -(-len(ids) // bs)
@@ -295,7 +323,7 @@ def test_chunked_prefill_logits_match_hf(case):
     """The longest prompt fed 7 tokens per forward against the paged cache gives HF's logits."""
     bs = 8
     ids = max(case.prompt_ids, key=len)
-    worker = _worker(case.path, bs, 32)
+    worker = _worker(case, bs, 32)
     table = [5, 2, 9, 1, 7, 3, 11, 4, 6, 10][: -(-len(ids) // bs)]
     chunks = []
     for start in range(0, len(ids), 7):

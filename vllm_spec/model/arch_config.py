@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "Qwen3ForCausalLM": False,
     "Gemma2ForCausalLM": False,
     "Gemma3ForCausalLM": False,
+    "Phi3ForCausalLM": False,
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # transformers' sliding_window for a config.json without one: Mistral's, Gemma's, and Qwen2's with use_sliding_window.
@@ -24,7 +25,7 @@ _SLIDING_WINDOW_DEFAULT = 4096
 # A config without "architectures" names its model_type (transformers loads it from that).
 _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                       "gemma3_text": "Gemma3ForCausalLM"}
+                       "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
 _CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "Qwen3ForCausalLM", *_GEMMA)
 # Granite's scalars (transformers' defaults 1): embeddings times embedding_multiplier, each block's output times
@@ -39,6 +40,7 @@ _ABSENT = {
     "Qwen3ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768, head_dim=128),
     "Gemma2ForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=8192, head_dim=256),
     "Gemma3ForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=131072, head_dim=256),
+    "Phi3ForCausalLM": dict(max_position_embeddings=4096, original_max_position_embeddings=4096, rms_norm_eps=1e-5),
 }
 _FLOAT32_MAX = 3.4028234663852886e38
 # The least normal float32: below it a scale rounds to 0 (its inverse to inf).
@@ -50,7 +52,8 @@ CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 
 @dataclass
 class ArchConfig:
-    """Shapes and options of one Llama-family model (Llama, Granite, Mistral, Qwen2, Qwen3, Gemma 2 and 3, SmolLM2)."""
+    """Shapes and options of one Llama-family model (Llama, Granite, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3,
+    SmolLM2)."""
 
     architecture: str
     vocab_size: int
@@ -63,6 +66,7 @@ class ArchConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    rotary_dim: int | None = None   # Phi-3's partial rotation: the leading rotary_dim dims of a head (None: all)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False   # q/k/v biases
@@ -154,7 +158,7 @@ class ArchConfig:
         for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
             if not isinstance(cfg.get(key, False), bool):
                 raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
-        eps = cfg.get("rms_norm_eps", 1e-6)
+        eps = cfg.get("rms_norm_eps", absent.get("rms_norm_eps", 1e-6))
         if not (is_number(eps) and 0 <= eps <= _FLOAT32_MAX):
             raise ValueError(f"rms_norm_eps must be a finite number >= 0, got {eps!r}.")
         head_dim = cfg.get("head_dim", absent.get("head_dim"))
@@ -189,7 +193,10 @@ class ArchConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
+        rotary_dim = _rotary_dim(cfg, rope_params, head_dim) if arch == "Phi3ForCausalLM" else None
         kind = rope_type(rope_scaling)
+        if arch == "Phi3ForCausalLM" and kind in ("su", "yarn"):   # (transformers' Phi-3 names for LongRoPE)
+            kind, rope_scaling = "longrope", {**rope_scaling, "rope_type": "longrope"}
         if kind == "default":
             rope_scaling = None
         elif kind == "yarn":   # (transformers' defaults, from the model's context length)
@@ -197,6 +204,8 @@ class ArchConfig:
             if rope_scaling.get("factor") is None:
                 original = rope_scaling["original_max_position_embeddings"]
                 rope_scaling["factor"] = cfg["max_position_embeddings"] / original
+        elif kind == "longrope":
+            rope_scaling = _longrope(cfg, rope_scaling, absent, max_positions, rotary_dim or head_dim)
         if kind in SUPPORTED_ROPE_TYPES and kind != "default":
             factor = rope_scaling.get("factor")
             if not (is_number(factor) and factor > 0):
@@ -213,6 +222,7 @@ class ArchConfig:
             rms_norm_eps=eps,
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
+            rotary_dim=rotary_dim,
             max_position_embeddings=max_positions,
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),   # (transformers' default for each)
             # (transformers' Qwen2 always has q/k/v biases and Mistral never: their attention_bias is ignored)
@@ -287,6 +297,8 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
     call sliding, else all but every sliding_window_pattern-th (Gemma 2: every other one)."""
     if arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
         return None, None
+    if arch == "Phi3ForCausalLM":   # every layer, where the key is set
+        return cfg.get("sliding_window"), None
     types = cfg.get("layer_types")
     sliding = cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULT)
     if arch in _GEMMA:
@@ -316,6 +328,41 @@ def _gemma_rope(cfg: dict[str, Any], params: Any) -> tuple[Any, float]:
             raise ValueError(f"rope_parameters['sliding_attention'] must be of rope_type 'default', got {local!r}.")
         return params["full_attention"], float(local.get("rope_theta", 10000.0))
     return params, float(cfg.get("rope_local_base_freq", 10000.0))
+
+
+def _rotary_dim(cfg: dict[str, Any], rope_params: Any, head_dim: int) -> int | None:
+    """Phi-3's rotated dimensions, head_dim x partial_rotary_factor (in rope_parameters or at the top level, as
+    transformers reads it); None where that is the whole head."""
+    factor = (rope_params or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    factor = 1.0 if factor is None else factor
+    if not (is_number(factor) and 0 < factor <= 1):
+        raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}.")
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise ValueError(f"partial_rotary_factor ({factor!r}) x head_dim ({head_dim}) must give an even number of "
+                         f"rotated dimensions >= 2, got {dim}.")
+    return None if dim == head_dim else dim
+
+
+def _longrope(cfg: dict[str, Any], scaling: dict[str, Any], absent: dict[str, Any], max_positions: int,
+              rotary_dim: int) -> dict[str, Any]:
+    """LongRoPE's settings checked and completed as transformers does: the original context from the config's top
+    level first (Phi-3's 4096 where neither names it), factor from the two contexts where absent."""
+    original = cfg.get("original_max_position_embeddings", scaling.get(
+        "original_max_position_embeddings", absent.get("original_max_position_embeddings", max_positions)))
+    check_int("original_max_position_embeddings", original, 2)
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not (isinstance(factors, list) and len(factors) == rotary_dim // 2
+                and all(_finite_positive(f) for f in factors)):
+            raise ValueError(f"rope_scaling of type 'longrope' needs {key!r}: a list of {rotary_dim // 2} positive "
+                             f"numbers (one per rotated frequency), got {factors!r}.")
+    attention = scaling.get("attention_factor")
+    if not (attention is None or _finite_positive(attention)):
+        raise ValueError(f"rope_scaling's attention_factor must be a positive number or null, got {attention!r}.")
+    factor = scaling.get("factor")
+    return {**scaling, "original_max_position_embeddings": original,
+            "factor": max_positions / original if factor is None else factor}
 
 
 def _granite_scalars(cfg: dict[str, Any]) -> dict[str, float]:

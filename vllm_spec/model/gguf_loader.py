@@ -1,5 +1,5 @@
-"""Read llama.cpp GGUF checkpoints (``llama``, ``granite``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``) as HF-style
-configs and weights.
+"""Read llama.cpp GGUF checkpoints (``llama``, ``granite``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``, ``phi3``) as
+HF-style configs and weights.
 
 GGUF stores hyper-parameters under ``{arch}.*`` keys and tensors under llama.cpp names
 (``blk.N.attn_q.weight``). This module maps both back to the Hugging Face layout so the
@@ -22,7 +22,8 @@ from gguf.quants import dequantize
 # GGUF architecture -> HF architecture name.
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausalLM",
                                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                                      "phi3": "Phi3ForCausalLM"}
 _GEMMA = ("gemma2", "gemma3")
 # GGUF files carry no query_pre_attn_scalar: llama.cpp takes hidden / heads for the 27B models (known by their
 # layer count) and head_dim for the others, as their HF configs say.
@@ -51,8 +52,12 @@ _PER_LAYER = {
 # llama.cpp stores every norm weight of the family as 1 + the checkpoint's.
 _GEMMA_PER_LAYER = {**_PER_LAYER, "ffn_norm": "pre_feedforward_layernorm",
                     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-# Tensors that carry configuration, not parameters: rope_freqs becomes config["rope_scaling"].
-_NOT_PARAMETERS = {"rope_freqs.weight"}
+# Phi-3's projections stay fused as its checkpoints hold them (ffn_up is gate and up).
+_PHI3_PER_LAYER = {**_PER_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Tensors that carry configuration, not parameters: rope_freqs and Phi-3's LongRoPE factors become
+# config["rope_scaling"].
+_LONGROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
+_NOT_PARAMETERS = {"rope_freqs.weight", *_LONGROPE_FACTORS.values()}
 
 
 def _open(path: str | Path) -> tuple[GGUFReader, str]:
@@ -143,6 +148,13 @@ def _config(reader: GGUFReader, arch: str) -> dict[str, Any]:
         cfg |= {hf: _f32(value) for key, hf in _GRANITE_KEYS.items() if (value := kv(key))}
         if "attention_multiplier" not in cfg and cfg.get("head_dim"):
             cfg["attention_multiplier"] = cfg["head_dim"] ** -0.5
+    if arch == "phi3":   # (rope.dimension_count: the rotated dims; a window of 0: none)
+        cfg["original_max_position_embeddings"] = kv("rope.scaling.original_context_length",
+                                                     cfg["max_position_embeddings"])
+        rotated, head_dim = kv("rope.dimension_count"), cfg.get("head_dim")
+        if rotated and head_dim and rotated != head_dim:
+            cfg["partial_rotary_factor"] = rotated / head_dim
+        cfg["sliding_window"] = kv("attention.sliding_window") or None
     if arch == "gemma2":   # (absent: llama.cpp's and transformers' 50 and 30)
         cfg |= {key: _f32(value) for key in ("attn_logit_softcapping", "final_logit_softcapping")
                 if (value := kv(key)) is not None}
@@ -170,11 +182,21 @@ def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict, cfg: dict) -> di
         return {"rope_type": "yarn", "factor": _f32(factor), "original_max_position_embeddings": orig}
     if kind not in (None, "none"):
         raise ValueError(f"Unsupported GGUF rope scaling type {kind!r}")
+    if all(name in tensors for name in _LONGROPE_FACTORS.values()):
+        out = {"rope_type": "longrope"} | {key: [_f32(f) for f in _dequantized(tensors[name])]
+                                           for key, name in _LONGROPE_FACTORS.items()}
+        attention = _value(reader, f"{arch}.rope.scaling.attn_factor")
+        return out if attention is None else out | {"attention_factor": _f32(attention)}
     if "rope_freqs.weight" in tensors:
-        freqs = np.array(dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type))
         dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        return _llama3_from_rope_freqs(freqs.reshape(-1).astype(np.float64), cfg["rope_theta"], dim)
+        return _llama3_from_rope_freqs(_dequantized(tensors["rope_freqs.weight"]).astype(np.float64),
+                                       cfg["rope_theta"], dim)
     return None
+
+
+def _dequantized(tensor) -> np.ndarray:
+    """A small configuration tensor's values, flat."""
+    return np.array(dequantize(tensor.data, tensor.tensor_type)).reshape(-1)
 
 
 def _llama3_from_rope_freqs(f: np.ndarray, theta: float, dim: int) -> dict[str, Any]:
@@ -210,7 +232,7 @@ def _hf_name(gguf_name: str, arch: str) -> str:
     base, _, kind = gguf_name.rpartition(".")  # kind: "weight" or "bias"
     if base in _TOP_LEVEL:
         return f"{_TOP_LEVEL[base]}.{kind}"
-    per_layer = _GEMMA_PER_LAYER if arch in _GEMMA else _PER_LAYER
+    per_layer = _GEMMA_PER_LAYER if arch in _GEMMA else _PHI3_PER_LAYER if arch == "phi3" else _PER_LAYER
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if m and m.group(2) in per_layer:
         return f"model.layers.{m.group(1)}.{per_layer[m.group(2)]}.{kind}"

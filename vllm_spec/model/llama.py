@@ -1,5 +1,5 @@
-"""One Llama-family decoder (Llama 1-3, Granite, Mistral, Qwen2, Qwen3, Gemma 2 and 3, SmolLM2) over a flat token
-batch."""
+"""One Llama-family decoder (Llama 1-3, Granite, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3, SmolLM2) over a flat
+token batch."""
 
 from __future__ import annotations
 
@@ -39,9 +39,16 @@ _FUSED = {
 }
 
 
-def _checkpoint_names(name: str, shards: Iterable[object] | None = None) -> list[str]:
-    """The checkpoint's names of one of our parameters (a fused one's parts: those of `shards`, else all)."""
+# Architectures whose checkpoints store the q/k/v and gate/up projections fused, as we hold them.
+_FUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
+
+
+def _checkpoint_names(name: str, shards: Iterable[object] | None = None, fused: bool = False) -> list[str]:
+    """The checkpoint's names of one of our parameters (a fused one's parts: those of `shards`, else all; the
+    fused tensor itself where the checkpoint stores it so)."""
     hf = name if name.startswith("lm_head.") else f"model.{name}"
+    if fused:
+        return [hf]
     parts = [hf.replace(new, old) for old, (new, shard) in _FUSED.items()
              if new in hf and (shards is None or shard in shards)]
     return parts or [hf]
@@ -56,6 +63,7 @@ class LlamaAttention(nn.Module):
                                         tp, dtype)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim or cfg.head_dim
         self.q_norm = _norm(cfg, cfg.head_dim, dtype) if cfg.qk_norm else None
         self.k_norm = _norm(cfg, cfg.head_dim, dtype) if cfg.qk_norm else None
         scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.head_dim ** -0.5
@@ -73,7 +81,12 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim))[0]
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(q, k, cos, sin)
+        if self.rotary_dim == self.head_dim:
+            q, k = rotary(q, k, cos, sin)
+        else:   # (Phi-3's partial rotation: the rest of each head passes as it is)
+            r = self.rotary_dim
+            q_rot, k_rot = rotary(q[..., :r], k[..., :r], cos, sin)
+            q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
         out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), md)
         return self.o_proj(out.reshape(-1, q_size)), residual
 
@@ -151,10 +164,11 @@ class LlamaForCausalLM(nn.Module):
         self.output_weight: torch.Tensor | BlockWeight | None = None
         self.cpu_decoder: CpuDecoder | None = None   # see pack_for_cpu
         positions = max(max_positions, cfg.max_position_embeddings)
-        self.rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling,
+                                    max_positions)
         # Gemma 3's windowed layers rotate with their own base (LlamaDecoderLayer.local_rope).
         self.local_rope = None if cfg.local_rope_theta is None else \
-            RotaryEmbedding(cfg.head_dim, positions, cfg.local_rope_theta, None)
+            RotaryEmbedding(cfg.head_dim, positions, cfg.local_rope_theta, None, max_positions)
         # (the scale in the model's dtype, as transformers' Gemma)
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype) if cfg.embed_scale else None
 
@@ -227,6 +241,22 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.weight = target.embed_tokens.weight if self.config.tie_word_embeddings \
             else target.lm_head.weight
 
+    def _fused_parts(self, name: str, tensor: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
+        """A checkpoint tensor of one of our parameters, as (shard id, rows) pieces: a projection the checkpoint
+        stores fused (Phi-3's qkv_proj and gate_up_proj) is split into the parts separate tensors would be."""
+        cfg = self.config
+        if ".qkv_proj." in name:
+            kv = cfg.num_key_value_heads * cfg.head_dim
+            ids, rows = ("q", "k", "v"), [cfg.num_attention_heads * cfg.head_dim, kv, kv]
+        elif ".gate_up_proj." in name:
+            ids, rows = (0, 1), [cfg.intermediate_size] * 2
+        else:
+            return [(None, tensor)]
+        if tensor.dim() == 0 or tensor.shape[0] != sum(rows):
+            raise ValueError(f"shape {tuple(tensor.shape)}: a fused projection of {sum(rows)} rows "
+                             f"({' + '.join(map(str, rows))}) was expected.")
+        return list(zip(ids, tensor.split(rows)))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; each parameter's loader keeps only this rank's shard."""
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -247,13 +277,15 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"Unexpected weight {ckpt_name!r} in checkpoint for {self.config.architecture}.")
             param = params[name]
             try:
+                parts = [(shard, tensor)] if shard is not None else self._fused_parts(name, tensor)
                 with torch.no_grad():
-                    param.weight_loader(param, tensor.to(param.dtype), shard)
+                    for part_shard, part in parts:
+                        param.weight_loader(param, part.to(param.dtype), part_shard)
             except (ValueError, RuntimeError) as e:
                 raise ValueError(f"Checkpoint tensor {ckpt_name!r}: {e}") from e
             loaded.add(name)
-            if shard is not None:
-                shards.setdefault(name, set()).add(shard)
+            if parts[0][0] is not None:
+                shards.setdefault(name, set()).update(part_shard for part_shard, _ in parts)
         # A fused parameter loaded from some of its tensors only would keep garbage in the rest.
         for name, got in shards.items():
             absent = [n for n in _checkpoint_names(name) if n not in _checkpoint_names(name, got)]
@@ -263,6 +295,8 @@ class LlamaForCausalLM(nn.Module):
             loaded.add("lm_head.weight")
         if self.config.embeddings_from_target:
             loaded |= {"embed_tokens.weight", "lm_head.weight"}
-        missing = [hf for n in params if n not in loaded and not n.startswith("rope.") for hf in _checkpoint_names(n)]
+        fused = self.config.architecture in _FUSED_CHECKPOINTS
+        missing = [hf for n in params if n not in loaded and not n.startswith("rope.")
+                   for hf in _checkpoint_names(n, fused=fused)]
         if missing:
             raise ValueError(f"Checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

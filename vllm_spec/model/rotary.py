@@ -1,4 +1,4 @@
-"""Rotary position embeddings (rotate-half layout) with Llama-3, linear, dynamic-NTK and YaRN scaling."""
+"""Rotary position embeddings (rotate-half layout) with Llama-3, linear, dynamic-NTK, YaRN and LongRoPE scaling."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
@@ -43,8 +43,24 @@ def _yarn(pos_freqs: torch.Tensor, head_dim: int, theta: float, scaling: dict[st
     return inv, float(attention)
 
 
-def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
-    """The inverse frequencies, and the factor cos/sin are scaled by (YaRN's attention factor, else 1)."""
+def _longrope(pos_freqs: torch.Tensor, scaling: dict[str, Any], max_model_len: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: each frequency divided by its own factor, from the long set where the engine's context
+    (max_model_len) passes the original one, else the short set, fixed for the whole run as vLLM does
+    (transformers switches with each sequence's length, which would invalidate the keys already cached); cos/sin
+    scaled by sqrt(1 + ln factor / ln original) unless the config gives the attention factor."""
+    original = scaling["original_max_position_embeddings"]
+    factors = torch.tensor(scaling["long_factor" if max_model_len > original else "short_factor"], dtype=torch.float32)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        factor = scaling["factor"]
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return 1.0 / (factors * pos_freqs), float(attention)
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+              max_model_len: int) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies, and the factor cos/sin are scaled by (YaRN's and LongRoPE's attention factor,
+    else 1)."""
     if rope_type(scaling) == "dynamic":
         # As vLLM: NTK-aware scaling fixed at the longest context, L = max_position_embeddings x factor
         # (base x (factor L / max_position_embeddings - (factor - 1)) ^ (d / (d - 2))), where transformers'
@@ -59,6 +75,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tu
     kind = rope_type(scaling)
     if kind == "yarn":
         return _yarn(pos_freqs, head_dim, theta, scaling)
+    if kind == "longrope":
+        return _longrope(pos_freqs, scaling, max_model_len)
     if kind == "linear":
         return inv / scaling["factor"], 1.0
     if kind == "llama3":
@@ -78,11 +96,13 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tu
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position."""
+    """Precomputed cos/sin tables indexed by absolute position (rotary_dim: how many leading dimensions of a head
+    rotate; max_model_len: the engine's context, which picks LongRoPE's factors)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+                 max_model_len: int):
         super().__init__()
-        inv, attention = _inv_freq(head_dim, theta, scaling)
+        inv, attention = _inv_freq(rotary_dim, theta, scaling, max_model_len)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
