@@ -241,3 +241,14 @@ def test_a_phi3_gguf_generates_as_transformers(tmp_path, longrope, window):
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                        use_tqdm=False)
     assert out[0].outputs[0].token_ids == _hf_greedy(model, prompt, 12)
+
+
+def test_the_long_factors_are_announced(caplog):
+    arch = ArchConfig.from_hf_dict({**BASE, "max_position_embeddings": 256, "original_max_position_embeddings": 32,
+                                    "rope_scaling": longrope_scaling(8, seed=1)})
+    with caplog.at_level("WARNING", logger="vllm_spec.model.rotary"):
+        RotaryEmbedding(16, 256, arch.rope_theta, arch.rope_scaling, 32)
+        assert not caplog.records
+        RotaryEmbedding(16, 256, arch.rope_theta, arch.rope_scaling, 33)
+    assert "max_model_len 33 passes the original context 32" in caplog.text
+    assert "max_model_len <= 32 keeps the short ones" in caplog.text

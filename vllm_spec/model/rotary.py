@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -49,7 +52,12 @@ def _longrope(pos_freqs: torch.Tensor, scaling: dict[str, Any], max_model_len: i
     (transformers switches with each sequence's length, which would invalidate the keys already cached); cos/sin
     scaled by sqrt(1 + ln factor / ln original) unless the config gives the attention factor."""
     original = scaling["original_max_position_embeddings"]
-    factors = torch.tensor(scaling["long_factor" if max_model_len > original else "short_factor"], dtype=torch.float32)
+    long = max_model_len > original
+    if long:
+        logger.warning("LongRoPE: max_model_len %d passes the original context %d, so every position rotates with the "
+                       "long factors (shorter sequences may lose some quality); max_model_len <= %d keeps the short "
+                       "ones.", max_model_len, original, original)
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
     attention = scaling.get("attention_factor")
     if attention is None:
         factor = scaling["factor"]
