@@ -168,10 +168,10 @@ def test_model_type_alone_names_phi3(tmp_path):
 
 
 def _write_phi3_gguf(path, *, hidden=32, heads=4, kv_heads=2, inter=48, layers=2, vocab=64, rotated=4,
-                     factors=None, window=0) -> dict:
+                     factors=None, window=0, drop=None, extra=None) -> dict:
     """A tiny GGUF as llama.cpp's converter writes a Phi-3: fused attn_qkv and ffn_up (gate then up) tensors,
     the rotated dims, the original context, the window (0: none) and LongRoPE's factors as tensors with their
-    attention factor; returns the HF tensors it encodes."""
+    attention factor (less the tensor `drop`, plus the tensors `extra`); returns the HF tensors it encodes."""
     rng = np.random.default_rng(1)
     hd = hidden // heads
     hf = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
@@ -209,8 +209,11 @@ def _write_phi3_gguf(path, *, hidden=32, heads=4, kv_heads=2, inter=48, layers=2
             w.add_tensor(f"blk.{layer}.{names[rest.rsplit('.', 1)[0]]}.weight", arr)
     if factors:
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(256 / 16) / np.log(16))))
-        w.add_tensor("rope_factors_long.weight", np.array(factors["long_factor"], dtype=np.float32))
-        w.add_tensor("rope_factors_short.weight", np.array(factors["short_factor"], dtype=np.float32))
+        for kind in ("long", "short"):
+            if f"rope_factors_{kind}.weight" != drop:
+                w.add_tensor(f"rope_factors_{kind}.weight", np.array(factors[f"{kind}_factor"], dtype=np.float32))
+    for name, arr in (extra or {}).items():
+        w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -252,3 +255,67 @@ def test_the_long_factors_are_announced(caplog):
         RotaryEmbedding(16, 256, arch.rope_theta, arch.rope_scaling, 33)
     assert "max_model_len 33 passes the original context 32" in caplog.text
     assert "max_model_len <= 32 keeps the short ones" in caplog.text
+
+
+def test_rope_scaling_in_the_legacy_place_counts_whole():
+    """A (legacy) rope_scaling object stands for rope_parameters as transformers reads it: its rope_theta and
+    partial_rotary_factor count; Phi-3's original context comes from the top level (4096 where absent), another
+    family's LongRoPE from rope_scaling."""
+    scaling = {"type": "longrope", "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5,
+               "rope_theta": 500.0, **{k: v for k, v in longrope_scaling(4, seed=2).items() if k != "rope_type"}}
+    ours = ArchConfig.from_hf_dict({**BASE, "max_position_embeddings": 8192, "rope_scaling": dict(scaling)})
+    theirs = tf.Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=8192, pad_token_id=0,
+                           rope_scaling=dict(scaling)).rope_parameters
+    assert (ours.rotary_dim, ours.rope_theta, ours.rope_scaling["original_max_position_embeddings"]) == \
+        (int(16 * theirs["partial_rotary_factor"]), theirs["rope_theta"], theirs["original_max_position_embeddings"])
+    assert (ours.rotary_dim, ours.rope_theta, ours.rope_scaling["original_max_position_embeddings"]) == (8, 500.0, 4096)
+    llama = {**BASE, "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 8192}
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 16, "rope_theta": 500.0,
+               **{k: v for k, v in longrope_scaling(8, seed=2).items() if k != "rope_type"}}
+    ours = ArchConfig.from_hf_dict({**llama, "rope_scaling": dict(scaling)})
+    theirs = tf.LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=8192,
+                            rope_scaling=dict(scaling)).rope_parameters
+    assert (ours.rope_theta, ours.rope_scaling["original_max_position_embeddings"]) == \
+        (theirs["rope_theta"], theirs["original_max_position_embeddings"]) == (500.0, 16)
+
+
+def test_an_odd_head_size_is_named():
+    with pytest.raises(ValueError, match=r"head_dim must be even \(the rotary embedding turns pairs of dimensions\), "
+                                         r"got 15"):
+        ArchConfig.from_hf_dict({**BASE, "hidden_size": 60})
+
+
+def test_a_projection_both_fused_and_in_parts_is_named(tmp_path):
+    path = make_tiny_model(tmp_path / "p", "phi3", seed=22)
+    weights = load_file(path / "model.safetensors")
+    weights["model.layers.0.mlp.up_proj.weight"] = weights["model.layers.0.mlp.gate_up_proj.weight"][96:].clone()
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"Checkpoint tensor 'model.layers.0.mlp.(gate_)?up_proj.weight': it holds "
+                                         r"weights another tensor of the checkpoint held already"):
+        LLM(str(path), **KV)
+
+
+def test_gguf_rotated_dims_are_read_back_exactly(tmp_path):
+    """30 of 88 dims: 30 / 88 as the nearest float would read back as 29; a count past head_dim is named."""
+    from vllm_spec.model.gguf_loader import read_gguf_config
+
+    path = tmp_path / "a.gguf"
+    _write_phi3_gguf(path, hidden=88, heads=1, kv_heads=1, rotated=30)
+    assert ArchConfig.from_hf_dict(read_gguf_config(path)).rotary_dim == 30
+    _write_phi3_gguf(path, rotated=16)
+    with pytest.raises(ValueError, match=r"GGUF key phi3.rope.dimension_count \(16\) must be in \[2, head_dim \(8\)\]"):
+        read_gguf_config(path)
+
+
+def test_gguf_errors_name_the_tensor(tmp_path):
+    """A LongRoPE factor tensor without its twin; an ffn_gate beside Phi-3's fused ffn_up (which holds the gate)."""
+    from vllm_spec.model.gguf_loader import iter_gguf_weights, read_gguf_config
+
+    factors = {"short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0]}
+    path = tmp_path / "a.gguf"
+    _write_phi3_gguf(path, factors=factors, drop="rope_factors_short.weight")
+    with pytest.raises(ValueError, match=r"GGUF has 'rope_factors_long.weight' without 'rope_factors_short.weight'"):
+        read_gguf_config(path)
+    _write_phi3_gguf(path, extra={"blk.0.ffn_gate.weight": np.zeros((48, 32), np.float32)})
+    with pytest.raises(ValueError, match=r"Unexpected tensor 'blk.0.ffn_gate.weight' in GGUF file"):
+        list(iter_gguf_weights(path))

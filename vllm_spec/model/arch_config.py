@@ -166,6 +166,8 @@ class ArchConfig:
         if not (is_int(head_dim) and head_dim > 0):
             raise ValueError(f"head_dim must be a positive integer (or null: hidden_size / num_attention_heads), "
                              f"got {head_dim!r}.")
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even (the rotary embedding turns pairs of dimensions), got {head_dim}.")
         scalar = cfg.get("query_pre_attn_scalar")
         scalar = 256 if scalar is None else scalar   # (transformers' Gemma default)
         if gemma and not _finite_positive(scalar):
@@ -186,13 +188,14 @@ class ArchConfig:
                 raise ValueError(f"{key} must be an object (dict) or null, got {value!r}.")
         rope_theta = cfg.get("rope_theta")
         local_theta = None
+        # As transformers: a (legacy) rope_scaling object in place of rope_parameters, its rope_theta too.
+        rope_params = rope_scaling or rope_params
         if arch == "Gemma3ForCausalLM":
             rope_params, local_theta = _gemma_rope(cfg, rope_params)
             rope_theta = rope_theta if rope_theta is not None else 1000000.0
         if isinstance(rope_params, dict):
             rope_theta = rope_params.get("rope_theta", rope_theta)
-            if rope_params.get("rope_type", "default") != "default":
-                rope_scaling = rope_params
+        rope_scaling = rope_params
         rotary_dim = _rotary_dim(cfg, rope_params, head_dim) if arch == "Phi3ForCausalLM" else None
         kind = rope_type(rope_scaling)
         if arch == "Phi3ForCausalLM" and kind in ("su", "yarn"):   # (transformers' Phi-3 names for LongRoPE)
@@ -347,9 +350,11 @@ def _rotary_dim(cfg: dict[str, Any], rope_params: Any, head_dim: int) -> int | N
 def _longrope(cfg: dict[str, Any], scaling: dict[str, Any], absent: dict[str, Any], max_positions: int,
               rotary_dim: int) -> dict[str, Any]:
     """LongRoPE's settings checked and completed as transformers does: the original context from the config's top
-    level first (Phi-3's 4096 where neither names it), factor from the two contexts where absent."""
-    original = cfg.get("original_max_position_embeddings", scaling.get(
-        "original_max_position_embeddings", absent.get("original_max_position_embeddings", max_positions)))
+    level first (Phi-3's config always has one: 4096 where the key is absent; others then take rope_scaling's, else
+    max_position_embeddings), factor from the two contexts where absent."""
+    phi3 = absent.get("original_max_position_embeddings")   # (Phi-3's config always has one, 4096 by default)
+    original = cfg.get("original_max_position_embeddings", phi3 if phi3 is not None else scaling.get(
+        "original_max_position_embeddings", max_positions))
     check_int("original_max_position_embeddings", original, 2)
     for key in ("short_factor", "long_factor"):
         factors = scaling.get(key)

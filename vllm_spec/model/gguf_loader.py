@@ -52,8 +52,10 @@ _PER_LAYER = {
 # llama.cpp stores every norm weight of the family as 1 + the checkpoint's.
 _GEMMA_PER_LAYER = {**_PER_LAYER, "ffn_norm": "pre_feedforward_layernorm",
                     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-# Phi-3's projections stay fused as its checkpoints hold them (ffn_up is gate and up).
-_PHI3_PER_LAYER = {**_PER_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Phi-3's projections stay fused as its checkpoints hold them (ffn_up is gate and up: llama.cpp's Phi-3 has no
+# ffn_gate; q, k and v may come apart).
+_PHI3_PER_LAYER = {**{k: v for k, v in _PER_LAYER.items() if k != "ffn_gate"}, "attn_qkv": "self_attn.qkv_proj",
+                   "ffn_up": "mlp.gate_up_proj"}
 # Tensors that carry configuration, not parameters: rope_freqs and Phi-3's LongRoPE factors become
 # config["rope_scaling"].
 _LONGROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
@@ -153,7 +155,10 @@ def _config(reader: GGUFReader, arch: str) -> dict[str, Any]:
                                                      cfg["max_position_embeddings"])
         rotated, head_dim = kv("rope.dimension_count"), cfg.get("head_dim")
         if rotated and head_dim and rotated != head_dim:
-            cfg["partial_rotary_factor"] = rotated / head_dim
+            if not 2 <= rotated <= head_dim:
+                raise ValueError(f"GGUF key phi3.rope.dimension_count ({rotated}) must be in [2, head_dim "
+                                 f"({head_dim})]: the rotated dimensions of a head.")
+            cfg["partial_rotary_factor"] = _factor_of(rotated, head_dim)
         cfg["sliding_window"] = kv("attention.sliding_window") or None
     if arch == "gemma2":   # (absent: llama.cpp's and transformers' 50 and 30)
         cfg |= {key: _f32(value) for key in ("attn_logit_softcapping", "final_logit_softcapping")
@@ -182,7 +187,11 @@ def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict, cfg: dict) -> di
         return {"rope_type": "yarn", "factor": _f32(factor), "original_max_position_embeddings": orig}
     if kind not in (None, "none"):
         raise ValueError(f"Unsupported GGUF rope scaling type {kind!r}")
-    if all(name in tensors for name in _LONGROPE_FACTORS.values()):
+    present = [name for name in _LONGROPE_FACTORS.values() if name in tensors]
+    if len(present) == 1:
+        raise ValueError(f"GGUF has {present[0]!r} without "
+                         f"{next(n for n in _LONGROPE_FACTORS.values() if n not in present)!r}: LongRoPE needs both.")
+    if present:
         out = {"rope_type": "longrope"} | {key: [_f32(f) for f in _dequantized(tensors[name])]
                                            for key, name in _LONGROPE_FACTORS.items()}
         attention = _value(reader, f"{arch}.rope.scaling.attn_factor")
@@ -192,6 +201,13 @@ def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict, cfg: dict) -> di
         return _llama3_from_rope_freqs(_dequantized(tensors["rope_freqs.weight"]).astype(np.float64),
                                        cfg["rope_theta"], dim)
     return None
+
+
+def _factor_of(part: int, whole: int) -> float:
+    """part / whole as a float f that gives int(whole * f) == part back (as transformers reads it): the nearest
+    float to the quotient can land a hair below (30 / 88 gives 29)."""
+    f = part / whole
+    return f if int(whole * f) == part else math.nextafter(f, 1.0)
 
 
 def _dequantized(tensor) -> np.ndarray:

@@ -260,8 +260,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; each parameter's loader keeps only this rank's shard."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        shards: dict[str, set] = {}   # fused parameter -> the checkpoint tensors (shard ids) it got
+        got: dict[str, set] = {}   # our parameter -> the shard ids the checkpoint filled (None: the whole of it)
         for ckpt_name, tensor in weights:
             if "rotary_emb" in ckpt_name:
                 continue
@@ -278,19 +277,23 @@ class LlamaForCausalLM(nn.Module):
             param = params[name]
             try:
                 parts = [(shard, tensor)] if shard is not None else self._fused_parts(name, tensor)
+                ids = {part_shard for part_shard, _ in parts}
+                if ids & got.get(name, set()):
+                    raise ValueError("it holds weights another tensor of the checkpoint held already (a projection "
+                                     "stored both fused and in parts, or one tensor twice).")
                 with torch.no_grad():
                     for part_shard, part in parts:
                         param.weight_loader(param, part.to(param.dtype), part_shard)
             except (ValueError, RuntimeError) as e:
                 raise ValueError(f"Checkpoint tensor {ckpt_name!r}: {e}") from e
-            loaded.add(name)
-            if parts[0][0] is not None:
-                shards.setdefault(name, set()).update(part_shard for part_shard, _ in parts)
+            got.setdefault(name, set()).update(ids)
         # A fused parameter loaded from some of its tensors only would keep garbage in the rest.
-        for name, got in shards.items():
-            absent = [n for n in _checkpoint_names(name) if n not in _checkpoint_names(name, got)]
+        for name, ids in got.items():
+            absent = [] if None in ids else \
+                [n for n in _checkpoint_names(name) if n not in _checkpoint_names(name, ids)]
             if absent:
                 raise ValueError(f"Checkpoint is missing weights: {absent}")
+        loaded = set(got)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
         if self.config.embeddings_from_target:
