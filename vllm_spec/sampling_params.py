@@ -11,7 +11,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from vllm_spec.structured_output.params import StructuredOutputsParams
-from vllm_spec.utils import check_text, is_int, is_number
+from vllm_spec.utils import FLOAT32_MAX, check_text, is_int, is_number
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +25,6 @@ DEFAULT_MAX_LOGPROBS = 20
 # vLLM's logprobs_mode: what logprobs hold (raw: the model's logits, processed: after the sampling
 # parameters' processing, temperature and top-k/top-p included).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-# Penalties are applied in float32: a larger one would become inf there (0 * inf = NaN logits).
-_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:
@@ -193,7 +191,8 @@ class SamplingParams:
                "presence_penalty", "in [-2, 2]", self.presence_penalty)
         _check(is_number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
                "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        _check(is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= _FLOAT32_MAX,
+        # (applied in float32: a larger one would become inf there, and 0 * inf = NaN logits)
+        _check(is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= FLOAT32_MAX,
                "repetition_penalty", "a number > 0 (and finite in float32)", self.repetition_penalty)
         _check(is_number(self.temperature) and 0.0 <= self.temperature <= 2.0, "temperature", "in [0, 2]",
                self.temperature)

@@ -27,6 +27,16 @@ def is_number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+# The least normal float32: below it a scale rounds to 0 (its inverse to inf).
+_FLOAT32_TINY = 1.1754943508222875e-38
+
+
+def is_float32_scale(value: object) -> bool:
+    """A positive number float32 holds as a normal one (its inverse too): a model's scale or factor."""
+    return is_number(value) and _FLOAT32_TINY <= value <= FLOAT32_MAX
+
+
 def check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
     """ValueError naming the field unless value is an integer >= minimum (or None, if optional): a
     float or a bool would be taken for one and fail far from where it was given."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_spec.model.rotary import SUPPORTED_ROPE_TYPES, rope_type
-from vllm_spec.utils import check_int, is_int, is_number
+from vllm_spec.model.rope_config import read_rope
+from vllm_spec.utils import FLOAT32_MAX, check_int, is_float32_scale, is_int, is_number
 
 # HF architecture name -> whether q/k/v projections carry a bias by default.
 SUPPORTED_ARCHITECTURES: dict[str, bool] = {
@@ -40,11 +40,8 @@ _ABSENT = {
     "Qwen3ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768, head_dim=128),
     "Gemma2ForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=8192, head_dim=256),
     "Gemma3ForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=131072, head_dim=256),
-    "Phi3ForCausalLM": dict(max_position_embeddings=4096, original_max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "Phi3ForCausalLM": dict(max_position_embeddings=4096, rms_norm_eps=1e-5),
 }
-_FLOAT32_MAX = 3.4028234663852886e38
-# The least normal float32: below it a scale rounds to 0 (its inverse to inf).
-_FLOAT32_TINY = 1.1754943508222875e-38
 # The MLP activations: SiLU, and Gemma's tanh-approximated GELU.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
@@ -159,7 +156,7 @@ class ArchConfig:
             if not isinstance(cfg.get(key, False), bool):
                 raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
         eps = cfg.get("rms_norm_eps", absent.get("rms_norm_eps", 1e-6))
-        if not (is_number(eps) and 0 <= eps <= _FLOAT32_MAX):
+        if not (is_number(eps) and 0 <= eps <= FLOAT32_MAX):
             raise ValueError(f"rms_norm_eps must be a finite number >= 0, got {eps!r}.")
         head_dim = cfg.get("head_dim", absent.get("head_dim"))
         head_dim = hidden // heads if head_dim is None else head_dim
@@ -170,7 +167,7 @@ class ArchConfig:
             raise ValueError(f"head_dim must be even (the rotary embedding turns pairs of dimensions), got {head_dim}.")
         scalar = cfg.get("query_pre_attn_scalar")
         scalar = 256 if scalar is None else scalar   # (transformers' Gemma default)
-        if gemma and not _finite_positive(scalar):
+        if gemma and not is_float32_scale(scalar):
             raise ValueError(f"query_pre_attn_scalar must be a positive number (or null: 256), got {scalar!r}.")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if not isinstance(eos, list) else list(eos))
@@ -181,38 +178,7 @@ class ArchConfig:
         sliding, windowed = _sliding_window(arch, cfg, layers)
         granite = _granite_scalars(cfg) if arch == "GraniteForCausalLM" else {}
         check_int("sliding_window", sliding, 1, optional=True)
-        rope_scaling = cfg.get("rope_scaling")
-        rope_params = cfg.get("rope_parameters")  # transformers >= 5 layout
-        for key, value in (("rope_scaling", rope_scaling), ("rope_parameters", rope_params)):
-            if value is not None and not isinstance(value, dict):
-                raise ValueError(f"{key} must be an object (dict) or null, got {value!r}.")
-        rope_theta = cfg.get("rope_theta")
-        local_theta = None
-        # As transformers: a (legacy) rope_scaling object in place of rope_parameters, its rope_theta too.
-        rope_params = rope_scaling or rope_params
-        if arch == "Gemma3ForCausalLM":
-            rope_params, local_theta = _gemma_rope(cfg, rope_params)
-            rope_theta = rope_theta if rope_theta is not None else 1000000.0
-        if isinstance(rope_params, dict):
-            rope_theta = rope_params.get("rope_theta", rope_theta)
-        rope_scaling = rope_params
-        rotary_dim = _rotary_dim(cfg, rope_params, head_dim) if arch == "Phi3ForCausalLM" else None
-        kind = rope_type(rope_scaling)
-        if arch == "Phi3ForCausalLM" and kind in ("su", "yarn"):   # (transformers' Phi-3 names for LongRoPE)
-            kind, rope_scaling = "longrope", {**rope_scaling, "rope_type": "longrope"}
-        if kind == "default":
-            rope_scaling = None
-        elif kind == "yarn":   # (transformers' defaults, from the model's context length)
-            rope_scaling = {"original_max_position_embeddings": cfg.get("max_position_embeddings"), **rope_scaling}
-            if rope_scaling.get("factor") is None:
-                original = rope_scaling["original_max_position_embeddings"]
-                rope_scaling["factor"] = cfg["max_position_embeddings"] / original
-        elif kind == "longrope":
-            rope_scaling = _longrope(cfg, rope_scaling, absent, max_positions, rotary_dim or head_dim)
-        if kind in SUPPORTED_ROPE_TYPES and kind != "default":
-            factor = rope_scaling.get("factor")
-            if not (is_number(factor) and factor > 0):
-                raise ValueError(f"rope_scaling of type {kind!r} needs a positive number 'factor', got {rope_scaling!r}.")
+        rope = read_rope(cfg, arch, head_dim, max_positions)
         return cls(
             architecture=arch,
             vocab_size=vocab,
@@ -223,9 +189,9 @@ class ArchConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=eps,
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=rope_scaling,
-            rotary_dim=rotary_dim,
+            rope_theta=rope.theta,
+            rope_scaling=rope.scaling,
+            rotary_dim=rope.rotary_dim,
             max_position_embeddings=max_positions,
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),   # (transformers' default for each)
             # (transformers' Qwen2 always has q/k/v biases and Mistral never: their attention_bias is ignored)
@@ -240,7 +206,7 @@ class ArchConfig:
             norm_unit_offset=gemma,
             sandwich_norms=gemma,
             attention_scale=float(scalar) ** -0.5 if gemma else granite.get("attention_multiplier"),
-            local_rope_theta=local_theta,
+            local_rope_theta=rope.local_theta,
             final_logit_softcapping=softcap,
             attn_logit_softcapping=attn_softcap,
             embedding_multiplier=granite.get("embedding_multiplier", 1.0),
@@ -264,7 +230,7 @@ def _softcap(cfg: dict[str, Any], key: str, arch: str, default: float | None) ->
         return None
     if arch not in _GEMMA:
         raise ValueError(f"{key} ({value!r}) is not supported for {arch}: it must be null (Gemma's soft caps).")
-    if not _finite_positive(value):
+    if not is_float32_scale(value):
         raise ValueError(f"{key} ({value!r}) is not supported: it must be null or a finite positive number.")
     return float(value)
 
@@ -321,62 +287,13 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
     return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
 
 
-def _gemma_rope(cfg: dict[str, Any], params: Any) -> tuple[Any, float]:
-    """Gemma 3's rotary settings: (those of the global layers, in the usual rope_parameters / rope_scaling
-    layout, and the windowed layers' base): per layer type (transformers >= 5), or rope_theta with
-    rope_local_base_freq. The windowed layers' rotation is never scaled."""
-    if isinstance(params, dict) and "full_attention" in params:
-        local = params.get("sliding_attention") or {}
-        if local.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_parameters['sliding_attention'] must be of rope_type 'default', got {local!r}.")
-        return params["full_attention"], float(local.get("rope_theta", 10000.0))
-    return params, float(cfg.get("rope_local_base_freq", 10000.0))
-
-
-def _rotary_dim(cfg: dict[str, Any], rope_params: Any, head_dim: int) -> int | None:
-    """Phi-3's rotated dimensions, head_dim x partial_rotary_factor (in rope_parameters or at the top level, as
-    transformers reads it); None where that is the whole head."""
-    factor = (rope_params or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    factor = 1.0 if factor is None else factor
-    if not (is_number(factor) and 0 < factor <= 1):
-        raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}.")
-    dim = int(head_dim * factor)
-    if dim < 2 or dim % 2:
-        raise ValueError(f"partial_rotary_factor ({factor!r}) x head_dim ({head_dim}) must give an even number of "
-                         f"rotated dimensions >= 2, got {dim}.")
-    return None if dim == head_dim else dim
-
-
-def _longrope(cfg: dict[str, Any], scaling: dict[str, Any], absent: dict[str, Any], max_positions: int,
-              rotary_dim: int) -> dict[str, Any]:
-    """LongRoPE's settings checked and completed as transformers does: the original context from the config's top
-    level first (Phi-3's config always has one: 4096 where the key is absent; others then take rope_scaling's, else
-    max_position_embeddings), factor from the two contexts where absent."""
-    phi3 = absent.get("original_max_position_embeddings")   # (Phi-3's config always has one, 4096 by default)
-    original = cfg.get("original_max_position_embeddings", phi3 if phi3 is not None else scaling.get(
-        "original_max_position_embeddings", max_positions))
-    check_int("original_max_position_embeddings", original, 2)
-    for key in ("short_factor", "long_factor"):
-        factors = scaling.get(key)
-        if not (isinstance(factors, list) and len(factors) == rotary_dim // 2
-                and all(_finite_positive(f) for f in factors)):
-            raise ValueError(f"rope_scaling of type 'longrope' needs {key!r}: a list of {rotary_dim // 2} positive "
-                             f"numbers (one per rotated frequency), got {factors!r}.")
-    attention = scaling.get("attention_factor")
-    if not (attention is None or _finite_positive(attention)):
-        raise ValueError(f"rope_scaling's attention_factor must be a positive number or null, got {attention!r}.")
-    factor = scaling.get("factor")
-    return {**scaling, "original_max_position_embeddings": original,
-            "factor": max_positions / original if factor is None else factor}
-
-
 def _granite_scalars(cfg: dict[str, Any]) -> dict[str, float]:
     """Granite's four scalars, each a finite positive number (absent or null: 1)."""
     out = {}
     for key in _GRANITE_SCALARS:
         value = cfg.get(key)
         value = 1.0 if value is None else value
-        if not _finite_positive(value):
+        if not is_float32_scale(value):
             raise ValueError(f"{key} must be a finite positive number (or null: 1), got {value!r}.")
         out[key] = float(value)
     return out
@@ -384,11 +301,6 @@ def _granite_scalars(cfg: dict[str, Any]) -> dict[str, float]:
 
 def _token_id(value: Any) -> bool:
     return is_int(value) and value >= 0
-
-
-def _finite_positive(value: Any) -> bool:
-    """A scale float32 holds as a normal number (its inverse too)."""
-    return is_number(value) and _FLOAT32_TINY <= value <= _FLOAT32_MAX
 
 
 def _required(cfg: dict[str, Any], key: str) -> Any:
