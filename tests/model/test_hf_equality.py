@@ -35,7 +35,7 @@ PROMPTS = [
 ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwen2_window", "qwen2_yarn",
          "llama_window_key", "mistral_layer_types", "qwen3", "qwen3_window_biases",
          "gemma3", "gemma3_pattern", "gemma3_softcap", "gemma2", "gemma2_defaults", "granite", "phi3",
-         "phi3_longrope"]
+         "phi3_longrope", "mixtral"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -193,6 +193,12 @@ def tiny_phi3_longrope(tmp_path_factory) -> Path:
                            original_max_position_embeddings=128, rope_scaling=longrope_scaling(8, seed=19))
 
 
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory) -> Path:
+    # Mixtral: each token's MLP is 2 of 4 experts mixed by the router's renormalized top-2 softmax.
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_mixtral"), "mixtral", seed=20)
+
+
 def longrope_scaling(n: int, seed: int) -> dict:
     """LongRoPE settings for n frequencies: short factors near 1, long ones up to ~8, drawn at random."""
     gen = torch.Generator().manual_seed(seed)
@@ -220,7 +226,7 @@ _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mist
              "qwen3": "tiny_qwen3", "qwen3_window_biases": "tiny_qwen3_window_biases",
              "gemma3": "tiny_gemma3", "gemma3_pattern": "tiny_gemma3_pattern", "gemma3_softcap": "tiny_gemma3_softcap",
              "gemma2": "tiny_gemma2", "gemma2_defaults": "tiny_gemma2_defaults", "granite": "tiny_granite",
-             "phi3": "tiny_phi3", "phi3_longrope": "tiny_phi3_longrope"}
+             "phi3": "tiny_phi3", "phi3_longrope": "tiny_phi3_longrope", "mixtral": "tiny_mixtral"}
 # Engine options of a variant (all of its runs: the LLM's and the Worker's).
 _ENGINE_OPTIONS = {"phi3_longrope": dict(max_model_len=128)}
 

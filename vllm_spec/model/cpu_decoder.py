@@ -48,6 +48,8 @@ class CpuDecoder:
         decoder = ext.Decoder()
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if not hasattr(mlp, "gate_up_proj"):   # (a mixture of experts: its layers stay in Python)
+                return None
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             sandwich = (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if layer.sandwich else ()
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

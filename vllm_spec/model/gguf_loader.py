@@ -114,6 +114,9 @@ def _config(reader: GGUFReader, arch: str) -> dict[str, Any]:
         return _value(reader, f"{arch}.{key}", default)
 
     tensors = {t.name: t for t in reader.tensors}
+    if kv("expert_count"):
+        raise ValueError(f"Mixture-of-experts GGUF files ({arch}.expert_count {kv('expert_count')}) are not supported; "
+                         "give the model's HF checkpoint (Mixtral's is).")
     heads = kv("attention.head_count")
     hidden = kv("embedding_length")
     # This equals len(tokenizer.ggml.tokens) (llama.cpp pads the token list to the embedding,

@@ -1,5 +1,5 @@
-"""One Llama-family decoder (Llama 1-3, Granite, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3, SmolLM2) over a flat
-token batch."""
+"""One Llama-family decoder (Llama 1-3, Granite, Mistral, Mixtral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3, SmolLM2) over a
+flat token batch."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from vllm_spec.model.layers import (
 )
 from vllm_spec.model.block_quant import BlockWeight
 from vllm_spec.model.cpu_decoder import CpuDecoder
+from vllm_spec.model.moe import EXPERT_TENSOR, MixtralMoE
 from vllm_spec.model.rotary import RotaryEmbedding
 
 # Checkpoint sub-name -> (our fused parameter, shard id).
@@ -120,7 +121,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int, tp: GroupCoordinator, dtype: torch.dtype):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer, tp, dtype)
-        self.mlp = LlamaMLP(cfg, tp, dtype)
+        self.mlp = MixtralMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                              cfg.hidden_act, tp, dtype) if cfg.num_experts else LlamaMLP(cfg, tp, dtype)
         self.input_layernorm = _norm(cfg, cfg.hidden_size, dtype)
         # Llama's norm before the MLP; Gemma's of the attention's output, before the residual add.
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size, dtype)
@@ -241,6 +243,32 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.weight = target.embed_tokens.weight if self.config.tie_word_embeddings \
             else target.lm_head.weight
 
+    def _parameter_of(self, ckpt_name: str) -> tuple[str, object]:
+        """(our parameter, shard id) of a checkpoint tensor: a q/k/v or gate/up part of a fused projection, one
+        expert's w1 / w3 (gate / up: rows of w13) or w2 of Mixtral's block_sparse_moe (our mlp); else (name, None)."""
+        name = ckpt_name.removeprefix("model.")
+        if self.config.num_experts:
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            if m := EXPERT_TENSOR.search(name):
+                return f"{name[:m.start()]}.{'w2' if m[2] == 'w2' else 'w13'}", (int(m[1]), m[2])
+        for old, (new, shard_id) in _FUSED.items():
+            if old in name:
+                return name.replace(old, new), shard_id
+        return name, None
+
+    def _checkpoint_names(self, name: str, shards: Iterable[object] | None = None) -> list[str]:
+        """The checkpoint's names of one of our parameters (of a fused or expert one: its parts, those of `shards`
+        where given)."""
+        if self.config.num_experts:
+            hf = _checkpoint_names(name).pop().replace(".mlp.", ".block_sparse_moe.")
+            kinds = {"w13": ("w1", "w3"), "w2": ("w2",)}.get(name.rpartition(".")[2])
+            if kinds is None:
+                return [hf]
+            prefix = hf.rpartition(".")[0]
+            return [f"{prefix}.experts.{e}.{kind}.weight" for e in range(self.config.num_experts) for kind in kinds
+                    if shards is None or (e, kind) in shards]
+        return _checkpoint_names(name, shards)
+
     def _fused_parts(self, name: str, tensor: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
         """A checkpoint tensor of one of our parameters, as (shard id, rows) pieces: a projection the checkpoint
         stores fused (Phi-3's qkv_proj and gate_up_proj) is split into the parts separate tensors would be."""
@@ -264,12 +292,7 @@ class LlamaForCausalLM(nn.Module):
         for ckpt_name, tensor in weights:
             if "rotary_emb" in ckpt_name:
                 continue
-            name = ckpt_name.removeprefix("model.")
-            shard = None
-            for old, (new, shard_id) in _FUSED.items():
-                if old in name:
-                    name, shard = name.replace(old, new), shard_id
-                    break
+            name, shard = self._parameter_of(ckpt_name)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if name not in params:
@@ -290,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
         # A fused parameter loaded from some of its tensors only would keep garbage in the rest.
         for name, ids in got.items():
             absent = [] if None in ids else \
-                [n for n in _checkpoint_names(name) if n not in _checkpoint_names(name, ids)]
+                [n for n in self._checkpoint_names(name) if n not in self._checkpoint_names(name, ids)]
             if absent:
                 raise ValueError(f"Checkpoint is missing weights: {absent}")
         loaded = set(got)
@@ -300,6 +323,6 @@ class LlamaForCausalLM(nn.Module):
             loaded |= {"embed_tokens.weight", "lm_head.weight"}
         fused = self.config.architecture in _FUSED_CHECKPOINTS
         missing = [hf for n in params if n not in loaded and not n.startswith("rope.")
-                   for hf in _checkpoint_names(n, fused=fused)]
+                   for hf in (_checkpoint_names(n, fused=True) if fused else self._checkpoint_names(n))]
         if missing:
             raise ValueError(f"Checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

@@ -8,6 +8,8 @@ from typing import Any
 from vllm_spec.model.rotary import SUPPORTED_ROPE_TYPES, rope_type
 from vllm_spec.utils import check_int, is_float32_scale, is_number
 
+# transformers' rope_theta where a config has none (Gemma 3's: read_rope; the others' 10000).
+_DEFAULT_THETA = {"MixtralForCausalLM": 1000000.0}
 # Phi-3's config always has an original context (transformers' Phi3Config field): this where the key is absent.
 _PHI3_ORIGINAL_CONTEXT = 4096
 
@@ -31,7 +33,7 @@ def read_rope(cfg: dict[str, Any], arch: str, head_dim: int, max_positions: int)
     for key, value in (("rope_scaling", rope_scaling), ("rope_parameters", rope_params)):
         if value is not None and not isinstance(value, dict):
             raise ValueError(f"{key} must be an object (dict) or null, got {value!r}.")
-    theta = cfg.get("rope_theta")
+    theta = cfg.get("rope_theta", _DEFAULT_THETA.get(arch))
     local_theta = None
     params = rope_scaling or rope_params
     if arch == "Gemma3ForCausalLM":

@@ -1,0 +1,124 @@
+"""Mixtral (MixtralForCausalLM): the sparse MoE block against transformers', its configuration and its errors.
+
+The greedy tokens and logits are in test_hf_equality.py (mixtral), speculation in
+tests/spec_decode/test_spec_decode_e2e.py, tensor parallelism in tests/distributed/test_tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from conftest import make_tiny_model
+from safetensors.torch import load_file, save_file
+
+from vllm_spec import LLM
+from vllm_spec.distributed.parallel_state import GroupCoordinator
+from vllm_spec.model.arch_config import ArchConfig
+from vllm_spec.model.layers import RMSNorm
+from vllm_spec.model.moe import MixtralMoE
+
+KV = dict(kv_cache_memory_bytes=1 << 24)
+BASE = {"architectures": ["MixtralForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 100, "intermediate_size": 96}
+
+
+@pytest.mark.parametrize("experts, top_k", [(4, 1), (4, 2), (5, 3), (3, 3)])
+def test_the_block_is_transformers_block(experts, top_k):
+    """Random tokens through our block and transformers' MixtralSparseMoeBlock with the same weights: equal outputs
+    (the unpicked experts' zero weights change no sum), and the routing picks top_k experts a token."""
+    config = tf.MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=experts,
+                              num_experts_per_tok=top_k)
+    torch.manual_seed(experts * 10 + top_k)
+    theirs = tf.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.3)
+    ours = MixtralMoE(32, 48, experts, top_k, "silu", GroupCoordinator(), torch.float32)
+    gate_up, down = theirs.experts.gate_up_proj.detach(), theirs.experts.down_proj.detach()
+    ours.gate.weight.weight_loader(ours.gate.weight, theirs.gate.weight.detach())
+    for e in range(experts):
+        ours.w13.weight_loader(ours.w13, gate_up[e, :48], (e, "w1"))
+        ours.w13.weight_loader(ours.w13, gate_up[e, 48:], (e, "w3"))
+        ours.w2.weight_loader(ours.w2, down[e], (e, "w2"))
+    x = torch.randn(9, 32)
+    norm = RMSNorm(32, 1e-6, torch.float32)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.3)
+    with torch.no_grad():
+        out, residual = ours(x, None, norm)
+        ref = theirs(norm(x)[0].unsqueeze(0))[0]
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(residual, x)
+    assert ((ours.routing(norm(x)[0]) > 0).sum(-1) == top_k).all()
+
+
+def test_config_defaults_as_transformers():
+    """What a Mixtral config leaves out: 8 experts, 2 a token, rope_theta 1e6, no window."""
+    cfg = ArchConfig.from_hf_dict(dict(BASE))
+    theirs = tf.MixtralConfig(hidden_size=64, num_attention_heads=4)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.rope_theta, cfg.sliding_window) == \
+        (theirs.num_local_experts, theirs.num_experts_per_tok, theirs.rope_parameters["rope_theta"], None)
+    assert ArchConfig.from_hf_dict({**BASE, "sliding_window": 9}).sliding_window == 9
+    assert ArchConfig.from_hf_dict({**BASE, "architectures": ["LlamaForCausalLM"]}).num_experts == 0
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"num_local_experts": 0}, r"num_local_experts must be an integer >= 1, got 0"),
+    ({"num_experts_per_tok": 1.5}, r"num_experts_per_tok must be an integer >= 1, got 1.5"),
+    ({"num_local_experts": 2, "num_experts_per_tok": 3}, r"num_experts_per_tok \(3\) must be <= num_local_experts \(2\)"),
+])
+def test_bad_expert_counts_are_named(extra, match):
+    with pytest.raises(ValueError, match=match):
+        ArchConfig.from_hf_dict({**BASE, **extra})
+
+
+def _edit(path, change) -> None:
+    weights = load_file(path / "model.safetensors")
+    change(weights)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_checkpoint_errors_name_the_expert_tensors(tmp_path):
+    path = make_tiny_model(tmp_path / "m", "mixtral", seed=3)
+    _edit(path, lambda w: w.pop("model.layers.1.block_sparse_moe.experts.2.w3.weight"))
+    with pytest.raises(ValueError, match=r"Checkpoint is missing weights: "
+                                         r"\['model.layers.1.block_sparse_moe.experts.2.w3.weight'\]"):
+        LLM(str(path), **KV)
+    path = make_tiny_model(tmp_path / "m2", "mixtral", seed=3)
+    _edit(path, lambda w: w.update({"model.layers.0.block_sparse_moe.experts.4.w2.weight": torch.zeros(64, 128)}))
+    with pytest.raises(ValueError, match=r"Checkpoint tensor 'model.layers.0.block_sparse_moe.experts.4.w2.weight': "
+                                         r"expert 4 is not one of the model's num_local_experts \(4\)"):
+        LLM(str(path), **KV)
+    path = make_tiny_model(tmp_path / "m3", "mixtral", seed=3)
+    _edit(path, lambda w: w.update({"model.layers.0.block_sparse_moe.experts.1.w1.weight": torch.zeros(100, 64)}))
+    with pytest.raises(ValueError, match=r"Checkpoint tensor 'model.layers.0.block_sparse_moe.experts.1.w1.weight'"):
+        LLM(str(path), **KV)
+    path = make_tiny_model(tmp_path / "m4", "mixtral", seed=3)
+    _edit(path, lambda w: w.pop("model.layers.0.block_sparse_moe.gate.weight"))
+    with pytest.raises(ValueError, match=r"Checkpoint is missing weights: "
+                                         r"\['model.layers.0.block_sparse_moe.gate.weight'\]"):
+        LLM(str(path), **KV)
+
+
+def test_the_layers_stay_in_python_on_the_cpu(tmp_path):
+    """The C++ decoder takes dense MLPs only: a Mixtral's layers run in Python (and its attention's C++ kernel)."""
+    llm = LLM(str(make_tiny_model(tmp_path / "m", "mixtral", seed=4)), device="cpu", **KV)
+    assert llm.llm_engine.executor.worker.runner.model.cpu_decoder is None
+
+
+def test_a_mixture_of_experts_gguf_is_refused_by_name(tmp_path):
+    import gguf
+    import numpy as np
+
+    from vllm_spec.model.gguf_loader import read_gguf_config
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_block_count(1)
+    w.add_expert_count(8)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"Mixture-of-experts GGUF files \(llama.expert_count 8\) are not supported"):
+        read_gguf_config(tmp_path / "m.gguf")
