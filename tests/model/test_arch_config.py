@@ -11,7 +11,8 @@ from vllm_spec.model.arch_config import ArchConfig
 CLASSES = {"LlamaForCausalLM": tf.LlamaConfig, "GraniteForCausalLM": tf.GraniteConfig, "MistralForCausalLM": tf.MistralConfig,
            "Qwen2ForCausalLM": tf.Qwen2Config, "Qwen3ForCausalLM": tf.Qwen3Config,
            "Gemma2ForCausalLM": tf.Gemma2Config, "Gemma3ForCausalLM": tf.Gemma3TextConfig,
-           "Phi3ForCausalLM": tf.Phi3Config, "MixtralForCausalLM": tf.MixtralConfig}
+           "Phi3ForCausalLM": tf.Phi3Config, "MixtralForCausalLM": tf.MixtralConfig,
+           "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig}
 
 
 @pytest.mark.parametrize("arch", sorted(CLASSES))

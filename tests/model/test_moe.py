@@ -16,7 +16,8 @@ from vllm_spec import LLM
 from vllm_spec.distributed.parallel_state import GroupCoordinator
 from vllm_spec.model.arch_config import ArchConfig
 from vllm_spec.model.layers import RMSNorm
-from vllm_spec.model.moe import MixtralMoE
+from vllm_spec.model.moe import SparseMoE
+from vllm_spec.model.moe_config import MoeConfig
 
 KV = dict(kv_cache_memory_bytes=1 << 24)
 BASE = {"architectures": ["MixtralForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -34,13 +35,14 @@ def test_the_block_is_transformers_block(experts, top_k):
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0, 0.3)
-    ours = MixtralMoE(32, 48, experts, top_k, "silu", GroupCoordinator(), torch.float32)
+    moe = MoeConfig(experts, top_k, 48, True, False, (0,), "mixtral")
+    ours = SparseMoE(32, moe, "silu", GroupCoordinator(), torch.float32)
     gate_up, down = theirs.experts.gate_up_proj.detach(), theirs.experts.down_proj.detach()
     ours.gate.weight.weight_loader(ours.gate.weight, theirs.gate.weight.detach())
     for e in range(experts):
-        ours.w13.weight_loader(ours.w13, gate_up[e, :48], (e, "w1"))
-        ours.w13.weight_loader(ours.w13, gate_up[e, 48:], (e, "w3"))
-        ours.w2.weight_loader(ours.w2, down[e], (e, "w2"))
+        ours.w13.weight_loader(ours.w13, gate_up[e, :48], (e, "gate"))
+        ours.w13.weight_loader(ours.w13, gate_up[e, 48:], (e, "up"))
+        ours.w2.weight_loader(ours.w2, down[e], (e, "down"))
     x = torch.randn(9, 32)
     norm = RMSNorm(32, 1e-6, torch.float32)
     torch.nn.init.normal_(norm.weight, 1.0, 0.3)
@@ -56,16 +58,17 @@ def test_config_defaults_as_transformers():
     """What a Mixtral config leaves out: 8 experts, 2 a token, rope_theta 1e6, no window."""
     cfg = ArchConfig.from_hf_dict(dict(BASE))
     theirs = tf.MixtralConfig(hidden_size=64, num_attention_heads=4)
-    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.rope_theta, cfg.sliding_window) == \
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.rope_theta, cfg.sliding_window) == \
         (theirs.num_local_experts, theirs.num_experts_per_tok, theirs.rope_parameters["rope_theta"], None)
     assert ArchConfig.from_hf_dict({**BASE, "sliding_window": 9}).sliding_window == 9
-    assert ArchConfig.from_hf_dict({**BASE, "architectures": ["LlamaForCausalLM"]}).num_experts == 0
+    assert ArchConfig.from_hf_dict({**BASE, "architectures": ["LlamaForCausalLM"]}).moe is None
 
 
 @pytest.mark.parametrize("extra, match", [
     ({"num_local_experts": 0}, r"num_local_experts must be an integer >= 1, got 0"),
     ({"num_experts_per_tok": 1.5}, r"num_experts_per_tok must be an integer >= 1, got 1.5"),
-    ({"num_local_experts": 2, "num_experts_per_tok": 3}, r"num_experts_per_tok \(3\) must be <= num_local_experts \(2\)"),
+    ({"num_local_experts": 2, "num_experts_per_tok": 3},
+     r"num_experts_per_tok \(3\) must be <= num_local_experts \(2\)"),
 ])
 def test_bad_expert_counts_are_named(extra, match):
     with pytest.raises(ValueError, match=match):
@@ -87,7 +90,7 @@ def test_checkpoint_errors_name_the_expert_tensors(tmp_path):
     path = make_tiny_model(tmp_path / "m2", "mixtral", seed=3)
     _edit(path, lambda w: w.update({"model.layers.0.block_sparse_moe.experts.4.w2.weight": torch.zeros(64, 128)}))
     with pytest.raises(ValueError, match=r"Checkpoint tensor 'model.layers.0.block_sparse_moe.experts.4.w2.weight': "
-                                         r"expert 4 is not one of the model's num_local_experts \(4\)"):
+                                         r"expert 4 is not one of the model's 4 experts"):
         LLM(str(path), **KV)
     path = make_tiny_model(tmp_path / "m3", "mixtral", seed=3)
     _edit(path, lambda w: w.update({"model.layers.0.block_sparse_moe.experts.1.w1.weight": torch.zeros(100, 64)}))
@@ -97,6 +100,38 @@ def test_checkpoint_errors_name_the_expert_tensors(tmp_path):
     _edit(path, lambda w: w.pop("model.layers.0.block_sparse_moe.gate.weight"))
     with pytest.raises(ValueError, match=r"Checkpoint is missing weights: "
                                          r"\['model.layers.0.block_sparse_moe.gate.weight'\]"):
+        LLM(str(path), **KV)
+
+
+def test_qwen3_moe_config_as_transformers():
+    """Qwen3-MoE's keys (num_experts, or num_local_experts as transformers 5 writes it; moe_intermediate_size;
+    norm_topk_prob; decoder_sparse_step and mlp_only_layers: which layers are sparse) and their defaults."""
+    qwen = {**BASE, "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 6}
+    moe = ArchConfig.from_hf_dict(dict(qwen)).moe
+    theirs = tf.Qwen3MoeConfig()
+    assert (moe.num_experts, moe.top_k, moe.intermediate, moe.renormalize, moe.layers) == \
+        (theirs.num_experts, theirs.num_experts_per_tok, theirs.moe_intermediate_size, theirs.norm_topk_prob,
+         tuple(range(6)))
+    moe = ArchConfig.from_hf_dict({**qwen, "num_local_experts": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3],
+                                   "norm_topk_prob": True, "num_experts_per_tok": 2}).moe
+    assert (moe.num_experts, moe.layers, moe.renormalize) == (6, (1, 5), True)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(8\) must be <= num_experts \(4\)"):
+        ArchConfig.from_hf_dict({**qwen, "num_experts": 4})
+    with pytest.raises(ValueError, match=r"mlp_only_layers must be a list of layer indices, got 'all'"):
+        ArchConfig.from_hf_dict({**qwen, "mlp_only_layers": "all"})
+    with pytest.raises(ValueError, match=r"norm_topk_prob must be true or false, got 1"):
+        ArchConfig.from_hf_dict({**qwen, "norm_topk_prob": 1})
+
+
+def test_qwen3_moe_checkpoint_errors_name_its_tensors(tmp_path):
+    path = make_tiny_model(tmp_path / "q", "qwen3_moe", seed=3, mlp_only_layers=[0])
+    _edit(path, lambda w: w.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"Checkpoint is missing weights: "
+                                         r"\['model.layers.1.mlp.experts.3.up_proj.weight'\]"):
+        LLM(str(path), **KV)
+    path = make_tiny_model(tmp_path / "q2", "qwen3_moe", seed=3, mlp_only_layers=[0])
+    _edit(path, lambda w: w.pop("model.layers.0.mlp.down_proj.weight"))   # (layer 0's dense MLP)
+    with pytest.raises(ValueError, match=r"Checkpoint is missing weights: \['model.layers.0.mlp.down_proj.weight'\]"):
         LLM(str(path), **KV)
 
 

@@ -39,6 +39,7 @@ def test_greedy_equality_draft_model(spec_pair, greedy_reference, k):
     ("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.3, logits_scaling=2.5)),
     ("phi3", dict(head_dim=32, partial_rotary_factor=0.5, sliding_window=8)),
     ("mixtral", dict(sliding_window=8)),
+    ("qwen3_moe", dict(mlp_only_layers=[0], use_sliding_window=True, sliding_window=8)),
 ])
 def test_greedy_equality_on_each_architecture(tmp_path, arch, options):
     """Every supported family speculates losslessly: a noisy copy drafts for a tiny target of that family."""

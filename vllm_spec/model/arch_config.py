@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_spec.model.moe_config import MoeConfig, read_moe
 from vllm_spec.model.rope_config import read_rope
 from vllm_spec.utils import FLOAT32_MAX, check_int, is_float32_scale, is_int, is_number
 
@@ -19,6 +20,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "Gemma3ForCausalLM": False,
     "Phi3ForCausalLM": False,
     "MixtralForCausalLM": False,
+    "Qwen3MoeForCausalLM": False,
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # transformers' sliding_window for a config.json without one: Mistral's, Gemma's, and Qwen2's with use_sliding_window.
@@ -27,9 +29,9 @@ _SLIDING_WINDOW_DEFAULT = 4096
 _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                        "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                       "mixtral": "MixtralForCausalLM"}
+                       "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
-_CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "Qwen3ForCausalLM", *_GEMMA)
+_CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_GEMMA)
 # Granite's scalars (transformers' defaults 1): embeddings times embedding_multiplier, each block's output times
 # residual_multiplier before its residual add, attention scaled by attention_multiplier, logits / logits_scaling.
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -44,6 +46,7 @@ _ABSENT = {
     "Gemma3ForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=131072, head_dim=256),
     "Phi3ForCausalLM": dict(max_position_embeddings=4096, rms_norm_eps=1e-5),
     "MixtralForCausalLM": dict(num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5),
+    "Qwen3MoeForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=32768),
 }
 # The MLP activations: SiLU, and Gemma's tanh-approximated GELU.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -52,8 +55,8 @@ CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 
 @dataclass
 class ArchConfig:
-    """Shapes and options of one Llama-family model (Llama, Granite, Mistral, Mixtral, Qwen2, Qwen3, Gemma 2 and 3,
-    Phi-3, SmolLM2)."""
+    """Shapes and options of one Llama-family model (Llama, Granite, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE,
+    Gemma 2 and 3, Phi-3, SmolLM2)."""
 
     architecture: str
     vocab_size: int
@@ -72,9 +75,7 @@ class ArchConfig:
     attention_bias: bool = False   # q/k/v biases
     o_proj_bias: bool = False      # Llama's attention_bias biases o_proj too (Qwen2's q/k/v bias does not)
     mlp_bias: bool = False
-    # Mixtral's sparse MLP: num_experts SiLU MLPs, num_experts_per_tok of them mixed per token (0: a dense MLP).
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
+    moe: MoeConfig | None = None   # Mixtral's and Qwen3-MoE's sparse MLPs (None: dense MLPs)
     qk_norm: bool = False          # Qwen3, Gemma 3: an RMSNorm over each query and key head before the rotation
     # Gemma 2 and 3: GELU (tanh) MLP, embeddings times sqrt(hidden_size), norm weights stored as offsets from
     # 1, norms after the attention and the MLP too (before each residual add), the attention scaled by
@@ -183,7 +184,7 @@ class ArchConfig:
                              "eos_token_id also a list of them, or null.")
         sliding, windowed = _sliding_window(arch, cfg, layers)
         granite = _granite_scalars(cfg) if arch == "GraniteForCausalLM" else {}
-        experts = _experts(cfg) if arch == "MixtralForCausalLM" else (0, 0)
+        moe = read_moe(cfg, arch, layers, inter)
         check_int("sliding_window", sliding, 1, optional=True)
         rope = read_rope(cfg, arch, head_dim, max_positions)
         return cls(
@@ -207,9 +208,8 @@ class ArchConfig:
             o_proj_bias=bool(cfg.get("vllm_spec_o_proj_bias",
                                      arch in _CONFIGURED_BIAS and cfg.get("attention_bias", False))),
             mlp_bias=cfg.get("mlp_bias", False) if arch in ("LlamaForCausalLM", "GraniteForCausalLM") else False,
-            num_experts=experts[0],
-            num_experts_per_tok=experts[1],
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            moe=moe,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             hidden_act=ACTIVATIONS[act],
             embed_scale=gemma,
             norm_unit_offset=gemma,
@@ -271,12 +271,16 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
     """(window, the layers it applies to: None for all), as transformers reads the config: Llama and Granite
     have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says otherwise, null:
     none), or those its layer_types call sliding (Ministral); Qwen2 and Qwen3 only with use_sliding_window, on
-    the layers layer_types call sliding, else from max_window_layers on; Gemma the layers its layer_types
+    the layers layer_types call sliding, else from max_window_layers on (Qwen3-MoE: on every layer); Phi-3 and
+    Mixtral every layer where the key is set; Gemma the layers its layer_types
     call sliding, else all but every sliding_window_pattern-th (Gemma 2: every other one)."""
     if arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
         return None, None
     if arch in ("Phi3ForCausalLM", "MixtralForCausalLM"):   # every layer, where the key is set
         return cfg.get("sliding_window"), None
+    if arch == "Qwen3MoeForCausalLM":   # every layer, with use_sliding_window
+        return (cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULT), None) if cfg.get("use_sliding_window") \
+            else (None, None)
     types = cfg.get("layer_types")
     sliding = cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULT)
     if arch in _GEMMA:
@@ -294,16 +298,6 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
     elif not isinstance(types, list):
         return sliding, None
     return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-
-
-def _experts(cfg: dict[str, Any]) -> tuple[int, int]:
-    """Mixtral's (num_local_experts, num_experts_per_tok): transformers' 8 and 2 where absent."""
-    experts, top_k = cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2)
-    check_int("num_local_experts", experts, 1)
-    check_int("num_experts_per_tok", top_k, 1)
-    if top_k > experts:
-        raise ValueError(f"num_experts_per_tok ({top_k}) must be <= num_local_experts ({experts}).")
-    return experts, top_k
 
 
 def _granite_scalars(cfg: dict[str, Any]) -> dict[str, float]:

@@ -1,8 +1,9 @@
-"""One Llama-family decoder (Llama 1-3, Granite, Mistral, Mixtral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3, SmolLM2) over a
-flat token batch."""
+"""One Llama-family decoder (Llama 1-3, Granite, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2 and 3, Phi-3,
+SmolLM2) over a flat token batch."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -27,7 +28,8 @@ from vllm_spec.model.layers import (
 )
 from vllm_spec.model.block_quant import BlockWeight
 from vllm_spec.model.cpu_decoder import CpuDecoder
-from vllm_spec.model.moe import EXPERT_TENSOR, MixtralMoE
+from vllm_spec.model.moe import EXPERT_KIND, EXPERT_TENSOR, SparseMoE
+from vllm_spec.model.moe_config import LAYOUTS
 from vllm_spec.model.rotary import RotaryEmbedding
 
 # Checkpoint sub-name -> (our fused parameter, shard id).
@@ -121,8 +123,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int, tp: GroupCoordinator, dtype: torch.dtype):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer, tp, dtype)
-        self.mlp = MixtralMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                              cfg.hidden_act, tp, dtype) if cfg.num_experts else LlamaMLP(cfg, tp, dtype)
+        sparse = cfg.moe is not None and layer in cfg.moe.layers
+        self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act, tp, dtype) if sparse else \
+            LlamaMLP(cfg, tp, dtype)
         self.input_layernorm = _norm(cfg, cfg.hidden_size, dtype)
         # Llama's norm before the MLP; Gemma's of the attention's output, before the residual add.
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size, dtype)
@@ -244,30 +247,34 @@ class LlamaForCausalLM(nn.Module):
             else target.lm_head.weight
 
     def _parameter_of(self, ckpt_name: str) -> tuple[str, object]:
-        """(our parameter, shard id) of a checkpoint tensor: a q/k/v or gate/up part of a fused projection, one
-        expert's w1 / w3 (gate / up: rows of w13) or w2 of Mixtral's block_sparse_moe (our mlp); else (name, None)."""
+        """(our parameter, shard id) of a checkpoint tensor: a q/k/v or gate/up part of a fused projection, or
+        (expert, "gate" / "up" / "down") of a sparse MLP's expert (Mixtral's block_sparse_moe is our mlp); else
+        (name, None)."""
         name = ckpt_name.removeprefix("model.")
-        if self.config.num_experts:
+        if self.config.moe is not None:
             name = name.replace(".block_sparse_moe.", ".mlp.")
             if m := EXPERT_TENSOR.search(name):
-                return f"{name[:m.start()]}.{'w2' if m[2] == 'w2' else 'w13'}", (int(m[1]), m[2])
+                kind = EXPERT_KIND[m[2]]
+                return f"{name[:m.start()]}.{'w2' if kind == 'down' else 'w13'}", (int(m[1]), kind)
         for old, (new, shard_id) in _FUSED.items():
             if old in name:
                 return name.replace(old, new), shard_id
         return name, None
 
     def _checkpoint_names(self, name: str, shards: Iterable[object] | None = None) -> list[str]:
-        """The checkpoint's names of one of our parameters (of a fused or expert one: its parts, those of `shards`
-        where given)."""
-        if self.config.num_experts:
-            hf = _checkpoint_names(name).pop().replace(".mlp.", ".block_sparse_moe.")
-            kinds = {"w13": ("w1", "w3"), "w2": ("w2",)}.get(name.rpartition(".")[2])
-            if kinds is None:
-                return [hf]
-            prefix = hf.rpartition(".")[0]
-            return [f"{prefix}.experts.{e}.{kind}.weight" for e in range(self.config.num_experts) for kind in kinds
-                    if shards is None or (e, kind) in shards]
-        return _checkpoint_names(name, shards)
+        """The checkpoint's names of one of our parameters (of a fused projection or of the experts: their
+        parts, those of `shards` where given)."""
+        moe = self.config.moe
+        m = re.fullmatch(r"layers\.(\d+)\.mlp\.(gate\.weight|w13|w2)", name)
+        if moe is None or m is None or int(m[1]) not in moe.layers:
+            return _checkpoint_names(name, shards)
+        module, names = LAYOUTS[moe.layout]
+        prefix = f"model.layers.{m[1]}.{module}"
+        if m[2] == "gate.weight":
+            return [f"{prefix}.gate.weight"]
+        kinds = ("gate", "up") if m[2] == "w13" else ("down",)
+        return [f"{prefix}.experts.{e}.{names[kind]}.weight" for e in range(moe.num_experts) for kind in kinds
+                if shards is None or (e, kind) in shards]
 
     def _fused_parts(self, name: str, tensor: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
         """A checkpoint tensor of one of our parameters, as (shard id, rows) pieces: a projection the checkpoint

@@ -102,7 +102,7 @@ class ModelRunner:
             for window in {a.sliding_window: None for a in self.model.attention_layers()}:
                 backend.warm_up(attn.num_heads, attn.k_cache, attn.v_cache, attn.scale, window, dtype, attn.softcap)
             self._warm_up_argmax(dtype)
-            if not self.model.config.num_experts:   # (a mixture of experts has no gate/up kernel)
+            if self.model.config.moe is None:   # (a mixture of experts has no gate/up kernel)
                 self._warm_up_gate_up(dtype)
 
     @torch.inference_mode()
@@ -226,7 +226,7 @@ class ModelRunner:
         """The model's matmul times per token count (token_counts), on a GPU with a single rank: tensor-
         parallel ranks would time theirs apart and could pick different counts for passes that must match."""
         if (self.device.type != "cuda" or self.model.lm_head.tp.world_size > 1
-                or self.model.config.num_experts):   # (profile_linear times a dense MLP's products)
+                or self.model.config.moe is not None):   # (profile_linear times a dense MLP's products)
             return None
         buckets = buckets_up_to(max_batch)
         # Every count a uniform graph (q > 1) or a ragged token bucket runs, and the grid to pad to.

@@ -1,0 +1,58 @@
+"""A config's mixture-of-experts settings (Mixtral, Qwen3-MoE), read as transformers reads them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_spec.utils import check_int
+
+# Each layout's checkpoint names: (the block's module, the gate / up / down tensors of an expert).
+LAYOUTS = {"mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
+           "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})}
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """num_experts MLPs of `intermediate` each, top_k of them mixed per token by the router's softmax, in `layers`
+    (the others keep a dense MLP of the model's intermediate_size)."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int
+    renormalize: bool               # the top-k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    weights_in_model_dtype: bool    # Qwen3-MoE rounds the weights to the model's dtype before mixing
+    layers: tuple[int, ...]
+    layout: str                     # a key of LAYOUTS
+
+
+def read_moe(cfg: dict[str, Any], arch: str, num_layers: int, intermediate: int) -> MoeConfig | None:
+    """None for a dense model; transformers' defaults for the keys a config leaves out."""
+    if arch == "MixtralForCausalLM":
+        experts, top_k = cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2)
+        _check_counts("num_local_experts", experts, top_k)
+        return MoeConfig(experts, top_k, intermediate, True, False, tuple(range(num_layers)), "mixtral")
+    if arch == "Qwen3MoeForCausalLM":
+        # (transformers >= 5 writes num_local_experts, which it reads num_experts as; checkpoints say num_experts)
+        key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+        experts, top_k = cfg.get(key, 128), cfg.get("num_experts_per_tok", 8)
+        _check_counts(key, experts, top_k)
+        size, step = cfg.get("moe_intermediate_size", 768), cfg.get("decoder_sparse_step", 1)
+        check_int("moe_intermediate_size", size, 1)
+        check_int("decoder_sparse_step", step, 1)
+        dense = cfg.get("mlp_only_layers") or []
+        if not (isinstance(dense, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in dense)):
+            raise ValueError(f"mlp_only_layers must be a list of layer indices, got {dense!r}.")
+        renormalize = cfg.get("norm_topk_prob", False)
+        if not isinstance(renormalize, bool):
+            raise ValueError(f"norm_topk_prob must be true or false, got {renormalize!r}.")
+        layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        return MoeConfig(experts, top_k, size, renormalize, True, layers, "qwen3_moe")
+    return None
+
+
+def _check_counts(key: str, experts: Any, top_k: Any) -> None:
+    check_int(key, experts, 1)
+    check_int("num_experts_per_tok", top_k, 1)
+    if top_k > experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must be <= {key} ({experts}).")
