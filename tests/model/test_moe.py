@@ -51,7 +51,30 @@ def test_the_block_is_transformers_block(experts, top_k):
         ref = theirs(norm(x)[0].unsqueeze(0))[0]
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(residual, x)
-    assert ((ours.routing(norm(x)[0]) > 0).sum(-1) == top_k).all()
+    weights, picked = ours.routing(norm(x)[0])
+    assert (picked.sum(-1) == top_k).all() and torch.equal(weights > 0, picked)
+
+
+def test_an_unpicked_experts_overflow_stays_out():
+    """float16, one expert's weights so large its output overflows: the tokens that did not pick it stay finite
+    (transformers never runs it for them)."""
+    moe = MoeConfig(4, 1, 16, True, False, (0,), "mixtral")
+    block = SparseMoE(8, moe, "silu", GroupCoordinator(), torch.float16)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in (block.gate.weight, block.w13, block.w2):
+            p.normal_(0, 0.5)
+        block.w13[3] *= 400
+        block.w2[3] *= 400
+    norm = RMSNorm(8, 1e-6, torch.float16)
+    torch.nn.init.ones_(norm.weight)
+    x = torch.randn(32, 8, dtype=torch.float16)
+    with torch.no_grad():
+        out, _ = block(x, None, norm)
+        _, picked = block.routing(norm(x)[0])
+    others = ~picked[:, 3]
+    assert picked[:, 3].any() and others.any()
+    assert torch.isfinite(out[others]).all()
 
 
 def test_config_defaults_as_transformers():
@@ -61,6 +84,7 @@ def test_config_defaults_as_transformers():
     assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.rope_theta, cfg.sliding_window) == \
         (theirs.num_local_experts, theirs.num_experts_per_tok, theirs.rope_parameters["rope_theta"], None)
     assert ArchConfig.from_hf_dict({**BASE, "sliding_window": 9}).sliding_window == 9
+    assert ArchConfig.from_hf_dict({**BASE, "num_experts": 4}).moe.num_experts == 4   # (transformers' alias)
     assert ArchConfig.from_hf_dict({**BASE, "architectures": ["LlamaForCausalLM"]}).moe is None
 
 

@@ -4,7 +4,8 @@ Every expert runs on every token of the batch and the router's weights (zero for
 pick) mix their outputs: no control flow depends on the routing, so the block runs inside CUDA graphs as the
 dense MLP does. (vLLM's fused MoE kernels read only the picked experts' weights; that is a GPU speed-up this
 engine does not have.) Adding an unpicked expert's exact zero leaves a token's sum as transformers' sum over its
-picked experts in expert order, bit for bit. Under tensor parallelism each rank holds every expert's slice of
+picked experts in expert order, bit for bit (an unpicked expert's output is masked out, so an overflow there
+stays out). Under tensor parallelism each rank holds every expert's slice of
 the intermediate dimension (as the dense MLP) and the router whole; the partial sums are all-reduced once.
 """
 
@@ -56,23 +57,25 @@ class SparseMoE(nn.Module):
             offset = 0 if kind == "gate" else self.inter
             param.data[expert, offset:offset + self.inter].copy_(weight[rows])
 
-    def routing(self, x: torch.Tensor) -> torch.Tensor:
+    def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, E] weights: the softmax's top-k (renormalized where the model does), 0 for the experts a token did
-        not pick; float32, or the model's dtype where the model rounds them so (Qwen3-MoE)."""
+        not pick (float32, or the model's dtype where the model rounds them so: Qwen3-MoE); and which it picked."""
         probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)
         top, idx = probs.topk(self.moe.top_k, dim=-1)
         if self.moe.renormalize:
             top = top / top.sum(dim=-1, keepdim=True)
         weights = torch.zeros_like(probs).scatter_(1, idx, top)
-        return weights.to(x.dtype) if self.moe.weights_in_model_dtype else weights
+        picked = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, idx, True)
+        return weights.to(x.dtype) if self.moe.weights_in_model_dtype else weights, picked
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(MoE of norm(x + residual), x + residual)."""
         x, residual = norm(x, residual)
-        weights = self.routing(x)
+        weights, picked = self.routing(x)
         out = torch.zeros_like(x)
         for e in range(self.moe.num_experts):
             gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
             y = F.linear(self.act(gate) * up, self.w2[e])
-            out += (y * weights[:, e:e + 1]).to(x.dtype)
+            # (selected, not multiplied by 0: an expert the token did not pick must not bring its inf or NaN)
+            out += torch.where(picked[:, e:e + 1], y * weights[:, e:e + 1], 0).to(x.dtype)
         return self.tp.all_reduce(out), residual

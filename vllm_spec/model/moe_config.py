@@ -28,13 +28,13 @@ class MoeConfig:
 
 def read_moe(cfg: dict[str, Any], arch: str, num_layers: int, intermediate: int) -> MoeConfig | None:
     """None for a dense model; transformers' defaults for the keys a config leaves out."""
+    # (transformers reads num_experts as num_local_experts: configs use either)
+    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
     if arch == "MixtralForCausalLM":
-        experts, top_k = cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2)
-        _check_counts("num_local_experts", experts, top_k)
+        experts, top_k = cfg.get(key, 8), cfg.get("num_experts_per_tok", 2)
+        _check_counts(key, experts, top_k)
         return MoeConfig(experts, top_k, intermediate, True, False, tuple(range(num_layers)), "mixtral")
     if arch == "Qwen3MoeForCausalLM":
-        # (transformers >= 5 writes num_local_experts, which it reads num_experts as; checkpoints say num_experts)
-        key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
         experts, top_k = cfg.get(key, 128), cfg.get("num_experts_per_tok", 8)
         _check_counts(key, experts, top_k)
         size, step = cfg.get("moe_intermediate_size", 768), cfg.get("decoder_sparse_step", 1)
