@@ -101,12 +101,14 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
            "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
            "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM), "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
-           "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}[arch]
+           "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+           "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM)}[arch]
     # (4 experts, 2 a token: transformers' 8 (128) would make a tiny model slow)
     if arch == "mixtral":
         base = dict(num_local_experts=4, num_experts_per_tok=2) | base
-    if arch == "qwen3_moe":
-        base = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48) | base
+    if arch in ("qwen3_moe", "qwen2_moe"):
+        base = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                    shared_expert_intermediate_size=80) | base
     if arch == "phi3":
         base.setdefault("pad_token_id", 0)   # (Phi-3's default, 32000, is no tiny vocabulary's row)
     torch.manual_seed(seed)

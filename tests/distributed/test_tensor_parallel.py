@@ -94,7 +94,7 @@ def test_tp2_multiproc_matches_tp1(spec_pair, reference, case):
                                            ("gemma2", dict(attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
                                            ("granite", dict(residual_multiplier=0.4, logits_scaling=2.5)),
                                            ("phi3", dict(partial_rotary_factor=0.5)), ("mixtral", {}),
-                                           ("qwen3_moe", dict(mlp_only_layers=[1]))])
+                                           ("qwen3_moe", dict(mlp_only_layers=[1])), ("qwen2_moe", {})])
 def test_tp2_head_norms_match_tp1(tmp_path, arch, options):
     """Per-head query/key norms (Qwen3, Gemma 3) on sharded heads: each rank norms its own heads with the
     whole (replicated) norm weights; Gemma 2's soft caps on each rank's heads and on the gathered logits;

@@ -81,6 +81,7 @@ def test_torch_backend_matches_triton_on_gpu(spec_pair, eager_reference):
     ("phi3", dict(head_dim=32, partial_rotary_factor=0.5)),   # the rotary kernel on the leading half of each head
     ("mixtral", {}),                                          # every expert in the graph, mixed by the router
     ("qwen3_moe", dict(mlp_only_layers=[0])),                 # a dense layer, then a sparse one
+    ("qwen2_moe", {}),                                        # and the shared expert
 ])
 def test_model_variants_in_graphs_match_torch_backend(tmp_path, arch, options):
     from vllm_spec.attention import torch_backend

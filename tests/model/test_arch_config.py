@@ -12,7 +12,7 @@ CLASSES = {"LlamaForCausalLM": tf.LlamaConfig, "GraniteForCausalLM": tf.GraniteC
            "Qwen2ForCausalLM": tf.Qwen2Config, "Qwen3ForCausalLM": tf.Qwen3Config,
            "Gemma2ForCausalLM": tf.Gemma2Config, "Gemma3ForCausalLM": tf.Gemma3TextConfig,
            "Phi3ForCausalLM": tf.Phi3Config, "MixtralForCausalLM": tf.MixtralConfig,
-           "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig}
+           "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig, "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig}
 
 
 @pytest.mark.parametrize("arch", sorted(CLASSES))

@@ -35,7 +35,7 @@ PROMPTS = [
 ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwen2_window", "qwen2_yarn",
          "llama_window_key", "mistral_layer_types", "qwen3", "qwen3_window_biases",
          "gemma3", "gemma3_pattern", "gemma3_softcap", "gemma2", "gemma2_defaults", "granite", "phi3",
-         "phi3_longrope", "mixtral", "qwen3_moe", "qwen3_moe_mixed"]
+         "phi3_longrope", "mixtral", "qwen3_moe", "qwen3_moe_mixed", "qwen2_moe"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -213,6 +213,14 @@ def tiny_qwen3_moe_mixed(tmp_path_factory) -> Path:
                            decoder_sparse_step=2, head_dim=32, use_sliding_window=True, sliding_window=8)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2_moe(tmp_path_factory) -> Path:
+    # Qwen2-MoE: q/k/v biases, the shared expert (sigmoid-gated) beside the routed ones; layer 0 windowed (8
+    # tokens: transformers' rule, the even layers below max_window_layers).
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_moe"), "qwen2_moe", seed=23, use_sliding_window=True,
+                           sliding_window=8, max_window_layers=1)
+
+
 def longrope_scaling(n: int, seed: int) -> dict:
     """LongRoPE settings for n frequencies: short factors near 1, long ones up to ~8, drawn at random."""
     gen = torch.Generator().manual_seed(seed)
@@ -241,7 +249,8 @@ _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mist
              "gemma3": "tiny_gemma3", "gemma3_pattern": "tiny_gemma3_pattern", "gemma3_softcap": "tiny_gemma3_softcap",
              "gemma2": "tiny_gemma2", "gemma2_defaults": "tiny_gemma2_defaults", "granite": "tiny_granite",
              "phi3": "tiny_phi3", "phi3_longrope": "tiny_phi3_longrope", "mixtral": "tiny_mixtral",
-             "qwen3_moe": "tiny_qwen3_moe", "qwen3_moe_mixed": "tiny_qwen3_moe_mixed"}
+             "qwen3_moe": "tiny_qwen3_moe", "qwen3_moe_mixed": "tiny_qwen3_moe_mixed",
+             "qwen2_moe": "tiny_qwen2_moe"}
 # Engine options of a variant (all of its runs: the LLM's and the Worker's).
 _ENGINE_OPTIONS = {"phi3_longrope": dict(max_model_len=128)}
 

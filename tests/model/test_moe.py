@@ -159,6 +159,39 @@ def test_qwen3_moe_checkpoint_errors_name_its_tensors(tmp_path):
         LLM(str(path), **KV)
 
 
+def test_qwen2_moe_config_as_transformers():
+    """Qwen2-MoE: q/k/v biases unless qkv_bias is false, the shared expert's size, windows on the even layers below
+    max_window_layers (with use_sliding_window), transformers' defaults."""
+    qwen = {**BASE, "architectures": ["Qwen2MoeForCausalLM"], "num_hidden_layers": 6}
+    cfg = ArchConfig.from_hf_dict(dict(qwen))
+    theirs = tf.Qwen2MoeConfig()
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.intermediate, cfg.moe.shared_intermediate,
+            cfg.moe.renormalize, cfg.attention_bias, cfg.o_proj_bias, cfg.sliding_window) == \
+        (theirs.num_experts, theirs.num_experts_per_tok, theirs.moe_intermediate_size,
+         theirs.shared_expert_intermediate_size, theirs.norm_topk_prob, True, False, None)
+    assert not ArchConfig.from_hf_dict({**qwen, "qkv_bias": False}).attention_bias
+    windowed = ArchConfig.from_hf_dict({**qwen, "use_sliding_window": True, "sliding_window": 5,
+                                        "max_window_layers": 5})
+    theirs = tf.Qwen2MoeConfig(num_hidden_layers=6, use_sliding_window=True, sliding_window=5, max_window_layers=5)
+    assert windowed.windowed_layers == tuple(i for i, t in enumerate(theirs.layer_types) if t == "sliding_attention")
+    assert windowed.windowed_layers == (0, 2, 4) and windowed.sliding_window == 5
+    with pytest.raises(ValueError, match=r"shared_expert_intermediate_size must be an integer >= 1, got 0"):
+        ArchConfig.from_hf_dict({**qwen, "shared_expert_intermediate_size": 0})
+
+
+def test_qwen2_moe_without_its_shared_expert_names_it(tmp_path):
+    path = make_tiny_model(tmp_path / "q", "qwen2_moe", seed=3)
+    _edit(path, lambda w: w.pop("model.layers.1.mlp.shared_expert_gate.weight"))
+    with pytest.raises(ValueError, match=r"Checkpoint is missing weights: "
+                                         r"\['model.layers.1.mlp.shared_expert_gate.weight'\]"):
+        LLM(str(path), **KV)
+    path = make_tiny_model(tmp_path / "q2", "qwen2_moe", seed=3)
+    _edit(path, lambda w: w.pop("model.layers.0.mlp.shared_expert.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"Checkpoint is missing weights: "
+                                         r"\['model.layers.0.mlp.shared_expert.up_proj.weight'\]"):
+        LLM(str(path), **KV)
+
+
 def test_the_layers_stay_in_python_on_the_cpu(tmp_path):
     """The C++ decoder takes dense MLPs only: a Mixtral's layers run in Python (and its attention's C++ kernel)."""
     llm = LLM(str(make_tiny_model(tmp_path / "m", "mixtral", seed=4)), device="cpu", **KV)

@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "Phi3ForCausalLM": False,
     "MixtralForCausalLM": False,
     "Qwen3MoeForCausalLM": False,
+    "Qwen2MoeForCausalLM": True,
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # transformers' sliding_window for a config.json without one: Mistral's, Gemma's, and Qwen2's with use_sliding_window.
@@ -29,7 +30,8 @@ _SLIDING_WINDOW_DEFAULT = 4096
 _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                        "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                       "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                       "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                       "qwen2_moe": "Qwen2MoeForCausalLM"}
 # Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
 _CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_GEMMA)
 # Granite's scalars (transformers' defaults 1): embeddings times embedding_multiplier, each block's output times
@@ -47,6 +49,7 @@ _ABSENT = {
     "Phi3ForCausalLM": dict(max_position_embeddings=4096, rms_norm_eps=1e-5),
     "MixtralForCausalLM": dict(num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5),
     "Qwen3MoeForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=32768),
+    "Qwen2MoeForCausalLM": dict(num_key_value_heads=16, max_position_embeddings=32768),
 }
 # The MLP activations: SiLU, and Gemma's tanh-approximated GELU.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -55,7 +58,7 @@ CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 
 @dataclass
 class ArchConfig:
-    """Shapes and options of one Llama-family model (Llama, Granite, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE,
+    """Shapes and options of one Llama-family model (Llama, Granite, Mistral, Mixtral, Qwen2, Qwen3, Qwen2/3-MoE,
     Gemma 2 and 3, Phi-3, SmolLM2)."""
 
     architecture: str
@@ -159,7 +162,7 @@ class ArchConfig:
         for key, value in (("hidden_size", hidden), ("num_hidden_layers", layers), ("vocab_size", vocab),
                            ("intermediate_size", inter), ("max_position_embeddings", max_positions)):
             check_int(key, value, 1)
-        for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+        for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "qkv_bias"):
             if not isinstance(cfg.get(key, False), bool):
                 raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
         eps = cfg.get("rms_norm_eps", absent.get("rms_norm_eps", 1e-6))
@@ -204,6 +207,7 @@ class ArchConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),   # (transformers' default for each)
             # (transformers' Qwen2 always has q/k/v biases and Mistral never: their attention_bias is ignored)
             attention_bias=(cfg.get("attention_bias", False) if arch in _CONFIGURED_BIAS
+                            else cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
                             else SUPPORTED_ARCHITECTURES[arch]),
             o_proj_bias=bool(cfg.get("vllm_spec_o_proj_bias",
                                      arch in _CONFIGURED_BIAS and cfg.get("attention_bias", False))),
@@ -271,7 +275,8 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
     """(window, the layers it applies to: None for all), as transformers reads the config: Llama and Granite
     have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says otherwise, null:
     none), or those its layer_types call sliding (Ministral); Qwen2 and Qwen3 only with use_sliding_window, on
-    the layers layer_types call sliding, else from max_window_layers on (Qwen3-MoE: on every layer); Phi-3 and
+    the layers layer_types call sliding, else from max_window_layers on (Qwen3-MoE: on every layer; Qwen2-MoE: the
+    even layers below max_window_layers); Phi-3 and
     Mixtral every layer where the key is set; Gemma the layers its layer_types
     call sliding, else all but every sliding_window_pattern-th (Gemma 2: every other one)."""
     if arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
@@ -295,6 +300,11 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
             return None, None
         if not isinstance(types, list):
             return sliding, tuple(range(cfg.get("max_window_layers", 28), layers))   # transformers' default
+    elif arch == "Qwen2MoeForCausalLM":
+        if not cfg.get("use_sliding_window", False):
+            return None, None
+        if not isinstance(types, list):   # (transformers' rule: the even layers below max_window_layers)
+            return sliding, tuple(i for i in range(min(layers, cfg.get("max_window_layers", 28))) if i % 2 == 0)
     elif not isinstance(types, list):
         return sliding, None
     return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")

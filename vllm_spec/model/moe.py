@@ -1,4 +1,5 @@
-"""The sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks top_k of num_experts MLPs per token.
+"""The sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks top_k of num_experts MLPs per
+token (Qwen2-MoE adds a shared expert every token takes).
 
 Every expert runs on every token of the batch and the router's weights (zero for the experts a token did not
 pick) mix their outputs: no control flow depends on the routing, so the block runs inside CUDA graphs as the
@@ -19,7 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_spec.distributed.parallel_state import GroupCoordinator
-from vllm_spec.model.layers import RMSNorm, _check_shape, _default_loader, _divide, _param
+from vllm_spec.model.layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    _check_shape,
+    _default_loader,
+    _divide,
+    _param,
+)
 from vllm_spec.model.moe_config import LAYOUTS, MoeConfig
 
 # A checkpoint's expert tensor, in either layout: experts.{e}.{its gate, up or down name}.
@@ -42,6 +51,13 @@ class SparseMoE(nn.Module):
         self.gate.weight = _param(moe.num_experts, hidden, dtype=dtype, loader=_default_loader)
         self.w13 = _param(moe.num_experts, 2 * self.inter, hidden, dtype=dtype, loader=self._load)
         self.w2 = _param(moe.num_experts, hidden, self.inter, dtype=dtype, loader=self._load)
+        if moe.shared_intermediate:   # (checkpoint names: shared_expert.{gate,up,down}_proj, shared_expert_gate)
+            size = moe.shared_intermediate
+            self.shared_expert = nn.Module()
+            self.shared_expert.gate_up_proj = ColumnParallelLinear(hidden, [size, size], False, tp, dtype)
+            self.shared_expert.down_proj = RowParallelLinear(size, hidden, False, tp, dtype)
+            self.shared_expert_gate = nn.Module()
+            self.shared_expert_gate.weight = _param(1, hidden, dtype=dtype, loader=_default_loader)
 
     def _load(self, param: nn.Parameter, weight: torch.Tensor, shard_id: tuple[int, str]) -> None:
         """One expert's gate or up ([intermediate, hidden]: rows of w13) or down ([hidden, intermediate]) tensor."""
@@ -78,4 +94,9 @@ class SparseMoE(nn.Module):
             y = F.linear(self.act(gate) * up, self.w2[e])
             # (selected, not multiplied by 0: an expert the token did not pick must not bring its inf or NaN)
             out += torch.where(picked[:, e:e + 1], y * weights[:, e:e + 1], 0).to(x.dtype)
-        return self.tp.all_reduce(out), residual
+        out = self.tp.all_reduce(out)
+        if self.moe.shared_intermediate:
+            gate, up = self.shared_expert.gate_up_proj(x).chunk(2, dim=-1)
+            shared = self.shared_expert.down_proj(self.act(gate) * up)
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
+        return out, residual

@@ -1,4 +1,4 @@
-"""A config's mixture-of-experts settings (Mixtral, Qwen3-MoE), read as transformers reads them."""
+"""A config's mixture-of-experts settings (Mixtral, Qwen2-MoE, Qwen3-MoE), read as transformers reads them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from vllm_spec.utils import check_int
 
 # Each layout's checkpoint names: (the block's module, the gate / up / down tensors of an expert).
 LAYOUTS = {"mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
-           "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})}
+           "qwen_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})}
+# transformers' defaults of the Qwen MoE configs: (experts, top_k, expert size).
+_QWEN_DEFAULTS = {"Qwen2MoeForCausalLM": (60, 4, 1408), "Qwen3MoeForCausalLM": (128, 8, 768)}
 
 
 @dataclass(frozen=True)
@@ -21,9 +23,11 @@ class MoeConfig:
     top_k: int
     intermediate: int
     renormalize: bool               # the top-k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
-    weights_in_model_dtype: bool    # Qwen3-MoE rounds the weights to the model's dtype before mixing
+    weights_in_model_dtype: bool    # Qwen's MoEs round the weights to the model's dtype before mixing
     layers: tuple[int, ...]
     layout: str                     # a key of LAYOUTS
+    # Qwen2-MoE's shared expert: a dense MLP of this size every token takes, scaled by sigmoid(its gate) (0: none).
+    shared_intermediate: int = 0
 
 
 def read_moe(cfg: dict[str, Any], arch: str, num_layers: int, intermediate: int) -> MoeConfig | None:
@@ -34,10 +38,11 @@ def read_moe(cfg: dict[str, Any], arch: str, num_layers: int, intermediate: int)
         experts, top_k = cfg.get(key, 8), cfg.get("num_experts_per_tok", 2)
         _check_counts(key, experts, top_k)
         return MoeConfig(experts, top_k, intermediate, True, False, tuple(range(num_layers)), "mixtral")
-    if arch == "Qwen3MoeForCausalLM":
-        experts, top_k = cfg.get(key, 128), cfg.get("num_experts_per_tok", 8)
+    if arch in _QWEN_DEFAULTS:
+        experts, top_k, size = _QWEN_DEFAULTS[arch]
+        experts, top_k = cfg.get(key, experts), cfg.get("num_experts_per_tok", top_k)
         _check_counts(key, experts, top_k)
-        size, step = cfg.get("moe_intermediate_size", 768), cfg.get("decoder_sparse_step", 1)
+        size, step = cfg.get("moe_intermediate_size", size), cfg.get("decoder_sparse_step", 1)
         check_int("moe_intermediate_size", size, 1)
         check_int("decoder_sparse_step", step, 1)
         dense = cfg.get("mlp_only_layers") or []
@@ -47,7 +52,11 @@ def read_moe(cfg: dict[str, Any], arch: str, num_layers: int, intermediate: int)
         if not isinstance(renormalize, bool):
             raise ValueError(f"norm_topk_prob must be true or false, got {renormalize!r}.")
         layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-        return MoeConfig(experts, top_k, size, renormalize, True, layers, "qwen3_moe")
+        shared = 0
+        if arch == "Qwen2MoeForCausalLM":
+            shared = cfg.get("shared_expert_intermediate_size", 5632)
+            check_int("shared_expert_intermediate_size", shared, 1)
+        return MoeConfig(experts, top_k, size, renormalize, True, layers, "qwen_moe", shared)
     return None
 
 
