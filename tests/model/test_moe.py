@@ -177,6 +177,10 @@ def test_qwen2_moe_config_as_transformers():
     assert windowed.windowed_layers == (0, 2, 4) and windowed.sliding_window == 5
     with pytest.raises(ValueError, match=r"shared_expert_intermediate_size must be an integer >= 1, got 0"):
         ArchConfig.from_hf_dict({**qwen, "shared_expert_intermediate_size": 0})
+    with pytest.raises(ValueError, match=r"max_window_layers must be an integer >= 0, got None"):
+        ArchConfig.from_hf_dict({**qwen, "use_sliding_window": True, "max_window_layers": None})
+    # (transformers' Qwen2-MoE reads num_experts alone, unlike Mixtral's and Qwen3-MoE's)
+    assert ArchConfig.from_hf_dict({**qwen, "num_experts": 4, "num_local_experts": 3}).moe.num_experts == 4
 
 
 def test_qwen2_moe_without_its_shared_expert_names_it(tmp_path):
@@ -190,6 +194,32 @@ def test_qwen2_moe_without_its_shared_expert_names_it(tmp_path):
     with pytest.raises(ValueError, match=r"Checkpoint is missing weights: "
                                          r"\['model.layers.0.mlp.shared_expert.up_proj.weight'\]"):
         LLM(str(path), **KV)
+
+
+@pytest.mark.parametrize("arch, old, new", [
+    ("qwen3_moe", "model.layers.0.mlp.experts.1.gate_proj.weight", "model.layers.0.mlp.experts.1.w1.weight"),
+    ("qwen3_moe", "model.layers.0.mlp.gate.weight", "model.layers.0.block_sparse_moe.gate.weight"),
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.1.w1.weight",
+     "model.layers.0.block_sparse_moe.experts.1.gate_proj.weight"),
+])
+def test_the_other_layouts_names_are_unexpected(tmp_path, arch, old, new):
+    """Each model takes its own checkpoint layout's names (as transformers): the other MoE's are refused."""
+    path = make_tiny_model(tmp_path / "m", arch, seed=5)
+    _edit(path, lambda w: w.update({new: w.pop(old)}))
+    with pytest.raises(ValueError, match=f"Unexpected weight '{new}'"):
+        LLM(str(path), **KV)
+
+
+def test_expert_sizes_are_checked_against_tensor_parallelism():
+    from vllm_spec.config.engine import check_tensor_parallel
+
+    qwen = {**BASE, "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2}
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        arch = ArchConfig.from_hf_dict({**qwen, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 80,
+                                        key: 81})
+        with pytest.raises(ValueError, match=rf"The target model's {key} \(81\) must be divisible by "
+                                             r"tensor_parallel_size \(2\)"):
+            check_tensor_parallel(arch, 2, "target model", "tensor_parallel_size")
 
 
 def test_the_layers_stay_in_python_on_the_cpu(tmp_path):

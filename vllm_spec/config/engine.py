@@ -95,8 +95,12 @@ class ParallelConfig:
 def check_tensor_parallel(arch: ArchConfig, tp: int, what: str, setting: str) -> None:
     """Clear errors, before any process starts, for shapes that cannot be split across tp ranks
     (`setting`: the option that asked for tp)."""
-    for name, n in (("num_attention_heads", arch.num_attention_heads),
-                    ("intermediate_size", arch.intermediate_size)):
+    moe = arch.moe
+    sizes = [("num_attention_heads", arch.num_attention_heads), ("intermediate_size", arch.intermediate_size)]
+    if moe is not None:   # (the experts' sizes: Mixtral's is intermediate_size)
+        sizes += [("moe_intermediate_size", moe.intermediate)] if moe.layout != "mixtral" else []
+        sizes += [("shared_expert_intermediate_size", moe.shared_intermediate)] if moe.shared_intermediate else []
+    for name, n in sizes:
         if n % tp:
             raise ValueError(f"The {what}'s {name} ({n}) must be divisible by {setting} ({tp}).")
     kv = arch.num_key_value_heads

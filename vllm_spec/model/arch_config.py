@@ -299,15 +299,21 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
         if not cfg.get("use_sliding_window", False):
             return None, None
         if not isinstance(types, list):
-            return sliding, tuple(range(cfg.get("max_window_layers", 28), layers))   # transformers' default
+            return sliding, tuple(range(_max_window_layers(cfg), layers))
     elif arch == "Qwen2MoeForCausalLM":
         if not cfg.get("use_sliding_window", False):
             return None, None
         if not isinstance(types, list):   # (transformers' rule: the even layers below max_window_layers)
-            return sliding, tuple(i for i in range(min(layers, cfg.get("max_window_layers", 28))) if i % 2 == 0)
+            return sliding, tuple(i for i in range(min(layers, _max_window_layers(cfg))) if i % 2 == 0)
     elif not isinstance(types, list):
         return sliding, None
     return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+
+
+def _max_window_layers(cfg: dict[str, Any]) -> int:
+    value = cfg.get("max_window_layers", 28)   # (transformers' default)
+    check_int("max_window_layers", value, 0)
+    return value
 
 
 def _granite_scalars(cfg: dict[str, Any]) -> dict[str, float]:

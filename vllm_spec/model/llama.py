@@ -28,7 +28,7 @@ from vllm_spec.model.layers import (
 )
 from vllm_spec.model.block_quant import BlockWeight
 from vllm_spec.model.cpu_decoder import CpuDecoder
-from vllm_spec.model.moe import EXPERT_KIND, EXPERT_TENSOR, SparseMoE
+from vllm_spec.model.moe import EXPERT_KIND, EXPERT_TENSORS, SparseMoE
 from vllm_spec.model.moe_config import LAYOUTS
 from vllm_spec.model.rotary import RotaryEmbedding
 
@@ -251,9 +251,11 @@ class LlamaForCausalLM(nn.Module):
         (expert, "gate" / "up" / "down") of a sparse MLP's expert (Mixtral's block_sparse_moe is our mlp); else
         (name, None)."""
         name = ckpt_name.removeprefix("model.")
-        if self.config.moe is not None:
-            name = name.replace(".block_sparse_moe.", ".mlp.")
-            if m := EXPERT_TENSOR.search(name):
+        moe = self.config.moe
+        if moe is not None:   # (only the model's own layout's names: the other's stay unexpected)
+            module = LAYOUTS[moe.layout][0]
+            name = name.replace(f".{module}.", ".mlp.")
+            if m := EXPERT_TENSORS[moe.layout].search(name):
                 kind = EXPERT_KIND[m[2]]
                 return f"{name[:m.start()]}.{'w2' if kind == 'down' else 'w13'}", (int(m[1]), kind)
         for old, (new, shard_id) in _FUSED.items():

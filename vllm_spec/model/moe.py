@@ -31,9 +31,9 @@ from vllm_spec.model.layers import (
 )
 from vllm_spec.model.moe_config import LAYOUTS, MoeConfig
 
-# A checkpoint's expert tensor, in either layout: experts.{e}.{its gate, up or down name}.
-EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(" + "|".join(n for _, names in LAYOUTS.values()
-                                                             for n in names.values()) + r")\.")
+# A checkpoint's expert tensor in each layout: experts.{e}.{its gate, up or down name}.
+EXPERT_TENSORS = {layout: re.compile(r"\.experts\.(\d+)\.(" + "|".join(names.values()) + r")\.")
+                  for layout, (_, names) in LAYOUTS.items()}
 # The kind of each expert tensor name (w1 / gate_proj: "gate", ...).
 EXPERT_KIND = {name: kind for _, names in LAYOUTS.values() for kind, name in names.items()}
 

@@ -32,8 +32,9 @@ class MoeConfig:
 
 def read_moe(cfg: dict[str, Any], arch: str, num_layers: int, intermediate: int) -> MoeConfig | None:
     """None for a dense model; transformers' defaults for the keys a config leaves out."""
-    # (transformers reads num_experts as num_local_experts: configs use either)
-    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    # (Mixtral's and Qwen3-MoE's transformers configs read num_experts as num_local_experts: either is used;
+    # Qwen2-MoE's reads num_experts alone)
+    key = "num_local_experts" if "num_local_experts" in cfg and arch != "Qwen2MoeForCausalLM" else "num_experts"
     if arch == "MixtralForCausalLM":
         experts, top_k = cfg.get(key, 8), cfg.get("num_experts_per_tok", 2)
         _check_counts(key, experts, top_k)
