@@ -82,6 +82,7 @@ def test_torch_backend_matches_triton_on_gpu(spec_pair, eager_reference):
     ("mixtral", {}),                                          # every expert in the graph, mixed by the router
     ("qwen3_moe", dict(mlp_only_layers=[0])),                 # a dense layer, then a sparse one
     ("qwen2_moe", {}),                                        # and the shared expert
+    ("gemma", dict(head_dim=32)),                             # Gemma 1: GELU (tanh), norms offset from 1
 ])
 def test_model_variants_in_graphs_match_torch_backend(tmp_path, arch, options):
     from vllm_spec.attention import torch_backend

@@ -12,7 +12,8 @@ CLASSES = {"LlamaForCausalLM": tf.LlamaConfig, "GraniteForCausalLM": tf.GraniteC
            "Qwen2ForCausalLM": tf.Qwen2Config, "Qwen3ForCausalLM": tf.Qwen3Config,
            "Gemma2ForCausalLM": tf.Gemma2Config, "Gemma3ForCausalLM": tf.Gemma3TextConfig,
            "Phi3ForCausalLM": tf.Phi3Config, "MixtralForCausalLM": tf.MixtralConfig,
-           "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig, "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig}
+           "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig, "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig,
+           "GemmaForCausalLM": tf.GemmaConfig}
 
 
 @pytest.mark.parametrize("arch", sorted(CLASSES))
@@ -32,7 +33,11 @@ def test_keys_a_config_leaves_out_read_as_transformers(arch):
     if arch == "GraniteForCausalLM":
         assert (ours.attention_scale, ours.embedding_multiplier, ours.residual_multiplier, ours.logits_scaling) == \
             (theirs.attention_multiplier, theirs.embedding_multiplier, theirs.residual_multiplier, theirs.logits_scaling)
-    if arch.startswith("Gemma"):
+    if arch == "GemmaForCausalLM":
+        assert ours.attention_scale is None and ours.hidden_act == "gelu_tanh"
+        assert theirs.hidden_act == "gelu_pytorch_tanh"
+        assert ours.embed_scale and ours.norm_unit_offset and not ours.sandwich_norms
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         assert ours.attention_scale == theirs.query_pre_attn_scalar ** -0.5
         assert ours.hidden_act == "gelu_tanh" and theirs.hidden_activation == "gelu_pytorch_tanh"
         windowed = tuple(i for i, t in enumerate(theirs.layer_types) if t == "sliding_attention")

@@ -49,7 +49,8 @@ def write_synthetic(path: Path, arch: str, *, hidden=32, heads=4, kv_heads=2, in
                     bias=False, tied=True, quantize_embed=False, extra_kv=None, extra_tensors=None,
                     head_dim=None) -> dict:
     """Write a tiny GGUF like llama.cpp would; return the HF tensors it encodes (qwen3: per-head q/k norms;
-    gemma2: four norms a layer, every norm stored as 1 + the HF weight; gemma3: those and qwen3's)."""
+    gemma: every norm stored as 1 + the HF weight; gemma2: four norms a layer, stored so; gemma3: those and
+    qwen3's)."""
     rng = np.random.default_rng(0)
     hd = head_dim or hidden // heads
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
@@ -96,7 +97,7 @@ def write_synthetic(path: Path, arch: str, *, hidden=32, heads=4, kv_heads=2, in
             data = llama_cpp_permute(arr, heads)
         elif arch in ("llama", "granite") and ".k_proj." in name:
             data = llama_cpp_permute(arr, kv_heads)
-        if arch in GEMMA and name.endswith("norm.weight"):
+        if arch in (*GEMMA, "gemma") and name.endswith("norm.weight"):
             data = arr + np.float32(1.0)
             hf[name] = data - np.float32(1.0)   # (what the file encodes, read back as transformers does)
         if quantize_embed and name == "model.embed_tokens.weight":
@@ -359,11 +360,12 @@ def test_real_greedy_generation_matches_transformers(smollm2_path, hf_smollm2):
         assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), conv
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "gemma2", "granite"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "gemma2", "granite", "gemma"])
 def test_synthetic_gguf_generates_as_transformers(tmp_path, arch):
-    """The engine on a Qwen3 / Gemma 3 / Gemma 2 / Granite GGUF gives transformers' greedy tokens for the weights the
-    file encodes (Gemma: windows of 4 tokens, the window attribute read from the file; Gemma 2: its soft caps too;
-    Granite: its four scalars, and q/k rows in llama.cpp's permuted layout)."""
+    """The engine on a Qwen3 / Gemma 3 / Gemma 2 / Granite / Gemma 1 GGUF gives transformers' greedy tokens for the
+    weights the file encodes (Gemma 2 and 3: windows of 4 tokens, the window attribute read from the file; Gemma 2:
+    its soft caps too; Gemma 1: norms stored as 1 + the weights; Granite: its four scalars, and q/k rows in
+    llama.cpp's permuted layout)."""
     import transformers
 
     path = tmp_path / f"{arch}.gguf"
@@ -382,6 +384,7 @@ def test_synthetic_gguf_generates_as_transformers(tmp_path, arch):
     classes = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
                "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
                "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+               "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
                "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[arch]
     model = classes[1](classes[0](**cfg)).eval()
     missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in hf.items()}, strict=False)

@@ -35,7 +35,8 @@ PROMPTS = [
 ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwen2_window", "qwen2_yarn",
          "llama_window_key", "mistral_layer_types", "qwen3", "qwen3_window_biases",
          "gemma3", "gemma3_pattern", "gemma3_softcap", "gemma2", "gemma2_defaults", "granite", "phi3",
-         "phi3_longrope", "mixtral", "qwen3_moe", "qwen3_moe_mixed", "qwen2_moe"]
+         "phi3_longrope", "mixtral", "qwen3_moe", "qwen3_moe_mixed", "qwen2_moe",
+         "gemma", "gemma_legacy_gelu"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -221,6 +222,23 @@ def tiny_qwen2_moe(tmp_path_factory) -> Path:
                            sliding_window=8, max_window_layers=1)
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory) -> Path:
+    # Gemma 1: embeddings times sqrt(hidden), norms as offsets from 1 (random here), GELU (tanh), tied, no window.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_gemma"), "gemma", seed=24, head_dim=16, num_key_value_heads=1)
+    return _random_norms(path, seed=24)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma_legacy_gelu(tmp_path_factory) -> Path:
+    # The Gemma releases' hidden_act "gelu", meant (and read by transformers) as the tanh approximation; a
+    # hidden_activation beside it changes nothing; biases on the attention.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_gemma_gelu"), "gemma", seed=25, attention_bias=True)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu", "hidden_activation": "silu"}))
+    return path
+
+
 def longrope_scaling(n: int, seed: int) -> dict:
     """LongRoPE settings for n frequencies: short factors near 1, long ones up to ~8, drawn at random."""
     gen = torch.Generator().manual_seed(seed)
@@ -250,7 +268,7 @@ _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mist
              "gemma2": "tiny_gemma2", "gemma2_defaults": "tiny_gemma2_defaults", "granite": "tiny_granite",
              "phi3": "tiny_phi3", "phi3_longrope": "tiny_phi3_longrope", "mixtral": "tiny_mixtral",
              "qwen3_moe": "tiny_qwen3_moe", "qwen3_moe_mixed": "tiny_qwen3_moe_mixed",
-             "qwen2_moe": "tiny_qwen2_moe"}
+             "qwen2_moe": "tiny_qwen2_moe", "gemma": "tiny_gemma", "gemma_legacy_gelu": "tiny_gemma_legacy_gelu"}
 # Engine options of a variant (all of its runs: the LLM's and the Worker's).
 _ENGINE_OPTIONS = {"phi3_longrope": dict(max_model_len=128)}
 

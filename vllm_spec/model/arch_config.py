@@ -22,8 +22,11 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "MixtralForCausalLM": False,
     "Qwen3MoeForCausalLM": False,
     "Qwen2MoeForCausalLM": True,
+    "GemmaForCausalLM": False,
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Gemma 1 too: embeddings times sqrt(hidden_size), norm weights as offsets from 1, tied embeddings by default.
+_GEMMA_FAMILY = ("GemmaForCausalLM", *_GEMMA)
 # transformers' sliding_window for a config.json without one: Mistral's, Gemma's, and Qwen2's with use_sliding_window.
 _SLIDING_WINDOW_DEFAULT = 4096
 # A config without "architectures" names its model_type (transformers loads it from that).
@@ -31,9 +34,10 @@ _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausal
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                        "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                       "qwen2_moe": "Qwen2MoeForCausalLM"}
+                       "qwen2_moe": "Qwen2MoeForCausalLM", "gemma": "GemmaForCausalLM"}
 # Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
-_CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_GEMMA)
+_CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                    *_GEMMA_FAMILY)
 # Granite's scalars (transformers' defaults 1): embeddings times embedding_multiplier, each block's output times
 # residual_multiplier before its residual add, attention scaled by attention_multiplier, logits / logits_scaling.
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -44,6 +48,7 @@ _ABSENT = {
     "MistralForCausalLM": dict(num_key_value_heads=8, max_position_embeddings=131072),
     "Qwen2ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768),
     "Qwen3ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768, head_dim=128),
+    "GemmaForCausalLM": dict(num_key_value_heads=16, max_position_embeddings=8192, head_dim=256),
     "Gemma2ForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=8192, head_dim=256),
     "Gemma3ForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=131072, head_dim=256),
     "Phi3ForCausalLM": dict(max_position_embeddings=4096, rms_norm_eps=1e-5),
@@ -59,7 +64,7 @@ CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 @dataclass
 class ArchConfig:
     """Shapes and options of one Llama-family model (Llama, Granite, Mistral, Mixtral, Qwen2, Qwen3, Qwen2/3-MoE,
-    Gemma 2 and 3, Phi-3, SmolLM2)."""
+    Gemma 1-3, Phi-3, SmolLM2)."""
 
     architecture: str
     vocab_size: int
@@ -132,9 +137,12 @@ class ArchConfig:
                 f"supported architectures: {sorted(SUPPORTED_ARCHITECTURES)}."
             )
         gemma = arch in _GEMMA
-        # (transformers' Gemma reads hidden_activation alone, the others hidden_act alone)
+        family = arch in _GEMMA_FAMILY
+        # (transformers' Gemma 2 and 3 read hidden_activation alone, the others hidden_act alone; Gemma 1 takes
+        # its releases' "gelu" for the tanh approximation they meant)
         act_key = "hidden_activation" if gemma else "hidden_act"
-        act = cfg.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+        act = cfg.get(act_key, "gelu_pytorch_tanh" if family else "silu")
+        act = "gelu_pytorch_tanh" if arch == "GemmaForCausalLM" and act == "gelu" else act
         if not isinstance(act, str) or act not in ACTIVATIONS:
             raise ValueError(f"Unsupported {act_key} {act!r} in the model config: supported: {sorted(ACTIVATIONS)}.")
         attn_softcap, softcap = (_softcap(cfg, key, arch, default)
@@ -204,7 +212,7 @@ class ArchConfig:
             rope_scaling=rope.scaling,
             rotary_dim=rope.rotary_dim,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),   # (transformers' default for each)
+            tie_word_embeddings=cfg.get("tie_word_embeddings", family),   # (transformers' default for each)
             # (transformers' Qwen2 always has q/k/v biases and Mistral never: their attention_bias is ignored)
             attention_bias=(cfg.get("attention_bias", False) if arch in _CONFIGURED_BIAS
                             else cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
@@ -215,8 +223,8 @@ class ArchConfig:
             moe=moe,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             hidden_act=ACTIVATIONS[act],
-            embed_scale=gemma,
-            norm_unit_offset=gemma,
+            embed_scale=family,
+            norm_unit_offset=family,
             sandwich_norms=gemma,
             attention_scale=float(scalar) ** -0.5 if gemma else granite.get("attention_multiplier"),
             local_rope_theta=rope.local_theta,
@@ -272,14 +280,14 @@ def _cpu_weights(value: Any) -> str | None:
 
 
 def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | None, tuple[int, ...] | None]:
-    """(window, the layers it applies to: None for all), as transformers reads the config: Llama and Granite
-    have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says otherwise, null:
-    none), or those its layer_types call sliding (Ministral); Qwen2 and Qwen3 only with use_sliding_window, on
-    the layers layer_types call sliding, else from max_window_layers on (Qwen3-MoE: on every layer; Qwen2-MoE: the
-    even layers below max_window_layers); Phi-3 and
-    Mixtral every layer where the key is set; Gemma the layers its layer_types
-    call sliding, else all but every sliding_window_pattern-th (Gemma 2: every other one)."""
-    if arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
+    """(window, the layers it applies to: None for all), as transformers reads the config: Llama, Granite and
+    Gemma 1 have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says
+    otherwise, null: none), or those its layer_types call sliding (Ministral); Qwen2 and Qwen3 only with
+    use_sliding_window, on the layers layer_types call sliding, else from max_window_layers on (Qwen3-MoE: on every
+    layer; Qwen2-MoE: the even layers below max_window_layers); Phi-3 and Mixtral every layer where the key is set;
+    Gemma 2 and 3 the layers their layer_types call sliding, else all but every sliding_window_pattern-th (Gemma 2:
+    every other one)."""
+    if arch in ("LlamaForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM"):
         return None, None
     if arch in ("Phi3ForCausalLM", "MixtralForCausalLM"):   # every layer, where the key is set
         return cfg.get("sliding_window"), None

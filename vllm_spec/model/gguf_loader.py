@@ -1,5 +1,5 @@
-"""Read llama.cpp GGUF checkpoints (``llama``, ``granite``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``, ``phi3``) as
-HF-style configs and weights.
+"""Read llama.cpp GGUF checkpoints (``llama``, ``granite``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``,
+``phi3``) as HF-style configs and weights.
 
 GGUF stores hyper-parameters under ``{arch}.*`` keys and tensors under llama.cpp names
 (``blk.N.attn_q.weight``). This module maps both back to the Hugging Face layout so the
@@ -23,8 +23,10 @@ from gguf.quants import dequantize
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausalLM",
                                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                       "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                                      "phi3": "Phi3ForCausalLM"}
+                                      "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM"}
 _GEMMA = ("gemma2", "gemma3")
+# Gemma 1 too: llama.cpp stores every norm weight of the family as 1 + the checkpoint's.
+_GEMMA_FAMILY = ("gemma", *_GEMMA)
 # GGUF files carry no query_pre_attn_scalar: llama.cpp takes hidden / heads for the 27B models (known by their
 # layer count) and head_dim for the others, as their HF configs say.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -139,7 +141,8 @@ def _config(reader: GGUFReader, arch: str) -> dict[str, Any]:
         # The file says which biases it has: o_proj's need not follow q/k/v's.
         "vllm_spec_o_proj_bias": "blk.0.attn_output.bias" in tensors,
     }
-    cfg |= {"hidden_activation": "gelu_pytorch_tanh"} if arch in _GEMMA else {"hidden_act": "silu"}
+    cfg |= {"hidden_activation": "gelu_pytorch_tanh"} if arch in _GEMMA else \
+        {"hidden_act": "gelu_pytorch_tanh" if arch == "gemma" else "silu"}
     # key_length is head_dim when it is not hidden/heads; llama's rotary dims always equal head_dim. (Left out,
     # transformers' Qwen3 and Gemma would take 128 / 256.)
     head_dim = kv("attention.key_length") or (kv("rope.dimension_count") if arch in _PERMUTED else None)
@@ -292,7 +295,7 @@ def _iter_weights(reader: GGUFReader, arch: str, n_head: int, n_kv_head: int) ->
         w = w.reshape([int(d) for d in reversed(t.shape)])
         if arch in _PERMUTED and (".attn_q." in t.name or ".attn_k." in t.name):
             w = _unpermute(w, n_head if ".attn_q." in t.name else n_kv_head)
-        if arch in _GEMMA and name.endswith("norm.weight"):
+        if arch in _GEMMA_FAMILY and name.endswith("norm.weight"):
             w = w - np.float32(1.0)
         yield name, torch.from_numpy(np.ascontiguousarray(w))
 

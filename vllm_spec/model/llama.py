@@ -1,4 +1,4 @@
-"""One Llama-family decoder (Llama 1-3, Granite, Mistral, Mixtral, Qwen2, Qwen3, Qwen2/3-MoE, Gemma 2 and 3, Phi-3,
+"""One Llama-family decoder (Llama 1-3, Granite, Mistral, Mixtral, Qwen2, Qwen3, Qwen2/3-MoE, Gemma 1-3, Phi-3,
 SmolLM2) over a flat token batch."""
 
 from __future__ import annotations
