@@ -100,7 +100,7 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
            "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
            "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
            "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM), "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
-           "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+           "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM), "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
            "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
            "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM)}[arch]
@@ -110,8 +110,8 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
     if arch in ("qwen3_moe", "qwen2_moe"):
         base = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                     shared_expert_intermediate_size=80) | base
-    if arch == "phi3":
-        base.setdefault("pad_token_id", 0)   # (Phi-3's default, 32000, is no tiny vocabulary's row)
+    if arch in ("phi3", "smollm3"):
+        base.setdefault("pad_token_id", 0)   # (their defaults, 32000 and 128004, are no tiny vocabulary's rows)
     torch.manual_seed(seed)
     model = cls[1](cls[0](**base)).eval()
     with torch.no_grad():

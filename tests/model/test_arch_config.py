@@ -13,7 +13,7 @@ CLASSES = {"LlamaForCausalLM": tf.LlamaConfig, "GraniteForCausalLM": tf.GraniteC
            "Gemma2ForCausalLM": tf.Gemma2Config, "Gemma3ForCausalLM": tf.Gemma3TextConfig,
            "Phi3ForCausalLM": tf.Phi3Config, "MixtralForCausalLM": tf.MixtralConfig,
            "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig, "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig,
-           "GemmaForCausalLM": tf.GemmaConfig}
+           "GemmaForCausalLM": tf.GemmaConfig, "SmolLM3ForCausalLM": tf.SmolLM3Config}
 
 
 @pytest.mark.parametrize("arch", sorted(CLASSES))
@@ -106,3 +106,22 @@ def test_scales_float32_cannot_hold_are_refused():
     for key in ("final_logit_softcapping", "query_pre_attn_scalar"):
         with pytest.raises(ValueError, match=key):
             ArchConfig.from_hf_dict({**BASE, "architectures": ["Gemma2ForCausalLM"], key: 1e-320})
+
+
+def test_smollm3_nope_layers_and_windows_as_transformers():
+    """SmolLM3's layers without a rotary embedding (no_rope_layers, else every no_rope_layer_interval-th) and its
+    windows (with use_sliding_window: the NoPE layers unless layer_types says otherwise)."""
+    base = {**BASE, "architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 8}
+    for extra in ({}, {"no_rope_layer_interval": 3}, {"no_rope_layers": [1, 0, 0, 1, 1, 1, 1, 0]},
+                  {"use_sliding_window": True, "sliding_window": 16}):
+        ours = ArchConfig.from_hf_dict({**base, **extra})
+        theirs = tf.SmolLM3Config(**{k: v for k, v in base.items() if k != "architectures"}, pad_token_id=0, **extra)
+        assert ours.unrotated_layers == tuple(i for i, f in enumerate(theirs.no_rope_layers) if not f)
+        windowed = tuple(i for i, t in enumerate(theirs.layer_types) if t == "sliding_attention")
+        assert (ours.windowed_layers if ours.sliding_window else ()) == (windowed if theirs.use_sliding_window else ())
+    assert ArchConfig.from_hf_dict(base).rope_theta == 2000000.0 and ArchConfig.from_hf_dict(base).tie_word_embeddings
+    with pytest.raises(ValueError, match=r"no_rope_layers must be a list of 8 flags \(1: the layer rotates, 0: it "
+                                         r"does not\), got \[1, 0\]"):
+        ArchConfig.from_hf_dict({**base, "no_rope_layers": [1, 0]})
+    with pytest.raises(ValueError, match=r"no_rope_layer_interval must be an integer >= 1, got 0"):
+        ArchConfig.from_hf_dict({**base, "no_rope_layer_interval": 0})

@@ -232,6 +232,9 @@ def test_layers_it_cannot_run_are_not_built(tiny_llama):
     norm.requires_grad_(False)
     layers[1].self_attn.rotary_dim = layers[1].self_attn.head_dim // 2   # (Phi-3's partial rotation)
     assert CpuDecoder.build(layers) is None
+    layers[1].self_attn.rotary_dim = layers[1].self_attn.head_dim
+    layers[1].self_attn.rotates = False   # (SmolLM3's NoPE layers)
+    assert CpuDecoder.build(layers) is None
 
 
 @needs_kernel

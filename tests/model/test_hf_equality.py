@@ -36,7 +36,7 @@ ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwe
          "llama_window_key", "mistral_layer_types", "qwen3", "qwen3_window_biases",
          "gemma3", "gemma3_pattern", "gemma3_softcap", "gemma2", "gemma2_defaults", "granite", "phi3",
          "phi3_longrope", "mixtral", "qwen3_moe", "qwen3_moe_mixed", "qwen2_moe",
-         "gemma", "gemma_legacy_gelu"]
+         "gemma", "gemma_legacy_gelu", "smollm3", "smollm3_window"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -239,6 +239,20 @@ def tiny_gemma_legacy_gelu(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def tiny_smollm3(tmp_path_factory) -> Path:
+    # SmolLM3: every 2nd layer without a rotary embedding (NoPE; the interval rule), biases, tied.
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_smollm3"), "smollm3", seed=26, num_hidden_layers=4,
+                           no_rope_layer_interval=2, attention_bias=True, mlp_bias=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_smollm3_window(tmp_path_factory) -> Path:
+    # The NoPE layer given by no_rope_layers (layer 0) is the windowed one (8 tokens).
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_smollm3_window"), "smollm3", seed=27, no_rope_layers=[0, 1],
+                           use_sliding_window=True, sliding_window=8, tie_word_embeddings=False)
+
+
 def longrope_scaling(n: int, seed: int) -> dict:
     """LongRoPE settings for n frequencies: short factors near 1, long ones up to ~8, drawn at random."""
     gen = torch.Generator().manual_seed(seed)
@@ -268,7 +282,8 @@ _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mist
              "gemma2": "tiny_gemma2", "gemma2_defaults": "tiny_gemma2_defaults", "granite": "tiny_granite",
              "phi3": "tiny_phi3", "phi3_longrope": "tiny_phi3_longrope", "mixtral": "tiny_mixtral",
              "qwen3_moe": "tiny_qwen3_moe", "qwen3_moe_mixed": "tiny_qwen3_moe_mixed",
-             "qwen2_moe": "tiny_qwen2_moe", "gemma": "tiny_gemma", "gemma_legacy_gelu": "tiny_gemma_legacy_gelu"}
+             "qwen2_moe": "tiny_qwen2_moe", "gemma": "tiny_gemma", "gemma_legacy_gelu": "tiny_gemma_legacy_gelu",
+             "smollm3": "tiny_smollm3", "smollm3_window": "tiny_smollm3_window"}
 # Engine options of a variant (all of its runs: the LLM's and the Worker's).
 _ENGINE_OPTIONS = {"phi3_longrope": dict(max_model_len=128)}
 

@@ -42,6 +42,7 @@ def test_greedy_equality_draft_model(spec_pair, greedy_reference, k):
     ("qwen3_moe", dict(mlp_only_layers=[0], use_sliding_window=True, sliding_window=8)),
     ("qwen2_moe", dict(decoder_sparse_step=2)),
     ("gemma", dict(head_dim=32)),
+    ("smollm3", dict(no_rope_layer_interval=2)),
 ])
 def test_greedy_equality_on_each_architecture(tmp_path, arch, options):
     """Every supported family speculates losslessly: a noisy copy drafts for a tiny target of that family."""

@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "Qwen3MoeForCausalLM": False,
     "Qwen2MoeForCausalLM": True,
     "GemmaForCausalLM": False,
+    "SmolLM3ForCausalLM": False,
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Gemma 1 too: embeddings times sqrt(hidden_size), norm weights as offsets from 1, tied embeddings by default.
@@ -34,10 +35,13 @@ _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausal
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                        "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                       "qwen2_moe": "Qwen2MoeForCausalLM", "gemma": "GemmaForCausalLM"}
+                       "qwen2_moe": "Qwen2MoeForCausalLM", "gemma": "GemmaForCausalLM",
+                       "smollm3": "SmolLM3ForCausalLM"}
 # Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
-_CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                    *_GEMMA_FAMILY)
+_CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Qwen3ForCausalLM",
+                    "Qwen3MoeForCausalLM", *_GEMMA_FAMILY)
+# Architectures whose mlp_bias biases the three MLP projections.
+_MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
 # Granite's scalars (transformers' defaults 1): embeddings times embedding_multiplier, each block's output times
 # residual_multiplier before its residual add, attention scaled by attention_multiplier, logits / logits_scaling.
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -49,6 +53,7 @@ _ABSENT = {
     "Qwen2ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768),
     "Qwen3ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768, head_dim=128),
     "GemmaForCausalLM": dict(num_key_value_heads=16, max_position_embeddings=8192, head_dim=256),
+    "SmolLM3ForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=True),
     "Gemma2ForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=8192, head_dim=256),
     "Gemma3ForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=131072, head_dim=256),
     "Phi3ForCausalLM": dict(max_position_embeddings=4096, rms_norm_eps=1e-5),
@@ -64,7 +69,7 @@ CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 @dataclass
 class ArchConfig:
     """Shapes and options of one Llama-family model (Llama, Granite, Mistral, Mixtral, Qwen2, Qwen3, Qwen2/3-MoE,
-    Gemma 1-3, Phi-3, SmolLM2)."""
+    Gemma 1-3, Phi-3, SmolLM2 and 3)."""
 
     architecture: str
     vocab_size: int
@@ -78,6 +83,7 @@ class ArchConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     rotary_dim: int | None = None   # Phi-3's partial rotation: the leading rotary_dim dims of a head (None: all)
+    unrotated_layers: tuple[int, ...] = ()   # SmolLM3's NoPE layers: no rotary embedding at all
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False   # q/k/v biases
@@ -193,7 +199,8 @@ class ArchConfig:
         if not all(_token_id(t) for t in eos_ids) or not (bos is None or _token_id(bos)):
             raise ValueError(f"eos_token_id ({eos!r}) and bos_token_id ({bos!r}) must be token ids (integers >= 0), "
                              "eos_token_id also a list of them, or null.")
-        sliding, windowed = _sliding_window(arch, cfg, layers)
+        unrotated = _nope_layers(cfg, layers) if arch == "SmolLM3ForCausalLM" else ()
+        sliding, windowed = _sliding_window(arch, cfg, layers, unrotated)
         granite = _granite_scalars(cfg) if arch == "GraniteForCausalLM" else {}
         moe = read_moe(cfg, arch, layers, inter)
         check_int("sliding_window", sliding, 1, optional=True)
@@ -211,15 +218,16 @@ class ArchConfig:
             rope_theta=rope.theta,
             rope_scaling=rope.scaling,
             rotary_dim=rope.rotary_dim,
+            unrotated_layers=unrotated,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", family),   # (transformers' default for each)
+            tie_word_embeddings=cfg.get("tie_word_embeddings", absent.get("tie_word_embeddings", family)),
             # (transformers' Qwen2 always has q/k/v biases and Mistral never: their attention_bias is ignored)
             attention_bias=(cfg.get("attention_bias", False) if arch in _CONFIGURED_BIAS
                             else cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
                             else SUPPORTED_ARCHITECTURES[arch]),
             o_proj_bias=bool(cfg.get("vllm_spec_o_proj_bias",
                                      arch in _CONFIGURED_BIAS and cfg.get("attention_bias", False))),
-            mlp_bias=cfg.get("mlp_bias", False) if arch in ("LlamaForCausalLM", "GraniteForCausalLM") else False,
+            mlp_bias=cfg.get("mlp_bias", False) if arch in _MLP_BIAS else False,
             moe=moe,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             hidden_act=ACTIVATIONS[act],
@@ -279,16 +287,25 @@ def _cpu_weights(value: Any) -> str | None:
     return value
 
 
-def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+def _sliding_window(arch: str, cfg: dict[str, Any], layers: int,
+                    unrotated: tuple[int, ...]) -> tuple[int | None, tuple[int, ...] | None]:
     """(window, the layers it applies to: None for all), as transformers reads the config: Llama, Granite and
     Gemma 1 have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says
     otherwise, null: none), or those its layer_types call sliding (Ministral); Qwen2 and Qwen3 only with
     use_sliding_window, on the layers layer_types call sliding, else from max_window_layers on (Qwen3-MoE: on every
     layer; Qwen2-MoE: the even layers below max_window_layers); Phi-3 and Mixtral every layer where the key is set;
     Gemma 2 and 3 the layers their layer_types call sliding, else all but every sliding_window_pattern-th (Gemma 2:
-    every other one)."""
+    every other one); SmolLM3 with use_sliding_window and a window, the layers layer_types call sliding, else its
+    NoPE layers."""
     if arch in ("LlamaForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM"):
         return None, None
+    if arch == "SmolLM3ForCausalLM":
+        types = cfg.get("layer_types")
+        if not cfg.get("use_sliding_window", False) or cfg.get("sliding_window") is None:
+            return None, None
+        if not isinstance(types, list):
+            return cfg["sliding_window"], unrotated
+        return cfg["sliding_window"], tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if arch in ("Phi3ForCausalLM", "MixtralForCausalLM"):   # every layer, where the key is set
         return cfg.get("sliding_window"), None
     if arch == "Qwen3MoeForCausalLM":   # every layer, with use_sliding_window
@@ -316,6 +333,21 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | 
     elif not isinstance(types, list):
         return sliding, None
     return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+
+
+def _nope_layers(cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without a rotary embedding: those no_rope_layers marks 0, else every
+    no_rope_layer_interval-th (transformers' default: 4)."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval", 4)
+        check_int("no_rope_layer_interval", interval, 1)
+        return tuple(i for i in range(layers) if (i + 1) % interval == 0)
+    if not (isinstance(flags, list) and len(flags) == layers and all(f in (0, 1) and not isinstance(f, bool)
+                                                                      for f in flags)):
+        raise ValueError(f"no_rope_layers must be a list of {layers} flags (1: the layer rotates, 0: it does not), "
+                         f"got {flags!r}.")
+    return tuple(i for i, f in enumerate(flags) if not f)
 
 
 def _max_window_layers(cfg: dict[str, Any]) -> int:

@@ -56,6 +56,7 @@ class CpuDecoder:
             head_norms = () if attn.q_norm is None else (attn.q_norm, attn.k_norm)
             every_norm = norms + sandwich + head_norms
             if (attn.head_dim != layers[0].self_attn.head_dim or attn.head_dim % 2 or attn.rotary_dim != attn.head_dim
+                    or not attn.rotates
                     or layer.residual_multiplier is not None
                     or any(m.tp.world_size > 1 for m in linears)
                     or any(n.weight.dtype != dtype or not n.weight.is_contiguous() or n.weight.requires_grad

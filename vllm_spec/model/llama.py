@@ -1,5 +1,5 @@
 """One Llama-family decoder (Llama 1-3, Granite, Mistral, Mixtral, Qwen2, Qwen3, Qwen2/3-MoE, Gemma 1-3, Phi-3,
-SmolLM2) over a flat token batch."""
+SmolLM2 and 3) over a flat token batch."""
 
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.rotary_dim = cfg.rotary_dim or cfg.head_dim
+        self.rotates = layer not in cfg.unrotated_layers   # (SmolLM3's NoPE layers do not)
         self.q_norm = _norm(cfg, cfg.head_dim, dtype) if cfg.qk_norm else None
         self.k_norm = _norm(cfg, cfg.head_dim, dtype) if cfg.qk_norm else None
         scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.head_dim ** -0.5
@@ -84,9 +85,9 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim))[0]
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.rotary_dim == self.head_dim:
+        if self.rotates and self.rotary_dim == self.head_dim:
             q, k = rotary(q, k, cos, sin)
-        else:   # (Phi-3's partial rotation: the rest of each head passes as it is)
+        elif self.rotates:   # (Phi-3's partial rotation: the rest of each head passes as it is)
             r = self.rotary_dim
             q_rot, k_rot = rotary(q[..., :r], k[..., :r], cos, sin)
             q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)

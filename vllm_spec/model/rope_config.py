@@ -9,7 +9,7 @@ from vllm_spec.model.rotary import SUPPORTED_ROPE_TYPES, rope_type
 from vllm_spec.utils import check_int, is_float32_scale, is_number
 
 # transformers' rope_theta where a config has none (Gemma 3's: read_rope; the others' 10000).
-_DEFAULT_THETA = {"MixtralForCausalLM": 1000000.0}
+_DEFAULT_THETA = {"MixtralForCausalLM": 1000000.0, "SmolLM3ForCausalLM": 2000000.0}
 # Phi-3's config always has an original context (transformers' Phi3Config field): this where the key is absent.
 _PHI3_ORIGINAL_CONTEXT = 4096
 
