@@ -112,16 +112,20 @@ def test_smollm3_nope_layers_and_windows_as_transformers():
     """SmolLM3's layers without a rotary embedding (no_rope_layers, else every no_rope_layer_interval-th) and its
     windows (with use_sliding_window: the NoPE layers unless layer_types says otherwise)."""
     base = {**BASE, "architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 8}
-    for extra in ({}, {"no_rope_layer_interval": 3}, {"no_rope_layers": [1, 0, 0, 1, 1, 1, 1, 0]},
+    for extra in ({}, {"no_rope_layer_interval": 3}, {"no_rope_layers": [1, 0, 0, 1, 1, 1, 1, 0, 0]},
                   {"use_sliding_window": True, "sliding_window": 16}):
         ours = ArchConfig.from_hf_dict({**base, **extra})
         theirs = tf.SmolLM3Config(**{k: v for k, v in base.items() if k != "architectures"}, pad_token_id=0, **extra)
-        assert ours.unrotated_layers == tuple(i for i, f in enumerate(theirs.no_rope_layers) if not f)
+        assert ours.unrotated_layers == tuple(i for i, f in enumerate(theirs.no_rope_layers[:8]) if not f)
         windowed = tuple(i for i, t in enumerate(theirs.layer_types) if t == "sliding_attention")
         assert (ours.windowed_layers if ours.sliding_window else ()) == (windowed if theirs.use_sliding_window else ())
+    # (layer_types given: transformers' masks window those layers, use_sliding_window or not)
+    types = ["sliding_attention", "full_attention"] * 4
+    ours = ArchConfig.from_hf_dict({**base, "sliding_window": 4, "layer_types": types})
+    assert (ours.sliding_window, ours.windowed_layers) == (4, (0, 2, 4, 6))
     assert ArchConfig.from_hf_dict(base).rope_theta == 2000000.0 and ArchConfig.from_hf_dict(base).tie_word_embeddings
-    with pytest.raises(ValueError, match=r"no_rope_layers must be a list of 8 flags \(1: the layer rotates, 0: it "
-                                         r"does not\), got \[1, 0\]"):
+    with pytest.raises(ValueError, match=r"no_rope_layers must be a list of at least 8 flags \(one a layer; 1: the "
+                                         r"layer rotates, 0: it does not\), got \[1, 0\]"):
         ArchConfig.from_hf_dict({**base, "no_rope_layers": [1, 0]})
     with pytest.raises(ValueError, match=r"no_rope_layer_interval must be an integer >= 1, got 0"):
         ArchConfig.from_hf_dict({**base, "no_rope_layer_interval": 0})

@@ -295,17 +295,17 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int,
     use_sliding_window, on the layers layer_types call sliding, else from max_window_layers on (Qwen3-MoE: on every
     layer; Qwen2-MoE: the even layers below max_window_layers); Phi-3 and Mixtral every layer where the key is set;
     Gemma 2 and 3 the layers their layer_types call sliding, else all but every sliding_window_pattern-th (Gemma 2:
-    every other one); SmolLM3 with use_sliding_window and a window, the layers layer_types call sliding, else its
+    every other one); SmolLM3 (with a window) the layers layer_types call sliding, else with use_sliding_window its
     NoPE layers."""
     if arch in ("LlamaForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM"):
         return None, None
-    if arch == "SmolLM3ForCausalLM":
-        types = cfg.get("layer_types")
-        if not cfg.get("use_sliding_window", False) or cfg.get("sliding_window") is None:
+    if arch == "SmolLM3ForCausalLM":   # (layer_types as transformers' masks read them, use_sliding_window or not)
+        types, window = cfg.get("layer_types"), cfg.get("sliding_window")
+        if window is None or not (isinstance(types, list) or cfg.get("use_sliding_window", False)):
             return None, None
         if not isinstance(types, list):
-            return cfg["sliding_window"], unrotated
-        return cfg["sliding_window"], tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+            return window, unrotated
+        return window, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if arch in ("Phi3ForCausalLM", "MixtralForCausalLM"):   # every layer, where the key is set
         return cfg.get("sliding_window"), None
     if arch == "Qwen3MoeForCausalLM":   # every layer, with use_sliding_window
@@ -343,11 +343,11 @@ def _nope_layers(cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
         interval = cfg.get("no_rope_layer_interval", 4)
         check_int("no_rope_layer_interval", interval, 1)
         return tuple(i for i in range(layers) if (i + 1) % interval == 0)
-    if not (isinstance(flags, list) and len(flags) == layers and all(f in (0, 1) and not isinstance(f, bool)
+    if not (isinstance(flags, list) and len(flags) >= layers and all(f in (0, 1) and not isinstance(f, bool)
                                                                       for f in flags)):
-        raise ValueError(f"no_rope_layers must be a list of {layers} flags (1: the layer rotates, 0: it does not), "
-                         f"got {flags!r}.")
-    return tuple(i for i, f in enumerate(flags) if not f)
+        raise ValueError(f"no_rope_layers must be a list of at least {layers} flags (one a layer; 1: the layer "
+                         f"rotates, 0: it does not), got {flags!r}.")
+    return tuple(i for i, f in enumerate(flags[:layers]) if not f)
 
 
 def _max_window_layers(cfg: dict[str, Any]) -> int:
