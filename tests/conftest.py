@@ -143,6 +143,23 @@ def tiny_mistral(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=2, sliding_window=None)
 
 
+def edit_checkpoint(path: Path, change) -> None:
+    """Apply change(weights) to a tiny checkpoint's tensors (a dict: pop, add or replace them) and save them."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    change(weights)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def finish_gguf(writer) -> None:
+    """Write a gguf.GGUFWriter's header, metadata and tensors, and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def copy_with_config(model: str | Path, folder: Path, **changes) -> str:
     """A copy of a checkpoint folder whose config.json has these keys set."""
     shutil.copytree(model, folder, dirs_exist_ok=True)

@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import finish_gguf
 
 from vllm_spec.model import default_model
 from vllm_spec.model.arch_config import ArchConfig
@@ -108,10 +109,7 @@ def write_synthetic(path: Path, arch: str, *, hidden=32, heads=4, kv_heads=2, in
             w.add_tensor(gguf_name(name, arch), data)
     for name, arr in (extra_tensors or {}).items():
         w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return hf
 
 
@@ -192,10 +190,7 @@ def write_minimal(path: Path, arch: str) -> Path:
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 

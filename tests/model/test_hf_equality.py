@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import edit_checkpoint, make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from vllm_spec.engine.arg_utils import EngineArgs
@@ -262,14 +262,9 @@ def longrope_scaling(n: int, seed: int) -> dict:
 
 def _random_norms(path: Path, seed: int) -> Path:
     """The checkpoint's norm weights drawn at random (make_tiny_model sets them to 1)."""
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(path / "model.safetensors")
     gen = torch.Generator().manual_seed(seed)
-    for name, w in weights.items():
-        if "norm" in name:
-            weights[name] = 0.5 * torch.randn(w.shape, generator=gen)
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    edit_checkpoint(path, lambda weights: weights.update(
+        {name: 0.5 * torch.randn(w.shape, generator=gen) for name, w in sorted(weights.items()) if "norm" in name}))
     return path
 
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from conftest import make_tiny_model
-from safetensors.torch import load_file, save_file
+from conftest import edit_checkpoint, finish_gguf, make_tiny_model
 
 from vllm_spec import LLM
 from vllm_spec.distributed.parallel_state import GroupCoordinator
@@ -99,29 +98,23 @@ def test_bad_expert_counts_are_named(extra, match):
         ArchConfig.from_hf_dict({**BASE, **extra})
 
 
-def _edit(path, change) -> None:
-    weights = load_file(path / "model.safetensors")
-    change(weights)
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-
-
 def test_checkpoint_errors_name_the_expert_tensors(tmp_path):
     path = make_tiny_model(tmp_path / "m", "mixtral", seed=3)
-    _edit(path, lambda w: w.pop("model.layers.1.block_sparse_moe.experts.2.w3.weight"))
+    edit_checkpoint(path, lambda w: w.pop("model.layers.1.block_sparse_moe.experts.2.w3.weight"))
     with pytest.raises(ValueError, match=r"Checkpoint is missing weights: "
                                          r"\['model.layers.1.block_sparse_moe.experts.2.w3.weight'\]"):
         LLM(str(path), **KV)
     path = make_tiny_model(tmp_path / "m2", "mixtral", seed=3)
-    _edit(path, lambda w: w.update({"model.layers.0.block_sparse_moe.experts.4.w2.weight": torch.zeros(64, 128)}))
+    edit_checkpoint(path, lambda w: w.update({"model.layers.0.block_sparse_moe.experts.4.w2.weight": torch.zeros(64, 128)}))
     with pytest.raises(ValueError, match=r"Checkpoint tensor 'model.layers.0.block_sparse_moe.experts.4.w2.weight': "
                                          r"expert 4 is not one of the model's 4 experts"):
         LLM(str(path), **KV)
     path = make_tiny_model(tmp_path / "m3", "mixtral", seed=3)
-    _edit(path, lambda w: w.update({"model.layers.0.block_sparse_moe.experts.1.w1.weight": torch.zeros(100, 64)}))
+    edit_checkpoint(path, lambda w: w.update({"model.layers.0.block_sparse_moe.experts.1.w1.weight": torch.zeros(100, 64)}))
     with pytest.raises(ValueError, match=r"Checkpoint tensor 'model.layers.0.block_sparse_moe.experts.1.w1.weight'"):
         LLM(str(path), **KV)
     path = make_tiny_model(tmp_path / "m4", "mixtral", seed=3)
-    _edit(path, lambda w: w.pop("model.layers.0.block_sparse_moe.gate.weight"))
+    edit_checkpoint(path, lambda w: w.pop("model.layers.0.block_sparse_moe.gate.weight"))
     with pytest.raises(ValueError, match=r"Checkpoint is missing weights: "
                                          r"\['model.layers.0.block_sparse_moe.gate.weight'\]"):
         LLM(str(path), **KV)
@@ -149,12 +142,12 @@ def test_qwen3_moe_config_as_transformers():
 
 def test_qwen3_moe_checkpoint_errors_name_its_tensors(tmp_path):
     path = make_tiny_model(tmp_path / "q", "qwen3_moe", seed=3, mlp_only_layers=[0])
-    _edit(path, lambda w: w.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
+    edit_checkpoint(path, lambda w: w.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
     with pytest.raises(ValueError, match=r"Checkpoint is missing weights: "
                                          r"\['model.layers.1.mlp.experts.3.up_proj.weight'\]"):
         LLM(str(path), **KV)
     path = make_tiny_model(tmp_path / "q2", "qwen3_moe", seed=3, mlp_only_layers=[0])
-    _edit(path, lambda w: w.pop("model.layers.0.mlp.down_proj.weight"))   # (layer 0's dense MLP)
+    edit_checkpoint(path, lambda w: w.pop("model.layers.0.mlp.down_proj.weight"))   # (layer 0's dense MLP)
     with pytest.raises(ValueError, match=r"Checkpoint is missing weights: \['model.layers.0.mlp.down_proj.weight'\]"):
         LLM(str(path), **KV)
 
@@ -185,12 +178,12 @@ def test_qwen2_moe_config_as_transformers():
 
 def test_qwen2_moe_without_its_shared_expert_names_it(tmp_path):
     path = make_tiny_model(tmp_path / "q", "qwen2_moe", seed=3)
-    _edit(path, lambda w: w.pop("model.layers.1.mlp.shared_expert_gate.weight"))
+    edit_checkpoint(path, lambda w: w.pop("model.layers.1.mlp.shared_expert_gate.weight"))
     with pytest.raises(ValueError, match=r"Checkpoint is missing weights: "
                                          r"\['model.layers.1.mlp.shared_expert_gate.weight'\]"):
         LLM(str(path), **KV)
     path = make_tiny_model(tmp_path / "q2", "qwen2_moe", seed=3)
-    _edit(path, lambda w: w.pop("model.layers.0.mlp.shared_expert.up_proj.weight"))
+    edit_checkpoint(path, lambda w: w.pop("model.layers.0.mlp.shared_expert.up_proj.weight"))
     with pytest.raises(ValueError, match=r"Checkpoint is missing weights: "
                                          r"\['model.layers.0.mlp.shared_expert.up_proj.weight'\]"):
         LLM(str(path), **KV)
@@ -205,7 +198,7 @@ def test_qwen2_moe_without_its_shared_expert_names_it(tmp_path):
 def test_the_other_layouts_names_are_unexpected(tmp_path, arch, old, new):
     """Each model takes its own checkpoint layout's names (as transformers): the other MoE's are refused."""
     path = make_tiny_model(tmp_path / "m", arch, seed=5)
-    _edit(path, lambda w: w.update({new: w.pop(old)}))
+    edit_checkpoint(path, lambda w: w.update({new: w.pop(old)}))
     with pytest.raises(ValueError, match=f"Unexpected weight '{new}'"):
         LLM(str(path), **KV)
 
@@ -238,9 +231,6 @@ def test_a_mixture_of_experts_gguf_is_refused_by_name(tmp_path):
     w.add_block_count(1)
     w.add_expert_count(8)
     w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     with pytest.raises(ValueError, match=r"Mixture-of-experts GGUF files \(llama.expert_count 8\) are not supported"):
         read_gguf_config(tmp_path / "m.gguf")

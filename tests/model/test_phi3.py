@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
-from conftest import make_tiny_model
-from safetensors.torch import load_file, save_file
+from conftest import edit_checkpoint, finish_gguf, make_tiny_model
 from test_hf_equality import longrope_scaling
 
 from vllm_spec import LLM, SamplingParams
@@ -141,10 +140,8 @@ def test_bad_rotary_settings_are_named(extra, match):
 
 def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path):
     path = make_tiny_model(tmp_path / "p", "phi3", seed=22)
-    weights = load_file(path / "model.safetensors")
     name = "model.layers.1.self_attn.qkv_proj.weight"
-    weights[name] = weights[name][:-16]
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    edit_checkpoint(path, lambda w: w.update({name: w[name][:-16].clone()}))
     with pytest.raises(ValueError, match=r"Checkpoint tensor 'model.layers.1.self_attn.qkv_proj.weight': shape "
                                          r"\(112, 64\): a fused projection of 128 rows \(64 \+ 32 \+ 32\)"):
         LLM(str(path), **KV)
@@ -152,9 +149,7 @@ def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path):
 
 def test_a_checkpoint_without_its_fused_projection_names_it(tmp_path):
     path = make_tiny_model(tmp_path / "p", "phi3", seed=22)
-    weights = load_file(path / "model.safetensors")
-    del weights["model.layers.0.mlp.gate_up_proj.weight"]
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    edit_checkpoint(path, lambda w: w.pop("model.layers.0.mlp.gate_up_proj.weight"))
     with pytest.raises(ValueError, match=r"Checkpoint is missing weights: .*model.layers.0.mlp.gate_up_proj.weight"):
         LLM(str(path), **KV)
 
@@ -214,10 +209,7 @@ def _write_phi3_gguf(path, *, hidden=32, heads=4, kv_heads=2, inter=48, layers=2
                 w.add_tensor(f"rope_factors_{kind}.weight", np.array(factors[f"{kind}_factor"], dtype=np.float32))
     for name, arr in (extra or {}).items():
         w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return hf
 
 
@@ -287,9 +279,8 @@ def test_an_odd_head_size_is_named():
 
 def test_a_projection_both_fused_and_in_parts_is_named(tmp_path):
     path = make_tiny_model(tmp_path / "p", "phi3", seed=22)
-    weights = load_file(path / "model.safetensors")
-    weights["model.layers.0.mlp.up_proj.weight"] = weights["model.layers.0.mlp.gate_up_proj.weight"][96:].clone()
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    edit_checkpoint(path, lambda w: w.update(
+        {"model.layers.0.mlp.up_proj.weight": w["model.layers.0.mlp.gate_up_proj.weight"][96:].clone()}))
     with pytest.raises(ValueError, match=r"Checkpoint tensor 'model.layers.0.mlp.(gate_)?up_proj.weight': it holds "
                                          r"weights another tensor of the checkpoint held already"):
         LLM(str(path), **KV)
