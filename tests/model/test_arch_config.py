@@ -129,3 +129,41 @@ def test_smollm3_nope_layers_and_windows_as_transformers():
         ArchConfig.from_hf_dict({**base, "no_rope_layers": [1, 0]})
     with pytest.raises(ValueError, match=r"no_rope_layer_interval must be an integer >= 1, got 0"):
         ArchConfig.from_hf_dict({**base, "no_rope_layer_interval": 0})
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 0}},
+     r"original_max_position_embeddings must be an integer >= 1, got 0"),
+    ({"rope_theta": "abc"}, r"rope_theta must be a positive number, got 'abc'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": [1]}}, r"rope_theta must be a positive number"),
+    ({"architectures": ["Gemma3ForCausalLM"], "rope_parameters": {"full_attention": {}, "sliding_attention": 5}},
+     r"rope_parameters\['sliding_attention'\] must be an object \(dict\) or null, got 5"),
+    ({"architectures": ["MistralForCausalLM"], "layer_types": ["sliding_attention"]},
+     r"layer_types must be a list of 2 entries \(one a layer\), each 'sliding_attention' or 'full_attention'"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "layer_types": ["full_attention", "x"]},
+     r"layer_types must be a list of 2 entries"),
+])
+def test_bad_rotary_and_layer_settings_are_named(extra, match):
+    with pytest.raises(ValueError, match=match):
+        ArchConfig.from_hf_dict({**BASE, **extra})
+
+
+def test_yarn_defaults_come_from_the_models_context():
+    """A YaRN rope_scaling without its original context (or with null) takes max_position_embeddings (the absent
+    default where the config has none), and factor from the two, as transformers does."""
+    for given in ({}, {"original_max_position_embeddings": None}):
+        cfg = ArchConfig.from_hf_dict({**BASE, "max_position_embeddings": 512,
+                                       "rope_scaling": {"rope_type": "yarn", "factor": 2.0, **given}})
+        assert cfg.rope_scaling["original_max_position_embeddings"] == 512
+    cfg = ArchConfig.from_hf_dict({**BASE, "rope_scaling": {"rope_type": "yarn",
+                                                            "original_max_position_embeddings": 512}})
+    assert cfg.rope_scaling["factor"] == 2048 / 512
+
+
+def test_mixtral_takes_num_experts_before_num_local_experts():
+    """transformers' MixtralConfig given both keys takes num_experts (Qwen3-MoE's num_local_experts)."""
+    mixtral = {**BASE, "architectures": ["MixtralForCausalLM"], "num_experts": 4, "num_local_experts": 6}
+    assert ArchConfig.from_hf_dict(mixtral).moe.num_experts == tf.MixtralConfig(num_experts=4, num_local_experts=6,
+                                                                               ).num_local_experts == 4
+    qwen = {**mixtral, "architectures": ["Qwen3MoeForCausalLM"], "num_experts_per_tok": 2}
+    assert ArchConfig.from_hf_dict(qwen).moe.num_experts == 6

@@ -89,7 +89,7 @@ class ArchConfig:
     attention_bias: bool = False   # q/k/v biases
     o_proj_bias: bool = False      # Llama's attention_bias biases o_proj too (Qwen2's q/k/v bias does not)
     mlp_bias: bool = False
-    moe: MoeConfig | None = None   # Mixtral's and Qwen3-MoE's sparse MLPs (None: dense MLPs)
+    moe: MoeConfig | None = None   # Mixtral's and the Qwen MoEs' sparse MLPs (None: dense MLPs)
     qk_norm: bool = False          # Qwen3, Gemma 3: an RMSNorm over each query and key head before the rotation
     # Gemma 2 and 3: GELU (tanh) MLP, embeddings times sqrt(hidden_size), norm weights stored as offsets from
     # 1, norms after the attention and the MLP too (before each residual add), the attention scaled by
@@ -300,10 +300,10 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int,
     if arch in ("LlamaForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM"):
         return None, None
     if arch == "SmolLM3ForCausalLM":   # (layer_types as transformers' masks read them, use_sliding_window or not)
-        types, window = cfg.get("layer_types"), cfg.get("sliding_window")
-        if window is None or not (isinstance(types, list) or cfg.get("use_sliding_window", False)):
+        types, window = _layer_types(cfg, layers), cfg.get("sliding_window")
+        if window is None or not (types is not None or cfg.get("use_sliding_window", False)):
             return None, None
-        if not isinstance(types, list):
+        if not types is not None:
             return window, unrotated
         return window, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if arch in ("Phi3ForCausalLM", "MixtralForCausalLM"):   # every layer, where the key is set
@@ -311,10 +311,10 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int,
     if arch == "Qwen3MoeForCausalLM":   # every layer, with use_sliding_window
         return (cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULT), None) if cfg.get("use_sliding_window") \
             else (None, None)
-    types = cfg.get("layer_types")
+    types = _layer_types(cfg, layers)
     sliding = cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULT)
     if arch in _GEMMA:
-        if not isinstance(types, list):   # every sliding_window_pattern-th layer attends to everything
+        if not types is not None:   # every sliding_window_pattern-th layer attends to everything
             pattern = 2 if arch == "Gemma2ForCausalLM" else \
                 cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
             check_int("sliding_window_pattern", pattern, 1)
@@ -323,16 +323,26 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int,
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not cfg.get("use_sliding_window", False):
             return None, None
-        if not isinstance(types, list):
+        if not types is not None:
             return sliding, tuple(range(_max_window_layers(cfg), layers))
     elif arch == "Qwen2MoeForCausalLM":
         if not cfg.get("use_sliding_window", False):
             return None, None
-        if not isinstance(types, list):   # (transformers' rule: the even layers below max_window_layers)
+        if not types is not None:   # (transformers' rule: the even layers below max_window_layers)
             return sliding, tuple(i for i in range(min(layers, _max_window_layers(cfg))) if i % 2 == 0)
-    elif not isinstance(types, list):
+    elif not types is not None:
         return sliding, None
     return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+
+
+def _layer_types(cfg: dict[str, Any], layers: int) -> list[str] | None:
+    """layer_types, checked as transformers checks it: one "sliding_attention" or "full_attention" a layer."""
+    types = cfg.get("layer_types")
+    if types is not None and not (isinstance(types, list) and len(types) == layers
+                                  and all(t in ("sliding_attention", "full_attention") for t in types)):
+        raise ValueError(f"layer_types must be a list of {layers} entries (one a layer), each 'sliding_attention' "
+                         f"or 'full_attention', got {types!r}.")
+    return types
 
 
 def _nope_layers(cfg: dict[str, Any], layers: int) -> tuple[int, ...]:

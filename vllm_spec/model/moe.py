@@ -7,7 +7,8 @@ dense MLP does. (vLLM's fused MoE kernels read only the picked experts' weights;
 engine does not have.) Adding an unpicked expert's exact zero leaves a token's sum as transformers' sum over its
 picked experts in expert order, bit for bit (an unpicked expert's output is masked out, so an overflow there
 stays out). Under tensor parallelism each rank holds every expert's slice of
-the intermediate dimension (as the dense MLP) and the router whole; the partial sums are all-reduced once.
+the intermediate dimension (as the dense MLP) and the router whole; the experts' partial sums are all-reduced
+once (Qwen2-MoE's shared expert reduces its own, as the dense MLP does).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class SparseMoE(nn.Module):
 
     def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, E] weights: the softmax's top-k (renormalized where the model does), 0 for the experts a token did
-        not pick (float32, or the model's dtype where the model rounds them so: Qwen3-MoE); and which it picked."""
+        not pick (float32, or the model's dtype where the model rounds them so: the Qwen MoEs); and which it
+        picked."""
         probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)
         top, idx = probs.topk(self.moe.top_k, dim=-1)
         if self.moe.renormalize:

@@ -32,9 +32,11 @@ class MoeConfig:
 
 def read_moe(cfg: dict[str, Any], arch: str, num_layers: int, intermediate: int) -> MoeConfig | None:
     """None for a dense model; transformers' defaults for the keys a config leaves out."""
-    # (Mixtral's and Qwen3-MoE's transformers configs read num_experts as num_local_experts: either is used;
-    # Qwen2-MoE's reads num_experts alone)
-    key = "num_local_experts" if "num_local_experts" in cfg and arch != "Qwen2MoeForCausalLM" else "num_experts"
+    # (transformers' Mixtral and Qwen3-MoE configs take either key, Mixtral's num_experts first where both are
+    # given, Qwen3-MoE's num_local_experts; Qwen2-MoE's reads num_experts alone)
+    first = {"MixtralForCausalLM": "num_experts", "Qwen3MoeForCausalLM": "num_local_experts"}.get(arch)
+    other = "num_local_experts" if first == "num_experts" else "num_experts"
+    key = first if first in cfg else other
     if arch == "MixtralForCausalLM":
         experts, top_k = cfg.get(key, 8), cfg.get("num_experts_per_tok", 2)
         _check_counts(key, experts, top_k)

@@ -49,16 +49,21 @@ def read_rope(cfg: dict[str, Any], arch: str, head_dim: int, max_positions: int)
     if kind == "default":
         scaling = None
     elif kind == "yarn":   # (transformers' defaults, from the model's context length)
-        scaling = {"original_max_position_embeddings": cfg.get("max_position_embeddings"), **scaling}
+        original = scaling.get("original_max_position_embeddings")
+        scaling = {**scaling, "original_max_position_embeddings": max_positions if original is None else original}
+        check_int("original_max_position_embeddings", scaling["original_max_position_embeddings"], 1)
         if scaling.get("factor") is None:
-            scaling["factor"] = cfg["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+            scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
     elif kind == "longrope":
         scaling = _longrope(cfg, scaling, arch, max_positions, rotary_dim or head_dim)
     if kind in SUPPORTED_ROPE_TYPES and kind != "default":
         factor = scaling.get("factor")
         if not (is_number(factor) and factor > 0):
             raise ValueError(f"rope_scaling of type {kind!r} needs a positive number 'factor', got {scaling!r}.")
-    return RopeSettings(float(theta if theta is not None else 10000.0), scaling, rotary_dim, local_theta)
+    theta = 10000.0 if theta is None else theta
+    if not is_float32_scale(theta):
+        raise ValueError(f"rope_theta must be a positive number, got {theta!r}.")
+    return RopeSettings(float(theta), scaling, rotary_dim, local_theta)
 
 
 def _gemma_rope(cfg: dict[str, Any], params: Any) -> tuple[Any, float]:
@@ -66,6 +71,9 @@ def _gemma_rope(cfg: dict[str, Any], params: Any) -> tuple[Any, float]:
     layout, and the windowed layers' base): per layer type (transformers >= 5), or rope_theta with
     rope_local_base_freq. The windowed layers' rotation is never scaled."""
     if isinstance(params, dict) and "full_attention" in params:
+        for key in ("full_attention", "sliding_attention"):
+            if not isinstance(params.get(key) or {}, dict):
+                raise ValueError(f"rope_parameters[{key!r}] must be an object (dict) or null, got {params[key]!r}.")
         local = params.get("sliding_attention") or {}
         if local.get("rope_type", "default") != "default":
             raise ValueError(f"rope_parameters['sliding_attention'] must be of rope_type 'default', got {local!r}.")

@@ -102,8 +102,7 @@ class ModelRunner:
             for window in {a.sliding_window: None for a in self.model.attention_layers()}:
                 backend.warm_up(attn.num_heads, attn.k_cache, attn.v_cache, attn.scale, window, dtype, attn.softcap)
             self._warm_up_argmax(dtype)
-            if self.model.config.moe is None:   # (a mixture of experts has no gate/up kernel)
-                self._warm_up_gate_up(dtype)
+            self._warm_up_gate_up(dtype)
 
     @torch.inference_mode()
     def _warm_up_argmax(self, dtype: torch.dtype) -> None:
@@ -115,8 +114,12 @@ class ModelRunner:
         argmax_rows(logits.float())
 
     def _warm_up_gate_up(self, dtype: torch.dtype) -> None:
-        """Compile the MLP's gate/up-with-SiLU·mul kernel for its row tilings before serving."""
-        gate_up = self.model.layers[0].mlp.gate_up_proj
+        """Compile the MLP's gate/up-with-SiLU·mul kernel for its row tilings before serving (a dense layer's: a
+        mixture of experts' sparse layers have none)."""
+        dense = [layer.mlp for layer in self.model.layers if hasattr(layer.mlp, "gate_up_proj")]
+        if not dense:
+            return
+        gate_up = dense[0].gate_up_proj
         rows = torch.zeros(gemv.GATE_UP_MIN_ROWS, gate_up.weight.shape[1], dtype=dtype, device=self.device)
         if gemv.gate_up_eligible(rows, gate_up.weight):
             gemv.warm_up_gate_up(gate_up.weight, gate_up.bias)
