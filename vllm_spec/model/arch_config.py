@@ -299,50 +299,46 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int,
     NoPE layers."""
     if arch in ("LlamaForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM"):
         return None, None
-    if arch == "SmolLM3ForCausalLM":   # (layer_types as transformers' masks read them, use_sliding_window or not)
-        types, window = _layer_types(cfg, layers), cfg.get("sliding_window")
-        if window is None or not (types is not None or cfg.get("use_sliding_window", False)):
-            return None, None
-        if not types is not None:
-            return window, unrotated
-        return window, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if arch in ("Phi3ForCausalLM", "MixtralForCausalLM"):   # every layer, where the key is set
         return cfg.get("sliding_window"), None
     if arch == "Qwen3MoeForCausalLM":   # every layer, with use_sliding_window
         return (cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULT), None) if cfg.get("use_sliding_window") \
             else (None, None)
-    types = _layer_types(cfg, layers)
+    typed = _sliding_layers(cfg, layers)   # (those layer_types call sliding; None: no layer_types)
+    if arch == "SmolLM3ForCausalLM":   # (layer_types as transformers' masks read them, use_sliding_window or not)
+        window = cfg.get("sliding_window")
+        if window is None or not (typed is not None or cfg.get("use_sliding_window", False)):
+            return None, None
+        return window, unrotated if typed is None else typed
     sliding = cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULT)
     if arch in _GEMMA:
-        if not types is not None:   # every sliding_window_pattern-th layer attends to everything
+        if typed is None:   # every sliding_window_pattern-th layer attends to everything
             pattern = 2 if arch == "Gemma2ForCausalLM" else \
                 cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
             check_int("sliding_window_pattern", pattern, 1)
-            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-        return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            typed = tuple(i for i in range(layers) if (i + 1) % pattern)
+        return sliding, typed
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"):
         if not cfg.get("use_sliding_window", False):
             return None, None
-        if not types is not None:
-            return sliding, tuple(range(_max_window_layers(cfg), layers))
-    elif arch == "Qwen2MoeForCausalLM":
-        if not cfg.get("use_sliding_window", False):
-            return None, None
-        if not types is not None:   # (transformers' rule: the even layers below max_window_layers)
-            return sliding, tuple(i for i in range(min(layers, _max_window_layers(cfg))) if i % 2 == 0)
-    elif not types is not None:
-        return sliding, None
-    return sliding, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        if typed is None and arch == "Qwen2MoeForCausalLM":   # (transformers' rule: the even layers below it)
+            typed = tuple(i for i in range(min(layers, _max_window_layers(cfg))) if i % 2 == 0)
+        elif typed is None:
+            typed = tuple(range(_max_window_layers(cfg), layers))
+    return sliding, typed
 
 
-def _layer_types(cfg: dict[str, Any], layers: int) -> list[str] | None:
-    """layer_types, checked as transformers checks it: one "sliding_attention" or "full_attention" a layer."""
+def _sliding_layers(cfg: dict[str, Any], layers: int) -> tuple[int, ...] | None:
+    """The layers layer_types calls "sliding_attention" (None without layer_types), checked as transformers checks
+    it: one "sliding_attention" or "full_attention" a layer."""
     types = cfg.get("layer_types")
-    if types is not None and not (isinstance(types, list) and len(types) == layers
-                                  and all(t in ("sliding_attention", "full_attention") for t in types)):
+    if types is None:
+        return None
+    if not (isinstance(types, list) and len(types) == layers
+            and all(t in ("sliding_attention", "full_attention") for t in types)):
         raise ValueError(f"layer_types must be a list of {layers} entries (one a layer), each 'sliding_attention' "
                          f"or 'full_attention', got {types!r}.")
-    return types
+    return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
 
 
 def _nope_layers(cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
@@ -353,8 +349,7 @@ def _nope_layers(cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
         interval = cfg.get("no_rope_layer_interval", 4)
         check_int("no_rope_layer_interval", interval, 1)
         return tuple(i for i in range(layers) if (i + 1) % interval == 0)
-    if not (isinstance(flags, list) and len(flags) >= layers and all(f in (0, 1) and not isinstance(f, bool)
-                                                                      for f in flags)):
+    if not (isinstance(flags, list) and len(flags) >= layers and all(is_int(f) and f in (0, 1) for f in flags)):
         raise ValueError(f"no_rope_layers must be a list of at least {layers} flags (one a layer; 1: the layer "
                          f"rotates, 0: it does not), got {flags!r}.")
     return tuple(i for i, f in enumerate(flags[:layers]) if not f)

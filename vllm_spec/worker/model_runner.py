@@ -116,10 +116,10 @@ class ModelRunner:
     def _warm_up_gate_up(self, dtype: torch.dtype) -> None:
         """Compile the MLP's gate/up-with-SiLU·mul kernel for its row tilings before serving (a dense layer's: a
         mixture of experts' sparse layers have none)."""
-        dense = [layer.mlp for layer in self.model.layers if hasattr(layer.mlp, "gate_up_proj")]
-        if not dense:
+        gate_up = next((layer.mlp.gate_up_proj for layer in self.model.layers if hasattr(layer.mlp, "gate_up_proj")),
+                       None)
+        if gate_up is None:
             return
-        gate_up = dense[0].gate_up_proj
         rows = torch.zeros(gemv.GATE_UP_MIN_ROWS, gate_up.weight.shape[1], dtype=dtype, device=self.device)
         if gemv.gate_up_eligible(rows, gate_up.weight):
             gemv.warm_up_gate_up(gate_up.weight, gate_up.bias)
