@@ -48,7 +48,7 @@ def test_the_block_is_transformers_block(experts, top_k):
     with torch.no_grad():
         out, residual = ours(x, None, norm)
         ref = theirs(norm(x)[0].unsqueeze(0))[0]
-    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)   # (float32 sums in another order)
     assert torch.equal(residual, x)
     weights, picked = ours.routing(norm(x)[0])
     assert (picked.sum(-1) == top_k).all() and torch.equal(weights > 0, picked)

@@ -14,20 +14,17 @@ from vllm_spec.attention import Attention, AttentionMetadata
 from vllm_spec.distributed.parallel_state import GroupCoordinator
 from vllm_spec.model import gemv
 from vllm_spec.model.arch_config import ArchConfig
+from vllm_spec.model.causal_lm import CausalLM
+from vllm_spec.model.cpu_decoder import CpuDecoder
 from vllm_spec.model.fused import rotary
 from vllm_spec.model.layers import (
     ColumnParallelLinear,
-    LinearBase,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
-    linear,
-    pack_for_cpu,
 )
-from vllm_spec.model.block_quant import BlockWeight
-from vllm_spec.model.cpu_decoder import CpuDecoder
 from vllm_spec.model.moe import EXPERT_KIND, EXPERT_TENSORS, SparseMoE
 from vllm_spec.model.moe_config import LAYOUTS
 from vllm_spec.model.rotary import RotaryEmbedding
@@ -153,22 +150,17 @@ class LlamaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(x)[0], residual
 
 
-class LlamaForCausalLM(nn.Module):
-    """Decoder + LM head. forward() maps a flat batch of tokens to hidden states;
-    compute_logits() is applied only to the rows that are sampled or verified."""
+class LlamaForCausalLM(CausalLM):
+    """A Llama-family decoder + LM head (see CausalLM)."""
 
     def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype, max_positions: int):
-        super().__init__()
-        self.config = cfg
+        super().__init__(cfg)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = _norm(cfg, cfg.hidden_size, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.output_ids: torch.Tensor | None = None     # see restrict_output_vocab
-        self.output_weight: torch.Tensor | BlockWeight | None = None
-        self.cpu_decoder: CpuDecoder | None = None   # see pack_for_cpu
         positions = max(max_positions, cfg.max_position_embeddings)
         self.rope = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling,
                                     max_positions)
@@ -177,9 +169,6 @@ class LlamaForCausalLM(nn.Module):
             RotaryEmbedding(cfg.head_dim, positions, cfg.local_rope_theta, None, max_positions)
         # (the scale in the model's dtype, as transformers' Gemma)
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype) if cfg.embed_scale else None
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -198,54 +187,8 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = layer(x, residual, *(local if layer.local_rope else (cos, sin)), md)
         return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the vocabulary, or over `output_ids` once restrict_output_vocab was called."""
-        logits = linear(hidden, self.output_weight) if self.output_ids is not None else self.lm_head(hidden)
-        if self.config.logits_scaling != 1.0:   # (Granite's)
-            logits = logits / self.config.logits_scaling
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def restrict_output_vocab(self, ids: torch.Tensor) -> None:
-        """Compute logits for these token ids only (column j of the logits is token ids[j]).
-
-        Called once the LM head's weight is final (after share_embeddings); a sharded head keeps
-        the whole vocabulary (its logits are gathered across ranks).
-        """
-        if self.lm_head.tp.world_size > 1:
-            return
-        self.output_ids = ids.to(self.lm_head.weight.device)
-        self.output_weight = self.lm_head.weight.detach()[self.output_ids].clone()
-
-    def pack_for_cpu(self) -> None:
-        """Keep every matmul weight packed for the CPU (see layers.pack_for_cpu); short query blocks then
-        run the layers in one C++ call where they can (cpu_decoder). The layers' and the LM head's weights
-        are quantized where the config says so (cpu_weights, a draft's); the embeddings never are."""
-        fmt = self.config.cpu_weights
-        # (with a restricted vocabulary the head in use is output_weight)
-        head = {self.lm_head} if self.output_ids is None else set()
-        quantized = set(self.layers.modules()) | head if fmt else set()
-        for module in self.modules():
-            if isinstance(module, LinearBase):
-                module.pack_for_cpu(fmt if module in quantized else None)
-        if self.output_weight is not None:
-            self.output_weight = pack_for_cpu(self.output_weight, fmt)
-        self.cpu_decoder = CpuDecoder.build(list(self.layers))
-
-    def token_ids_of(self, columns: torch.Tensor) -> torch.Tensor:
-        """Token ids of logit columns (the identity without a restricted vocabulary)."""
-        return columns if self.output_ids is None else self.output_ids[columns]
-
-    def share_embeddings(self, target: "LlamaForCausalLM") -> None:
-        """Use the target's embedding (and tied LM head) instead of a copy of our own."""
-        if target.config.hidden_size != self.config.hidden_size:
-            raise ValueError(
-                f"a draft that borrows the target's embeddings needs the same hidden_size "
-                f"({self.config.hidden_size} vs {target.config.hidden_size})."
-            )
-        self.embed_tokens.weight = target.embed_tokens.weight
-        self.lm_head.weight = target.embed_tokens.weight if self.config.tie_word_embeddings \
-            else target.lm_head.weight
+    def _build_cpu_decoder(self) -> CpuDecoder | None:
+        return CpuDecoder.build(list(self.layers))
 
     def _parameter_of(self, ckpt_name: str) -> tuple[str, object]:
         """(our parameter, shard id) of a checkpoint tensor: a q/k/v or gate/up part of a fused projection, or
@@ -295,44 +238,7 @@ class LlamaForCausalLM(nn.Module):
                              f"({' + '.join(map(str, rows))}) was expected.")
         return list(zip(ids, tensor.split(rows)))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; each parameter's loader keeps only this rank's shard."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        got: dict[str, set] = {}   # our parameter -> the shard ids the checkpoint filled (None: the whole of it)
-        for ckpt_name, tensor in weights:
-            if "rotary_emb" in ckpt_name:
-                continue
-            name, shard = self._parameter_of(ckpt_name)
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            if name not in params:
-                raise ValueError(f"Unexpected weight {ckpt_name!r} in checkpoint for {self.config.architecture}.")
-            param = params[name]
-            try:
-                parts = [(shard, tensor)] if shard is not None else self._fused_parts(name, tensor)
-                ids = {part_shard for part_shard, _ in parts}
-                if ids & got.get(name, set()):
-                    raise ValueError("it holds weights another tensor of the checkpoint held already (a projection "
-                                     "stored both fused and in parts, or one tensor twice).")
-                with torch.no_grad():
-                    for part_shard, part in parts:
-                        param.weight_loader(param, part.to(param.dtype), part_shard)
-            except (ValueError, RuntimeError) as e:
-                raise ValueError(f"Checkpoint tensor {ckpt_name!r}: {e}") from e
-            got.setdefault(name, set()).update(ids)
-        # A fused parameter loaded from some of its tensors only would keep garbage in the rest.
-        for name, ids in got.items():
-            absent = [] if None in ids else \
-                [n for n in self._checkpoint_names(name) if n not in self._checkpoint_names(name, ids)]
-            if absent:
-                raise ValueError(f"Checkpoint is missing weights: {absent}")
-        loaded = set(got)
-        if self.config.tie_word_embeddings:
-            loaded.add("lm_head.weight")
-        if self.config.embeddings_from_target:
-            loaded |= {"embed_tokens.weight", "lm_head.weight"}
-        fused = self.config.architecture in _FUSED_CHECKPOINTS
-        missing = [hf for n in params if n not in loaded and not n.startswith("rope.")
-                   for hf in (_checkpoint_names(n, fused=True) if fused else self._checkpoint_names(n))]
-        if missing:
-            raise ValueError(f"Checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    def _missing_names(self, name: str) -> list[str]:
+        if self.config.architecture in _FUSED_CHECKPOINTS:
+            return _checkpoint_names(name, fused=True)
+        return self._checkpoint_names(name)
