@@ -1,4 +1,4 @@
-"""Our Llama-family model against HF transformers: greedy tokens, prefill logits, decode logprobs.
+"""Our models against HF transformers: greedy tokens, prefill logits, decode logprobs.
 
 Every architecture variant runs a batch of prompts of different lengths (several KV
 blocks; one prompt longer than max_num_batched_tokens so it is prefilled in chunks)
@@ -36,7 +36,7 @@ ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwe
          "llama_window_key", "mistral_layer_types", "qwen3", "qwen3_window_biases",
          "gemma3", "gemma3_pattern", "gemma3_softcap", "gemma2", "gemma2_defaults", "granite", "phi3",
          "phi3_longrope", "mixtral", "qwen3_moe", "qwen3_moe_mixed", "qwen2_moe",
-         "gemma", "gemma_legacy_gelu", "smollm3", "smollm3_window"]
+         "gemma", "gemma_legacy_gelu", "smollm3", "smollm3_window", "opt", "opt_350m_layout"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -253,6 +253,37 @@ def tiny_smollm3_window(tmp_path_factory) -> Path:
                            use_sliding_window=True, sliding_window=8, tie_word_embeddings=False)
 
 
+@pytest.fixture(scope="module")
+def tiny_opt(tmp_path_factory) -> Path:
+    # OPT: learned positions (table row = position + 2), LayerNorms with biases (random here), ReLU MLP, biases on
+    # every projection, tied embeddings, 3 layers.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_opt"), "opt", seed=28, num_hidden_layers=3)
+    return _random_layer_norms(path, seed=28)
+
+
+@pytest.fixture(scope="module")
+def tiny_opt_350m_layout(tmp_path_factory) -> Path:
+    # OPT-350m's layout: norms after each block (no final norm), embeddings 32 wide projected in and out of the
+    # hidden size, an untied head, no biases, exact GELU.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_opt_350m"), "opt", seed=29, do_layer_norm_before=False,
+                           word_embed_proj_dim=32, tie_word_embeddings=False, enable_bias=False,
+                           activation_function="gelu")
+    return _random_layer_norms(path, seed=29)
+
+
+def _random_layer_norms(path: Path, seed: int) -> Path:
+    """The checkpoint's LayerNorm weights drawn around 1 and their biases around 0 (make_tiny_model sets 1 and 0)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(name: str, w: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(w.shape, generator=gen)
+        return 0.03 * noise if name.endswith(".bias") else 1.0 + 0.3 * noise
+
+    edit_checkpoint(path, lambda weights: weights.update(
+        {name: draw(name, w) for name, w in sorted(weights.items()) if "norm" in name}))
+    return path
+
+
 def longrope_scaling(n: int, seed: int) -> dict:
     """LongRoPE settings for n frequencies: short factors near 1, long ones up to ~8, drawn at random."""
     gen = torch.Generator().manual_seed(seed)
@@ -278,7 +309,8 @@ _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mist
              "phi3": "tiny_phi3", "phi3_longrope": "tiny_phi3_longrope", "mixtral": "tiny_mixtral",
              "qwen3_moe": "tiny_qwen3_moe", "qwen3_moe_mixed": "tiny_qwen3_moe_mixed",
              "qwen2_moe": "tiny_qwen2_moe", "gemma": "tiny_gemma", "gemma_legacy_gelu": "tiny_gemma_legacy_gelu",
-             "smollm3": "tiny_smollm3", "smollm3_window": "tiny_smollm3_window"}
+             "smollm3": "tiny_smollm3", "smollm3_window": "tiny_smollm3_window", "opt": "tiny_opt",
+             "opt_350m_layout": "tiny_opt_350m_layout"}
 # Engine options of a variant (all of its runs: the LLM's and the Worker's).
 _ENGINE_OPTIONS = {"phi3_longrope": dict(max_model_len=128)}
 

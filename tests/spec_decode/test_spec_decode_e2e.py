@@ -43,6 +43,8 @@ def test_greedy_equality_draft_model(spec_pair, greedy_reference, k):
     ("qwen2_moe", dict(decoder_sparse_step=2)),
     ("gemma", dict(head_dim=32)),
     ("smollm3", dict(no_rope_layer_interval=2)),
+    ("opt", {}),
+    ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=32, activation_function="gelu")),
 ])
 def test_greedy_equality_on_each_architecture(tmp_path, arch, options):
     """Every supported family speculates losslessly: a noisy copy drafts for a tiny target of that family."""
@@ -54,6 +56,19 @@ def test_greedy_equality_on_each_architecture(tmp_path, arch, options):
     assert output_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     m = metric_values(llm)
     assert 0 < m["vllm:spec_decode_num_accepted_tokens"] < m["vllm:spec_decode_num_draft_tokens"]
+
+
+def test_a_draft_of_another_family(tmp_path):
+    """The draft need only share the target's vocabulary: an OPT draft for a Llama target (and the other way
+    round) speculates losslessly."""
+    llama = make_tiny_model(tmp_path / "llama", "llama", seed=12)
+    opt = make_tiny_model(tmp_path / "opt", "opt", seed=13, num_hidden_layers=1)
+    prompts = make_prompts(8, seed=4)
+    for target, draft in ((llama, opt), (opt, llama)):
+        expected = output_ids(LLM(str(target), **KV).generate(prompts, GREEDY, use_tqdm=False))
+        llm = LLM(str(target), speculative_model=str(draft), num_speculative_tokens=3, **FIXED, **KV)
+        assert output_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        assert metric_values(llm)["vllm:spec_decode_num_draft_tokens"] > 0
 
 
 @pytest.mark.skipif(not (cpu_ops.available() and torch.bfloat16 in cpu_linear.dtypes()),

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_spec.model.moe_config import MoeConfig, read_moe
+from vllm_spec.model.opt_config import OptConfig, read_opt
 from vllm_spec.model.rope_config import read_rope
 from vllm_spec.utils import FLOAT32_MAX, check_int, is_float32_scale, is_int, is_number
 
@@ -24,6 +25,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "Qwen2MoeForCausalLM": True,
     "GemmaForCausalLM": False,
     "SmolLM3ForCausalLM": False,
+    "OPTForCausalLM": True,
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Gemma 1 too: embeddings times sqrt(hidden_size), norm weights as offsets from 1, tied embeddings by default.
@@ -36,12 +38,12 @@ _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausal
                        "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "qwen2_moe": "Qwen2MoeForCausalLM", "gemma": "GemmaForCausalLM",
-                       "smollm3": "SmolLM3ForCausalLM"}
+                       "smollm3": "SmolLM3ForCausalLM", "opt": "OPTForCausalLM"}
 # Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
 _CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Qwen3ForCausalLM",
-                    "Qwen3MoeForCausalLM", *_GEMMA_FAMILY)
-# Architectures whose mlp_bias biases the three MLP projections.
-_MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
+                    "Qwen3MoeForCausalLM", "OPTForCausalLM", *_GEMMA_FAMILY)
+# Architectures whose mlp_bias biases the MLP projections (OPT's enable_bias, read as both).
+_MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "OPTForCausalLM")
 # Granite's scalars (transformers' defaults 1): embeddings times embedding_multiplier, each block's output times
 # residual_multiplier before its residual add, attention scaled by attention_multiplier, logits / logits_scaling.
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -61,15 +63,17 @@ _ABSENT = {
     "Qwen3MoeForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=32768),
     "Qwen2MoeForCausalLM": dict(num_key_value_heads=16, max_position_embeddings=32768),
 }
-# The MLP activations: SiLU, and Gemma's tanh-approximated GELU.
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# transformers' names of the MLP activations -> ours (layers.ACTIVATION_FNS): SiLU, GELU and its tanh approximation
+# (Gemma's), ReLU (OPT's).
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+               "gelu": "gelu", "relu": "relu"}
 CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 
 
 @dataclass
 class ArchConfig:
-    """Shapes and options of one Llama-family model (Llama, Granite, Mistral, Mixtral, Qwen2, Qwen3, Qwen2/3-MoE,
-    Gemma 1-3, Phi-3, SmolLM2 and 3)."""
+    """Shapes and options of one decoder: a Llama-family model (Llama, Granite, Mistral, Mixtral, Qwen2, Qwen3,
+    Qwen2/3-MoE, Gemma 1-3, Phi-3, SmolLM2 and 3), or OPT (its own options in `opt`)."""
 
     architecture: str
     vocab_size: int
@@ -90,11 +94,12 @@ class ArchConfig:
     o_proj_bias: bool = False      # Llama's attention_bias biases o_proj too (Qwen2's q/k/v bias does not)
     mlp_bias: bool = False
     moe: MoeConfig | None = None   # Mixtral's and the Qwen MoEs' sparse MLPs (None: dense MLPs)
+    opt: OptConfig | None = None   # an OPT model's own options (None: a Llama-family model)
     qk_norm: bool = False          # Qwen3, Gemma 3: an RMSNorm over each query and key head before the rotation
     # Gemma 2 and 3: GELU (tanh) MLP, embeddings times sqrt(hidden_size), norm weights stored as offsets from
     # 1, norms after the attention and the MLP too (before each residual add), the attention scaled by
     # query_pre_attn_scalar ** -0.5; Gemma 3's windowed layers rotated with their own base (no scaling).
-    hidden_act: str = "silu"       # "silu" or "gelu_tanh"
+    hidden_act: str = "silu"       # an ACTIVATIONS value
     embed_scale: bool = False
     norm_unit_offset: bool = False
     sandwich_norms: bool = False
@@ -142,11 +147,14 @@ class ArchConfig:
                 f"Unsupported model architecture {[a for a in archs if a] or cfg.get('model_type')!r}; "
                 f"supported architectures: {sorted(SUPPORTED_ARCHITECTURES)}."
             )
+        opt = None
+        if arch == "OPTForCausalLM":   # (read as the Llama-family keys its own map to)
+            cfg, opt = read_opt(cfg)
         gemma = arch in _GEMMA
         family = arch in _GEMMA_FAMILY
         # (transformers' Gemma 2 and 3 read hidden_activation alone, the others hidden_act alone; Gemma 1 takes
         # its releases' "gelu" for the tanh approximation they meant)
-        act_key = "hidden_activation" if gemma else "hidden_act"
+        act_key = "hidden_activation" if gemma else "activation_function" if opt else "hidden_act"
         act = cfg.get(act_key, "gelu_pytorch_tanh" if family else "silu")
         act = "gelu_pytorch_tanh" if arch == "GemmaForCausalLM" and act == "gelu" else act
         if not isinstance(act, str) or act not in ACTIVATIONS:
@@ -187,7 +195,7 @@ class ArchConfig:
         if not (is_int(head_dim) and head_dim > 0):
             raise ValueError(f"head_dim must be a positive integer (or null: hidden_size / num_attention_heads), "
                              f"got {head_dim!r}.")
-        if head_dim % 2:
+        if head_dim % 2 and opt is None:
             raise ValueError(f"head_dim must be even (the rotary embedding turns pairs of dimensions), got {head_dim}.")
         scalar = cfg.get("query_pre_attn_scalar")
         scalar = 256 if scalar is None else scalar   # (transformers' Gemma default)
@@ -229,6 +237,7 @@ class ArchConfig:
                                      arch in _CONFIGURED_BIAS and cfg.get("attention_bias", False))),
             mlp_bias=cfg.get("mlp_bias", False) if arch in _MLP_BIAS else False,
             moe=moe,
+            opt=opt,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             hidden_act=ACTIVATIONS[act],
             embed_scale=family,
@@ -289,15 +298,15 @@ def _cpu_weights(value: Any) -> str | None:
 
 def _sliding_window(arch: str, cfg: dict[str, Any], layers: int,
                     unrotated: tuple[int, ...]) -> tuple[int | None, tuple[int, ...] | None]:
-    """(window, the layers it applies to: None for all), as transformers reads the config: Llama, Granite and
-    Gemma 1 have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says
+    """(window, the layers it applies to: None for all), as transformers reads the config: Llama, Granite,
+    Gemma 1 and OPT have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says
     otherwise, null: none), or those its layer_types call sliding (Ministral); Qwen2 and Qwen3 only with
     use_sliding_window, on the layers layer_types call sliding, else from max_window_layers on (Qwen3-MoE: on every
     layer; Qwen2-MoE: the even layers below max_window_layers); Phi-3 and Mixtral every layer where the key is set;
     Gemma 2 and 3 the layers their layer_types call sliding, else all but every sliding_window_pattern-th (Gemma 2:
     every other one); SmolLM3 (with a window) the layers layer_types call sliding, else with use_sliding_window its
     NoPE layers."""
-    if arch in ("LlamaForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM"):
+    if arch in ("LlamaForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM", "OPTForCausalLM"):
         return None, None
     if arch in ("Phi3ForCausalLM", "MixtralForCausalLM"):   # every layer, where the key is set
         return cfg.get("sliding_window"), None

@@ -48,7 +48,8 @@ class CpuDecoder:
         decoder = ext.Decoder()
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if not hasattr(mlp, "gate_up_proj"):   # (a mixture of experts: its layers stay in Python)
+            # (a mixture of experts' layers stay in Python, as do activations the C++ MLP lacks)
+            if not hasattr(mlp, "gate_up_proj") or mlp.act not in ("silu", "gelu_tanh"):
                 return None
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             sandwich = (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if layer.sandwich else ()

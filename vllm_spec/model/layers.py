@@ -1,10 +1,12 @@
-"""Tensor-parallel building blocks: sharded linears, embedding, LM head, RMSNorm.
+"""Tensor-parallel building blocks: sharded linears, embedding, LM head, RMSNorm, LayerNorm, activations.
 
 Each parameter carries a `weight_loader(param, full_weight, shard_id)` that copies
 only this rank's slice, so checkpoints load shard by shard.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,10 @@ from vllm_spec.distributed.parallel_state import GroupCoordinator
 from vllm_spec.model import block_quant, cpu_linear, gemv
 from vllm_spec.model.block_quant import BlockWeight
 from vllm_spec.model.fused import add_rms_norm, silu_mul
+
+# The MLP activations (ArchConfig.hidden_act).
+ACTIVATION_FNS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+                  "relu": F.relu}
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -274,3 +280,28 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); without a residual, (norm(x), x)."""
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm (OPT's) with nn.LayerNorm's arithmetic; affine=False: no weight or bias."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, affine: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(hidden, dtype=dtype, loader=_default_loader) if affine else None
+        self.bias = _param(hidden, dtype=dtype, loader=_default_loader) if affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class ReplicatedLinear(LinearBase):
+    """y = xA^T + b with the whole of A on every rank (small projections)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(output_size, input_size, dtype=dtype, loader=_default_loader)
+        self.bias = _param(output_size, dtype=dtype, loader=_default_loader) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.bias)

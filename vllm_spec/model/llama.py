@@ -7,7 +7,6 @@ import re
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm_spec.attention import Attention, AttentionMetadata
@@ -18,6 +17,7 @@ from vllm_spec.model.causal_lm import CausalLM
 from vllm_spec.model.cpu_decoder import CpuDecoder
 from vllm_spec.model.fused import rotary
 from vllm_spec.model.layers import (
+    ACTIVATION_FNS,
     ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -106,10 +106,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP of norm(x + residual), x + residual)."""
-        if self.act == "gelu_tanh":   # (Gemma's: the fused kernels are SiLU's)
+        if self.act != "silu":   # (Gemma's GELU: the fused kernels are SiLU's)
             gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up), residual
+            return self.down_proj(ACTIVATION_FNS[self.act](gate) * up), residual
         if gemv.gate_up_eligible(x, self.gate_up_proj.weight):   # SiLU·mul in the gate/up product's epilogue
             x, residual = norm(x, residual)
             return self.down_proj(gemv.gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)), residual

@@ -10,7 +10,9 @@ import torch
 
 from vllm_spec.config import ModelConfig
 from vllm_spec.distributed.parallel_state import GroupCoordinator
+from vllm_spec.model.causal_lm import CausalLM
 from vllm_spec.model.llama import LlamaForCausalLM
+from vllm_spec.model.opt import OPTForCausalLM
 
 
 def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -40,7 +42,7 @@ def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield from torch.load(path, map_location="cpu", weights_only=True).items()
 
 
-def _init_dummy(model: LlamaForCausalLM, seed: int, device: torch.device) -> None:
+def _init_dummy(model: CausalLM, seed: int, device: torch.device) -> None:
     """Random weights, reproducible from the seed: N(0, 0.02) matrices and biases, unit norms."""
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
@@ -50,9 +52,10 @@ def _init_dummy(model: LlamaForCausalLM, seed: int, device: torch.device) -> Non
             param.data.normal_(0.0, 0.02, generator=gen)
 
 
-def load_model(cfg: ModelConfig, tp: GroupCoordinator) -> LlamaForCausalLM:
+def load_model(cfg: ModelConfig, tp: GroupCoordinator) -> CausalLM:
+    model_class = OPTForCausalLM if cfg.arch.opt is not None else LlamaForCausalLM
     with torch.device(cfg.device):
-        model = LlamaForCausalLM(cfg.arch, tp, cfg.dtype, cfg.max_model_len)
+        model = model_class(cfg.arch, tp, cfg.dtype, cfg.max_model_len)
     if cfg.load_format == "dummy":
         _init_dummy(model, cfg.seed, cfg.device)
     elif cfg.source == "gguf":

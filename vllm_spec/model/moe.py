@@ -13,7 +13,6 @@ once (Qwen2-MoE's shared expert reduces its own, as the dense MLP does).
 
 from __future__ import annotations
 
-import functools
 import re
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 
 from vllm_spec.distributed.parallel_state import GroupCoordinator
 from vllm_spec.model.layers import (
+    ACTIVATION_FNS,
     ColumnParallelLinear,
     RMSNorm,
     RowParallelLinear,
@@ -47,7 +47,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.tp, self.moe = tp, moe
         self.inter = _divide(moe.intermediate, tp.world_size, "the experts' intermediate size")
-        self.act = F.silu if act == "silu" else functools.partial(F.gelu, approximate="tanh")
+        self.act = ACTIVATION_FNS[act]
         self.gate = nn.Module()
         self.gate.weight = _param(moe.num_experts, hidden, dtype=dtype, loader=_default_loader)
         self.w13 = _param(moe.num_experts, 2 * self.inter, hidden, dtype=dtype, loader=self._load)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from vllm_spec.attention.metadata import AttentionMetadata, compute_slot_mapping
-from vllm_spec.model.llama import LlamaForCausalLM
+from vllm_spec.model.causal_lm import CausalLM
 from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for, capture_graph
 from vllm_spec.worker.staging import StagingBuffer
@@ -29,7 +29,7 @@ _NO_TABLES = np.zeros((0, 1), dtype=np.int64)   # every row sent as padding
 class GreedyDraftLoop:
     """Greedy drafts [B, K] for decoding rows that feed the draft their last two tokens."""
 
-    def __init__(self, model: LlamaForCausalLM, max_blocks: int, block_size: int, max_model_len: int,
+    def __init__(self, model: CausalLM, max_blocks: int, block_size: int, max_model_len: int,
                  use_graphs: bool, pool=None):
         self.model, self.block_size, self.max_model_len = model, block_size, max_model_len
         # A draft sharded over ranks gathers its logits: a collective kept out of graphs.

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata
-from vllm_spec.model.llama import LlamaForCausalLM
+from vllm_spec.model.causal_lm import CausalLM
 from vllm_spec.worker.staging import StagingBuffer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -65,7 +65,7 @@ class GraphedForward:
     cache, read for rows whose outputs are discarded, and written by nothing (the slots say where).
     """
 
-    def __init__(self, model: LlamaForCausalLM, q_len: int, max_blocks: int, block_size: int,
+    def __init__(self, model: CausalLM, q_len: int, max_blocks: int, block_size: int,
                  max_seq_len: int, pool=None, logits: bool = False):
         """logits: the graphs end with the LM head (outputs are logits, not hidden states)."""
         self.model, self.q_len, self.block_size, self.max_seq_len = model, q_len, block_size, max_seq_len

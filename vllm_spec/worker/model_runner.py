@@ -13,7 +13,7 @@ from vllm_spec.attention.layer import select_backend
 from vllm_spec.attention.metadata import AttentionMetadata, compute_slot_mapping
 from vllm_spec.config import MAX_SPECULATIVE_TOKENS
 from vllm_spec.model import gemv
-from vllm_spec.model.llama import LlamaForCausalLM
+from vllm_spec.model.causal_lm import CausalLM
 from vllm_spec.sample.argmax import argmax_rows
 from vllm_spec.worker.batch import BatchColumns, SeqInput
 from vllm_spec.worker.block_table import BlockTableArray
@@ -53,7 +53,7 @@ class ModelRunner:
     max_q were captured (capture_ragged: verification with k per sequence); anything else runs eagerly.
     """
 
-    def __init__(self, model: LlamaForCausalLM, device: torch.device, block_size: int,
+    def __init__(self, model: CausalLM, device: torch.device, block_size: int,
                  max_model_len: int, cuda_graphs: bool = False, graph_logits: bool = False):
         """graph_logits: one-token-per-sequence graphs end with the LM head. A target's plain decode
         step wants the logits of every row, so its LM head runs in the graph, off the host's path
@@ -115,9 +115,9 @@ class ModelRunner:
 
     def _warm_up_gate_up(self, dtype: torch.dtype) -> None:
         """Compile the MLP's gate/up-with-SiLU·mul kernel for its row tilings before serving (a dense layer's: a
-        mixture of experts' sparse layers have none)."""
-        gate_up = next((layer.mlp.gate_up_proj for layer in self.model.layers if hasattr(layer.mlp, "gate_up_proj")),
-                       None)
+        mixture of experts' sparse layers and OPT's MLPs have none)."""
+        gate_up = next((layer.mlp.gate_up_proj for layer in self.model.layers
+                        if hasattr(getattr(layer, "mlp", None), "gate_up_proj")), None)
         if gate_up is None:
             return
         rows = torch.zeros(gemv.GATE_UP_MIN_ROWS, gate_up.weight.shape[1], dtype=dtype, device=self.device)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from vllm_spec.attention.metadata import NULL_BLOCK, AttentionMetadata
-from vllm_spec.model.llama import LlamaForCausalLM
+from vllm_spec.model.causal_lm import CausalLM
 from vllm_spec.worker import cuda_graph
 from vllm_spec.worker.cuda_graph import BATCH_BUCKETS, bucket_for, buckets_up_to
 from vllm_spec.worker.staging import StagingBuffer
@@ -67,7 +67,7 @@ class RaggedGraphedForward:
 
     logits = False   # (the graphs end with hidden states: the rows a caller needs go to the LM head)
 
-    def __init__(self, model: LlamaForCausalLM, max_q: int, max_blocks: int, block_size: int,
+    def __init__(self, model: CausalLM, max_q: int, max_blocks: int, block_size: int,
                  max_seq_len: int, pool=None, padding: TokenPadding | None = None):
         """padding: where a token bucket's pass runs faster at a few more tokens (token_counts), the
         graph runs those (the sink takes them, up to what its block-table row holds)."""
