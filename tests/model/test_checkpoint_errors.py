@@ -47,9 +47,9 @@ def test_config_without_architectures_loads_by_model_type(base, tmp_path):
 
 
 @pytest.mark.parametrize("config, match", [
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"hidden_act": "quick_gelu"}, "hidden_act 'quick_gelu'"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config: 'fp8'"),
-    ({"architectures": ["GPTNeoXForCausalLM"]}, "GPTNeoXForCausalLM"),
+    ({"architectures": ["FalconForCausalLM"]}, "FalconForCausalLM"),
     ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a positive multiple of num_key_value_heads \(3\)"),
     ({"num_key_value_heads": 8}, r"num_attention_heads \(4\) .* num_key_value_heads \(8\)"),
     ({"final_logit_softcapping": 30.0},

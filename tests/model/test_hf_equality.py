@@ -36,7 +36,8 @@ ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwe
          "llama_window_key", "mistral_layer_types", "qwen3", "qwen3_window_biases",
          "gemma3", "gemma3_pattern", "gemma3_softcap", "gemma2", "gemma2_defaults", "granite", "phi3",
          "phi3_longrope", "mixtral", "qwen3_moe", "qwen3_moe_mixed", "qwen2_moe",
-         "gemma", "gemma_legacy_gelu", "smollm3", "smollm3_window", "opt", "opt_350m_layout"]
+         "gemma", "gemma_legacy_gelu", "smollm3", "smollm3_window", "opt", "opt_350m_layout",
+         "gpt_neox", "gpt_neox_sequential", "llama_gelu"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -271,6 +272,31 @@ def tiny_opt_350m_layout(tmp_path_factory) -> Path:
     return _random_layer_norms(path, seed=29)
 
 
+@pytest.fixture(scope="module")
+def tiny_gpt_neox(tmp_path_factory) -> Path:
+    # GPT-NeoX as Pythia: q/k/v fused per head in the checkpoint, a quarter of each head rotated, the attention and
+    # the MLP in parallel on the layer's input, LayerNorms with biases (random here), exact GELU, an untied head.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_gpt_neox"), "gpt_neox", seed=30, num_hidden_layers=3)
+    return _random_layer_norms(path, seed=30)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_neox_sequential(tmp_path_factory) -> Path:
+    # The sequential residual, whole heads rotated (rope_parameters' spelling, base 500), tanh GELU, no attention
+    # biases, tied embeddings.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_gpt_neox_seq"), "gpt_neox", seed=31,
+                           use_parallel_residual=False, hidden_act="gelu_new", attention_bias=False,
+                           tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 1.0})
+    return _random_layer_norms(path, seed=31)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_gelu(tmp_path_factory) -> Path:
+    # Llama's MLP with hidden_act "gelu" (exact): transformers' ACT2FN in the gated MLP.
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama_gelu"), "llama", seed=32, hidden_act="gelu")
+
+
 def _random_layer_norms(path: Path, seed: int) -> Path:
     """The checkpoint's LayerNorm weights drawn around 1 and their biases around 0 (make_tiny_model sets 1 and 0)."""
     gen = torch.Generator().manual_seed(seed)
@@ -310,7 +336,8 @@ _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mist
              "qwen3_moe": "tiny_qwen3_moe", "qwen3_moe_mixed": "tiny_qwen3_moe_mixed",
              "qwen2_moe": "tiny_qwen2_moe", "gemma": "tiny_gemma", "gemma_legacy_gelu": "tiny_gemma_legacy_gelu",
              "smollm3": "tiny_smollm3", "smollm3_window": "tiny_smollm3_window", "opt": "tiny_opt",
-             "opt_350m_layout": "tiny_opt_350m_layout"}
+             "opt_350m_layout": "tiny_opt_350m_layout", "gpt_neox": "tiny_gpt_neox",
+             "gpt_neox_sequential": "tiny_gpt_neox_sequential", "llama_gelu": "tiny_llama_gelu"}
 # Engine options of a variant (all of its runs: the LLM's and the Worker's).
 _ENGINE_OPTIONS = {"phi3_longrope": dict(max_model_len=128)}
 

@@ -65,14 +65,25 @@ def test_config_defaults_as_transformers():
     ({"hidden_size": 66}, r"hidden_size \(66\) must be divisible by num_attention_heads \(4\)"),
     ({"do_layer_norm_before": "yes"}, r"do_layer_norm_before must be true or false, got 'yes'"),
     ({"enable_bias": 1}, r"enable_bias must be true or false, got 1"),
-    ({"layer_norm_elementwise_affine": None}, r"layer_norm_elementwise_affine must be true or false, got None"),
-    ({"word_embed_proj_dim": 0}, r"word_embed_proj_dim must be an integer >= 1, got 0"),
+    ({"layer_norm_elementwise_affine": "no"}, r"layer_norm_elementwise_affine must be true or false, got 'no'"),
+    ({"word_embed_proj_dim": 0}, r"word_embed_proj_dim must be an integer >= 1 or None, got 0"),
     ({"activation_function": "tanh"}, r"Unsupported activation_function 'tanh' in the model config: supported: "),
-    ({"num_attention_heads": 0}, r"num_attention_heads must be an integer >= 1, got 0"),
+    ({"num_attention_heads": 0}, r"num_attention_heads \(0\) must be a positive multiple"),
+    ({"ffn_dim": 0}, r"ffn_dim must be an integer >= 1, got 0"),
+    ({"hidden_size": None}, r"has no 'hidden_size'"),
 ])
 def test_config_errors_name_the_key(extra, match):
-    with pytest.raises(ValueError, match=match):
-        ArchConfig.from_hf_dict({**BASE, **extra})
+    with pytest.raises(ValueError, match=match):   # (None: the key left out)
+        ArchConfig.from_hf_dict({k: v for k, v in {**BASE, **extra}.items() if v is not None})
+
+
+def test_rotary_settings_change_nothing():
+    """OPT's positions are learned: rope_scaling / rope_parameters (which transformers' OPT ignores) neither rotate
+    nor stretch max_model_len past the position table."""
+    for extra in ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+                  {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1.0}}):
+        cfg = ArchConfig.from_hf_dict({**BASE, "max_position_embeddings": 48, **extra})
+        assert cfg.rope_scaling is None and cfg.max_position_embeddings == 48
 
 
 def test_opt_model_checkpoints_load(tmp_path):

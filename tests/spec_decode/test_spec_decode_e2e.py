@@ -45,6 +45,8 @@ def test_greedy_equality_draft_model(spec_pair, greedy_reference, k):
     ("smollm3", dict(no_rope_layer_interval=2)),
     ("opt", {}),
     ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=32, activation_function="gelu")),
+    ("gpt_neox", {}),
+    ("gpt_neox", dict(use_parallel_residual=False, rotary_pct=1.0)),
 ])
 def test_greedy_equality_on_each_architecture(tmp_path, arch, options):
     """Every supported family speculates losslessly: a noisy copy drafts for a tiny target of that family."""
@@ -59,12 +61,13 @@ def test_greedy_equality_on_each_architecture(tmp_path, arch, options):
 
 
 def test_a_draft_of_another_family(tmp_path):
-    """The draft need only share the target's vocabulary: an OPT draft for a Llama target (and the other way
-    round) speculates losslessly."""
+    """The draft need only share the target's vocabulary: an OPT draft for a Llama target, a GPT-NeoX one for an
+    OPT target, a Llama one for a GPT-NeoX target speculate losslessly."""
     llama = make_tiny_model(tmp_path / "llama", "llama", seed=12)
     opt = make_tiny_model(tmp_path / "opt", "opt", seed=13, num_hidden_layers=1)
+    neox = make_tiny_model(tmp_path / "neox", "gpt_neox", seed=14, num_hidden_layers=1)
     prompts = make_prompts(8, seed=4)
-    for target, draft in ((llama, opt), (opt, llama)):
+    for target, draft in ((llama, opt), (opt, neox), (neox, llama)):
         expected = output_ids(LLM(str(target), **KV).generate(prompts, GREEDY, use_tqdm=False))
         llm = LLM(str(target), speculative_model=str(draft), num_speculative_tokens=3, **FIXED, **KV)
         assert output_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected

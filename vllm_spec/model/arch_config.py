@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_spec.model.gpt_neox_config import NeoxConfig, read_gpt_neox
 from vllm_spec.model.moe_config import MoeConfig, read_moe
 from vllm_spec.model.opt_config import OptConfig, read_opt
 from vllm_spec.model.rope_config import read_rope
@@ -26,6 +27,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "GemmaForCausalLM": False,
     "SmolLM3ForCausalLM": False,
     "OPTForCausalLM": True,
+    "GPTNeoXForCausalLM": True,
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Gemma 1 too: embeddings times sqrt(hidden_size), norm weights as offsets from 1, tied embeddings by default.
@@ -38,12 +40,13 @@ _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausal
                        "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "qwen2_moe": "Qwen2MoeForCausalLM", "gemma": "GemmaForCausalLM",
-                       "smollm3": "SmolLM3ForCausalLM", "opt": "OPTForCausalLM"}
+                       "smollm3": "SmolLM3ForCausalLM", "opt": "OPTForCausalLM",
+                       "gpt_neox": "GPTNeoXForCausalLM"}
 # Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
 _CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Qwen3ForCausalLM",
-                    "Qwen3MoeForCausalLM", "OPTForCausalLM", *_GEMMA_FAMILY)
-# Architectures whose mlp_bias biases the MLP projections (OPT's enable_bias, read as both).
-_MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "OPTForCausalLM")
+                    "Qwen3MoeForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM", *_GEMMA_FAMILY)
+# Architectures whose mlp_bias biases the MLP projections (OPT's enable_bias, read as both; GPT-NeoX's always).
+_MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM")
 # Granite's scalars (transformers' defaults 1): embeddings times embedding_multiplier, each block's output times
 # residual_multiplier before its residual add, attention scaled by attention_multiplier, logits / logits_scaling.
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -73,7 +76,7 @@ CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 @dataclass
 class ArchConfig:
     """Shapes and options of one decoder: a Llama-family model (Llama, Granite, Mistral, Mixtral, Qwen2, Qwen3,
-    Qwen2/3-MoE, Gemma 1-3, Phi-3, SmolLM2 and 3), or OPT (its own options in `opt`)."""
+    Qwen2/3-MoE, Gemma 1-3, Phi-3, SmolLM2 and 3), OPT (its own options in `opt`) or GPT-NeoX (in `neox`)."""
 
     architecture: str
     vocab_size: int
@@ -83,7 +86,7 @@ class ArchConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6   # the norms' eps (OPT's and GPT-NeoX's LayerNorms' too)
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     rotary_dim: int | None = None   # Phi-3's partial rotation: the leading rotary_dim dims of a head (None: all)
@@ -94,7 +97,8 @@ class ArchConfig:
     o_proj_bias: bool = False      # Llama's attention_bias biases o_proj too (Qwen2's q/k/v bias does not)
     mlp_bias: bool = False
     moe: MoeConfig | None = None   # Mixtral's and the Qwen MoEs' sparse MLPs (None: dense MLPs)
-    opt: OptConfig | None = None   # an OPT model's own options (None: a Llama-family model)
+    opt: OptConfig | None = None   # an OPT model's own options
+    neox: NeoxConfig | None = None   # a GPT-NeoX model's own options (both None: a Llama-family model)
     qk_norm: bool = False          # Qwen3, Gemma 3: an RMSNorm over each query and key head before the rotation
     # Gemma 2 and 3: GELU (tanh) MLP, embeddings times sqrt(hidden_size), norm weights stored as offsets from
     # 1, norms after the attention and the MLP too (before each residual add), the attention scaled by
@@ -147,9 +151,11 @@ class ArchConfig:
                 f"Unsupported model architecture {[a for a in archs if a] or cfg.get('model_type')!r}; "
                 f"supported architectures: {sorted(SUPPORTED_ARCHITECTURES)}."
             )
-        opt = None
+        opt = neox = None
         if arch == "OPTForCausalLM":   # (read as the Llama-family keys its own map to)
             cfg, opt = read_opt(cfg)
+        elif arch == "GPTNeoXForCausalLM":
+            cfg, neox = read_gpt_neox(cfg)
         gemma = arch in _GEMMA
         family = arch in _GEMMA_FAMILY
         # (transformers' Gemma 2 and 3 read hidden_activation alone, the others hidden_act alone; Gemma 1 takes
@@ -187,6 +193,8 @@ class ArchConfig:
         for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "qkv_bias"):
             if not isinstance(cfg.get(key, False), bool):
                 raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
+        if (opt or neox) and hidden % heads:   # (their heads are hidden_size / num_attention_heads wide)
+            raise ValueError(f"hidden_size ({hidden}) must be divisible by num_attention_heads ({heads}) for {arch}.")
         eps = cfg.get("rms_norm_eps", absent.get("rms_norm_eps", 1e-6))
         if not (is_number(eps) and 0 <= eps <= FLOAT32_MAX):
             raise ValueError(f"rms_norm_eps must be a finite number >= 0, got {eps!r}.")
@@ -195,7 +203,7 @@ class ArchConfig:
         if not (is_int(head_dim) and head_dim > 0):
             raise ValueError(f"head_dim must be a positive integer (or null: hidden_size / num_attention_heads), "
                              f"got {head_dim!r}.")
-        if head_dim % 2 and opt is None:
+        if head_dim % 2 and opt is None:   # (OPT rotates nothing)
             raise ValueError(f"head_dim must be even (the rotary embedding turns pairs of dimensions), got {head_dim}.")
         scalar = cfg.get("query_pre_attn_scalar")
         scalar = 256 if scalar is None else scalar   # (transformers' Gemma default)
@@ -238,6 +246,7 @@ class ArchConfig:
             mlp_bias=cfg.get("mlp_bias", False) if arch in _MLP_BIAS else False,
             moe=moe,
             opt=opt,
+            neox=neox,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             hidden_act=ACTIVATIONS[act],
             embed_scale=family,
@@ -299,14 +308,14 @@ def _cpu_weights(value: Any) -> str | None:
 def _sliding_window(arch: str, cfg: dict[str, Any], layers: int,
                     unrotated: tuple[int, ...]) -> tuple[int | None, tuple[int, ...] | None]:
     """(window, the layers it applies to: None for all), as transformers reads the config: Llama, Granite,
-    Gemma 1 and OPT have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says
+    Gemma 1, OPT and GPT-NeoX have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says
     otherwise, null: none), or those its layer_types call sliding (Ministral); Qwen2 and Qwen3 only with
     use_sliding_window, on the layers layer_types call sliding, else from max_window_layers on (Qwen3-MoE: on every
     layer; Qwen2-MoE: the even layers below max_window_layers); Phi-3 and Mixtral every layer where the key is set;
     Gemma 2 and 3 the layers their layer_types call sliding, else all but every sliding_window_pattern-th (Gemma 2:
     every other one); SmolLM3 (with a window) the layers layer_types call sliding, else with use_sliding_window its
     NoPE layers."""
-    if arch in ("LlamaForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM", "OPTForCausalLM"):
+    if arch in ("LlamaForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM"):
         return None, None
     if arch in ("Phi3ForCausalLM", "MixtralForCausalLM"):   # every layer, where the key is set
         return cfg.get("sliding_window"), None

@@ -130,6 +130,16 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return q, k
 
 
+def rotary_leading(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dims: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary() on the leading `dims` dimensions of each head (all of them, or Phi-3's and GPT-NeoX's partial
+    rotation: the rest pass as they are)."""
+    if dims == q.shape[-1]:
+        return rotary(q, k, cos, sin)
+    q_rot, k_rot = rotary(q[..., :dims], k[..., :dims], cos, sin)
+    return torch.cat((q_rot, q[..., dims:]), dim=-1), torch.cat((k_rot, k[..., dims:]), dim=-1)
+
+
 if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, stride_x, stride_r, eps,

@@ -15,7 +15,7 @@ from vllm_spec.model import gemv
 from vllm_spec.model.arch_config import ArchConfig
 from vllm_spec.model.causal_lm import CausalLM
 from vllm_spec.model.cpu_decoder import CpuDecoder
-from vllm_spec.model.fused import rotary
+from vllm_spec.model.fused import rotary_leading
 from vllm_spec.model.layers import (
     ACTIVATION_FNS,
     ColumnParallelLinear,
@@ -82,12 +82,8 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim))[0]
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.rotates and self.rotary_dim == self.head_dim:
-            q, k = rotary(q, k, cos, sin)
-        elif self.rotates:   # (Phi-3's partial rotation: the rest of each head passes as it is)
-            r = self.rotary_dim
-            q_rot, k_rot = rotary(q[..., :r], k[..., :r], cos, sin)
-            q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+        if self.rotates:
+            q, k = rotary_leading(q, k, cos, sin, self.rotary_dim)
         out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), md)
         return self.o_proj(out.reshape(-1, q_size)), residual
 

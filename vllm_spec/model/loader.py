@@ -11,6 +11,7 @@ import torch
 from vllm_spec.config import ModelConfig
 from vllm_spec.distributed.parallel_state import GroupCoordinator
 from vllm_spec.model.causal_lm import CausalLM
+from vllm_spec.model.gpt_neox import GPTNeoXForCausalLM
 from vllm_spec.model.llama import LlamaForCausalLM
 from vllm_spec.model.opt import OPTForCausalLM
 
@@ -53,7 +54,8 @@ def _init_dummy(model: CausalLM, seed: int, device: torch.device) -> None:
 
 
 def load_model(cfg: ModelConfig, tp: GroupCoordinator) -> CausalLM:
-    model_class = OPTForCausalLM if cfg.arch.opt is not None else LlamaForCausalLM
+    model_class = OPTForCausalLM if cfg.arch.opt is not None else \
+        GPTNeoXForCausalLM if cfg.arch.neox is not None else LlamaForCausalLM
     with torch.device(cfg.device):
         model = model_class(cfg.arch, tp, cfg.dtype, cfg.max_model_len)
     if cfg.load_format == "dummy":

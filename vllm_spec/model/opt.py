@@ -25,7 +25,6 @@ from vllm_spec.model.layers import (
 )
 
 _POSITION_OFFSET = 2   # OPT's learned position table holds position p at row p + 2
-_EPS = 1e-5            # nn.LayerNorm's default, which OPT keeps
 _QKV = {".q_proj.": "q", ".k_proj.": "k", ".v_proj.": "v"}
 
 
@@ -49,10 +48,10 @@ class OPTDecoderLayer(nn.Module):
         super().__init__()
         affine = cfg.opt.layer_norm_affine
         self.self_attn = OPTAttention(cfg, tp, dtype)
-        self.self_attn_layer_norm = LayerNorm(cfg.hidden_size, _EPS, dtype, affine)
+        self.self_attn_layer_norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, affine)
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size], cfg.mlp_bias, tp, dtype)
         self.fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp, dtype)
-        self.final_layer_norm = LayerNorm(cfg.hidden_size, _EPS, dtype, affine)
+        self.final_layer_norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, affine)
         self.act = ACTIVATION_FNS[cfg.hidden_act]
         self.norm_before = cfg.opt.do_layer_norm_before
 
@@ -81,7 +80,8 @@ class OPTForCausalLM(CausalLM):
         self.project_in = ReplicatedLinear(width, hidden, False, dtype) if width != hidden else None
         self.project_out = ReplicatedLinear(hidden, width, False, dtype) if width != hidden else None
         self.layers = nn.ModuleList(OPTDecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers))
-        self.final_layer_norm = LayerNorm(hidden, _EPS, dtype, opt.layer_norm_affine) if opt.final_layer_norm \
+        norm = LayerNorm(hidden, cfg.rms_norm_eps, dtype, opt.layer_norm_affine)
+        self.final_layer_norm = norm if opt.final_layer_norm \
             else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, width, tp, dtype)
         if cfg.tie_word_embeddings:

@@ -27,24 +27,22 @@ class OptConfig:
 
 def read_opt(cfg: dict[str, Any]) -> tuple[dict[str, Any], OptConfig]:
     """(the config as the Llama-family keys OPT's map to, OptConfig): ffn_dim is the intermediate size,
-    enable_bias biases every projection, every head is a KV head; the norms'
-    eps is nn.LayerNorm's 1e-5."""
+    enable_bias biases every projection, every head is a KV head, no rotary settings count; the norms' eps is
+    nn.LayerNorm's 1e-5."""
     for key in ("do_layer_norm_before", "_remove_final_layer_norm", "layer_norm_elementwise_affine", "enable_bias"):
         if not isinstance(cfg.get(key, False), bool):
             raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
     cfg = {**_DEFAULTS, **cfg}
-    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
-    check_int("hidden_size", hidden, 1)
-    check_int("num_attention_heads", heads, 1)
-    if hidden % heads:
-        raise ValueError(f"hidden_size ({hidden}) must be divisible by num_attention_heads ({heads}) for OPT.")
+    check_int("ffn_dim", cfg["ffn_dim"], 1)
     proj = cfg.get("word_embed_proj_dim")
-    proj = hidden if proj is None else proj
-    check_int("word_embed_proj_dim", proj, 1)
+    check_int("word_embed_proj_dim", proj, 1, optional=True)
+    proj = cfg.get("hidden_size") if proj is None else proj   # (a missing hidden_size is named later)
     before = cfg.get("do_layer_norm_before", True)
     opt = OptConfig(word_embed_proj_dim=proj, do_layer_norm_before=before,
                     final_layer_norm=before and not cfg.get("_remove_final_layer_norm", False),
                     layer_norm_affine=cfg.get("layer_norm_elementwise_affine", True))
-    llama = {**cfg, "intermediate_size": cfg["ffn_dim"], "num_key_value_heads": heads, "head_dim": None, "rms_norm_eps": 1e-5,
-             "attention_bias": cfg["enable_bias"], "mlp_bias": cfg["enable_bias"]}
+    llama = {**cfg, "intermediate_size": cfg["ffn_dim"], "num_key_value_heads": cfg.get("num_attention_heads"), "head_dim": None, "rms_norm_eps": 1e-5,
+             "attention_bias": cfg["enable_bias"], "mlp_bias": cfg["enable_bias"],
+             # (learned positions: transformers' OPT reads no rotary settings, and neither may max_model_len)
+             "rope_theta": None, "rope_scaling": None, "rope_parameters": None}
     return llama, opt

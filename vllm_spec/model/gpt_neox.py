@@ -1,0 +1,129 @@
+"""GPT-NeoX (Pythia, StableLM-alpha, Dolly v2; Pythia's sizes are the classic speculative decoding pairs, e.g.
+pythia-160m drafting for pythia-6.9b) over a flat token batch."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vllm_spec.attention import Attention, AttentionMetadata
+from vllm_spec.distributed.parallel_state import GroupCoordinator
+from vllm_spec.model.arch_config import ArchConfig
+from vllm_spec.model.causal_lm import CausalLM
+from vllm_spec.model.fused import rotary_leading
+from vllm_spec.model.layers import (
+    ACTIVATION_FNS,
+    ColumnParallelLinear,
+    LayerNorm,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from vllm_spec.model.rotary import RotaryEmbedding
+
+# Checkpoint names -> ours (the rest keep theirs under gpt_neox.).
+_RENAMED = (("gpt_neox.embed_in.", "embed_tokens."), ("embed_out.", "lm_head."), (".attention.query_key_value.",
+            ".self_attn.qkv_proj."), (".attention.dense.", ".self_attn.dense."))
+# Buffers old checkpoints hold (the causal mask, the rotary table), which transformers ignores too.
+_BUFFERS = re.compile(r"\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")
+
+
+class GPTNeoXAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype):
+        super().__init__()
+        heads, head_dim, bias = cfg.num_attention_heads, cfg.head_dim, cfg.attention_bias
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, heads, heads, bias, tp, dtype)
+        self.dense = RowParallelLinear(heads * head_dim, cfg.hidden_size, bias, tp, dtype)
+        self.num_heads, self.head_dim = self.qkv_proj.num_heads, head_dim
+        self.rotary_dim = cfg.rotary_dim or head_dim
+        self.attn = Attention(self.num_heads, self.qkv_proj.num_kv_heads, head_dim, head_dim ** -0.5, None, None)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        q, k, v = (t.reshape(-1, t.shape[-1] // self.head_dim, self.head_dim)
+                   for t in self.qkv_proj(x).chunk(3, dim=-1))
+        q, k = rotary_leading(q, k, cos, sin, self.rotary_dim)
+        return self.dense(self.attn(q, k, v, md).reshape(-1, self.num_heads * self.head_dim))
+
+
+class GPTNeoXMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype):
+        super().__init__()
+        self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size], True, tp, dtype)
+        self.dense_4h_to_h = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, True, tp, dtype)
+        self.act = ACTIVATION_FNS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
+
+
+class GPTNeoXLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = GPTNeoXAttention(cfg, tp, dtype)
+        self.mlp = GPTNeoXMLP(cfg, tp, dtype)
+        self.parallel = cfg.neox.use_parallel_residual
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """Parallel: x + attention(norm1(x)) + mlp(norm2(x)); else the MLP reads the attention's residual sum."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, md)
+        if self.parallel:
+            return x + attn + self.mlp(self.post_attention_layernorm(x))
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GPTNeoXForCausalLM(CausalLM):
+    """GPT-NeoX decoder + LM head (see CausalLM)."""
+
+    def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype, max_positions: int):
+        super().__init__(cfg)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(GPTNeoXLayer(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers))
+        self.final_layer_norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, max(max_positions, cfg.max_position_embeddings),
+                                    cfg.rope_theta, cfg.rope_scaling, max_positions)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, md)
+        return self.final_layer_norm(x)
+
+    def _skipped(self, ckpt_name: str) -> bool:
+        return _BUFFERS.search(ckpt_name) is not None
+
+    def _parameter_of(self, ckpt_name: str) -> tuple[str, object]:
+        name = ckpt_name
+        for old, new in _RENAMED:
+            name = name.replace(old, new)
+        return name.removeprefix("gpt_neox."), None
+
+    def _checkpoint_names(self, name: str, shards: Iterable[object] | None = None) -> list[str]:
+        hf = name
+        for old, new in _RENAMED:
+            hf = hf.replace(new, old)
+        return [hf if hf.startswith(("gpt_neox.", "embed_out.")) else f"gpt_neox.{hf}"]
+
+    def _fused_parts(self, name: str, tensor: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
+        """The checkpoint's query_key_value holds each head's q, k and v rows together (head-major): regrouped into
+        our q | k | v parts."""
+        if ".qkv_proj." not in name:
+            return [(None, tensor)]
+        cfg = self.config
+        heads, head_dim = cfg.num_attention_heads, cfg.head_dim
+        if tensor.dim() == 0 or tensor.shape[0] != 3 * heads * head_dim:
+            raise ValueError(f"shape {tuple(tensor.shape)}: a fused projection of {3 * heads * head_dim} rows "
+                             f"({heads} heads x q, k, v of {head_dim}) was expected.")
+        per_head = tensor.reshape(heads, 3, head_dim, *tensor.shape[1:])
+        return [(shard, per_head[:, i].reshape(heads * head_dim, *tensor.shape[1:]))
+                for i, shard in enumerate(("q", "k", "v"))]
