@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from vllm_spec.attention import Attention, AttentionMetadata
+from vllm_spec.attention import AttentionMetadata
 from vllm_spec.distributed.parallel_state import GroupCoordinator
 from vllm_spec.model.arch_config import ArchConfig
 from vllm_spec.model.causal_lm import CausalLM
@@ -19,34 +19,27 @@ from vllm_spec.model.layers import (
     ColumnParallelLinear,
     LayerNorm,
     ParallelLMHead,
-    QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from vllm_spec.model.opt import OPTAttention
 from vllm_spec.model.rotary import RotaryEmbedding
 
 # Checkpoint names -> ours (the rest keep theirs under gpt_neox.).
 _RENAMED = (("gpt_neox.embed_in.", "embed_tokens."), ("embed_out.", "lm_head."), (".attention.query_key_value.",
-            ".self_attn.qkv_proj."), (".attention.dense.", ".self_attn.dense."))
+            ".self_attn.qkv_proj."), (".attention.dense.", ".self_attn.out_proj."))
 # Buffers old checkpoints hold (the causal mask, the rotary table), which transformers ignores too.
 _BUFFERS = re.compile(r"\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")
 
 
-class GPTNeoXAttention(nn.Module):
+class GPTNeoXAttention(OPTAttention):
     def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype):
-        super().__init__()
-        heads, head_dim, bias = cfg.num_attention_heads, cfg.head_dim, cfg.attention_bias
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, heads, heads, bias, tp, dtype)
-        self.dense = RowParallelLinear(heads * head_dim, cfg.hidden_size, bias, tp, dtype)
-        self.num_heads, self.head_dim = self.qkv_proj.num_heads, head_dim
-        self.rotary_dim = cfg.rotary_dim or head_dim
-        self.attn = Attention(self.num_heads, self.qkv_proj.num_kv_heads, head_dim, head_dim ** -0.5, None, None)
+        super().__init__(cfg, tp, dtype)
+        self.rotary_dim = cfg.rotary_dim or cfg.head_dim
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        q, k, v = (t.reshape(-1, t.shape[-1] // self.head_dim, self.head_dim)
-                   for t in self.qkv_proj(x).chunk(3, dim=-1))
-        q, k = rotary_leading(q, k, cos, sin, self.rotary_dim)
-        return self.dense(self.attn(q, k, v, md).reshape(-1, self.num_heads * self.head_dim))
+        q, k, v = self._qkv(x)
+        return self._attend(*rotary_leading(q, k, cos, sin, self.rotary_dim), v, md)
 
 
 class GPTNeoXMLP(nn.Module):

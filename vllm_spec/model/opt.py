@@ -29,6 +29,8 @@ _QKV = {".q_proj.": "q", ".k_proj.": "k", ".v_proj.": "v"}
 
 
 class OPTAttention(nn.Module):
+    """Attention whose every head is a KV head (OPT's; GPT-NeoX's adds a rotation), biases as the config says."""
+
     def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype):
         super().__init__()
         heads, head_dim, bias = cfg.num_attention_heads, cfg.head_dim, cfg.attention_bias
@@ -38,8 +40,14 @@ class OPTAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.qkv_proj.num_kv_heads, head_dim, head_dim ** -0.5, None, None)
 
     def forward(self, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        q, k, v = (t.reshape(-1, t.shape[-1] // self.head_dim, self.head_dim)
-                   for t in self.qkv_proj(x).chunk(3, dim=-1))
+        return self._attend(*self._qkv(x), md)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [T, heads, head_dim]."""
+        q, k, v = (t.reshape(-1, t.shape[-1] // self.head_dim, self.head_dim) for t in self.qkv_proj(x).chunk(3, -1))
+        return q, k, v
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         return self.out_proj(self.attn(q, k, v, md).reshape(-1, self.num_heads * self.head_dim))
 
 
