@@ -37,7 +37,7 @@ ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwe
          "gemma3", "gemma3_pattern", "gemma3_softcap", "gemma2", "gemma2_defaults", "granite", "phi3",
          "phi3_longrope", "mixtral", "qwen3_moe", "qwen3_moe_mixed", "qwen2_moe",
          "gemma", "gemma_legacy_gelu", "smollm3", "smollm3_window", "opt", "opt_350m_layout",
-         "gpt_neox", "gpt_neox_sequential", "llama_gelu"]
+         "gpt_neox", "gpt_neox_sequential", "llama_gelu", "gpt2", "gpt2_options"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -297,6 +297,21 @@ def tiny_llama_gelu(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama_gelu"), "llama", seed=32, hidden_act="gelu")
 
 
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory) -> Path:
+    # GPT-2: Conv1D weights (transposed), c_attn's q | k | v columns, positions from row 0, tanh GELU, tied.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_gpt2"), "gpt2", seed=40)
+    return _random_layer_norms(path, seed=40)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2_options(tmp_path_factory) -> Path:
+    # scale_attn_by_inverse_layer_idx (scores / (layer + 1) more), n_inner 96, ReLU, an untied head, 3 layers.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_gpt2_options"), "gpt2", seed=41, n_layer=3, n_inner=96,
+                           scale_attn_by_inverse_layer_idx=True, activation_function="relu", tie_word_embeddings=False)
+    return _random_layer_norms(path, seed=41)
+
+
 def _random_layer_norms(path: Path, seed: int) -> Path:
     """The checkpoint's LayerNorm weights drawn around 1 and their biases around 0 (make_tiny_model sets 1 and 0)."""
     gen = torch.Generator().manual_seed(seed)
@@ -337,7 +352,8 @@ _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mist
              "qwen2_moe": "tiny_qwen2_moe", "gemma": "tiny_gemma", "gemma_legacy_gelu": "tiny_gemma_legacy_gelu",
              "smollm3": "tiny_smollm3", "smollm3_window": "tiny_smollm3_window", "opt": "tiny_opt",
              "opt_350m_layout": "tiny_opt_350m_layout", "gpt_neox": "tiny_gpt_neox",
-             "gpt_neox_sequential": "tiny_gpt_neox_sequential", "llama_gelu": "tiny_llama_gelu"}
+             "gpt_neox_sequential": "tiny_gpt_neox_sequential", "llama_gelu": "tiny_llama_gelu", "gpt2": "tiny_gpt2",
+             "gpt2_options": "tiny_gpt2_options"}
 # Engine options of a variant (all of its runs: the LLM's and the Worker's).
 _ENGINE_OPTIONS = {"phi3_longrope": dict(max_model_len=128)}
 

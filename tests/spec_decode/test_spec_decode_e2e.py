@@ -47,6 +47,7 @@ def test_greedy_equality_draft_model(spec_pair, greedy_reference, k):
     ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=32, activation_function="gelu")),
     ("gpt_neox", {}),
     ("gpt_neox", dict(use_parallel_residual=False, rotary_pct=1.0)),
+    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True)),
 ])
 def test_greedy_equality_on_each_architecture(tmp_path, arch, options):
     """Every supported family speculates losslessly: a noisy copy drafts for a tiny target of that family."""
@@ -62,12 +63,13 @@ def test_greedy_equality_on_each_architecture(tmp_path, arch, options):
 
 def test_a_draft_of_another_family(tmp_path):
     """The draft need only share the target's vocabulary: an OPT draft for a Llama target, a GPT-NeoX one for an
-    OPT target, a Llama one for a GPT-NeoX target speculate losslessly."""
+    OPT target, a GPT-2 one for a GPT-NeoX target, a Llama one for a GPT-2 target speculate losslessly."""
     llama = make_tiny_model(tmp_path / "llama", "llama", seed=12)
     opt = make_tiny_model(tmp_path / "opt", "opt", seed=13, num_hidden_layers=1)
     neox = make_tiny_model(tmp_path / "neox", "gpt_neox", seed=14, num_hidden_layers=1)
     prompts = make_prompts(8, seed=4)
-    for target, draft in ((llama, opt), (opt, neox), (neox, llama)):
+    gpt2 = make_tiny_model(tmp_path / "gpt2", "gpt2", seed=15, n_layer=1)
+    for target, draft in ((llama, opt), (opt, neox), (neox, gpt2), (gpt2, llama)):
         expected = output_ids(LLM(str(target), **KV).generate(prompts, GREEDY, use_tqdm=False))
         llm = LLM(str(target), speculative_model=str(draft), num_speculative_tokens=3, **FIXED, **KV)
         assert output_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected

@@ -96,8 +96,8 @@ def check_tensor_parallel(arch: ArchConfig, tp: int, what: str, setting: str) ->
     """Clear errors, before any process starts, for shapes that cannot be split across tp ranks
     (`setting`: the option that asked for tp)."""
     moe = arch.moe
-    inter = "ffn_dim" if arch.opt is not None else "intermediate_size"   # (the config's own name for it)
-    sizes = [("num_attention_heads", arch.num_attention_heads), (inter, arch.intermediate_size)]
+    sizes = [(arch.key("num_attention_heads"), arch.num_attention_heads),
+             (arch.key("intermediate_size"), arch.intermediate_size)]
     if moe is not None:   # (the experts' sizes: Mixtral's is intermediate_size)
         sizes += [("moe_intermediate_size", moe.intermediate)] if moe.layout != "mixtral" else []
         sizes += [("shared_expert_intermediate_size", moe.shared_intermediate)] if moe.shared_intermediate else []

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_spec.model.gpt2_config import GPT2_KEYS, read_gpt2
 from vllm_spec.model.gpt_neox_config import NeoxConfig, read_gpt_neox
 from vllm_spec.model.moe_config import MoeConfig, read_moe
 from vllm_spec.model.opt_config import OptConfig, read_opt
@@ -28,6 +29,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "SmolLM3ForCausalLM": False,
     "OPTForCausalLM": True,
     "GPTNeoXForCausalLM": True,
+    "GPT2LMHeadModel": True,
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Gemma 1 too: embeddings times sqrt(hidden_size), norm weights as offsets from 1, tied embeddings by default.
@@ -41,12 +43,14 @@ _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausal
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "qwen2_moe": "Qwen2MoeForCausalLM", "gemma": "GemmaForCausalLM",
                        "smollm3": "SmolLM3ForCausalLM", "opt": "OPTForCausalLM",
-                       "gpt_neox": "GPTNeoXForCausalLM"}
+                       "gpt_neox": "GPTNeoXForCausalLM", "gpt2": "GPT2LMHeadModel"}
 # Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
 _CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Qwen3ForCausalLM",
-                    "Qwen3MoeForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM", *_GEMMA_FAMILY)
-# Architectures whose mlp_bias biases the MLP projections (OPT's enable_bias, read as both; GPT-NeoX's always).
-_MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM")
+                    "Qwen3MoeForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", *_GEMMA_FAMILY)
+# Architectures whose mlp_bias biases the MLP projections (OPT's enable_bias, read as both; GPT-NeoX's and GPT-2's
+# always).
+_MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM",
+             "GPT2LMHeadModel")
 # Granite's scalars (transformers' defaults 1): embeddings times embedding_multiplier, each block's output times
 # residual_multiplier before its residual add, attention scaled by attention_multiplier, logits / logits_scaling.
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -66,6 +70,9 @@ _ABSENT = {
     "Qwen3MoeForCausalLM": dict(num_key_value_heads=4, max_position_embeddings=32768),
     "Qwen2MoeForCausalLM": dict(num_key_value_heads=16, max_position_embeddings=32768),
 }
+# Our names of config keys that a family's config.json spells otherwise.
+_CONFIG_KEYS = {"OPTForCausalLM": {"intermediate_size": "ffn_dim"},
+                "GPT2LMHeadModel": {ours: theirs for theirs, ours in GPT2_KEYS.items()}}
 # transformers' names of the MLP activations -> ours (layers.ACTIVATION_FNS): SiLU, GELU and its tanh approximation
 # (Gemma's), ReLU (OPT's).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -76,7 +83,8 @@ CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 @dataclass
 class ArchConfig:
     """Shapes and options of one decoder: a Llama-family model (Llama, Granite, Mistral, Mixtral, Qwen2, Qwen3,
-    Qwen2/3-MoE, Gemma 1-3, Phi-3, SmolLM2 and 3), OPT (its own options in `opt`) or GPT-NeoX (in `neox`)."""
+    Qwen2/3-MoE, Gemma 1-3, Phi-3, SmolLM2 and 3), OPT or GPT-2 (their own options in `opt`) or GPT-NeoX (in
+    `neox`)."""
 
     architecture: str
     vocab_size: int
@@ -97,7 +105,7 @@ class ArchConfig:
     o_proj_bias: bool = False      # Llama's attention_bias biases o_proj too (Qwen2's q/k/v bias does not)
     mlp_bias: bool = False
     moe: MoeConfig | None = None   # Mixtral's and the Qwen MoEs' sparse MLPs (None: dense MLPs)
-    opt: OptConfig | None = None   # an OPT model's own options
+    opt: OptConfig | None = None   # an OPT (or GPT-2) model's own options
     neox: NeoxConfig | None = None   # a GPT-NeoX model's own options (both None: a Llama-family model)
     qk_norm: bool = False          # Qwen3, Gemma 3: an RMSNorm over each query and key head before the rotation
     # Gemma 2 and 3: GELU (tanh) MLP, embeddings times sqrt(hidden_size), norm weights stored as offsets from
@@ -131,6 +139,10 @@ class ArchConfig:
     # layers.quantize_for_cpu). Lossy: for a draft, whose numerics only set its acceptance. None: as loaded.
     cpu_weights: str | None = None
 
+    def key(self, name: str) -> str:
+        """The config.json key of one of our names (OPT's ffn_dim, GPT-2's n_head ...), for messages."""
+        return _CONFIG_KEYS.get(self.architecture, {}).get(name, name)
+
     def sliding_window_for(self, layer: int) -> int | None:
         if self.windowed_layers is not None and layer not in self.windowed_layers:
             return None
@@ -156,6 +168,8 @@ class ArchConfig:
             cfg, opt = read_opt(cfg)
         elif arch == "GPTNeoXForCausalLM":
             cfg, neox = read_gpt_neox(cfg)
+        elif arch == "GPT2LMHeadModel":
+            cfg, opt = read_gpt2(cfg)
         gemma = arch in _GEMMA
         family = arch in _GEMMA_FAMILY
         # (transformers' Gemma 2 and 3 read hidden_activation alone, the others hidden_act alone; Gemma 1 takes
@@ -308,14 +322,15 @@ def _cpu_weights(value: Any) -> str | None:
 def _sliding_window(arch: str, cfg: dict[str, Any], layers: int,
                     unrotated: tuple[int, ...]) -> tuple[int | None, tuple[int, ...] | None]:
     """(window, the layers it applies to: None for all), as transformers reads the config: Llama, Granite,
-    Gemma 1, OPT and GPT-NeoX have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says
+    Gemma 1, OPT, GPT-NeoX and GPT-2 have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says
     otherwise, null: none), or those its layer_types call sliding (Ministral); Qwen2 and Qwen3 only with
     use_sliding_window, on the layers layer_types call sliding, else from max_window_layers on (Qwen3-MoE: on every
     layer; Qwen2-MoE: the even layers below max_window_layers); Phi-3 and Mixtral every layer where the key is set;
     Gemma 2 and 3 the layers their layer_types call sliding, else all but every sliding_window_pattern-th (Gemma 2:
     every other one); SmolLM3 (with a window) the layers layer_types call sliding, else with use_sliding_window its
     NoPE layers."""
-    if arch in ("LlamaForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM"):
+    if arch in ("LlamaForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM",
+                "GPT2LMHeadModel"):
         return None, None
     if arch in ("Phi3ForCausalLM", "MixtralForCausalLM"):   # every layer, where the key is set
         return cfg.get("sliding_window"), None

@@ -34,7 +34,7 @@ _BUFFERS = re.compile(r"\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")
 
 class GPTNeoXAttention(OPTAttention):
     def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype):
-        super().__init__(cfg, tp, dtype)
+        super().__init__(cfg, tp, dtype, cfg.head_dim ** -0.5)
         self.rotary_dim = cfg.rotary_dim or cfg.head_dim
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:

@@ -11,9 +11,14 @@ import torch
 from vllm_spec.config import ModelConfig
 from vllm_spec.distributed.parallel_state import GroupCoordinator
 from vllm_spec.model.causal_lm import CausalLM
+from vllm_spec.model.gpt2 import GPT2LMHeadModel
 from vllm_spec.model.gpt_neox import GPTNeoXForCausalLM
 from vllm_spec.model.llama import LlamaForCausalLM
 from vllm_spec.model.opt import OPTForCausalLM
+
+# The architectures that are no Llama-family decoder.
+_MODEL_CLASSES: dict[str, type[CausalLM]] = {"OPTForCausalLM": OPTForCausalLM, "GPT2LMHeadModel": GPT2LMHeadModel,
+                                             "GPTNeoXForCausalLM": GPTNeoXForCausalLM}
 
 
 def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -54,8 +59,7 @@ def _init_dummy(model: CausalLM, seed: int, device: torch.device) -> None:
 
 
 def load_model(cfg: ModelConfig, tp: GroupCoordinator) -> CausalLM:
-    model_class = OPTForCausalLM if cfg.arch.opt is not None else \
-        GPTNeoXForCausalLM if cfg.arch.neox is not None else LlamaForCausalLM
+    model_class = _MODEL_CLASSES.get(cfg.arch.architecture, LlamaForCausalLM)
     with torch.device(cfg.device):
         model = model_class(cfg.arch, tp, cfg.dtype, cfg.max_model_len)
     if cfg.load_format == "dummy":

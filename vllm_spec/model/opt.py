@@ -24,20 +24,19 @@ from vllm_spec.model.layers import (
     _param,
 )
 
-_POSITION_OFFSET = 2   # OPT's learned position table holds position p at row p + 2
 _QKV = {".q_proj.": "q", ".k_proj.": "k", ".v_proj.": "v"}
 
 
 class OPTAttention(nn.Module):
     """Attention whose every head is a KV head (OPT's; GPT-NeoX's adds a rotation), biases as the config says."""
 
-    def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype):
+    def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype, scale: float):
         super().__init__()
         heads, head_dim, bias = cfg.num_attention_heads, cfg.head_dim, cfg.attention_bias
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, heads, heads, bias, tp, dtype)
         self.out_proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, bias, tp, dtype)
         self.num_heads, self.head_dim = self.qkv_proj.num_heads, head_dim
-        self.attn = Attention(self.num_heads, self.qkv_proj.num_kv_heads, head_dim, head_dim ** -0.5, None, None)
+        self.attn = Attention(self.num_heads, self.qkv_proj.num_kv_heads, head_dim, scale, None, None)
 
     def forward(self, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         return self._attend(*self._qkv(x), md)
@@ -52,16 +51,20 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype):
+    def __init__(self, cfg: ArchConfig, layer: int, tp: GroupCoordinator, dtype: torch.dtype):
         super().__init__()
-        affine = cfg.opt.layer_norm_affine
-        self.self_attn = OPTAttention(cfg, tp, dtype)
+        opt = cfg.opt
+        affine = opt.layer_norm_affine
+        scale = 1.0 if opt.unscaled_attention else cfg.head_dim ** -0.5
+        if opt.scale_by_inverse_layer:   # (GPT-2's option)
+            scale /= layer + 1
+        self.self_attn = OPTAttention(cfg, tp, dtype, scale)
         self.self_attn_layer_norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, affine)
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size], cfg.mlp_bias, tp, dtype)
         self.fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp, dtype)
         self.final_layer_norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, affine)
         self.act = ACTIVATION_FNS[cfg.hidden_act]
-        self.norm_before = cfg.opt.do_layer_norm_before
+        self.norm_before = opt.do_layer_norm_before
 
     def forward(self, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """Each block's norm before it (OPT-125m and most), or after its residual add (OPT-350m)."""
@@ -83,11 +86,12 @@ class OPTForCausalLM(CausalLM):
         width = opt.word_embed_proj_dim
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, width, tp, dtype)
         self.embed_positions = nn.Module()
-        self.embed_positions.weight = _param(cfg.max_position_embeddings + _POSITION_OFFSET, hidden, dtype=dtype,
+        self.position_offset = opt.position_offset
+        self.embed_positions.weight = _param(cfg.max_position_embeddings + opt.position_offset, hidden, dtype=dtype,
                                              loader=_default_loader)
         self.project_in = ReplicatedLinear(width, hidden, False, dtype) if width != hidden else None
         self.project_out = ReplicatedLinear(hidden, width, False, dtype) if width != hidden else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(OPTDecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_hidden_layers))
         norm = LayerNorm(hidden, cfg.rms_norm_eps, dtype, opt.layer_norm_affine)
         self.final_layer_norm = norm if opt.final_layer_norm \
             else None
@@ -99,7 +103,7 @@ class OPTForCausalLM(CausalLM):
         x = self.embed_tokens(input_ids)
         if self.project_in is not None:
             x = self.project_in(x)
-        x = x + self.embed_positions.weight[positions + _POSITION_OFFSET]
+        x = x + self.embed_positions.weight[positions + self.position_offset if self.position_offset else positions]
         for layer in self.layers:
             x = layer(x, md)
         return x if self.final_layer_norm is None else self.final_layer_norm(x)

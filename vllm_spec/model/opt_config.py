@@ -14,7 +14,7 @@ _DEFAULTS = dict(ffn_dim=3072, max_position_embeddings=2048, activation_function
 
 @dataclass(frozen=True)
 class OptConfig:
-    """What OPT has that Llama-family decoders do not: learned absolute positions (table row = position + 2),
+    """What OPT (and GPT-2, its layout) has that Llama-family decoders do not: learned absolute positions,
     LayerNorm with biases, one un-gated MLP (fc1, activation, fc2), embeddings of word_embed_proj_dim projected
     in and out of the hidden size (OPT-350m), and norms after each block rather than before
     (do_layer_norm_before false, OPT-350m: then without a final norm)."""
@@ -23,6 +23,9 @@ class OptConfig:
     do_layer_norm_before: bool = True
     final_layer_norm: bool = True   # (do_layer_norm_before and not _remove_final_layer_norm)
     layer_norm_affine: bool = True  # layer_norm_elementwise_affine: the norms' weights and biases
+    position_offset: int = 2        # the position table's row of position 0 (GPT-2's: 0)
+    unscaled_attention: bool = False     # GPT-2's scale_attn_weights false: scores not scaled by head_dim ** -0.5
+    scale_by_inverse_layer: bool = False  # GPT-2's scale_attn_by_inverse_layer_idx: scores / (layer + 1) more
 
 
 def read_opt(cfg: dict[str, Any]) -> tuple[dict[str, Any], OptConfig]:

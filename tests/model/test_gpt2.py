@@ -1,0 +1,82 @@
+"""GPT-2 (GPT2LMHeadModel): its n_* configuration keys as transformers reads them, its Conv1D checkpoints.
+
+The greedy tokens and logits of GPT-2 (and of its attention-scaling options) are in test_hf_equality.py (gpt2,
+gpt2_options); speculation with GPT-2 targets and drafts in tests/spec_decode/test_spec_decode_e2e.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from conftest import GREEDY, edit_checkpoint, make_prompts, make_tiny_model, output_ids
+
+from vllm_spec import LLM
+from vllm_spec.model.arch_config import ArchConfig
+
+KV = dict(kv_cache_memory_bytes=1 << 24)
+BASE = {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_head": 4, "n_layer": 2, "vocab_size": 100}
+
+
+def test_config_defaults_as_transformers():
+    """What a GPT-2 config leaves out is transformers' GPT2Config default: 1024 positions, an MLP 4 x n_embd wide
+    with tanh GELU, eps 1e-5, biases everywhere, a tied head, bos / eos 50256, scores scaled by head_dim ** -0.5."""
+    cfg = ArchConfig.from_hf_dict(dict(BASE))
+    theirs = tf.GPT2Config(**{k: v for k, v in BASE.items() if k != "architectures"})
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers, cfg.max_position_embeddings) == \
+        (theirs.n_embd, theirs.n_head, theirs.n_layer, theirs.n_positions)
+    assert (cfg.intermediate_size, cfg.hidden_act, cfg.rms_norm_eps, cfg.tie_word_embeddings) == \
+        (4 * theirs.n_embd, "gelu_tanh", theirs.layer_norm_epsilon, theirs.tie_word_embeddings)
+    assert (cfg.attention_bias, cfg.o_proj_bias, cfg.mlp_bias, cfg.num_key_value_heads, cfg.head_dim) == \
+        (True, True, True, 4, 16)
+    assert (cfg.bos_token_id, cfg.eos_token_ids) == (theirs.bos_token_id, [theirs.eos_token_id])
+    assert (cfg.opt.position_offset, cfg.opt.unscaled_attention, cfg.opt.scale_by_inverse_layer) == (0, False, False)
+    assert ArchConfig.from_hf_dict({**BASE, "architectures": None, "model_type": "gpt2"}).opt is not None
+    assert ArchConfig.from_hf_dict({**BASE, "n_inner": 96}).intermediate_size == 96
+    assert cfg.key("num_attention_heads") == "n_head" and cfg.key("intermediate_size") == "n_inner"
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"n_embd": 66}, r"hidden_size \(66\) must be divisible by num_attention_heads \(4\) for GPT2LMHeadModel"),
+    ({"n_head": 0}, r"n_head must be an integer >= 1, got 0"),
+    ({"n_positions": "1k"}, r"n_positions must be an integer >= 1, got '1k'"),
+    ({"n_inner": 0}, r"n_inner must be an integer >= 1 or None, got 0"),
+    ({"layer_norm_epsilon": -1}, r"layer_norm_epsilon must be a finite number >= 0, got -1"),
+    ({"scale_attn_weights": "yes"}, r"scale_attn_weights must be true or false, got 'yes'"),
+    ({"add_cross_attention": True}, r"add_cross_attention is not supported: it must be false"),
+    ({"activation_function": "tanh"}, r"Unsupported activation_function 'tanh'"),
+])
+def test_config_errors_name_the_key(extra, match):
+    with pytest.raises(ValueError, match=match):
+        ArchConfig.from_hf_dict({**BASE, **extra})
+
+
+def test_tensor_parallel_errors_name_gpt2_keys(tmp_path):
+    path = make_tiny_model(tmp_path / "gpt2", "gpt2", seed=42, n_head=3, n_embd=48)
+    with pytest.raises(ValueError, match=r"n_head \(3\) must be divisible by tensor_parallel_size \(2\)"):
+        LLM(str(path), tensor_parallel_size=2, **KV)
+
+
+def test_gpt2_model_checkpoints_and_buffers(tmp_path):
+    """OpenAI's gpt2 ships GPT2Model's names (no transformer. prefix, no lm_head) with attn.bias / attn.masked_bias
+    buffers, which transformers ignores: it loads as the GPT2LMHeadModel checkpoint does. A Conv1D weight of the
+    wrong shape and a missing tensor are named."""
+    path = make_tiny_model(tmp_path / "gpt2", "gpt2", seed=43)
+    expected = output_ids(LLM(str(path), **KV).generate(make_prompts(4), GREEDY, use_tqdm=False))
+
+    def strip(w: dict) -> None:
+        w.update({k.removeprefix("transformer."): w.pop(k) for k in list(w) if k.startswith("transformer.")})
+        w.update({"h.0.attn.bias": torch.ones(1, 1, 8, 8), "h.1.attn.masked_bias": torch.tensor(-1e4)})
+
+    edit_checkpoint(path, strip)
+    assert output_ids(LLM(str(path), **KV).generate(make_prompts(4), GREEDY, use_tqdm=False)) == expected
+    edit_checkpoint(path, lambda w: w.update({"h.1.attn.c_attn.weight": w["h.1.attn.c_attn.weight"][:, :96].contiguous()}))
+    with pytest.raises(ValueError, match=r"h.1.attn.c_attn.weight.*shape \(64, 96\): c_attn of 3 x 64 outputs"):
+        LLM(str(path), **KV)
+    edit_checkpoint(path, lambda w: w.pop("h.1.attn.c_attn.weight"))
+    with pytest.raises(ValueError, match=r"missing weights: \['transformer.h.1.attn.c_attn.weight'\]"):
+        LLM(str(path), **KV)
+    edit_checkpoint(path, lambda w: w.update({"h.1.attn.c_attn.weight": torch.zeros(64, 192),
+                                              "h.0.mlp.c_proj.weight": torch.zeros(64, 256)}))
+    with pytest.raises(ValueError, match=r"h.0.mlp.c_proj.weight.*weight shape \(256, 64\) does not match"):
+        LLM(str(path), **KV)

@@ -1,0 +1,64 @@
+"""GPT-2 (and DistilGPT-2): OPT's pre-norm layout under its own checkpoint names, with Conv1D weights."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+from vllm_spec.model.opt import OPTForCausalLM
+
+# Checkpoint names (under transformer.) -> ours: the model's own (a name's start), its layers' (h.N.*).
+_TOP = (("wte.", "embed_tokens."), ("wpe.", "embed_positions."), ("ln_f.", "final_layer_norm."), ("h.", "layers."))
+_LAYER = ((".ln_1.", ".self_attn_layer_norm."), (".ln_2.", ".final_layer_norm."),
+          (".attn.c_attn.", ".self_attn.qkv_proj."), (".attn.c_proj.", ".self_attn.out_proj."),
+          (".mlp.c_fc.", ".fc1."), (".mlp.c_proj.", ".fc2."))
+
+
+def _renamed(name: str, pairs: tuple[tuple[str, str], ...], back: bool) -> str:
+    for old, new in pairs:
+        old, new = (new, old) if back else (old, new)
+        name = new + name[len(old):] if name.startswith(old) else name
+    return name
+# The causal-mask buffers older checkpoints hold, which transformers ignores too.
+_BUFFERS = re.compile(r"\.attn\.(bias|masked_bias)$")
+# Our parameters whose checkpoint tensors are Conv1D weights: [in, out], the transpose of a linear layer's.
+_CONV1D = re.compile(r"\.(qkv_proj|out_proj|fc1|fc2)\.weight$")
+
+
+class GPT2LMHeadModel(OPTForCausalLM):
+    """GPT-2 decoder + LM head (see CausalLM): positions from row 0 of the table, tied embeddings."""
+
+    def _skipped(self, ckpt_name: str) -> bool:
+        return _BUFFERS.search(ckpt_name) is not None
+
+    def _parameter_of(self, ckpt_name: str) -> tuple[str, object]:
+        """GPT2LMHeadModel's names (transformer.*) and GPT2Model's (no prefix: OpenAI's gpt2 ships them)."""
+        if ckpt_name.startswith("lm_head."):
+            return ckpt_name, None
+        name = _renamed(ckpt_name.removeprefix("transformer."), _TOP, back=False)
+        for old, new in _LAYER:
+            name = name.replace(old, new) if name.startswith("layers.") else name
+        return name, None
+
+    def _checkpoint_names(self, name: str, shards: Iterable[object] | None = None) -> list[str]:
+        if name.startswith("lm_head."):
+            return [name]
+        for old, new in _LAYER:
+            name = name.replace(new, old) if name.startswith("layers.") else name
+        return [f"transformer.{_renamed(name, _TOP, back=True)}"]
+
+    def _fused_parts(self, name: str, tensor: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
+        """Conv1D weights transposed; c_attn's columns (rows, once transposed) cut into q | k | v."""
+        shape = tuple(tensor.shape)   # (the checkpoint's, for messages)
+        if _CONV1D.search(name):
+            if tensor.dim() != 2:
+                raise ValueError(f"shape {shape}: a Conv1D weight of 2 dimensions was expected.")
+            tensor = tensor.t()
+        if ".qkv_proj." not in name:
+            return [(None, tensor)]
+        size = self.config.num_attention_heads * self.config.head_dim
+        if tensor.dim() == 0 or tensor.shape[0] != 3 * size:
+            raise ValueError(f"shape {shape}: c_attn of 3 x {size} outputs (q, k, v) was expected.")
+        return list(zip(("q", "k", "v"), tensor.split(size)))

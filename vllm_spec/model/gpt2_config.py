@@ -1,0 +1,46 @@
+"""GPT-2's options, read from its HF config (n_embd, n_head, ...) as transformers' GPT2Config reads them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_spec.model.opt_config import OptConfig
+from vllm_spec.utils import FLOAT32_MAX, check_int, is_number
+
+# GPT-2's config keys -> the Llama-family keys they stand for.
+GPT2_KEYS = {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
+             "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
+             "activation_function": "hidden_act", "layer_norm_epsilon": "rms_norm_eps"}
+# transformers' GPT2Config values for keys a config.json leaves out.
+_DEFAULTS = dict(n_positions=1024, activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+                 bos_token_id=50256, eos_token_id=50256)
+
+
+def read_gpt2(cfg: dict[str, Any]) -> tuple[dict[str, Any], OptConfig]:
+    """(the config as the Llama-family keys GPT-2's map to, its OptConfig): GPT-2 is OPT's pre-norm layout with
+    positions from table row 0, every projection biased, n_inner (null: 4 x n_embd) as the MLP's width; attention
+    scores scaled by head_dim ** -0.5 where scale_attn_weights (else 1), and by 1 / (layer + 1) more where
+    scale_attn_by_inverse_layer_idx."""
+    for key in ("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+        if not isinstance(cfg.get(key, False), bool):
+            raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
+    if cfg.get("add_cross_attention"):
+        raise ValueError("add_cross_attention is not supported: it must be false (a decoder without an encoder).")
+    cfg = {**_DEFAULTS, **cfg}
+    for theirs, ours in GPT2_KEYS.items():
+        if theirs in cfg:   # (GPT-2's own key first, as transformers' attribute_map reads it)
+            cfg[ours] = cfg[theirs]
+    for key in ("n_embd", "n_head", "n_layer", "n_positions", "n_inner"):
+        if key in cfg:
+            check_int(key, cfg[key], 1, optional=key == "n_inner")
+    eps = cfg["layer_norm_epsilon"]
+    if not (is_number(eps) and 0 <= eps <= FLOAT32_MAX):
+        raise ValueError(f"layer_norm_epsilon must be a finite number >= 0, got {eps!r}.")
+    hidden = cfg.get("hidden_size")
+    if cfg.get("intermediate_size") is None and hidden is not None:
+        cfg["intermediate_size"] = 4 * hidden
+    return ({**cfg, "num_key_value_heads": cfg.get("num_attention_heads"), "head_dim": None, "attention_bias": True,
+             "mlp_bias": True, "rope_theta": None, "rope_scaling": None, "rope_parameters": None},
+            OptConfig(word_embed_proj_dim=hidden, position_offset=0,
+                      unscaled_attention=not cfg.get("scale_attn_weights", True),
+                      scale_by_inverse_layer=cfg.get("scale_attn_by_inverse_layer_idx", False)))
