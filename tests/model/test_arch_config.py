@@ -49,8 +49,8 @@ def test_gemma_takes_hidden_activation_alone():
     base = {"architectures": ["Gemma2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
             "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 100, "intermediate_size": 96}
     assert ArchConfig.from_hf_dict({**base, "hidden_act": "silu"}).hidden_act == "gelu_tanh"
-    with pytest.raises(ValueError, match="Unsupported hidden_activation 'quick_gelu'"):
-        ArchConfig.from_hf_dict({**base, "hidden_activation": "quick_gelu"})
+    with pytest.raises(ValueError, match="Unsupported hidden_activation 'relu6'"):
+        ArchConfig.from_hf_dict({**base, "hidden_activation": "relu6"})
 
 
 def test_the_others_take_hidden_act_alone():

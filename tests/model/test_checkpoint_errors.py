@@ -47,7 +47,7 @@ def test_config_without_architectures_loads_by_model_type(base, tmp_path):
 
 
 @pytest.mark.parametrize("config, match", [
-    ({"hidden_act": "quick_gelu"}, "hidden_act 'quick_gelu'"),
+    ({"hidden_act": "relu6"}, "hidden_act 'relu6'"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config: 'fp8'"),
     ({"architectures": ["FalconForCausalLM"]}, "FalconForCausalLM"),
     ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a positive multiple of num_key_value_heads \(3\)"),
@@ -215,3 +215,23 @@ def test_max_model_len_is_bounded_as_vllm_bounds_it(base, tmp_path, rope, limit)
     with pytest.raises(ValueError, match=rf"max_model_len \({limit + 1}\) must be <= the model's "
                                          rf"(original_)?max_position_emb.* \({limit}\)"):
         LLM(str(folder), max_model_len=limit + 1, **KW)
+
+
+def test_a_tied_models_own_lm_head_is_ignored_with_a_warning(base, tmp_path, caplog):
+    """tie_word_embeddings true: as in vLLM the embedding is the LM head; a checkpoint lm_head.weight that differs
+    from it is named in a warning (transformers would keep it), one equal to it passes silently."""
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def tied(folder: str, head):
+        return _variant(base, tmp_path / folder, {"tie_word_embeddings": True},
+                        lambda w: w.update({"lm_head.weight": head(w["model.embed_tokens.weight"])}))
+
+    same = tied("same", lambda emb: emb.clone())
+    other = tied("other", lambda emb: torch.randn(emb.shape))
+    with caplog.at_level("WARNING", logger="vllm_spec.model.causal_lm"):
+        ref = LLM(str(same), **KW).generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        assert "lm_head.weight" not in caplog.text
+        out = LLM(str(other), **KW).generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert "tie_word_embeddings is true, so the LM head is the token embedding" in caplog.text
+    assert out == ref

@@ -79,8 +79,9 @@ def test_linear_rope_scaling_stretches_the_context(tmp_path):
     ({"rotary_pct": 0.1}, r"must give an even number of rotated dimensions >= 2, got 1"),
     ({"rotary_emb_base": -1}, r"rotary_emb_base must be a positive number, got -1"),
     ({"layer_norm_eps": "tiny"}, r"layer_norm_eps must be a finite number >= 0, got 'tiny'"),
-    ({"hidden_act": "quick_gelu"}, r"Unsupported hidden_act 'quick_gelu'"),
+    ({"hidden_act": "relu6"}, r"Unsupported hidden_act 'relu6'"),
     ({"rope_parameters": [1]}, r"rope_parameters must be an object \(dict\) or null, got \[1\]"),
+    ({"rope_scaling": []}, r"rope_scaling must be an object \(dict\) or null, got \[\]"),
 ])
 def test_config_errors_name_the_key(extra, match):
     with pytest.raises(ValueError, match=match):
@@ -88,19 +89,42 @@ def test_config_errors_name_the_key(extra, match):
 
 
 def test_old_buffers_are_skipped_and_the_fused_projection_is_checked(tmp_path):
-    """Older Pythia checkpoints hold attention.bias / masked_bias / rotary_emb.inv_freq buffers, which transformers
-    ignores: so do we. The per-head fused query_key_value must have 3 x hidden rows; a missing tensor is named as
+    """Older Pythia checkpoints hold attention.bias / masked_bias / rotary_emb.inv_freq buffers (and some trainers'
+    cos_cached / sin_cached tables), which transformers ignores: so do we; so are GPTNeoXModel's unprefixed names. The per-head fused query_key_value must have 3 x hidden rows; a missing tensor is named as
     the checkpoint names it."""
     path = make_tiny_model(tmp_path / "neox", "gpt_neox", seed=33)
     expected = output_ids(LLM(str(path), **KV).generate(make_prompts(4), GREEDY, use_tqdm=False))
     edit_checkpoint(path, lambda w: w.update({"gpt_neox.layers.0.attention.bias": torch.ones(1, 1, 8, 8),
                                               "gpt_neox.layers.0.attention.masked_bias": torch.tensor(-1e9),
-                                              "gpt_neox.layers.1.attention.rotary_emb.inv_freq": torch.ones(2)}))
+                                              "gpt_neox.layers.1.attention.rotary_emb.inv_freq": torch.ones(2),
+                                              "gpt_neox.layers.1.attention.rotary_emb.cos_cached": torch.ones(4, 4),
+                                              "gpt_neox.rotary_emb.inv_freq": torch.ones(2)}))
     assert output_ids(LLM(str(path), **KV).generate(make_prompts(4), GREEDY, use_tqdm=False)) == expected
-    name = "gpt_neox.layers.1.attention.query_key_value.weight"
+    # GPTNeoXModel's names (no gpt_neox. prefix), which transformers maps too
+    edit_checkpoint(path, lambda w: w.update({k.removeprefix("gpt_neox."): w.pop(k) for k in list(w)}))
+    assert output_ids(LLM(str(path), **KV).generate(make_prompts(4), GREEDY, use_tqdm=False)) == expected
+    name = "layers.1.attention.query_key_value.weight"
     edit_checkpoint(path, lambda w: w.update({name: w[name][:-16]}))
     with pytest.raises(ValueError, match=rf"{name}.*shape \(176, 64\): a fused projection of 192 rows"):
         LLM(str(path), **KV)
     edit_checkpoint(path, lambda w: w.pop(name))
-    with pytest.raises(ValueError, match=rf"missing weights: \['{name}'\]"):
+    with pytest.raises(ValueError, match=rf"missing weights: \['gpt_neox.{name}'\]"):
         LLM(str(path), **KV)
+
+
+@pytest.mark.parametrize("act", ["gelu_fast", "quick_gelu", "relu"])
+def test_activations_as_transformers(tmp_path, act):
+    """transformers' ACT2FN activations: greedy tokens and prompt logprobs as its model's."""
+    path = make_tiny_model(tmp_path / "neox", "gpt_neox", seed=35, hidden_act=act)
+    ids = [3 + (5 * i) % 300 for i in range(30)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    out = LLM(str(path), **KV).generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = hf(x).logits[0, :-1].log_softmax(-1)
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                          use_cache=False, eos_token_id=None, pad_token_id=1)[0, len(ids):].tolist()
+    ours = torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
+    torch.testing.assert_close(ours, logits.gather(1, x[0, 1:, None]).squeeze(1), atol=1e-4, rtol=1e-4)
+    assert out.outputs[0].token_ids == ref

@@ -74,9 +74,9 @@ _ABSENT = {
 _CONFIG_KEYS = {"OPTForCausalLM": {"intermediate_size": "ffn_dim"},
                 "GPT2LMHeadModel": {ours: theirs for theirs, ours in GPT2_KEYS.items()}}
 # transformers' names of the MLP activations -> ours (layers.ACTIVATION_FNS): SiLU, GELU and its tanh approximation
-# (Gemma's), ReLU (OPT's).
+# (Gemma's), ReLU (OPT's), x * sigmoid(1.702 x).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-               "gelu": "gelu", "relu": "relu"}
+               "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu": "relu", "quick_gelu": "quick_gelu"}
 CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 
 

@@ -3,6 +3,7 @@ packing of its matmul weights, a draft borrowing its target's embeddings, and ch
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -13,6 +14,17 @@ from vllm_spec.model.arch_config import ArchConfig
 from vllm_spec.model.block_quant import BlockWeight
 from vllm_spec.model.cpu_decoder import CpuDecoder
 from vllm_spec.model.layers import LinearBase, ParallelLMHead, VocabParallelEmbedding, linear, pack_for_cpu
+
+logger = logging.getLogger(__name__)
+
+
+def renamed(name: str, prefixes: tuple[tuple[str, str], ...], back: bool = False) -> str:
+    """name with the first of its (checkpoint's, ours) prefixes replaced (back: ours by the checkpoint's)."""
+    for theirs, ours in prefixes:
+        old, new = (ours, theirs) if back else (theirs, ours)
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 class CausalLM(nn.Module):
@@ -109,15 +121,28 @@ class CausalLM(nn.Module):
         """Checkpoint tensors that hold nothing we load (rotary tables)."""
         return "rotary_emb" in ckpt_name
 
+    def _check_tied_head(self, head: torch.Tensor) -> None:
+        """A warning where a tied model's checkpoint holds an LM head other than its embedding: like vLLM, the
+        embedding serves (transformers would keep the checkpoint's head)."""
+        emb = self.embed_tokens
+        mine = emb.weight.detach()[: max(0, min(emb.shard, emb.vocab_size - emb.start))]
+        theirs = head[emb.start: emb.start + mine.shape[0]]
+        if theirs.shape != mine.shape or not torch.equal(theirs.to(mine.dtype).to(mine.device), mine):
+            logger.warning("%s: tie_word_embeddings is true, so the LM head is the token embedding (as in vLLM); "
+                           "the checkpoint's lm_head.weight, which differs from it, is ignored.",
+                           self.config.architecture)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; each parameter's loader keeps only this rank's shard."""
         params = dict(self.named_parameters(remove_duplicate=False))
         got: dict[str, set] = {}   # our parameter -> the shard ids the checkpoint filled (None: the whole of it)
+        tied_head = None
         for ckpt_name, tensor in weights:
             if self._skipped(ckpt_name):
                 continue
             name, shard = self._parameter_of(ckpt_name)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                tied_head = tensor   # (vLLM's rule: the embedding is the head; checked against it below)
                 continue
             if name not in params:
                 raise ValueError(f"Unexpected weight {ckpt_name!r} in checkpoint for {self.config.architecture}.")
@@ -140,6 +165,8 @@ class CausalLM(nn.Module):
                 [n for n in self._checkpoint_names(name) if n not in self._checkpoint_names(name, ids)]
             if absent:
                 raise ValueError(f"Checkpoint is missing weights: {absent}")
+        if tied_head is not None and "embed_tokens.weight" in got:
+            self._check_tied_head(tied_head)
         loaded = set(got)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
+from vllm_spec.model.causal_lm import renamed
 from vllm_spec.model.opt import OPTForCausalLM
 
 # Checkpoint names (under transformer.) -> ours: the model's own (a name's start), its layers' (h.N.*).
@@ -15,12 +16,6 @@ _LAYER = ((".ln_1.", ".self_attn_layer_norm."), (".ln_2.", ".final_layer_norm.")
           (".attn.c_attn.", ".self_attn.qkv_proj."), (".attn.c_proj.", ".self_attn.out_proj."),
           (".mlp.c_fc.", ".fc1."), (".mlp.c_proj.", ".fc2."))
 
-
-def _renamed(name: str, pairs: tuple[tuple[str, str], ...], back: bool) -> str:
-    for old, new in pairs:
-        old, new = (new, old) if back else (old, new)
-        name = new + name[len(old):] if name.startswith(old) else name
-    return name
 # The causal-mask buffers older checkpoints hold, which transformers ignores too.
 _BUFFERS = re.compile(r"\.attn\.(bias|masked_bias)$")
 # Our parameters whose checkpoint tensors are Conv1D weights: [in, out], the transpose of a linear layer's.
@@ -37,7 +32,7 @@ class GPT2LMHeadModel(OPTForCausalLM):
         """GPT2LMHeadModel's names (transformer.*) and GPT2Model's (no prefix: OpenAI's gpt2 ships them)."""
         if ckpt_name.startswith("lm_head."):
             return ckpt_name, None
-        name = _renamed(ckpt_name.removeprefix("transformer."), _TOP, back=False)
+        name = renamed(ckpt_name.removeprefix("transformer."), _TOP)
         for old, new in _LAYER:
             name = name.replace(old, new) if name.startswith("layers.") else name
         return name, None
@@ -47,7 +42,7 @@ class GPT2LMHeadModel(OPTForCausalLM):
             return [name]
         for old, new in _LAYER:
             name = name.replace(new, old) if name.startswith("layers.") else name
-        return [f"transformer.{_renamed(name, _TOP, back=True)}"]
+        return [f"transformer.{renamed(name, _TOP, back=True)}"]
 
     def _fused_parts(self, name: str, tensor: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
         """Conv1D weights transposed; c_attn's columns (rows, once transposed) cut into q | k | v."""

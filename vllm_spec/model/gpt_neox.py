@@ -12,7 +12,7 @@ from torch import nn
 from vllm_spec.attention import AttentionMetadata
 from vllm_spec.distributed.parallel_state import GroupCoordinator
 from vllm_spec.model.arch_config import ArchConfig
-from vllm_spec.model.causal_lm import CausalLM
+from vllm_spec.model.causal_lm import CausalLM, renamed
 from vllm_spec.model.fused import rotary_leading
 from vllm_spec.model.layers import (
     ACTIVATION_FNS,
@@ -25,11 +25,12 @@ from vllm_spec.model.layers import (
 from vllm_spec.model.opt import OPTAttention
 from vllm_spec.model.rotary import RotaryEmbedding
 
-# Checkpoint names -> ours (the rest keep theirs under gpt_neox.).
-_RENAMED = (("gpt_neox.embed_in.", "embed_tokens."), ("embed_out.", "lm_head."), (".attention.query_key_value.",
-            ".self_attn.qkv_proj."), (".attention.dense.", ".self_attn.out_proj."))
-# Buffers old checkpoints hold (the causal mask, the rotary table), which transformers ignores too.
-_BUFFERS = re.compile(r"\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")
+# Checkpoint names (under gpt_neox., or without it as GPTNeoXModel saves them) -> ours: the model's own (a name's
+# start), its layers'.
+_TOP = (("embed_in.", "embed_tokens."), ("embed_out.", "lm_head."))
+_LAYER = ((".attention.query_key_value.", ".self_attn.qkv_proj."), (".attention.dense.", ".self_attn.out_proj."))
+# The causal-mask buffers old checkpoints hold, which transformers ignores too (rotary tables: CausalLM._skipped).
+_BUFFERS = re.compile(r"\.attention\.(bias|masked_bias)$")
 
 
 class GPTNeoXAttention(OPTAttention):
@@ -93,19 +94,19 @@ class GPTNeoXForCausalLM(CausalLM):
         return self.final_layer_norm(x)
 
     def _skipped(self, ckpt_name: str) -> bool:
-        return _BUFFERS.search(ckpt_name) is not None
+        return super()._skipped(ckpt_name) or _BUFFERS.search(ckpt_name) is not None
 
     def _parameter_of(self, ckpt_name: str) -> tuple[str, object]:
-        name = ckpt_name
-        for old, new in _RENAMED:
-            name = name.replace(old, new)
-        return name.removeprefix("gpt_neox."), None
+        name = renamed(ckpt_name.removeprefix("gpt_neox."), _TOP)
+        for old, new in _LAYER:
+            name = name.replace(old, new) if name.startswith("layers.") else name
+        return name, None
 
     def _checkpoint_names(self, name: str, shards: Iterable[object] | None = None) -> list[str]:
-        hf = name
-        for old, new in _RENAMED:
-            hf = hf.replace(new, old)
-        return [hf if hf.startswith(("gpt_neox.", "embed_out.")) else f"gpt_neox.{hf}"]
+        for old, new in _LAYER:
+            name = name.replace(new, old) if name.startswith("layers.") else name
+        hf = renamed(name, _TOP, back=True)
+        return [hf if hf.startswith("embed_out.") else f"gpt_neox.{hf}"]
 
     def _fused_parts(self, name: str, tensor: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
         """The checkpoint's query_key_value holds each head's q, k and v rows together (head-major): regrouped into

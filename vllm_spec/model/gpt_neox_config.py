@@ -37,9 +37,10 @@ def read_gpt_neox(cfg: dict[str, Any]) -> tuple[dict[str, Any], NeoxConfig]:
         if key in cfg and not ok(cfg[key]):
             raise ValueError(f"{key} must be {allowed}, got {cfg[key]!r}.")
     cfg = {**_DEFAULTS, **cfg}
+    for key in ("rope_scaling", "rope_parameters"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise ValueError(f"{key} must be an object (dict) or null, got {cfg[key]!r}.")
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"rope_parameters must be an object (dict) or null, got {params!r}.")
     params = {"rope_theta": cfg.get("rotary_emb_base", 10000.0), "partial_rotary_factor": cfg.get("rotary_pct", 0.25),
               **params}
     llama = {**cfg, "rope_parameters": params, "rope_scaling": None, "rms_norm_eps": cfg["layer_norm_eps"],

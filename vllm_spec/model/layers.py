@@ -19,7 +19,7 @@ from vllm_spec.model.fused import add_rms_norm, silu_mul
 
 # The MLP activations (ArchConfig.hidden_act).
 ACTIVATION_FNS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
-                  "relu": F.relu}
+                  "relu": F.relu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 
 
 def _divide(n: int, d: int, what: str) -> int:
