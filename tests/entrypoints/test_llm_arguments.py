@@ -189,8 +189,9 @@ def test_bytes_and_sets_are_no_prompts(llm, prompts):
 # Models and engine keywords ----------------------------------------------------------------------------
 
 def test_unknown_architecture_named(tmp_path, tiny_llama):
-    folder = copy_with_config(tiny_llama, tmp_path / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+    folder = copy_with_config(tiny_llama, tmp_path / "falcon", architectures=["FalconForCausalLM"],
+                              model_type="falcon")
+    with pytest.raises(ValueError, match="Unsupported model architecture.*FalconForCausalLM"):
         LLM(folder, kv_cache_memory_bytes=1 << 24)
 
 
@@ -264,7 +265,7 @@ def test_hf_overrides_as_vllm(llm, tiny_llama, tmp_path):
     for overrides, message in (([("rms_norm_eps", 0.5)], "hf_overrides must be a dict of config.json keys"),
                                ({1: 2}, r"hf_overrides keys must be config.json keys \(strings\), got \[1\]"),
                                (lambda config: None, r"hf_overrides \(a callable\) must return .* got NoneType"),
-                               ({"architectures": ["GPT2LMHeadModel"]}, "Unsupported model architecture"),
+                               ({"architectures": ["FalconForCausalLM"]}, "Unsupported model architecture"),
                                ({"max_position_embeddings": 100}, r"max_model_len \(200\) must be <= .*\(100\)")):
         with pytest.raises(ValueError, match=message):
             LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 24, max_model_len=200, hf_overrides=overrides)

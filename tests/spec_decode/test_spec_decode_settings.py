@@ -109,7 +109,7 @@ def test_invalid_speculative_settings(spec_pair, kwargs, match):
 def test_a_draft_that_cannot_be_loaded_is_named(spec_pair, tmp_path):
     with pytest.raises(FileNotFoundError, match="speculative_model: model .*nowhere.* not found"):
         LLM(spec_pair[0], speculative_model=str(tmp_path / "nowhere"), num_speculative_tokens=2, **KV)
-    (tmp_path / "config.json").write_text('{"architectures": ["GPTNeoXForCausalLM"]}')
+    (tmp_path / "config.json").write_text('{"architectures": ["FalconForCausalLM"]}')
     with pytest.raises(ValueError, match="speculative_model: Unsupported model architecture"):
         LLM(spec_pair[0], speculative_model=str(tmp_path), num_speculative_tokens=2, **KV)
 
