@@ -95,7 +95,7 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
     base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 bos_token_id=0, eos_token_id=0, rms_norm_eps=1e-6)
-    if arch == "gpt2":   # (its own key names)
+    if arch in ("gpt2", "gpt_bigcode"):   # (their own key names)
         base = dict(vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=0,
                     eos_token_id=0, pad_token_id=1)
     if arch in ("opt", "gpt_neox"):   # (every head a KV head, LayerNorm's eps; OPT's ffn_dim)
@@ -111,7 +111,8 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
            "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
            "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM), "opt": (tf.OPTConfig, tf.OPTForCausalLM),
-           "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel)}[arch]
+           "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
+           "gpt_bigcode": (tf.GPTBigCodeConfig, tf.GPTBigCodeForCausalLM)}[arch]
     # (4 experts, 2 a token: transformers' 8 (128) would make a tiny model slow)
     if arch == "mixtral":
         base = dict(num_local_experts=4, num_experts_per_tok=2) | base
@@ -125,7 +126,7 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
     with torch.no_grad():
         for p in model.parameters():  # larger weights than HF's init: peaked, varied distributions
             # (OPT's, GPT-NeoX's and GPT-2's biases: every projection's, small enough to leave the tokens their say)
-            p.normal_(0.0, 0.1 if p.dim() > 1 else 0.05 if arch in ("opt", "gpt_neox", "gpt2") else 0.5)
+            p.normal_(0.0, 0.1 if p.dim() > 1 else 0.05 if arch in ("opt", "gpt_neox", "gpt2", "gpt_bigcode") else 0.5)
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):   # Qwen3's per-head norms: each its own scale
                 p.normal_(1.0, 0.5)

@@ -1,7 +1,8 @@
-"""GPT-2 (GPT2LMHeadModel): its n_* configuration keys as transformers reads them, its Conv1D checkpoints.
+"""GPT-2 (GPT2LMHeadModel) and GPT-BigCode (GPTBigCodeForCausalLM): their n_* configuration keys as transformers
+reads them, GPT-2's Conv1D checkpoints, GPT-BigCode's multi-query c_attn.
 
-The greedy tokens and logits of GPT-2 (and of its attention-scaling options) are in test_hf_equality.py (gpt2,
-gpt2_options); speculation with GPT-2 targets and drafts in tests/spec_decode/test_spec_decode_e2e.py.
+The greedy tokens and logits are in test_hf_equality.py (gpt2, gpt2_options, gpt_bigcode, gpt_bigcode_mha);
+speculation with these targets and drafts in tests/spec_decode/test_spec_decode_e2e.py.
 """
 
 from __future__ import annotations
@@ -79,4 +80,28 @@ def test_gpt2_model_checkpoints_and_buffers(tmp_path):
     edit_checkpoint(path, lambda w: w.update({"h.1.attn.c_attn.weight": torch.zeros(64, 192),
                                               "h.0.mlp.c_proj.weight": torch.zeros(64, 256)}))
     with pytest.raises(ValueError, match=r"h.0.mlp.c_proj.weight.*weight shape \(256, 64\) does not match"):
+        LLM(str(path), **KV)
+
+
+def test_bigcode_config_defaults_as_transformers():
+    """GPT-BigCode's defaults: multi-query (one KV head), tanh GELU (gelu_pytorch_tanh), no per-layer scaling (its
+    config has no such key); multi_query false gives every head its K/V."""
+    base = {**BASE, "architectures": ["GPTBigCodeForCausalLM"]}
+    cfg = ArchConfig.from_hf_dict(base)
+    theirs = tf.GPTBigCodeConfig(**{k: v for k, v in BASE.items() if k != "architectures"})
+    assert (cfg.num_key_value_heads, cfg.hidden_act, cfg.max_position_embeddings, cfg.tie_word_embeddings) == \
+        (1 if theirs.multi_query else 4, "gelu_tanh", theirs.n_positions, theirs.tie_word_embeddings)
+    assert not cfg.opt.scale_by_inverse_layer and cfg.key("num_attention_heads") == "n_head"
+    assert ArchConfig.from_hf_dict({**base, "multi_query": False}).num_key_value_heads == 4
+    assert ArchConfig.from_hf_dict({**base, "architectures": None, "model_type": "gpt_bigcode"}).num_key_value_heads == 1
+    with pytest.raises(ValueError, match=r"multi_query must be true or false, got 1"):
+        ArchConfig.from_hf_dict({**base, "multi_query": 1})
+
+
+def test_bigcode_c_attn_shape_is_checked(tmp_path):
+    path = make_tiny_model(tmp_path / "bigcode", "gpt_bigcode", seed=52)
+    name = "transformer.h.0.attn.c_attn.weight"
+    edit_checkpoint(path, lambda w: w.update({name: w[name][:80].contiguous()}))
+    with pytest.raises(ValueError, match=rf"{name}.*shape \(80, 64\): a multi-query c_attn of 96 rows \(64 \+ 16 \+ "
+                                         r"16\) was expected"):
         LLM(str(path), **KV)

@@ -37,7 +37,8 @@ ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwe
          "gemma3", "gemma3_pattern", "gemma3_softcap", "gemma2", "gemma2_defaults", "granite", "phi3",
          "phi3_longrope", "mixtral", "qwen3_moe", "qwen3_moe_mixed", "qwen2_moe",
          "gemma", "gemma_legacy_gelu", "smollm3", "smollm3_window", "opt", "opt_350m_layout",
-         "gpt_neox", "gpt_neox_sequential", "llama_gelu", "gpt2", "gpt2_options"]
+         "gpt_neox", "gpt_neox_sequential", "llama_gelu", "gpt2", "gpt2_options",
+         "gpt_bigcode", "gpt_bigcode_mha"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -312,6 +313,21 @@ def tiny_gpt2_options(tmp_path_factory) -> Path:
     return _random_layer_norms(path, seed=41)
 
 
+@pytest.fixture(scope="module")
+def tiny_gpt_bigcode(tmp_path_factory) -> Path:
+    # GPT-BigCode (StarCoder's): GPT-2's names with linear weights, multi-query (one KV head), tanh GELU, tied.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_gpt_bigcode"), "gpt_bigcode", seed=50)
+    return _random_layer_norms(path, seed=50)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_bigcode_mha(tmp_path_factory) -> Path:
+    # multi_query false: every head a KV head, c_attn's rows each head's q, k, v together; exact GELU, untied.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_gpt_bigcode_mha"), "gpt_bigcode", seed=51, multi_query=False,
+                           activation_function="gelu", tie_word_embeddings=False)
+    return _random_layer_norms(path, seed=51)
+
+
 def _random_layer_norms(path: Path, seed: int) -> Path:
     """The checkpoint's LayerNorm weights drawn around 1 and their biases around 0 (make_tiny_model sets 1 and 0)."""
     gen = torch.Generator().manual_seed(seed)
@@ -353,7 +369,8 @@ _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mist
              "smollm3": "tiny_smollm3", "smollm3_window": "tiny_smollm3_window", "opt": "tiny_opt",
              "opt_350m_layout": "tiny_opt_350m_layout", "gpt_neox": "tiny_gpt_neox",
              "gpt_neox_sequential": "tiny_gpt_neox_sequential", "llama_gelu": "tiny_llama_gelu", "gpt2": "tiny_gpt2",
-             "gpt2_options": "tiny_gpt2_options"}
+             "gpt2_options": "tiny_gpt2_options", "gpt_bigcode": "tiny_gpt_bigcode",
+             "gpt_bigcode_mha": "tiny_gpt_bigcode_mha"}
 # Engine options of a variant (all of its runs: the LLM's and the Worker's).
 _ENGINE_OPTIONS = {"phi3_longrope": dict(max_model_len=128)}
 

@@ -30,6 +30,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "OPTForCausalLM": True,
     "GPTNeoXForCausalLM": True,
     "GPT2LMHeadModel": True,
+    "GPTBigCodeForCausalLM": True,
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Gemma 1 too: embeddings times sqrt(hidden_size), norm weights as offsets from 1, tied embeddings by default.
@@ -43,14 +44,16 @@ _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausal
                        "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                        "qwen2_moe": "Qwen2MoeForCausalLM", "gemma": "GemmaForCausalLM",
                        "smollm3": "SmolLM3ForCausalLM", "opt": "OPTForCausalLM",
-                       "gpt_neox": "GPTNeoXForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                       "gpt_neox": "GPTNeoXForCausalLM", "gpt2": "GPT2LMHeadModel",
+                       "gpt_bigcode": "GPTBigCodeForCausalLM"}
 # Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
 _CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Qwen3ForCausalLM",
-                    "Qwen3MoeForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", *_GEMMA_FAMILY)
-# Architectures whose mlp_bias biases the MLP projections (OPT's enable_bias, read as both; GPT-NeoX's and GPT-2's
-# always).
+                    "Qwen3MoeForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel",
+                    "GPTBigCodeForCausalLM", *_GEMMA_FAMILY)
+# Architectures whose mlp_bias biases the MLP projections (OPT's enable_bias, read as both; GPT-NeoX's, GPT-2's and
+# GPT-BigCode's always).
 _MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM",
-             "GPT2LMHeadModel")
+             "GPT2LMHeadModel", "GPTBigCodeForCausalLM")
 # Granite's scalars (transformers' defaults 1): embeddings times embedding_multiplier, each block's output times
 # residual_multiplier before its residual add, attention scaled by attention_multiplier, logits / logits_scaling.
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -72,7 +75,8 @@ _ABSENT = {
 }
 # Our names of config keys that a family's config.json spells otherwise.
 _CONFIG_KEYS = {"OPTForCausalLM": {"intermediate_size": "ffn_dim"},
-                "GPT2LMHeadModel": {ours: theirs for theirs, ours in GPT2_KEYS.items()}}
+                **dict.fromkeys(("GPT2LMHeadModel", "GPTBigCodeForCausalLM"),
+                                {ours: theirs for theirs, ours in GPT2_KEYS.items()})}
 # transformers' names of the MLP activations -> ours (layers.ACTIVATION_FNS): SiLU, GELU and its tanh approximation
 # (Gemma's), ReLU (OPT's), x * sigmoid(1.702 x).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -83,8 +87,8 @@ CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 @dataclass
 class ArchConfig:
     """Shapes and options of one decoder: a Llama-family model (Llama, Granite, Mistral, Mixtral, Qwen2, Qwen3,
-    Qwen2/3-MoE, Gemma 1-3, Phi-3, SmolLM2 and 3), OPT or GPT-2 (their own options in `opt`) or GPT-NeoX (in
-    `neox`)."""
+    Qwen2/3-MoE, Gemma 1-3, Phi-3, SmolLM2 and 3), OPT, GPT-2 or GPT-BigCode (their own options in `opt`) or
+    GPT-NeoX (in `neox`)."""
 
     architecture: str
     vocab_size: int
@@ -105,7 +109,7 @@ class ArchConfig:
     o_proj_bias: bool = False      # Llama's attention_bias biases o_proj too (Qwen2's q/k/v bias does not)
     mlp_bias: bool = False
     moe: MoeConfig | None = None   # Mixtral's and the Qwen MoEs' sparse MLPs (None: dense MLPs)
-    opt: OptConfig | None = None   # an OPT (or GPT-2) model's own options
+    opt: OptConfig | None = None   # an OPT (or GPT-2, GPT-BigCode) model's own options
     neox: NeoxConfig | None = None   # a GPT-NeoX model's own options (both None: a Llama-family model)
     qk_norm: bool = False          # Qwen3, Gemma 3: an RMSNorm over each query and key head before the rotation
     # Gemma 2 and 3: GELU (tanh) MLP, embeddings times sqrt(hidden_size), norm weights stored as offsets from
@@ -168,8 +172,8 @@ class ArchConfig:
             cfg, opt = read_opt(cfg)
         elif arch == "GPTNeoXForCausalLM":
             cfg, neox = read_gpt_neox(cfg)
-        elif arch == "GPT2LMHeadModel":
-            cfg, opt = read_gpt2(cfg)
+        elif arch in ("GPT2LMHeadModel", "GPTBigCodeForCausalLM"):
+            cfg, opt = read_gpt2(cfg, bigcode=arch == "GPTBigCodeForCausalLM")
         gemma = arch in _GEMMA
         family = arch in _GEMMA_FAMILY
         # (transformers' Gemma 2 and 3 read hidden_activation alone, the others hidden_act alone; Gemma 1 takes
@@ -322,7 +326,7 @@ def _cpu_weights(value: Any) -> str | None:
 def _sliding_window(arch: str, cfg: dict[str, Any], layers: int,
                     unrotated: tuple[int, ...]) -> tuple[int | None, tuple[int, ...] | None]:
     """(window, the layers it applies to: None for all), as transformers reads the config: Llama, Granite,
-    Gemma 1, OPT, GPT-NeoX and GPT-2 have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says
+    Gemma 1, OPT, GPT-NeoX, GPT-2 and GPT-BigCode have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says
     otherwise, null: none), or those its layer_types call sliding (Ministral); Qwen2 and Qwen3 only with
     use_sliding_window, on the layers layer_types call sliding, else from max_window_layers on (Qwen3-MoE: on every
     layer; Qwen2-MoE: the even layers below max_window_layers); Phi-3 and Mixtral every layer where the key is set;
@@ -330,7 +334,7 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int,
     every other one); SmolLM3 (with a window) the layers layer_types call sliding, else with use_sliding_window its
     NoPE layers."""
     if arch in ("LlamaForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM",
-                "GPT2LMHeadModel"):
+                "GPT2LMHeadModel", "GPTBigCodeForCausalLM"):
         return None, None
     if arch in ("Phi3ForCausalLM", "MixtralForCausalLM"):   # every layer, where the key is set
         return cfg.get("sliding_window"), None

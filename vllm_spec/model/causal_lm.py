@@ -27,6 +27,16 @@ def renamed(name: str, prefixes: tuple[tuple[str, str], ...], back: bool = False
     return name
 
 
+def per_head_qkv(tensor: torch.Tensor, heads: int, head_dim: int) -> list[tuple[str, torch.Tensor]]:
+    """A fused q/k/v checkpoint tensor whose rows hold each head's q, k and v together (GPT-NeoX's, GPT-BigCode's
+    without multi_query), regrouped into q | k | v parts."""
+    if tensor.dim() == 0 or tensor.shape[0] != 3 * heads * head_dim:
+        raise ValueError(f"shape {tuple(tensor.shape)}: a fused projection of {3 * heads * head_dim} rows "
+                         f"({heads} heads x q, k, v of {head_dim}) was expected.")
+    per_head = tensor.reshape(heads, 3, head_dim, *tensor.shape[1:])
+    return [(shard, per_head[:, i].reshape(heads * head_dim, *tensor.shape[1:])) for i, shard in enumerate("qkv")]
+
+
 class CausalLM(nn.Module):
     """A decoder + LM head over a flat token batch. forward() maps tokens to hidden states; compute_logits() is
     applied only to the rows that are sampled or verified. Subclasses build `embed_tokens`, `layers` (each with a

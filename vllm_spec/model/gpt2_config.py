@@ -1,4 +1,5 @@
-"""GPT-2's options, read from its HF config (n_embd, n_head, ...) as transformers' GPT2Config reads them."""
+"""GPT-2's options (and GPT-BigCode's), read from its HF config (n_embd, n_head, ...) as transformers' GPT2Config
+(GPTBigCodeConfig) reads them."""
 
 from __future__ import annotations
 
@@ -16,17 +17,19 @@ _DEFAULTS = dict(n_positions=1024, activation_function="gelu_new", layer_norm_ep
                  bos_token_id=50256, eos_token_id=50256)
 
 
-def read_gpt2(cfg: dict[str, Any]) -> tuple[dict[str, Any], OptConfig]:
+def read_gpt2(cfg: dict[str, Any], bigcode: bool = False) -> tuple[dict[str, Any], OptConfig]:
     """(the config as the Llama-family keys GPT-2's map to, its OptConfig): GPT-2 is OPT's pre-norm layout with
     positions from table row 0, every projection biased, n_inner (null: 4 x n_embd) as the MLP's width; attention
     scores scaled by head_dim ** -0.5 where scale_attn_weights (else 1), and by 1 / (layer + 1) more where
-    scale_attn_by_inverse_layer_idx."""
-    for key in ("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+    scale_attn_by_inverse_layer_idx. bigcode: GPT-BigCode's config (StarCoder's): GPT-2's keys, its tanh GELU by
+    default, one KV head where multi_query (the default), no per-layer scaling."""
+    keys = ("scale_attn_weights", "add_cross_attention", "multi_query" if bigcode else "scale_attn_by_inverse_layer_idx")
+    for key in keys:
         if not isinstance(cfg.get(key, False), bool):
             raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
     if cfg.get("add_cross_attention"):
         raise ValueError("add_cross_attention is not supported: it must be false (a decoder without an encoder).")
-    cfg = {**_DEFAULTS, **cfg}
+    cfg = {**_DEFAULTS, **({"activation_function": "gelu_pytorch_tanh"} if bigcode else {}), **cfg}
     for theirs, ours in GPT2_KEYS.items():
         if theirs in cfg:   # (GPT-2's own key first, as transformers' attribute_map reads it)
             cfg[ours] = cfg[theirs]
@@ -39,8 +42,9 @@ def read_gpt2(cfg: dict[str, Any]) -> tuple[dict[str, Any], OptConfig]:
     hidden = cfg.get("hidden_size")
     if cfg.get("intermediate_size") is None and hidden is not None:
         cfg["intermediate_size"] = 4 * hidden
-    return ({**cfg, "num_key_value_heads": cfg.get("num_attention_heads"), "head_dim": None, "attention_bias": True,
+    kv_heads = 1 if bigcode and cfg.get("multi_query", True) else cfg.get("num_attention_heads")
+    return ({**cfg, "num_key_value_heads": kv_heads, "head_dim": None, "attention_bias": True,
              "mlp_bias": True, "rope_theta": None, "rope_scaling": None, "rope_parameters": None},
             OptConfig(word_embed_proj_dim=hidden, position_offset=0,
                       unscaled_attention=not cfg.get("scale_attn_weights", True),
-                      scale_by_inverse_layer=cfg.get("scale_attn_by_inverse_layer_idx", False)))
+                      scale_by_inverse_layer=not bigcode and cfg.get("scale_attn_by_inverse_layer_idx", False)))

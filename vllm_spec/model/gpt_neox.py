@@ -12,7 +12,7 @@ from torch import nn
 from vllm_spec.attention import AttentionMetadata
 from vllm_spec.distributed.parallel_state import GroupCoordinator
 from vllm_spec.model.arch_config import ArchConfig
-from vllm_spec.model.causal_lm import CausalLM, renamed
+from vllm_spec.model.causal_lm import CausalLM, per_head_qkv, renamed
 from vllm_spec.model.fused import rotary_leading
 from vllm_spec.model.layers import (
     ACTIVATION_FNS,
@@ -109,15 +109,7 @@ class GPTNeoXForCausalLM(CausalLM):
         return [hf if hf.startswith("embed_out.") else f"gpt_neox.{hf}"]
 
     def _fused_parts(self, name: str, tensor: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
-        """The checkpoint's query_key_value holds each head's q, k and v rows together (head-major): regrouped into
-        our q | k | v parts."""
+        """The checkpoint's query_key_value holds each head's q, k and v rows together (head-major)."""
         if ".qkv_proj." not in name:
             return [(None, tensor)]
-        cfg = self.config
-        heads, head_dim = cfg.num_attention_heads, cfg.head_dim
-        if tensor.dim() == 0 or tensor.shape[0] != 3 * heads * head_dim:
-            raise ValueError(f"shape {tuple(tensor.shape)}: a fused projection of {3 * heads * head_dim} rows "
-                             f"({heads} heads x q, k, v of {head_dim}) was expected.")
-        per_head = tensor.reshape(heads, 3, head_dim, *tensor.shape[1:])
-        return [(shard, per_head[:, i].reshape(heads * head_dim, *tensor.shape[1:]))
-                for i, shard in enumerate(("q", "k", "v"))]
+        return per_head_qkv(tensor, self.config.num_attention_heads, self.config.head_dim)

@@ -12,12 +12,14 @@ from vllm_spec.config import ModelConfig
 from vllm_spec.distributed.parallel_state import GroupCoordinator
 from vllm_spec.model.causal_lm import CausalLM
 from vllm_spec.model.gpt2 import GPT2LMHeadModel
+from vllm_spec.model.gpt_bigcode import GPTBigCodeForCausalLM
 from vllm_spec.model.gpt_neox import GPTNeoXForCausalLM
 from vllm_spec.model.llama import LlamaForCausalLM
 from vllm_spec.model.opt import OPTForCausalLM
 
 # The architectures that are no Llama-family decoder.
 _MODEL_CLASSES: dict[str, type[CausalLM]] = {"OPTForCausalLM": OPTForCausalLM, "GPT2LMHeadModel": GPT2LMHeadModel,
+                                             "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
                                              "GPTNeoXForCausalLM": GPTNeoXForCausalLM}
 
 

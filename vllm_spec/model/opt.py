@@ -28,22 +28,24 @@ _QKV = {".q_proj.": "q", ".k_proj.": "k", ".v_proj.": "v"}
 
 
 class OPTAttention(nn.Module):
-    """Attention whose every head is a KV head (OPT's; GPT-NeoX's adds a rotation), biases as the config says."""
+    """Attention without a rotation (OPT's, GPT-2's, GPT-BigCode's multi-query one; GPT-NeoX's adds one), biases as
+    the config says."""
 
     def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype, scale: float):
         super().__init__()
-        heads, head_dim, bias = cfg.num_attention_heads, cfg.head_dim, cfg.attention_bias
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, heads, heads, bias, tp, dtype)
-        self.out_proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, bias, tp, dtype)
-        self.num_heads, self.head_dim = self.qkv_proj.num_heads, head_dim
-        self.attn = Attention(self.num_heads, self.qkv_proj.num_kv_heads, head_dim, scale, None, None)
+        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, heads, kv_heads, cfg.attention_bias, tp, dtype)
+        self.out_proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, cfg.attention_bias, tp, dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, scale, None, None)
 
     def forward(self, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         return self._attend(*self._qkv(x), md)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as [T, heads, head_dim]."""
-        q, k, v = (t.reshape(-1, t.shape[-1] // self.head_dim, self.head_dim) for t in self.qkv_proj(x).chunk(3, -1))
+        sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        q, k, v = (t.reshape(-1, t.shape[-1] // self.head_dim, self.head_dim) for t in self.qkv_proj(x).split(sizes, -1))
         return q, k, v
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
