@@ -37,8 +37,23 @@ def test_config_defaults_as_transformers():
     assert cfg.key("num_attention_heads") == "n_head" and cfg.key("intermediate_size") == "n_inner"
 
 
+def test_keys_spelled_either_way_as_transformers():
+    """transformers' attribute_map: hidden_size, num_attention_heads, num_hidden_layers and max_position_embeddings
+    stand for n_embd, n_head, n_layer and n_positions (and win over them); other Llama-family keys (an
+    intermediate_size, a hidden_act) are no GPT-2 keys and change nothing."""
+    spelled = {"architectures": ["GPT2LMHeadModel"], "vocab_size": 100, "hidden_size": 32, "n_embd": 64,
+               "num_attention_heads": 2, "num_hidden_layers": 3, "max_position_embeddings": 256,
+               "intermediate_size": 100, "hidden_act": "relu"}
+    cfg = ArchConfig.from_hf_dict(spelled)
+    theirs = tf.GPT2Config(**{k: v for k, v in spelled.items() if k != "architectures"})
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers, cfg.max_position_embeddings) == \
+        (theirs.n_embd, theirs.n_head, theirs.n_layer, theirs.n_positions) == (32, 2, 3, 256)
+    assert (cfg.intermediate_size, cfg.hidden_act) == (4 * 32, "gelu_tanh")
+
+
 @pytest.mark.parametrize("extra, match", [
-    ({"n_embd": 66}, r"hidden_size \(66\) must be divisible by num_attention_heads \(4\) for GPT2LMHeadModel"),
+    ({"n_head": None}, r"config.json\) has no 'n_head'"),
+    ({"n_embd": 66}, r"n_embd \(66\) must be divisible by n_head \(4\) for GPT2LMHeadModel"),
     ({"n_head": 0}, r"n_head must be an integer >= 1, got 0"),
     ({"n_positions": "1k"}, r"n_positions must be an integer >= 1, got '1k'"),
     ({"n_inner": 0}, r"n_inner must be an integer >= 1 or None, got 0"),
@@ -48,14 +63,16 @@ def test_config_defaults_as_transformers():
     ({"activation_function": "tanh"}, r"Unsupported activation_function 'tanh'"),
 ])
 def test_config_errors_name_the_key(extra, match):
-    with pytest.raises(ValueError, match=match):
-        ArchConfig.from_hf_dict({**BASE, **extra})
+    with pytest.raises(ValueError, match=match):   # (None: the key left out)
+        ArchConfig.from_hf_dict({k: v for k, v in {**BASE, **extra}.items() if v is not None})
 
 
-def test_tensor_parallel_errors_name_gpt2_keys(tmp_path):
-    path = make_tiny_model(tmp_path / "gpt2", "gpt2", seed=42, n_head=3, n_embd=48)
+def test_engine_errors_name_gpt2_keys(tmp_path):
+    path = make_tiny_model(tmp_path / "gpt2", "gpt2", seed=42, n_head=3, n_embd=48, n_positions=32)
     with pytest.raises(ValueError, match=r"n_head \(3\) must be divisible by tensor_parallel_size \(2\)"):
         LLM(str(path), tensor_parallel_size=2, **KV)
+    with pytest.raises(ValueError, match=r"max_model_len \(64\) must be <= the model's n_positions \(32\)"):
+        LLM(str(path), max_model_len=64, **KV)
 
 
 def test_gpt2_model_checkpoints_and_buffers(tmp_path):
@@ -72,14 +89,16 @@ def test_gpt2_model_checkpoints_and_buffers(tmp_path):
     edit_checkpoint(path, strip)
     assert output_ids(LLM(str(path), **KV).generate(make_prompts(4), GREEDY, use_tqdm=False)) == expected
     edit_checkpoint(path, lambda w: w.update({"h.1.attn.c_attn.weight": w["h.1.attn.c_attn.weight"][:, :96].contiguous()}))
-    with pytest.raises(ValueError, match=r"h.1.attn.c_attn.weight.*shape \(64, 96\): c_attn of 3 x 64 outputs"):
+    with pytest.raises(ValueError, match=r"h.1.attn.c_attn.weight.*shape \(64, 96\): a Conv1D weight of shape "
+                                         r"\(64, 192\) \(\[in, out\]\) was expected"):
         LLM(str(path), **KV)
     edit_checkpoint(path, lambda w: w.pop("h.1.attn.c_attn.weight"))
     with pytest.raises(ValueError, match=r"missing weights: \['transformer.h.1.attn.c_attn.weight'\]"):
         LLM(str(path), **KV)
     edit_checkpoint(path, lambda w: w.update({"h.1.attn.c_attn.weight": torch.zeros(64, 192),
                                               "h.0.mlp.c_proj.weight": torch.zeros(64, 256)}))
-    with pytest.raises(ValueError, match=r"h.0.mlp.c_proj.weight.*weight shape \(256, 64\) does not match"):
+    with pytest.raises(ValueError, match=r"h.0.mlp.c_proj.weight.*shape \(64, 256\): a Conv1D weight of shape "
+                                         r"\(256, 64\)"):
         LLM(str(path), **KV)
 
 

@@ -73,7 +73,7 @@ class ModelConfig:
         hf_cfg = _overridden(hf_cfg, hf_overrides)
         arch = ArchConfig.from_hf_dict(hf_cfg)
         dev = resolve_device(device)
-        limit, bound = arch.max_position_embeddings, "max_position_embeddings"
+        limit, bound = arch.max_position_embeddings, arch.key("max_position_embeddings")
         # (As vLLM: Gemma 3's max_position_embeddings already counts its rope scaling.)
         scaling = rope_type(arch.rope_scaling) if arch.architecture != "Gemma3ForCausalLM" else "default"
         if scaling in ("linear", "dynamic"):

@@ -145,7 +145,7 @@ class ArchConfig:
 
     def key(self, name: str) -> str:
         """The config.json key of one of our names (OPT's ffn_dim, GPT-2's n_head ...), for messages."""
-        return _CONFIG_KEYS.get(self.architecture, {}).get(name, name)
+        return _key(self.architecture, name)
 
     def sliding_window_for(self, layer: int) -> int | None:
         if self.windowed_layers is not None and layer not in self.windowed_layers:
@@ -212,7 +212,8 @@ class ArchConfig:
             if not isinstance(cfg.get(key, False), bool):
                 raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
         if (opt or neox) and hidden % heads:   # (their heads are hidden_size / num_attention_heads wide)
-            raise ValueError(f"hidden_size ({hidden}) must be divisible by num_attention_heads ({heads}) for {arch}.")
+            raise ValueError(f"{_key(arch, 'hidden_size')} ({hidden}) must be divisible by "
+                             f"{_key(arch, 'num_attention_heads')} ({heads}) for {arch}.")
         eps = cfg.get("rms_norm_eps", absent.get("rms_norm_eps", 1e-6))
         if not (is_number(eps) and 0 <= eps <= FLOAT32_MAX):
             raise ValueError(f"rms_norm_eps must be a finite number >= 0, got {eps!r}.")
@@ -408,6 +409,10 @@ def _granite_scalars(cfg: dict[str, Any]) -> dict[str, float]:
             raise ValueError(f"{key} must be a finite positive number (or null: 1), got {value!r}.")
         out[key] = float(value)
     return out
+
+
+def _key(arch: str, name: str) -> str:
+    return _CONFIG_KEYS.get(arch, {}).get(name, name)
 
 
 def _token_id(value: Any) -> bool:

@@ -45,15 +45,19 @@ class GPT2LMHeadModel(OPTForCausalLM):
         return [f"transformer.{renamed(name, _TOP, back=True)}"]
 
     def _fused_parts(self, name: str, tensor: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
-        """Conv1D weights transposed; c_attn's columns (rows, once transposed) cut into q | k | v."""
-        shape = tuple(tensor.shape)   # (the checkpoint's, for messages)
-        if _CONV1D.search(name):
-            if tensor.dim() != 2:
-                raise ValueError(f"shape {shape}: a Conv1D weight of 2 dimensions was expected.")
+        """Conv1D weights ([in, out], checked as the checkpoint holds them) transposed; c_attn's columns (rows, once
+        transposed) cut into q | k | v."""
+        cfg = self.config
+        hidden, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+        if m := _CONV1D.search(name):
+            expected = {"qkv_proj": (hidden, 3 * q), "out_proj": (q, hidden), "fc1": (hidden, cfg.intermediate_size),
+                        "fc2": (cfg.intermediate_size, hidden)}[m[1]]
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"shape {tuple(tensor.shape)}: a Conv1D weight of shape {expected} ([in, out]) "
+                                 "was expected.")
             tensor = tensor.t()
         if ".qkv_proj." not in name:
             return [(None, tensor)]
-        size = self.config.num_attention_heads * self.config.head_dim
-        if tensor.dim() == 0 or tensor.shape[0] != 3 * size:
-            raise ValueError(f"shape {shape}: c_attn of 3 x {size} outputs (q, k, v) was expected.")
-        return list(zip(("q", "k", "v"), tensor.split(size)))
+        if tensor.dim() != 2 and tuple(tensor.shape) != (3 * q,):   # (the bias; the weight is checked above)
+            raise ValueError(f"shape {tuple(tensor.shape)}: c_attn's bias of 3 x {q} (q, k, v) was expected.")
+        return list(zip("qkv", tensor.split(q)))
