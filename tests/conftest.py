@@ -112,7 +112,7 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
            "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
            "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM), "opt": (tf.OPTConfig, tf.OPTForCausalLM),
            "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
-           "gpt_bigcode": (tf.GPTBigCodeConfig, tf.GPTBigCodeForCausalLM)}[arch]
+           "gpt_bigcode": (tf.GPTBigCodeConfig, tf.GPTBigCodeForCausalLM), "phi": (tf.PhiConfig, tf.PhiForCausalLM)}[arch]
     # (4 experts, 2 a token: transformers' 8 (128) would make a tiny model slow)
     if arch == "mixtral":
         base = dict(num_local_experts=4, num_experts_per_tok=2) | base
@@ -121,12 +121,13 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
                     shared_expert_intermediate_size=80) | base
     if arch in ("phi3", "smollm3"):
         base.setdefault("pad_token_id", 0)   # (their defaults, 32000 and 128004, are no tiny vocabulary's rows)
+    small_biases = arch in ("opt", "gpt_neox", "gpt2", "gpt_bigcode", "phi")
     torch.manual_seed(seed)
     model = cls[1](cls[0](**base)).eval()
     with torch.no_grad():
         for p in model.parameters():  # larger weights than HF's init: peaked, varied distributions
-            # (OPT's, GPT-NeoX's and GPT-2's biases: every projection's, small enough to leave the tokens their say)
-            p.normal_(0.0, 0.1 if p.dim() > 1 else 0.05 if arch in ("opt", "gpt_neox", "gpt2", "gpt_bigcode") else 0.5)
+            # (biases of every projection (OPT, GPT-NeoX, GPT-2, Phi): small enough to leave the tokens their say)
+            p.normal_(0.0, 0.1 if p.dim() > 1 else 0.05 if small_biases else 0.5)
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):   # Qwen3's per-head norms: each its own scale
                 p.normal_(1.0, 0.5)

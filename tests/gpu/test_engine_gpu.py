@@ -89,6 +89,7 @@ def test_torch_backend_matches_triton_on_gpu(spec_pair, eager_reference):
     ("gpt_neox", {}),                                         # parallel residual, a quarter of each head rotated
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True)),     # a scale per layer
     ("gpt_bigcode", {}),                                      # multi-query: one KV head for 4 query heads
+    ("phi", dict(qk_layernorm=True)),                         # per-head LayerNorms, a biased LM head
 ])
 def test_model_variants_in_graphs_match_torch_backend(tmp_path, arch, options):
     from vllm_spec.attention import torch_backend

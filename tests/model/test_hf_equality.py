@@ -38,7 +38,7 @@ ARCHS = ["llama", "qwen2", "mistral", "llama3_tied", "gqa", "llama_biases", "qwe
          "phi3_longrope", "mixtral", "qwen3_moe", "qwen3_moe_mixed", "qwen2_moe",
          "gemma", "gemma_legacy_gelu", "smollm3", "smollm3_window", "opt", "opt_350m_layout",
          "gpt_neox", "gpt_neox_sequential", "llama_gelu", "gpt2", "gpt2_options",
-         "gpt_bigcode", "gpt_bigcode_mha"]
+         "gpt_bigcode", "gpt_bigcode_mha", "phi", "phi_qk_norm"]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -328,6 +328,23 @@ def tiny_gpt_bigcode_mha(tmp_path_factory) -> Path:
     return _random_layer_norms(path, seed=51)
 
 
+@pytest.fixture(scope="module")
+def tiny_phi(tmp_path_factory) -> Path:
+    # Phi (phi-2's layout): one LayerNorm feeding the attention and the MLP in parallel, half of each head rotated,
+    # GQA, biases everywhere (the LM head's too), tanh GELU.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_phi"), "phi", seed=60)
+    return _random_layer_norms(path, seed=60)
+
+
+@pytest.fixture(scope="module")
+def tiny_phi_qk_norm(tmp_path_factory) -> Path:
+    # qk_layernorm (a LayerNorm over each head's q and k), whole heads rotated, exact GELU, tied embeddings.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_phi_qk"), "phi", seed=61, qk_layernorm=True,
+                           partial_rotary_factor=1.0, num_key_value_heads=4, hidden_act="gelu",
+                           tie_word_embeddings=True)
+    return _random_layer_norms(path, seed=61)
+
+
 def _random_layer_norms(path: Path, seed: int) -> Path:
     """The checkpoint's LayerNorm weights drawn around 1 and their biases around 0 (make_tiny_model sets 1 and 0)."""
     gen = torch.Generator().manual_seed(seed)
@@ -370,7 +387,7 @@ _FIXTURES = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "mistral": "tiny_mist
              "opt_350m_layout": "tiny_opt_350m_layout", "gpt_neox": "tiny_gpt_neox",
              "gpt_neox_sequential": "tiny_gpt_neox_sequential", "llama_gelu": "tiny_llama_gelu", "gpt2": "tiny_gpt2",
              "gpt2_options": "tiny_gpt2_options", "gpt_bigcode": "tiny_gpt_bigcode",
-             "gpt_bigcode_mha": "tiny_gpt_bigcode_mha"}
+             "gpt_bigcode_mha": "tiny_gpt_bigcode_mha", "phi": "tiny_phi", "phi_qk_norm": "tiny_phi_qk_norm"}
 # Engine options of a variant (all of its runs: the LLM's and the Worker's).
 _ENGINE_OPTIONS = {"phi3_longrope": dict(max_model_len=128)}
 

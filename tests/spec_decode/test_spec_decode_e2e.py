@@ -49,6 +49,7 @@ def test_greedy_equality_draft_model(spec_pair, greedy_reference, k):
     ("gpt_neox", dict(use_parallel_residual=False, rotary_pct=1.0)),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True)),
     ("gpt_bigcode", {}),
+    ("phi", dict(qk_layernorm=True)),
 ])
 def test_greedy_equality_on_each_architecture(tmp_path, arch, options):
     """Every supported family speculates losslessly: a noisy copy drafts for a tiny target of that family."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_spec.model.gpt2_config import GPT2_KEYS, read_gpt2
-from vllm_spec.model.gpt_neox_config import NeoxConfig, read_gpt_neox
+from vllm_spec.model.gpt_neox_config import NeoxConfig, read_gpt_neox, read_phi
 from vllm_spec.model.moe_config import MoeConfig, read_moe
 from vllm_spec.model.opt_config import OptConfig, read_opt
 from vllm_spec.model.rope_config import read_rope
@@ -31,6 +31,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "GPTNeoXForCausalLM": True,
     "GPT2LMHeadModel": True,
     "GPTBigCodeForCausalLM": True,
+    "PhiForCausalLM": True,
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Gemma 1 too: embeddings times sqrt(hidden_size), norm weights as offsets from 1, tied embeddings by default.
@@ -45,15 +46,15 @@ _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausal
                        "qwen2_moe": "Qwen2MoeForCausalLM", "gemma": "GemmaForCausalLM",
                        "smollm3": "SmolLM3ForCausalLM", "opt": "OPTForCausalLM",
                        "gpt_neox": "GPTNeoXForCausalLM", "gpt2": "GPT2LMHeadModel",
-                       "gpt_bigcode": "GPTBigCodeForCausalLM"}
+                       "gpt_bigcode": "GPTBigCodeForCausalLM", "phi": "PhiForCausalLM"}
 # Architectures whose attention_bias biases q, k, v and o_proj (Qwen2's fixed q/k/v biases, Mistral's none).
 _CONFIGURED_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Qwen3ForCausalLM",
                     "Qwen3MoeForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel",
-                    "GPTBigCodeForCausalLM", *_GEMMA_FAMILY)
-# Architectures whose mlp_bias biases the MLP projections (OPT's enable_bias, read as both; GPT-NeoX's, GPT-2's and
-# GPT-BigCode's always).
+                    "GPTBigCodeForCausalLM", "PhiForCausalLM", *_GEMMA_FAMILY)
+# Architectures whose mlp_bias biases the MLP projections (OPT's enable_bias, read as both; GPT-NeoX's, GPT-2's,
+# GPT-BigCode's and Phi's always).
 _MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM",
-             "GPT2LMHeadModel", "GPTBigCodeForCausalLM")
+             "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "PhiForCausalLM")
 # Granite's scalars (transformers' defaults 1): embeddings times embedding_multiplier, each block's output times
 # residual_multiplier before its residual add, attention scaled by attention_multiplier, logits / logits_scaling.
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -88,7 +89,7 @@ CPU_WEIGHT_FORMATS = ("q8_0",)   # ArchConfig.cpu_weights
 class ArchConfig:
     """Shapes and options of one decoder: a Llama-family model (Llama, Granite, Mistral, Mixtral, Qwen2, Qwen3,
     Qwen2/3-MoE, Gemma 1-3, Phi-3, SmolLM2 and 3), OPT, GPT-2 or GPT-BigCode (their own options in `opt`) or
-    GPT-NeoX (in `neox`)."""
+    GPT-NeoX or Phi (in `neox`)."""
 
     architecture: str
     vocab_size: int
@@ -110,7 +111,7 @@ class ArchConfig:
     mlp_bias: bool = False
     moe: MoeConfig | None = None   # Mixtral's and the Qwen MoEs' sparse MLPs (None: dense MLPs)
     opt: OptConfig | None = None   # an OPT (or GPT-2, GPT-BigCode) model's own options
-    neox: NeoxConfig | None = None   # a GPT-NeoX model's own options (both None: a Llama-family model)
+    neox: NeoxConfig | None = None   # a GPT-NeoX (or Phi) model's own options (both None: a Llama-family model)
     qk_norm: bool = False          # Qwen3, Gemma 3: an RMSNorm over each query and key head before the rotation
     # Gemma 2 and 3: GELU (tanh) MLP, embeddings times sqrt(hidden_size), norm weights stored as offsets from
     # 1, norms after the attention and the MLP too (before each residual add), the attention scaled by
@@ -172,6 +173,8 @@ class ArchConfig:
             cfg, opt = read_opt(cfg)
         elif arch == "GPTNeoXForCausalLM":
             cfg, neox = read_gpt_neox(cfg)
+        elif arch == "PhiForCausalLM":
+            cfg, neox = read_phi(cfg)
         elif arch in ("GPT2LMHeadModel", "GPTBigCodeForCausalLM"):
             cfg, opt = read_gpt2(cfg, bigcode=arch == "GPTBigCodeForCausalLM")
         gemma = arch in _GEMMA
@@ -266,7 +269,8 @@ class ArchConfig:
             moe=moe,
             opt=opt,
             neox=neox,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+            or (arch == "PhiForCausalLM" and cfg.get("qk_layernorm", False)),
             hidden_act=ACTIVATIONS[act],
             embed_scale=family,
             norm_unit_offset=family,
@@ -327,7 +331,7 @@ def _cpu_weights(value: Any) -> str | None:
 def _sliding_window(arch: str, cfg: dict[str, Any], layers: int,
                     unrotated: tuple[int, ...]) -> tuple[int | None, tuple[int, ...] | None]:
     """(window, the layers it applies to: None for all), as transformers reads the config: Llama, Granite,
-    Gemma 1, OPT, GPT-NeoX, GPT-2 and GPT-BigCode have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says
+    Gemma 1, OPT, GPT-NeoX, GPT-2, GPT-BigCode and Phi have none (a sliding_window key is ignored); Mistral windows every layer (4096 unless the key says
     otherwise, null: none), or those its layer_types call sliding (Ministral); Qwen2 and Qwen3 only with
     use_sliding_window, on the layers layer_types call sliding, else from max_window_layers on (Qwen3-MoE: on every
     layer; Qwen2-MoE: the even layers below max_window_layers); Phi-3 and Mixtral every layer where the key is set;
@@ -335,7 +339,7 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int,
     every other one); SmolLM3 (with a window) the layers layer_types call sliding, else with use_sliding_window its
     NoPE layers."""
     if arch in ("LlamaForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM",
-                "GPT2LMHeadModel", "GPTBigCodeForCausalLM"):
+                "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "PhiForCausalLM"):
         return None, None
     if arch in ("Phi3ForCausalLM", "MixtralForCausalLM"):   # every layer, where the key is set
         return cfg.get("sliding_window"), None

@@ -51,6 +51,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.output_ids: torch.Tensor | None = None     # see restrict_output_vocab
         self.output_weight: torch.Tensor | BlockWeight | None = None
+        self.output_bias: torch.Tensor | None = None
         self.cpu_decoder: CpuDecoder | None = None   # see pack_for_cpu
 
     def attention_layers(self) -> list[Attention]:
@@ -58,7 +59,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the vocabulary, or over `output_ids` once restrict_output_vocab was called."""
-        logits = linear(hidden, self.output_weight) if self.output_ids is not None else self.lm_head(hidden)
+        logits = linear(hidden, self.output_weight, self.output_bias) if self.output_ids is not None \
+            else self.lm_head(hidden)
         if self.config.logits_scaling != 1.0:   # (Granite's)
             logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcapping
@@ -74,6 +76,8 @@ class CausalLM(nn.Module):
             return
         self.output_ids = ids.to(self.lm_head.weight.device)
         self.output_weight = self.lm_head.weight.detach()[self.output_ids].clone()
+        if self.lm_head.bias is not None:
+            self.output_bias = self.lm_head.bias.detach()[self.output_ids].clone()
 
     def token_ids_of(self, columns: torch.Tensor) -> torch.Tensor:
         """Token ids of logit columns (the identity without a restricted vocabulary)."""

@@ -75,12 +75,15 @@ class GPTNeoXLayer(nn.Module):
 class GPTNeoXForCausalLM(CausalLM):
     """GPT-NeoX decoder + LM head (see CausalLM)."""
 
+    _layer_class: type[nn.Module] = GPTNeoXLayer
+    _head_bias = False
+
     def __init__(self, cfg: ArchConfig, tp: GroupCoordinator, dtype: torch.dtype, max_positions: int):
         super().__init__(cfg)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(GPTNeoXLayer(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self._layer_class(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers))
         self.final_layer_norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, bias=self._head_bias)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, max(max_positions, cfg.max_position_embeddings),

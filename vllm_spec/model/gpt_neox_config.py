@@ -1,5 +1,5 @@
-"""GPT-NeoX's options (Pythia, StableLM-alpha, Dolly v2), read from its HF config as transformers' GPTNeoXConfig
-reads them."""
+"""GPT-NeoX's options (Pythia, StableLM-alpha, Dolly v2) and Phi's, read from their HF configs as transformers'
+GPTNeoXConfig and PhiConfig read them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from typing import Any
 
 from vllm_spec.utils import FLOAT32_MAX, is_float32_scale, is_number
 
+# transformers' PhiConfig values for keys a config.json leaves out.
+_PHI_DEFAULTS = dict(hidden_act="gelu_new", layer_norm_eps=1e-5, max_position_embeddings=2048,
+                     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 # transformers' GPTNeoXConfig values for keys a config.json leaves out.
 _DEFAULTS = dict(hidden_act="gelu", layer_norm_eps=1e-5, max_position_embeddings=2048, attention_bias=True,
                  use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=0, eos_token_id=2)
@@ -46,3 +49,20 @@ def read_gpt_neox(cfg: dict[str, Any]) -> tuple[dict[str, Any], NeoxConfig]:
     llama = {**cfg, "rope_parameters": params, "rope_scaling": None, "rms_norm_eps": cfg["layer_norm_eps"],
              "num_key_value_heads": cfg.get("num_attention_heads"), "head_dim": None, "mlp_bias": True}
     return llama, NeoxConfig(use_parallel_residual=cfg["use_parallel_residual"])
+
+
+def read_phi(cfg: dict[str, Any]) -> tuple[dict[str, Any], NeoxConfig]:
+    """(the config as the Llama-family keys Phi's map to, NeoxConfig): layer_norm_eps is the norms' eps, every
+    projection is biased, a head rotates its leading half unless partial_rotary_factor (at the top level or in
+    rope_parameters) says otherwise; the attention and the MLP run in parallel on one norm's output."""
+    if not isinstance(cfg.get("qk_layernorm", False), bool):
+        raise ValueError(f"qk_layernorm must be true or false, got {cfg['qk_layernorm']!r}.")
+    eps = cfg.get("layer_norm_eps", _PHI_DEFAULTS["layer_norm_eps"])
+    if not (is_number(eps) and 0 <= eps <= FLOAT32_MAX):
+        raise ValueError(f"layer_norm_eps must be a finite number >= 0, got {eps!r}.")
+    cfg = {**_PHI_DEFAULTS, **cfg}
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if "partial_rotary_factor" not in (params if isinstance(params, dict) else {}):
+        cfg.setdefault("partial_rotary_factor", 0.5)
+    return ({**cfg, "rms_norm_eps": eps, "attention_bias": True, "mlp_bias": True},
+            NeoxConfig(use_parallel_residual=True))

@@ -239,7 +239,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _param(self.shard, hidden, dtype=dtype, loader=self._load)
 
     def _load(self, param: nn.Parameter, weight: torch.Tensor, shard_id=None) -> None:
-        _check_shape(weight, (self.vocab_size, param.shape[1]))
+        _check_shape(weight, (self.vocab_size, *param.shape[1:]))
         rows = weight[self.start: self.start + self.shard]
         param.data.zero_()
         param.data[: rows.shape[0]].copy_(rows)
@@ -254,12 +254,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding, LinearBase):
-    """Output projection sharded over the vocabulary; logits are gathered across ranks."""
+    """Output projection sharded over the vocabulary (with a bias where the model has one: Phi's); logits are
+    gathered across ranks."""
 
     shares_weight = True
 
+    def __init__(self, vocab_size: int, hidden: int, tp: GroupCoordinator, dtype: torch.dtype, bias: bool = False):
+        super().__init__(vocab_size, hidden, tp, dtype)
+        self.bias = _param(self.shard, dtype=dtype, loader=self._load) if bias else None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(self._matmul(hidden), dim=-1)
+        logits = self.tp.all_gather(self._matmul(hidden, self.bias), dim=-1)
         return logits[..., : self.vocab_size]
 
 

@@ -16,11 +16,12 @@ from vllm_spec.model.gpt_bigcode import GPTBigCodeForCausalLM
 from vllm_spec.model.gpt_neox import GPTNeoXForCausalLM
 from vllm_spec.model.llama import LlamaForCausalLM
 from vllm_spec.model.opt import OPTForCausalLM
+from vllm_spec.model.phi import PhiForCausalLM
 
 # The architectures that are no Llama-family decoder.
 _MODEL_CLASSES: dict[str, type[CausalLM]] = {"OPTForCausalLM": OPTForCausalLM, "GPT2LMHeadModel": GPT2LMHeadModel,
                                              "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
-                                             "GPTNeoXForCausalLM": GPTNeoXForCausalLM}
+                                             "GPTNeoXForCausalLM": GPTNeoXForCausalLM, "PhiForCausalLM": PhiForCausalLM}
 
 
 def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,7 +11,7 @@ from vllm_spec.utils import check_int, is_float32_scale, is_number
 # transformers' rope_theta where a config has none (Gemma 3's: read_rope; the others' 10000).
 _DEFAULT_THETA = {"MixtralForCausalLM": 1000000.0, "SmolLM3ForCausalLM": 2000000.0}
 # The architectures that rotate partially in transformers (the others ignore partial_rotary_factor).
-_PARTIAL_ROTARY = ("Phi3ForCausalLM", "GPTNeoXForCausalLM")
+_PARTIAL_ROTARY = ("Phi3ForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM")
 # Phi-3's config always has an original context (transformers' Phi3Config field): this where the key is absent.
 _PHI3_ORIGINAL_CONTEXT = 4096
 
@@ -84,7 +84,7 @@ def _gemma_rope(cfg: dict[str, Any], params: Any) -> tuple[Any, float]:
 
 
 def _rotary_dim(cfg: dict[str, Any], rope_params: Any, head_dim: int) -> int | None:
-    """The rotated dimensions (Phi-3's, GPT-NeoX's), head_dim x partial_rotary_factor (in rope_parameters or at the top level, as
+    """The rotated dimensions (Phi's, Phi-3's, GPT-NeoX's), head_dim x partial_rotary_factor (in rope_parameters or at the top level, as
     transformers reads it); None where that is the whole head."""
     factor = (rope_params or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     factor = 1.0 if factor is None else factor
