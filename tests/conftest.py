@@ -154,6 +154,26 @@ def tiny_mistral(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=2, sliding_window=None)
 
 
+@torch.no_grad()
+def assert_matches_transformers(llm, path: Path, prompts: list[list[int]], new_tokens: int = 8) -> None:
+    """Our greedy tokens and prompt logprobs of each prompt (token ids) are transformers' (float32, eager)."""
+    import transformers as tf
+
+    from vllm_spec import SamplingParams
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        x = torch.tensor([ids])
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, use_cache=False, eos_token_id=None, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+        ours = torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
+        logits = hf(x).logits[0, :-1].log_softmax(-1)
+        torch.testing.assert_close(ours, logits.gather(1, x[0, 1:, None]).squeeze(1), atol=1e-4, rtol=1e-4)
+
+
 def edit_checkpoint(path: Path, change) -> None:
     """Apply change(weights) to a tiny checkpoint's tensors (a dict: pop, add or replace them) and save them."""
     from safetensors.torch import load_file, save_file

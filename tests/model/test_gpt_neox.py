@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from conftest import GREEDY, edit_checkpoint, make_prompts, make_tiny_model, output_ids
+from conftest import GREEDY, assert_matches_transformers, edit_checkpoint, make_prompts, make_tiny_model, output_ids
 
-from vllm_spec import LLM, SamplingParams
+from vllm_spec import LLM
 from vllm_spec.model.arch_config import ArchConfig
 
 KV = dict(kv_cache_memory_bytes=1 << 24)
@@ -57,18 +57,7 @@ def test_linear_rope_scaling_stretches_the_context(tmp_path):
                            rope_scaling={"rope_type": "linear", "factor": 2.0})
     llm = LLM(str(path), **KV)
     assert llm.llm_engine.model_config.max_model_len == 128
-    ids = [3 + (7 * i) % 300 for i in range(100)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
-    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        logits = hf(x).logits[0, :-1].log_softmax(-1)
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                          use_cache=False, eos_token_id=None, pad_token_id=1)[0, len(ids):].tolist()
-    ours = torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
-    torch.testing.assert_close(ours, logits.gather(1, x[0, 1:, None]).squeeze(1), atol=1e-4, rtol=1e-4)
-    assert out.outputs[0].token_ids == ref
+    assert_matches_transformers(llm, path, [[3 + (7 * i) % 300 for i in range(100)]])
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -116,15 +105,4 @@ def test_old_buffers_are_skipped_and_the_fused_projection_is_checked(tmp_path):
 def test_activations_as_transformers(tmp_path, act):
     """transformers' ACT2FN activations: greedy tokens and prompt logprobs as its model's."""
     path = make_tiny_model(tmp_path / "neox", "gpt_neox", seed=35, hidden_act=act)
-    ids = [3 + (5 * i) % 300 for i in range(30)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
-    out = LLM(str(path), **KV).generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        logits = hf(x).logits[0, :-1].log_softmax(-1)
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                          use_cache=False, eos_token_id=None, pad_token_id=1)[0, len(ids):].tolist()
-    ours = torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
-    torch.testing.assert_close(ours, logits.gather(1, x[0, 1:, None]).squeeze(1), atol=1e-4, rtol=1e-4)
-    assert out.outputs[0].token_ids == ref
+    assert_matches_transformers(LLM(str(path), **KV), path, [[3 + (5 * i) % 300 for i in range(30)]])

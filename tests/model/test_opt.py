@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 import transformers as tf
-from conftest import GREEDY, edit_checkpoint, make_prompts, make_tiny_model, output_ids
+from conftest import GREEDY, assert_matches_transformers, edit_checkpoint, make_prompts, make_tiny_model, output_ids
 from safetensors.torch import load_file, save_file
 
 from vllm_spec import LLM, SamplingParams
@@ -20,23 +20,6 @@ from vllm_spec.model.arch_config import ArchConfig
 KV = dict(kv_cache_memory_bytes=1 << 24)
 BASE = {"architectures": ["OPTForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
         "vocab_size": 100}
-
-
-def _hf(path) -> tf.PreTrainedModel:
-    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-@torch.no_grad()
-def _prompt_logprobs_match(llm: LLM, hf: tf.PreTrainedModel, prompts: list[list[int]]) -> None:
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
-    for ids, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
-        x = torch.tensor([ids])
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                          use_cache=False, eos_token_id=None, pad_token_id=1)[0, len(ids):].tolist()
-        assert out.outputs[0].token_ids == ref
-        ours = torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
-        logits = hf(x).logits[0, :-1].log_softmax(-1)
-        torch.testing.assert_close(ours, logits.gather(1, x[0, 1:, None]).squeeze(1), atol=1e-4, rtol=1e-4)
 
 
 def test_config_defaults_as_transformers():
@@ -118,7 +101,7 @@ def test_norms_without_weights_and_prompts_to_the_last_position(tmp_path):
                            layer_norm_elementwise_affine=False)
     assert not any("norm" in k for k in load_file(path / "model.safetensors"))
     prompts = [[3 + (13 * i + j) % 300 for i in range(n)] for j, n in enumerate((5, 23, 40))]
-    _prompt_logprobs_match(LLM(str(path), **KV), _hf(path), prompts)
+    assert_matches_transformers(LLM(str(path), **KV), path, prompts)
 
 
 def test_bfloat16_checkpoint_runs_in_its_dtype(tmp_path):
