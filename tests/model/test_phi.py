@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from conftest import GREEDY, copy_with_config, make_noisy_draft, make_prompts, make_tiny_model, output_ids
+from conftest import (
+    GREEDY,
+    assert_matches_transformers,
+    copy_with_config,
+    make_noisy_draft,
+    make_prompts,
+    make_tiny_model,
+    output_ids,
+)
 
 from vllm_spec import LLM
 from vllm_spec.model.arch_config import ArchConfig
@@ -34,6 +42,10 @@ def test_config_defaults_as_transformers():
     params = {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.25}
     assert ArchConfig.from_hf_dict({**BASE, "rope_parameters": params, "partial_rotary_factor": 1.0}).rotary_dim == 4
     assert ArchConfig.from_hf_dict({**BASE, "partial_rotary_factor": 1.0}).rotary_dim is None
+    assert ArchConfig.from_hf_dict({**BASE, "partial_rotary_factor": None}).rotary_dim == 8
+    # a head_dim key sets the heads' width (then hidden_size need not divide by the heads)
+    wide = ArchConfig.from_hf_dict({**BASE, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16})
+    assert (wide.head_dim, wide.rotary_dim) == (16, 8)
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -59,3 +71,10 @@ def test_a_draft_of_part_of_the_vocabulary_keeps_its_head_bias(tmp_path):
     model = llm.llm_engine.executor.worker.proposer.runner.model
     assert model.output_bias is not None and model.output_bias.shape == (200,)
     torch.testing.assert_close(model.output_bias, model.lm_head.bias[:200])
+
+
+def test_a_head_dim_key_as_transformers(tmp_path):
+    """6 heads of 16 over a hidden size of 64 (head_dim given), GQA: transformers' tokens and prompt logprobs."""
+    path = make_tiny_model(tmp_path / "phi", "phi", seed=63, num_attention_heads=6, num_key_value_heads=2,
+                           head_dim=16)
+    assert_matches_transformers(LLM(str(path), **KV), path, [[3 + (7 * i) % 300 for i in range(n)] for n in (5, 37)])

@@ -213,7 +213,7 @@ class ArchConfig:
         for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "qkv_bias"):
             if not isinstance(cfg.get(key, False), bool):
                 raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
-        if (opt or neox) and hidden % heads:   # (their heads are hidden_size / num_attention_heads wide)
+        if (opt or neox) and cfg.get("head_dim") is None and hidden % heads:   # (heads hidden_size / heads wide)
             raise ValueError(f"{_key(arch, 'hidden_size')} ({hidden}) must be divisible by "
                              f"{_key(arch, 'num_attention_heads')} ({heads}) for {arch}.")
         eps = cfg.get("rms_norm_eps", absent.get("rms_norm_eps", 1e-6))

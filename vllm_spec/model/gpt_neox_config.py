@@ -62,7 +62,8 @@ def read_phi(cfg: dict[str, Any]) -> tuple[dict[str, Any], NeoxConfig]:
         raise ValueError(f"layer_norm_eps must be a finite number >= 0, got {eps!r}.")
     cfg = {**_PHI_DEFAULTS, **cfg}
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if "partial_rotary_factor" not in (params if isinstance(params, dict) else {}):
-        cfg.setdefault("partial_rotary_factor", 0.5)
+    if "partial_rotary_factor" not in (params if isinstance(params, dict) else {}) \
+            and cfg.get("partial_rotary_factor") is None:   # (absent or null: transformers' 0.5)
+        cfg["partial_rotary_factor"] = 0.5
     return ({**cfg, "rms_norm_eps": eps, "attention_bias": True, "mlp_bias": True},
             NeoxConfig(use_parallel_residual=True))
