@@ -112,7 +112,8 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
            "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
            "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM), "opt": (tf.OPTConfig, tf.OPTForCausalLM),
            "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
-           "gpt_bigcode": (tf.GPTBigCodeConfig, tf.GPTBigCodeForCausalLM), "phi": (tf.PhiConfig, tf.PhiForCausalLM)}[arch]
+           "gpt_bigcode": (tf.GPTBigCodeConfig, tf.GPTBigCodeForCausalLM),
+           "phi": (tf.PhiConfig, tf.PhiForCausalLM)}[arch]
     # (4 experts, 2 a token: transformers' 8 (128) would make a tiny model slow)
     if arch == "mixtral":
         base = dict(num_local_experts=4, num_experts_per_tok=2) | base

@@ -103,7 +103,8 @@ def test_tp2_head_norms_match_tp1(tmp_path, arch, options):
     Granite's scalars on each rank's partial sums; Phi-3's fused checkpoint tensors split into each rank's q, k, v,
     gate and up rows; Mixtral's experts' slices of the intermediate dimension, the router whole on each rank; OPT's
     biases, learned positions and projections in and out whole on each rank; GPT-NeoX's per-head fused q/k/v split
-    into each rank's heads; GPT-2's transposed Conv1D weights sharded; GPT-BigCode's one KV head on every rank; Phi's LM head bias sharded with its rows; the draft on rank 0 alone."""
+    into each rank's heads; GPT-2's transposed Conv1D weights sharded; GPT-BigCode's one KV head on every rank;
+    Phi's LM head bias sharded with its rows; the draft on rank 0 alone."""
     target = make_tiny_model(tmp_path / "target", arch, seed=13, head_dim=32, num_key_value_heads=2, **options)
     draft = make_noisy_draft(target, tmp_path / "draft", 0.04)
     expected = output_ids(LLM(str(target), **OPTS).generate(_prompts(), GREEDY, use_tqdm=False))

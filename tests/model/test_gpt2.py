@@ -88,7 +88,8 @@ def test_gpt2_model_checkpoints_and_buffers(tmp_path):
 
     edit_checkpoint(path, strip)
     assert output_ids(LLM(str(path), **KV).generate(make_prompts(4), GREEDY, use_tqdm=False)) == expected
-    edit_checkpoint(path, lambda w: w.update({"h.1.attn.c_attn.weight": w["h.1.attn.c_attn.weight"][:, :96].contiguous()}))
+    name = "h.1.attn.c_attn.weight"
+    edit_checkpoint(path, lambda w: w.update({name: w[name][:, :96].contiguous()}))
     with pytest.raises(ValueError, match=r"h.1.attn.c_attn.weight.*shape \(64, 96\): a Conv1D weight of shape "
                                          r"\(64, 192\) \(\[in, out\]\) was expected"):
         LLM(str(path), **KV)
@@ -112,7 +113,8 @@ def test_bigcode_config_defaults_as_transformers():
         (1 if theirs.multi_query else 4, "gelu_tanh", theirs.n_positions, theirs.tie_word_embeddings)
     assert not cfg.opt.scale_by_inverse_layer and cfg.key("num_attention_heads") == "n_head"
     assert ArchConfig.from_hf_dict({**base, "multi_query": False}).num_key_value_heads == 4
-    assert ArchConfig.from_hf_dict({**base, "architectures": None, "model_type": "gpt_bigcode"}).num_key_value_heads == 1
+    by_type = ArchConfig.from_hf_dict({**base, "architectures": None, "model_type": "gpt_bigcode"})
+    assert by_type.num_key_value_heads == 1
     with pytest.raises(ValueError, match=r"multi_query must be true or false, got 1"):
         ArchConfig.from_hf_dict({**base, "multi_query": 1})
 

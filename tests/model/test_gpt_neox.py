@@ -79,8 +79,8 @@ def test_config_errors_name_the_key(extra, match):
 
 def test_old_buffers_are_skipped_and_the_fused_projection_is_checked(tmp_path):
     """Older Pythia checkpoints hold attention.bias / masked_bias / rotary_emb.inv_freq buffers (and some trainers'
-    cos_cached / sin_cached tables), which transformers ignores: so do we; so are GPTNeoXModel's unprefixed names. The per-head fused query_key_value must have 3 x hidden rows; a missing tensor is named as
-    the checkpoint names it."""
+    cos_cached / sin_cached tables), which transformers ignores: so do we; so are GPTNeoXModel's unprefixed names. The
+    per-head fused query_key_value must have 3 x hidden rows; a missing tensor is named as the checkpoint names it."""
     path = make_tiny_model(tmp_path / "neox", "gpt_neox", seed=33)
     expected = output_ids(LLM(str(path), **KV).generate(make_prompts(4), GREEDY, use_tqdm=False))
     edit_checkpoint(path, lambda w: w.update({"gpt_neox.layers.0.attention.bias": torch.ones(1, 1, 8, 8),

@@ -40,7 +40,8 @@ def per_head_qkv(tensor: torch.Tensor, heads: int, head_dim: int) -> list[tuple[
 class CausalLM(nn.Module):
     """A decoder + LM head over a flat token batch. forward() maps tokens to hidden states; compute_logits() is
     applied only to the rows that are sampled or verified. Subclasses build `embed_tokens`, `layers` (each with a
-    `self_attn.attn`) and `lm_head`, define forward(input_ids, positions, attention metadata), and name their parameters' checkpoint tensors."""
+    `self_attn.attn`) and `lm_head`, define forward(input_ids, positions, attention metadata), and name their
+    parameters' checkpoint tensors."""
 
     embed_tokens: VocabParallelEmbedding
     lm_head: ParallelLMHead

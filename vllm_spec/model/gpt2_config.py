@@ -25,8 +25,8 @@ def read_gpt2(cfg: dict[str, Any], bigcode: bool = False) -> tuple[dict[str, Any
     scores scaled by head_dim ** -0.5 where scale_attn_weights (else 1), and by 1 / (layer + 1) more where
     scale_attn_by_inverse_layer_idx. bigcode: GPT-BigCode's config (StarCoder's): GPT-2's keys, its tanh GELU by
     default, one KV head where multi_query (the default), no per-layer scaling."""
-    keys = ("scale_attn_weights", "add_cross_attention", "multi_query" if bigcode else "scale_attn_by_inverse_layer_idx")
-    for key in keys:
+    for key in ("scale_attn_weights", "add_cross_attention",
+                "multi_query" if bigcode else "scale_attn_by_inverse_layer_idx"):
         if not isinstance(cfg.get(key, False), bool):
             raise ValueError(f"{key} must be true or false, got {cfg[key]!r}.")
     if cfg.get("add_cross_attention"):

@@ -45,8 +45,8 @@ class OPTAttention(nn.Module):
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as [T, heads, head_dim]."""
         sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
-        q, k, v = (t.reshape(-1, t.shape[-1] // self.head_dim, self.head_dim) for t in self.qkv_proj(x).split(sizes, -1))
-        return q, k, v
+        q, k, v = self.qkv_proj(x).split(sizes, -1)
+        return tuple(t.reshape(-1, t.shape[-1] // self.head_dim, self.head_dim) for t in (q, k, v))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         return self.out_proj(self.attn(q, k, v, md).reshape(-1, self.num_heads * self.head_dim))

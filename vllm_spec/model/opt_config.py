@@ -44,7 +44,8 @@ def read_opt(cfg: dict[str, Any]) -> tuple[dict[str, Any], OptConfig]:
     opt = OptConfig(word_embed_proj_dim=proj, do_layer_norm_before=before,
                     final_layer_norm=before and not cfg.get("_remove_final_layer_norm", False),
                     layer_norm_affine=cfg.get("layer_norm_elementwise_affine", True))
-    llama = {**cfg, "intermediate_size": cfg["ffn_dim"], "num_key_value_heads": cfg.get("num_attention_heads"), "head_dim": None, "rms_norm_eps": 1e-5,
+    llama = {**cfg, "intermediate_size": cfg["ffn_dim"], "num_key_value_heads": cfg.get("num_attention_heads"),
+             "head_dim": None, "rms_norm_eps": 1e-5,
              "attention_bias": cfg["enable_bias"], "mlp_bias": cfg["enable_bias"],
              # (learned positions: transformers' OPT reads no rotary settings, and neither may max_model_len)
              "rope_theta": None, "rope_scaling": None, "rope_parameters": None}

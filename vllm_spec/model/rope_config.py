@@ -84,8 +84,8 @@ def _gemma_rope(cfg: dict[str, Any], params: Any) -> tuple[Any, float]:
 
 
 def _rotary_dim(cfg: dict[str, Any], rope_params: Any, head_dim: int) -> int | None:
-    """The rotated dimensions (Phi's, Phi-3's, GPT-NeoX's), head_dim x partial_rotary_factor (in rope_parameters or at the top level, as
-    transformers reads it); None where that is the whole head."""
+    """The rotated dimensions (Phi's, Phi-3's, GPT-NeoX's), head_dim x partial_rotary_factor (in rope_parameters or at
+    the top level, as transformers reads it); None where that is the whole head."""
     factor = (rope_params or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     factor = 1.0 if factor is None else factor
     if not (is_number(factor) and 0 < factor <= 1):
